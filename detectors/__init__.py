@@ -1,0 +1,12 @@
+"""Numba-jitted online detectors for training-run metrics (pure numerics: NumPy + Numba).
+
+Every detector is a bank of independent series updated by one kernel call per step
+(:meth:`~detectors._base.BankDetector.update`) or per batch
+(:meth:`~detectors._base.BankDetector.update_many`); both share the same kernel.
+"""
+
+from ._base import BankDetector
+from .ewma import EWMAZScore
+from .nonfinite import NonFiniteGuard
+
+__all__ = ["BankDetector", "EWMAZScore", "NonFiniteGuard"]

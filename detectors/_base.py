@@ -1,0 +1,412 @@
+"""Shared machinery for bank detectors: validation, state arrays and the thin class.
+
+Every detector in this package is one Numba kernel with the signature::
+
+    kernel(X, miss, state, buf, params, scores, alarms) -> None
+
+* ``X``      float64 ``(T, n_inputs, n_series)`` -- the observations, one row per step.
+* ``miss``   bool    ``(T, n_inputs, n_series)`` -- ``True`` where a value was *not logged*
+  (a null in a recorded run).  A missing value neither scores nor enters the state.
+* ``state``  float64 ``(n_fields, n_series)``    -- running statistics, updated in place.
+* ``buf``    float64 ``(k, n_series)``           -- ring buffers / histograms (``k`` may be 0).
+* ``params`` float64 ``(n_params,)``             -- ``params[0]`` is the threshold and
+  ``params[1]`` the freeze-on-alarm flag; the rest are the detector's own hyperparameters.
+* ``scores`` float64 ``(T, n_series)`` and ``alarms`` bool ``(T, n_series)`` -- outputs.
+
+Streaming :meth:`BankDetector.update` calls the *same* kernel with ``T == 1``; batch
+:meth:`BankDetector.update_many` calls it once for the whole array.  Streaming and batch
+therefore agree bit for bit by construction.
+
+Conventions shared by all kernels:
+
+* score against the state *before* the update (test-then-train);
+* a non-finite input gives ``score = +inf`` and an alarm, and never enters the state;
+* a missing input gives ``score = nan`` and no alarm;
+* ``alarm = score > threshold``; while warming up the score is ``0.0``;
+* with ``freeze_on_alarm`` a series in alarm does not update its statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+STATE_VERSION = 1
+
+FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+
+def check_int(owner: str, name: str, value: Any, low: int, high: float = math.inf) -> int:
+    """Validate an integer hyperparameter, scikit-learn style.
+
+    >>> check_int("EWMAZScore", "warmup", 3, 0)
+    3
+    >>> check_int("EWMAZScore", "warmup", -1, 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: The 'warmup' parameter of EWMAZScore must be an int in the range [0, inf). Got -1 instead.
+    """
+    hi = "inf)" if math.isinf(high) else f"{int(high)}]"
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+        low <= value <= high
+    ):
+        raise ValueError(
+            f"The '{name}' parameter of {owner} must be an int in the range [{low}, {hi}. "
+            f"Got {value!r} instead."
+        )
+    return int(value)
+
+
+def check_float(
+    owner: str,
+    name: str,
+    value: Any,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """Validate a float hyperparameter, scikit-learn style.
+
+    >>> check_float("EWMAZScore", "alpha", 0.5, 0.0, 1.0, low_open=True)
+    0.5
+    >>> check_float("EWMAZScore", "alpha", 0.0, 0.0, 1.0, low_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: The 'alpha' parameter of EWMAZScore must be a float in the range (0.0, 1.0]. Got 0.0 instead.
+    """
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = not math.isnan(v)
+        ok = ok and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    if not ok:
+        lb = "(" if low_open or math.isinf(low) else "["
+        hb = ")" if high_open or math.isinf(high) else "]"
+        raise ValueError(
+            f"The '{name}' parameter of {owner} must be a float in the range "
+            f"{lb}{low}, {high}{hb}. Got {value!r} instead."
+        )
+    return float(value)
+
+
+def check_bool(owner: str, name: str, value: Any) -> bool:
+    """Validate a boolean hyperparameter.
+
+    >>> check_bool("EWMAZScore", "freeze_on_alarm", True)
+    True
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"The '{name}' parameter of {owner} must be a bool. Got {value!r} instead.")
+    return bool(value)
+
+
+Kernel = Callable[..., None]
+
+
+class BankDetector:
+    """Base class: a bank of ``n_series`` independent online detectors sharing hyperparameters.
+
+    Subclasses define :attr:`kernel`, :attr:`n_inputs`, :meth:`_params`, :meth:`_init_state`
+    and :meth:`_init_buf`, and store their hyperparameters under their argument names.
+
+    Parameters
+    ----------
+    n_series
+        Number of series in the bank (e.g. one per layer).  More can be added later with
+        :meth:`grow`.
+    threshold
+        ``alarm = score > threshold``.
+    freeze_on_alarm
+        If ``True`` a series in alarm does not update its running statistics.
+    """
+
+    #: the Numba kernel (see module docstring)
+    kernel: ClassVar[Kernel]
+    #: number of input streams per series (2 for e.g. train/val divergence)
+    n_inputs: ClassVar[int] = 1
+    #: names of the inputs, used in error messages and by the monitor
+    input_names: ClassVar[tuple[str, ...]] = ("x",)
+    #: default alarm kind for the monitor
+    kind: ClassVar[str] = "spike"
+    #: names of the hyperparameters (besides n_series / threshold / freeze_on_alarm)
+    hyperparameters: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, n_series: int = 1, threshold: float = 6.0, freeze_on_alarm: bool = False):
+        name = type(self).__name__
+        self.n_series = check_int(name, "n_series", n_series, 0)
+        self.threshold = check_float(name, "threshold", threshold)
+        self.freeze_on_alarm = check_bool(name, "freeze_on_alarm", freeze_on_alarm)
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _extra_params(self) -> list[float]:
+        """Detector-specific hyperparameters, in the order the kernel reads them."""
+        return []
+
+    def _init_state(self, n: int) -> FloatArray:
+        """Fresh state for ``n`` series, shape ``(n_fields, n)``."""
+        raise NotImplementedError
+
+    def _init_buf(self, n: int) -> FloatArray:
+        """Fresh buffer for ``n`` series, shape ``(k, n)``; ``k = 0`` when unused."""
+        return np.zeros((0, n))
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        """Allocate state, buffers and output arrays; called at the end of ``__init__``."""
+        n = self.n_series
+        self._params_arr = np.array(
+            [self.threshold, float(self.freeze_on_alarm), *self._extra_params()], dtype=np.float64
+        )
+        self._state = self._init_state(n)
+        self._buf = self._init_buf(n)
+        self._alloc_outputs(n)
+
+    def _alloc_outputs(self, n: int) -> None:
+        self._score1 = np.zeros((1, n))
+        self._alarm1 = np.zeros((1, n), dtype=np.bool_)
+        self._miss1 = np.zeros((1, self.n_inputs, n), dtype=np.bool_)
+
+    @property
+    def params(self) -> FloatArray:
+        """The packed parameter vector passed to the kernel (read-only copy)."""
+        return self._params_arr.copy()
+
+    # ------------------------------------------------------------------ input checks
+    def _as_step(self, inputs: tuple[ArrayLike, ...]) -> FloatArray:
+        name = type(self).__name__
+        if len(inputs) != self.n_inputs:
+            raise ValueError(
+                f"{name}.update() takes {self.n_inputs} input(s) "
+                f"({', '.join(self.input_names)}); got {len(inputs)}."
+            )
+        n = self.n_series
+        x = np.empty((1, self.n_inputs, n))
+        for j, v in enumerate(inputs):
+            try:
+                a = np.asarray(v, dtype=np.float64)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"{name}.update(): input '{self.input_names[j]}' must be numeric; got {v!r}."
+                ) from exc
+            if a.ndim == 0:
+                if n != 1:
+                    raise ValueError(
+                        f"{name}.update(): a scalar was given for a bank of {n} series; "
+                        f"pass an array of shape ({n},)."
+                    )
+                x[0, j, 0] = a
+            elif a.shape != (n,):
+                raise ValueError(
+                    f"{name}.update(): input '{self.input_names[j]}' has shape {a.shape}; "
+                    f"expected ({n},)."
+                )
+            else:
+                x[0, j] = a
+        return x
+
+    def _as_batch(self, inputs: tuple[ArrayLike, ...]) -> FloatArray:
+        name = type(self).__name__
+        if len(inputs) != self.n_inputs:
+            raise ValueError(
+                f"{name}.update_many() takes {self.n_inputs} input(s) "
+                f"({', '.join(self.input_names)}); got {len(inputs)}."
+            )
+        arrays = []
+        for j, v in enumerate(inputs):
+            try:
+                a = np.asarray(v, dtype=np.float64)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"{name}.update_many(): input '{self.input_names[j]}' must be numeric."
+                ) from exc
+            if a.ndim == 1 and self.n_series == 1:
+                a = a[:, None]
+            if a.ndim != 2 or a.shape[1] != self.n_series:
+                raise ValueError(
+                    f"{name}.update_many(): input '{self.input_names[j]}' has shape {a.shape}; "
+                    f"expected (steps, {self.n_series})."
+                )
+            arrays.append(a)
+        t = arrays[0].shape[0]
+        if any(a.shape[0] != t for a in arrays):
+            raise ValueError(f"{name}.update_many(): inputs have different numbers of steps.")
+        return np.ascontiguousarray(np.stack(arrays, axis=1))
+
+    # ------------------------------------------------------------------ public API
+    def update(self, *inputs: ArrayLike, missing: ArrayLike | None = None) -> BoolArray:
+        """Score one step for every series, then update the state.
+
+        Parameters
+        ----------
+        *inputs
+            One array of shape ``(n_series,)`` (or a scalar when ``n_series == 1``) per input.
+        missing
+            Optional boolean mask ``(n_inputs, n_series)`` (or ``(n_series,)`` for single-input
+            detectors): ``True`` where the value was not logged on this step.
+
+        Returns
+        -------
+        numpy.ndarray
+            Boolean alarms, shape ``(n_series,)``.  The scores are in :attr:`score`.
+        """
+        x = self._as_step(inputs)
+        miss = self._miss1
+        if missing is None:
+            miss[...] = False
+        else:
+            miss[0] = np.asarray(missing, dtype=np.bool_).reshape(self.n_inputs, self.n_series)
+        type(self).kernel(
+            x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1
+        )
+        return self._alarm1[0]
+
+    def update_array(self, x: FloatArray, miss: BoolArray) -> None:
+        """Fast path for the monitor: ``x``/``miss`` already shaped ``(1, n_inputs, n_series)``.
+
+        No validation is done; results are in :attr:`score` and :attr:`alarm`.
+        """
+        type(self).kernel(
+            x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1
+        )
+
+    def update_many(
+        self, *inputs: ArrayLike, missing: ArrayLike | None = None
+    ) -> tuple[FloatArray, BoolArray]:
+        """Process a whole ``(steps, n_series)`` array per input in one kernel call.
+
+        Returns
+        -------
+        scores, alarms
+            Arrays of shape ``(steps, n_series)``, identical to a loop of :meth:`update`.
+        """
+        x = self._as_batch(inputs)
+        t = x.shape[0]
+        if missing is None:
+            miss = np.zeros(x.shape, dtype=np.bool_)
+        else:
+            m = np.asarray(missing, dtype=np.bool_)
+            if m.ndim == 2 and self.n_inputs == 1:
+                m = m[:, None, :]
+            if m.ndim == 1 and self.n_inputs == 1 and self.n_series == 1:
+                m = m[:, None, None]
+            if m.shape != x.shape:
+                raise ValueError(
+                    f"{type(self).__name__}.update_many(): 'missing' has shape {m.shape}; "
+                    f"expected {x.shape}."
+                )
+            miss = np.ascontiguousarray(m)
+        scores = np.empty((t, self.n_series))
+        alarms = np.empty((t, self.n_series), dtype=np.bool_)
+        if t:
+            type(self).kernel(x, miss, self._state, self._buf, self._params_arr, scores, alarms)
+            self._score1[0] = scores[-1]
+            self._alarm1[0] = alarms[-1]
+        return scores, alarms
+
+    @property
+    def score(self) -> FloatArray:
+        """Scores of the last step, shape ``(n_series,)`` (``nan`` = missing)."""
+        return self._score1[0]
+
+    @property
+    def alarm(self) -> BoolArray:
+        """Alarms of the last step, shape ``(n_series,)``."""
+        return self._alarm1[0]
+
+    def grow(self, n_new: int) -> None:
+        """Append ``n_new`` fresh series (e.g. a layer that appeared after the first step)."""
+        n_new = check_int(type(self).__name__, "n_new", n_new, 0)
+        if n_new == 0:
+            return
+        self._state = np.ascontiguousarray(
+            np.concatenate([self._state, self._init_state(n_new)], axis=1)
+        )
+        self._buf = np.ascontiguousarray(np.concatenate([self._buf, self._init_buf(n_new)], axis=1))
+        old_s, old_a = self._score1, self._alarm1
+        self.n_series += n_new
+        self._alloc_outputs(self.n_series)
+        self._score1[0, : old_s.shape[1]] = old_s[0]
+        self._alarm1[0, : old_a.shape[1]] = old_a[0]
+
+    def reset(self) -> None:
+        """Forget everything seen so far (hyperparameters are kept)."""
+        self._setup()
+
+    def get_params(self) -> dict[str, Any]:
+        """Hyperparameters under their argument names."""
+        out: dict[str, Any] = {
+            "n_series": self.n_series,
+            "threshold": self.threshold,
+            "freeze_on_alarm": self.freeze_on_alarm,
+        }
+        for h in self.hyperparameters:
+            out[h] = getattr(self, h)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data snapshot: hyperparameters, state arrays and the last outputs.
+
+        Arrays are copied, so later updates do not change a snapshot.
+        """
+        return {
+            "version": STATE_VERSION,
+            "class": type(self).__name__,
+            "params": self.get_params(),
+            "state": self._state.copy(),
+            "buf": self._buf.copy(),
+            "score": self._score1[0].copy(),
+            "alarm": self._alarm1[0].copy(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a snapshot produced by :meth:`state_dict` (of the same class).
+
+        Arrays may be NumPy arrays or nested lists (e.g. after a JSON round trip).
+        """
+        name = type(self).__name__
+        if state.get("class", name) != name:
+            raise ValueError(f"{name}.load_state_dict(): snapshot is of class {state['class']!r}.")
+        version = int(state.get("version", STATE_VERSION))
+        if version > STATE_VERSION:
+            raise ValueError(f"{name}.load_state_dict(): unsupported state version {version}.")
+        params = dict(state.get("params", {}))
+        n = int(params.get("n_series", self.n_series))
+        st = np.ascontiguousarray(np.asarray(state["state"], dtype=np.float64))
+        buf = np.ascontiguousarray(np.asarray(state["buf"], dtype=np.float64))
+        ref_state, ref_buf = self._init_state(n), self._init_buf(n)
+        if buf.size == 0 and ref_buf.size == 0:
+            buf = ref_buf
+        if st.shape != ref_state.shape or buf.shape != ref_buf.shape:
+            raise ValueError(
+                f"{name}.load_state_dict(): state shapes {st.shape}/{buf.shape} do not match "
+                f"this detector's {ref_state.shape}/{ref_buf.shape}; were the hyperparameters "
+                "the same?"
+            )
+        for k, v in params.items():
+            if k in ("n_series", "threshold", "freeze_on_alarm") or k in self.hyperparameters:
+                setattr(self, k, v)
+        self.n_series = n
+        self._params_arr = np.array(
+            [self.threshold, float(self.freeze_on_alarm), *self._extra_params()], dtype=np.float64
+        )
+        self._state, self._buf = st, buf
+        self._alloc_outputs(n)
+        if "score" in state:
+            self._score1[0] = np.asarray(state["score"], dtype=np.float64)
+            self._alarm1[0] = np.asarray(state["alarm"], dtype=np.bool_)
+
+    def set_threshold(self, threshold: float) -> None:
+        """Change the alarm threshold without touching the statistics."""
+        self.threshold = check_float(type(self).__name__, "threshold", threshold)
+        self._params_arr[0] = self.threshold
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({args})"

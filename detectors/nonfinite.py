@@ -1,0 +1,84 @@
+"""Non-finite guard: NaN, +inf or -inf in any element of any signal.
+
+Non-finite metrics are a signal, not noise: the guard alarms on every non-finite element and
+keeps a per-series count of non-finite observations (a NaN streak length is in the state).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray
+
+# state rows: total non-finite count, current streak, last kind (1 nan, 2 +inf, 3 -inf)
+_TOTAL, _STREAK, _LAST = 0, 1, 2
+
+
+@njit(cache=True, error_model="numpy")
+def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            if miss[t, 0, i]:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            x = X[t, 0, i]
+            if np.isnan(x):
+                code = 1.0
+            elif x == np.inf:
+                code = 2.0
+            elif x == -np.inf:
+                code = 3.0
+            else:
+                code = 0.0
+            if code != 0.0:
+                state[_TOTAL, i] += 1.0
+                state[_STREAK, i] += 1.0
+                state[_LAST, i] = code
+                scores[t, i] = code
+            else:
+                state[_STREAK, i] = 0.0
+                scores[t, i] = 0.0
+            alarms[t, i] = scores[t, i] > threshold
+
+
+class NonFiniteGuard(BankDetector):
+    """Alarm on every NaN / +inf / -inf element.
+
+    The score is ``0`` for a finite value, ``1`` for NaN, ``2`` for +inf and ``3`` for -inf
+    (``nan`` when the value was not logged); the threshold is fixed at ``0.5``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> g = NonFiniteGuard(n_series=3)
+    >>> g.update(np.array([1.0, np.nan, -np.inf])).tolist()
+    [False, True, True]
+    >>> g.score.tolist()
+    [0.0, 1.0, 3.0]
+    >>> g.streak.tolist()
+    [0.0, 1.0, 1.0]
+    """
+
+    kind = "nonfinite"
+
+    def __init__(self, n_series: int = 1):
+        super().__init__(n_series, threshold=0.5, freeze_on_alarm=False)
+        self._setup()
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((3, n))
+
+    kernel = staticmethod(_kernel)
+
+    @property
+    def streak(self) -> FloatArray:
+        """Current run length of consecutive non-finite observations per series."""
+        return self._state[_STREAK].copy()
+
+    @property
+    def total(self) -> FloatArray:
+        """Total non-finite observations per series."""
+        return self._state[_TOTAL].copy()

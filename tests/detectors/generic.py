@@ -1,0 +1,75 @@
+"""Generic checks every BankDetector must pass (imported by the per-detector test modules)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+
+from detectors._base import BankDetector
+
+Factory = Callable[[int], BankDetector]
+
+
+def stream(det: BankDetector, *inputs: np.ndarray, missing: np.ndarray | None = None):
+    """Loop of update(): returns (scores, alarms) of shape (T, n)."""
+    t = inputs[0].shape[0]
+    scores = np.empty((t, det.n_series))
+    alarms = np.empty((t, det.n_series), dtype=bool)
+    for k in range(t):
+        m = None if missing is None else missing[k]
+        alarms[k] = det.update(*(x[k] for x in inputs), missing=m)
+        scores[k] = det.score
+    return scores, alarms
+
+
+def assert_same(a: np.ndarray, b: np.ndarray) -> None:
+    np.testing.assert_array_equal(a, b)  # NaN == NaN here; bit-exact otherwise
+
+
+def check_stream_equals_batch(factory: Factory, *inputs: np.ndarray, missing=None) -> None:
+    n = inputs[0].shape[1]
+    s1, a1 = stream(factory(n), *inputs, missing=missing)
+    s2, a2 = factory(n).update_many(*inputs, missing=missing)
+    assert_same(s1, s2)
+    assert_same(a1, a2)
+
+
+def check_state_roundtrip(factory: Factory, *inputs: np.ndarray, split: int, via_json=False):
+    n = inputs[0].shape[1]
+    full = factory(n)
+    s_full, a_full = full.update_many(*inputs)
+    first = factory(n)
+    first.update_many(*(x[:split] for x in inputs))
+    sd = first.state_dict()
+    if via_json:
+        sd = json.loads(
+            json.dumps(sd, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else o)
+        )
+    second = factory(n)
+    second.load_state_dict(sd)
+    s2, a2 = second.update_many(*(x[split:] for x in inputs))
+    assert_same(s_full[split:], s2)
+    assert_same(a_full[split:], a2)
+
+
+def check_split_batches(factory: Factory, *inputs: np.ndarray, splits=(1, 7, 50)) -> None:
+    """update_many over chunks equals one update_many over everything."""
+    n = inputs[0].shape[1]
+    s_full, a_full = factory(n).update_many(*inputs)
+    det = factory(n)
+    parts_s, parts_a = [], []
+    edges = [0, *[s for s in splits if s < inputs[0].shape[0]], inputs[0].shape[0]]
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        s, a = det.update_many(*(x[lo:hi] for x in inputs))
+        parts_s.append(s)
+        parts_a.append(a)
+    assert_same(s_full, np.concatenate(parts_s))
+    assert_same(a_full, np.concatenate(parts_a))
+
+
+def check_threshold_monotone(factory_thr: Callable[[float], BankDetector], *inputs, thresholds):
+    """Without freeze_on_alarm, a lower threshold never yields fewer alarms."""
+    counts = [int(factory_thr(t).update_many(*inputs)[1].sum()) for t in sorted(thresholds)]
+    assert all(c1 >= c2 for c1, c2 in zip(counts[:-1], counts[1:], strict=True)), counts

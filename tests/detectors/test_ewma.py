@@ -1,0 +1,246 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from river import stats
+
+from detectors import EWMAZScore
+from detectors.ewma import LOG_FLOOR
+
+from .generic import (
+    check_split_batches,
+    check_state_roundtrip,
+    check_stream_equals_batch,
+    check_threshold_monotone,
+    stream,
+)
+
+
+def reference(x, miss=None, alpha=0.02, warmup=30, threshold=6.0, log_space=True, min_std=0.01,
+              direction="up", clip=4.0, debias=True, freeze_on_alarm=False):
+    """Plain-Python EWMA z-score for one series."""
+    mean = var = 0.0
+    count = 0
+    scores, alarms = [], []
+    for k, v in enumerate(x):
+        if miss is not None and miss[k]:
+            scores.append(math.nan)
+            alarms.append(False)
+            continue
+        if not math.isfinite(v):
+            scores.append(math.inf)
+            alarms.append(True)
+            continue
+        y = math.log(max(v, LOG_FLOOR)) if log_space else v
+        if count == 0:
+            mean, var, count = y, 0.0, 1
+            scores.append(0.0)
+            alarms.append(False)
+            continue
+        floor = min_std if log_space else min_std * abs(mean)
+        std = max(math.sqrt(var), floor, 1e-300)
+        z = (y - mean) / std
+        s = 0.0 if count < warmup else {"up": z, "down": -z, "both": abs(z)}[direction]
+        scores.append(s)
+        alarms.append(s > threshold)
+        if s > threshold and freeze_on_alarm:
+            continue
+        a = max(alpha, 1.0 / (count + 1)) if debias else alpha
+        if count >= warmup and math.isfinite(clip):
+            y = min(max(y, mean - clip * std), mean + clip * std)
+        d = y - mean
+        mean = mean + a * d
+        var = (1 - a) * (var + d * a * d)
+        count += 1
+    return np.array(scores), np.array(alarms)
+
+
+def noisy_stream(seed, t=400, n=3, offset=0.0):
+    rng = np.random.default_rng(seed)
+    x = np.exp(rng.normal(0.0, 0.1, (t, n))) + offset
+    x[t // 2, 0] *= 30.0
+    x[t // 3, 1] = np.nan
+    x[t // 4, 2] = np.inf
+    x[t // 5, 2] = -np.inf
+    return x
+
+
+CONFIGS = [
+    {},
+    {"log_space": False, "alpha": 0.03, "warmup": 25, "threshold": 2.5, "clip": math.inf,
+     "debias": False},
+    {"direction": "both", "freeze_on_alarm": True, "clip": 2.0},
+    {"direction": "down", "min_std": 0.0},
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_reference_on_every_prefix(cfg, seed):
+    x = noisy_stream(seed)
+    det = EWMAZScore(n_series=3, **cfg)
+    s, a = stream(det, x)
+    for i in range(3):
+        rs, ra = reference(x[:, i], **cfg)
+        np.testing.assert_allclose(s[:, i], rs, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(a[:, i], ra)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_stream_equals_batch_and_roundtrip(cfg):
+    x = noisy_stream(3)
+    miss = np.zeros_like(x, dtype=bool)
+    miss[::7, 1] = True
+    f = lambda n: EWMAZScore(n_series=n, **cfg)  # noqa: E731
+    check_stream_equals_batch(f, x, missing=miss)
+    check_split_batches(f, x)
+    for split in (1, 17, 200, 399):
+        check_state_roundtrip(f, x, split=split)
+    check_state_roundtrip(f, x, split=123, via_json=True)
+
+
+def test_missing_values_do_not_touch_state():
+    x = noisy_stream(4)[:, :1]
+    miss = np.zeros_like(x, dtype=bool)
+    miss[50:60] = True
+    s, a = EWMAZScore().update_many(x, missing=miss)
+    assert np.isnan(s[50:60]).all() and not a[50:60].any()
+    rs, ra = reference(x[:, 0], miss=miss[:, 0])
+    np.testing.assert_allclose(s[:, 0], rs, rtol=1e-12)
+
+
+@pytest.mark.parametrize("fading", [0.03, 0.3, 0.9])
+def test_ew_mean_var_equal_river(fading):
+    rng = np.random.default_rng(7)
+    x = rng.normal(5.0, 2.0, 500)
+    det = EWMAZScore(alpha=fading, log_space=False, debias=False, clip=math.inf, warmup=0)
+    m, v = stats.EWMean(fading), stats.EWVar(fading)
+    for xi in x:
+        det.update(xi)
+        m.update(xi)
+        v.update(xi)
+        assert abs(det.mean[0] - m.get()) <= 1e-9 * max(1.0, abs(m.get()))
+        assert abs(det.std[0] ** 2 - v.get()) <= 1e-9 * max(1.0, abs(v.get()))
+
+
+def test_nonfinite_alarms_and_never_enters_state():
+    det = EWMAZScore(warmup=3)
+    for v in [1.0, 1.1, 0.9, 1.0]:
+        det.update(v)
+    before = det.state_dict()["state"].copy()
+    for bad in (np.nan, np.inf, -np.inf):
+        assert det.update(bad)[0]
+        assert det.score[0] == np.inf
+    np.testing.assert_array_equal(det.state_dict()["state"], before)
+
+
+def test_constant_stream_and_large_offset_quiet():
+    x = np.full((1000, 1), 3.0)
+    assert not EWMAZScore().update_many(x)[1].any()
+    rng = np.random.default_rng(0)
+    y = 1e8 + rng.normal(0, 1.0, (1000, 1))
+    assert not EWMAZScore(log_space=False, threshold=8, min_std=0.0).update_many(y)[1].any()
+    y[600] += 100.0
+    assert EWMAZScore(log_space=False, threshold=8, min_std=0.0).update_many(y)[1][600, 0]
+
+
+def test_spike_is_scored_against_state_before_update():
+    x = np.ones((100, 1))
+    x[60] = 100.0
+    s, a = EWMAZScore().update_many(x)
+    assert a[60, 0] and np.flatnonzero(a[:, 0]).tolist() == [60]
+
+
+def test_golden_alarm_indices():
+    rng = np.random.default_rng(12345)
+    x = np.exp(np.cumsum(rng.normal(0, 0.01, 3000)) + rng.normal(0, 0.05, 3000))
+    x[[500, 1500, 2500]] *= [3.0, 10.0, 1.6]
+    _, a = EWMAZScore().update_many(x)
+    assert np.flatnonzero(a[:, 0]).tolist() == [500, 1500, 2500]
+
+
+def test_threshold_monotone():
+    x = noisy_stream(9)
+    check_threshold_monotone(
+        lambda t: EWMAZScore(n_series=3, threshold=t), x, thresholds=[0.5, 1, 2, 3, 6, 10]
+    )
+
+
+def test_zero_and_one_length():
+    det = EWMAZScore(n_series=2)
+    s, a = det.update_many(np.zeros((0, 2)))
+    assert s.shape == (0, 2) and a.shape == (0, 2)
+    s, a = det.update_many(np.ones((1, 2)))
+    assert s.shape == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"alpha": 0.0}, "'alpha' parameter of EWMAZScore"),
+        ({"alpha": 1.5}, "'alpha'"),
+        ({"warmup": -1}, "'warmup'"),
+        ({"warmup": 2.5}, "'warmup'"),
+        ({"direction": "sideways"}, "'direction'"),
+        ({"n_series": -2}, "'n_series'"),
+        ({"threshold": "high"}, "'threshold'"),
+        ({"clip": 0}, "'clip'"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EWMAZScore(**kwargs)
+
+
+def test_bad_inputs_have_clear_errors():
+    det = EWMAZScore(n_series=3)
+    with pytest.raises(ValueError, match=r"shape \(2,\); expected \(3,\)"):
+        det.update(np.ones(2))
+    with pytest.raises(ValueError, match="must be numeric"):
+        det.update(["a", "b", "c"])
+    with pytest.raises(ValueError, match="scalar"):
+        det.update(1.0)
+    with pytest.raises(ValueError, match=r"expected \(steps, 3\)"):
+        det.update_many(np.ones((5, 2)))
+
+
+def test_grow_keeps_existing_series():
+    x = noisy_stream(5)[:, :2]
+    a = EWMAZScore(n_series=2)
+    a.update_many(x[:100])
+    a.grow(1)
+    b = EWMAZScore(n_series=2)
+    b.update_many(x[:100])
+    x3 = np.concatenate([x[100:], np.ones((300, 1))], axis=1)
+    sa, _ = a.update_many(x3)
+    sb, _ = b.update_many(x[100:])
+    np.testing.assert_array_equal(sa[:, :2], sb)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(min_value=1e-6, max_value=1e6),
+            st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -1.0]),
+        ),
+        min_size=1,
+        max_size=80,
+    ),
+    st.integers(0, 80),
+)
+def test_property_stream_batch_reference(values, split):
+    x = np.array(values)[:, None]
+    f = lambda n: EWMAZScore(n_series=n, warmup=3)  # noqa: E731
+    check_stream_equals_batch(f, x)
+    check_state_roundtrip(f, x, split=min(split, len(values)))
+    s, _ = f(1).update_many(x)
+    rs, _ = reference(x[:, 0], warmup=3)
+    np.testing.assert_allclose(s[:, 0], rs, rtol=1e-12, atol=1e-12)
+    det = f(1)
+    det.update_many(x)
+    assert np.isfinite(det.state_dict()["state"]).all()
