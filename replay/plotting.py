@@ -1,0 +1,254 @@
+"""Dependency-free plotting primitives for the HTML report: SVG line charts and PNG heat maps.
+
+Nothing here needs a browser, a CDN or matplotlib: line charts are inline SVG and heat maps are
+PNG images encoded with :mod:`zlib` and embedded as ``data:`` URIs, so a report is one
+self-contained file that works offline.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+#: categorical colours (colour-blind friendly, Okabe-Ito)
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+#: alarm-kind colours on the timeline
+KIND_COLOURS = {
+    "nonfinite": "#000000",
+    "loss_spike": "#D55E00",
+    "grad_explosion": "#CC79A7",
+    "activation_shift": "#009E73",
+    "train_val_divergence": "#E69F00",
+    "lr_loss_anomaly": "#0072B2",
+    "level_shift": "#56B4E9",
+}
+
+# viridis, 9 anchor colours, interpolated linearly
+_VIRIDIS = np.array(
+    [
+        [68, 1, 84],
+        [72, 40, 120],
+        [62, 74, 137],
+        [49, 104, 142],
+        [38, 130, 142],
+        [31, 158, 137],
+        [53, 183, 121],
+        [109, 205, 89],
+        [253, 231, 37],
+    ],
+    dtype=np.float64,
+)
+
+
+def encode_png(rgb: NDArray[np.uint8]) -> bytes:
+    """Encode an ``(h, w, 3)`` uint8 image as PNG bytes (no dependencies).
+
+    >>> png = encode_png(np.zeros((2, 3, 3), dtype=np.uint8))
+    >>> png[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+    True
+    """
+    if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
+        raise ValueError(
+            f"encode_png expects an (h, w, 3) uint8 array; got {rgb.shape} {rgb.dtype}"
+        )
+    h, w, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        body = tag + data
+        return (
+            struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body) & 0xFFFFFFFF)
+        )
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(raw, 6))
+        + chunk(b"IEND", b"")
+    )
+
+
+def colormap(values: NDArray[np.float64]) -> NDArray[np.uint8]:
+    """Map values in ``[0, 1]`` (NaN = grey) to viridis RGB.
+
+    >>> colormap(np.array([[0.0, 1.0, np.nan]])).tolist()
+    [[[68, 1, 84], [253, 231, 37], [200, 200, 200]]]
+    """
+    v = np.clip(np.nan_to_num(values, nan=0.0), 0.0, 1.0) * (len(_VIRIDIS) - 1)
+    lo = np.floor(v).astype(np.int64)
+    hi = np.minimum(lo + 1, len(_VIRIDIS) - 1)
+    f = (v - lo)[..., None]
+    rgb = _VIRIDIS[lo] * (1.0 - f) + _VIRIDIS[hi] * f
+    rgb[np.isnan(values)] = 200.0
+    return np.round(rgb).astype(np.uint8)
+
+
+def bin_columns(
+    steps: NDArray[np.int64], values: NDArray[np.float64], max_bins: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Reduce ``(n_steps, k)`` values to at most ``max_bins`` step bins (nan-aware mean).
+
+    Returns the bin centre steps and the binned values ``(n_bins, k)``.
+
+    >>> s, v = bin_columns(np.arange(4), np.array([[1.0], [3.0], [np.nan], [5.0]]), 2)
+    >>> s.tolist(), v[:, 0].tolist()
+    ([0.5, 2.5], [2.0, 5.0])
+    """
+    n = len(steps)
+    if n == 0:
+        return np.zeros(0), np.zeros((0, values.shape[1]))
+    n_bins = min(max_bins, n)
+    edges = np.linspace(0, n, n_bins + 1).astype(np.int64)
+    out = np.full((n_bins, values.shape[1]), np.nan)
+    centres = np.empty(n_bins)
+    for b in range(n_bins):
+        lo, hi = edges[b], max(edges[b + 1], edges[b] + 1)
+        block = values[lo:hi]
+        finite = np.isfinite(block)
+        cnt = finite.sum(axis=0)
+        tot = np.where(finite, block, 0.0).sum(axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[b] = np.where(cnt > 0, tot / np.maximum(cnt, 1), np.nan)
+        centres[b] = steps[lo:hi].mean()
+    return centres, out
+
+
+def heatmap_png(matrix: NDArray[np.float64], log: bool = True, cell_h: int = 4) -> str:
+    """Encode a ``(rows, cols)`` matrix as a base64 PNG ``data:`` URI (rows = layers).
+
+    Each row is scaled on its own robust range (1st-99th percentile, in log10 if ``log``), so
+    layers of very different magnitudes remain readable.
+    """
+    m = np.asarray(matrix, dtype=np.float64)
+    if log:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m = np.where(m > 0, np.log10(np.where(m > 0, m, 1.0)), np.nan)
+    scaled = np.full_like(m, np.nan)
+    for r in range(m.shape[0]):
+        row = m[r]
+        fin = row[np.isfinite(row)]
+        if fin.size == 0:
+            continue
+        lo, hi = np.percentile(fin, 1), np.percentile(fin, 99)
+        span = hi - lo if hi > lo else 1.0
+        scaled[r] = (row - lo) / span
+    rgb = colormap(scaled)
+    rgb = np.repeat(rgb, cell_h, axis=0)
+    return "data:image/png;base64," + base64.b64encode(encode_png(rgb)).decode("ascii")
+
+
+@dataclass
+class Marker:
+    """A vertical marker on the timeline (an alarm or an intervention)."""
+
+    step: float
+    colour: str
+    label: str
+    dashed: bool = False
+
+
+@dataclass
+class LineChart:
+    """An SVG line chart with optional log-scaled y axis and step markers."""
+
+    title: str
+    log_y: bool = False
+    width: int = 900
+    height: int = 220
+    series: list[tuple[str, NDArray[np.float64], NDArray[np.float64]]] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+
+    def add(self, name: str, x: ArrayLike, y: ArrayLike) -> None:
+        """Add a series; non-finite points (and non-positive ones on a log axis) are gaps."""
+        self.series.append((name, np.asarray(x, dtype=float), np.asarray(y, dtype=float)))
+
+    def to_svg(self) -> str:
+        """Render to an inline ``<svg>`` element."""
+        ml, mr, mt, mb = 64, 12, 24, 28
+        w, h = self.width, self.height
+        pw, ph = w - ml - mr, h - mt - mb
+        xs = [s[1] for s in self.series if len(s[1])]
+        ys = []
+        for _, _, y in self.series:
+            yy = np.log10(y[y > 0]) if self.log_y else y[np.isfinite(y)]
+            ys.append(yy[np.isfinite(yy)])
+        parts = [
+            f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+            f'viewBox="0 0 {w} {h}" role="img" aria-label="{html.escape(self.title)}">',
+            f'<text x="{ml}" y="15" class="title">{html.escape(self.title)}'
+            f"{' (log scale)' if self.log_y else ''}</text>",
+        ]
+        if not xs or not any(len(y) for y in ys):
+            parts.append(f'<text x="{w / 2}" y="{h / 2}" class="empty">no data</text></svg>')
+            return "".join(parts)
+        x0 = min(float(x.min()) for x in xs)
+        x1 = max(float(x.max()) for x in xs)
+        allv = np.concatenate([y for y in ys if len(y)])
+        y0, y1 = float(allv.min()), float(allv.max())
+        if y1 <= y0:
+            y0, y1 = y0 - 1.0, y1 + 1.0
+        pad = 0.05 * (y1 - y0)
+        y0, y1 = y0 - pad, y1 + pad
+        x1 = x1 if x1 > x0 else x0 + 1.0
+
+        def px(x: float) -> float:
+            return ml + (x - x0) / (x1 - x0) * pw
+
+        def py(v: float) -> float:
+            return mt + ph - (min(max(v, y0), y1) - y0) / (y1 - y0) * ph
+
+        parts.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" class="plot"/>')
+        for k in range(5):
+            v = y0 + (y1 - y0) * k / 4
+            label = f"{10**v:.3g}" if self.log_y else f"{v:.3g}"
+            parts.append(
+                f'<line x1="{ml}" x2="{ml + pw}" y1="{py(v):.1f}" y2="{py(v):.1f}" class="grid"/>'
+                f'<text x="{ml - 4}" y="{py(v) + 4:.1f}" class="ytick">{label}</text>'
+            )
+        for k in range(6):
+            xv = x0 + (x1 - x0) * k / 5
+            parts.append(f'<text x="{px(xv):.1f}" y="{h - 8}" class="xtick">{xv:.0f}</text>')
+        for mk in self.markers:
+            if not (x0 <= mk.step <= x1):
+                continue
+            dash = ' stroke-dasharray="4 3"' if mk.dashed else ""
+            parts.append(
+                f'<line x1="{px(mk.step):.1f}" x2="{px(mk.step):.1f}" y1="{mt}" y2="{mt + ph}" '
+                f'stroke="{mk.colour}" class="marker"{dash}><title>{html.escape(mk.label)}'
+                "</title></line>"
+            )
+        for idx, (name, x, y) in enumerate(self.series):
+            colour = PALETTE[idx % len(PALETTE)]
+            yy = np.where(y > 0, np.log10(np.where(y > 0, y, 1.0)), np.nan) if self.log_y else y
+            segs: list[str] = []
+            cur: list[str] = []
+            for xi, yi in zip(x, yy, strict=True):
+                if math.isfinite(yi):
+                    cur.append(f"{px(float(xi)):.1f},{py(float(yi)):.1f}")
+                elif cur:
+                    segs.append(" ".join(cur))
+                    cur = []
+            if cur:
+                segs.append(" ".join(cur))
+            for seg in segs:
+                if " " in seg:
+                    parts.append(
+                        f'<polyline points="{seg}" fill="none" stroke="{colour}" class="line"/>'
+                    )
+                else:
+                    cx, cy = seg.split(",")
+                    parts.append(f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{colour}"/>')
+            parts.append(
+                f'<text x="{ml + 8 + 120 * idx}" y="{mt + 14}" fill="{colour}" class="legend">'
+                f"{html.escape(name)}</text>"
+            )
+        parts.append("</svg>")
+        return "".join(parts)
