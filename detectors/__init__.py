@@ -8,5 +8,13 @@ Every detector is a bank of independent series updated by one kernel call per st
 from ._base import BankDetector
 from .ewma import EWMAZScore
 from .nonfinite import NonFiniteGuard
+from .ratio import RatioToMean
+from .robust import RobustZScore
 
-__all__ = ["BankDetector", "EWMAZScore", "NonFiniteGuard"]
+__all__ = [
+    "BankDetector",
+    "EWMAZScore",
+    "NonFiniteGuard",
+    "RatioToMean",
+    "RobustZScore",
+]

@@ -52,8 +52,10 @@ def check_int(owner: str, name: str, value: Any, low: int, high: float = math.in
     ValueError: The 'warmup' parameter of EWMAZScore must be an int in the range [0, inf). Got -1 instead.
     """
     hi = "inf)" if math.isinf(high) else f"{int(high)}]"
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-        low <= value <= high
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not (low <= value <= high)
     ):
         raise ValueError(
             f"The '{name}' parameter of {owner} must be an int in the range [{low}, {hi}. "
@@ -103,7 +105,9 @@ def check_bool(owner: str, name: str, value: Any) -> bool:
     True
     """
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"The '{name}' parameter of {owner} must be a bool. Got {value!r} instead.")
+        raise ValueError(
+            f"The '{name}' parameter of {owner} must be a bool. Got {value!r} instead."
+        )
     return bool(value)
 
 

@@ -92,8 +92,10 @@ class Intervention:
     type: ClassVar[str] = "intervention"
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: _clean_float(v) if isinstance(v, float) else v for k, v in
-             dataclasses.asdict(self).items()}
+        d = {
+            k: _clean_float(v) if isinstance(v, float) else v
+            for k, v in dataclasses.asdict(self).items()
+        }
         d["type"] = self.type
         return d
 
@@ -103,7 +105,9 @@ class Intervention:
         kind = d.pop("type")
         cls = INTERVENTION_TYPES.get(kind)
         if cls is None:
-            raise ValueError(f"Unknown intervention type {kind!r}; known: {sorted(INTERVENTION_TYPES)}")
+            raise ValueError(
+                f"Unknown intervention type {kind!r}; known: {sorted(INTERVENTION_TYPES)}"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         for f in dataclasses.fields(cls):

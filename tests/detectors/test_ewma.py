@@ -20,8 +20,19 @@ from .generic import (
 )
 
 
-def reference(x, miss=None, alpha=0.02, warmup=30, threshold=6.0, log_space=True, min_std=0.01,
-              direction="up", clip=4.0, debias=True, freeze_on_alarm=False):
+def reference(
+    x,
+    miss=None,
+    alpha=0.02,
+    warmup=30,
+    threshold=6.0,
+    log_space=True,
+    min_std=0.01,
+    direction="up",
+    clip=4.0,
+    debias=True,
+    freeze_on_alarm=False,
+):
     """Plain-Python EWMA z-score for one series."""
     mean = var = 0.0
     count = 0
@@ -71,8 +82,14 @@ def noisy_stream(seed, t=400, n=3, offset=0.0):
 
 CONFIGS = [
     {},
-    {"log_space": False, "alpha": 0.03, "warmup": 25, "threshold": 2.5, "clip": math.inf,
-     "debias": False},
+    {
+        "log_space": False,
+        "alpha": 0.03,
+        "warmup": 25,
+        "threshold": 2.5,
+        "clip": math.inf,
+        "debias": False,
+    },
     {"direction": "both", "freeze_on_alarm": True, "clip": 2.0},
     {"direction": "down", "min_std": 0.0},
 ]

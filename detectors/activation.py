@@ -1,0 +1,504 @@
+"""Activation distribution shift: multivariate robust z-scores and histogram drift (PSI).
+
+Two detectors watch per-layer activation statistics (``act_mean/<l>``, ``act_std/<l>``,
+``act_absmax/<l>``, ``act_kurtosis/<l>``, ...):
+
+* :class:`ActivationShift` -- the *k* statistics of one layer are one multivariate stream.  Each
+  feature gets a robust exponentially weighted location (a winsorised, Huber-style EW mean) and
+  scale (EW mean absolute deviation, times ``sqrt(pi/2)`` so it estimates a Gaussian sigma),
+  in log space for positive statistics (std, abs-max, kurtosis: a scaling bug is a shift there)
+  and in signed space for the mean.  The per-feature z-scores are aggregated into one score per
+  layer and step: the root mean square ``sqrt(sum z_j^2 / m)`` over the ``m`` present, warmed-up
+  features (a chi-like statistic normalised so that one feature alone gives its own ``|z|``),
+  or the maximum ``|z_j|``.
+* :class:`HistogramDrift` -- per series, a *reference* window (the first ``window`` finite values
+  after ``warmup``, optionally refreshed) against the sliding *current* window, compared by the
+  Population Stability Index on ``n_bins`` bins whose edges are the reference's quantiles.  PSI
+  depends only on ranks relative to the reference, so it is scale and offset invariant and sees
+  drifts too slow for a z-score (the running location follows those).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+
+LOG_FLOOR = 1e-30
+#: E|X - mu| = sigma * sqrt(2 / pi) for a Gaussian, so sigma = mean abs deviation * this
+MAD_TO_SIGMA = math.sqrt(math.pi / 2.0)
+AGGREGATES = {"rms": 0.0, "max": 1.0}
+
+# ActivationShift state rows, per feature j: 3*j + field
+_LOC, _SCALE, _COUNT = 0, 1, 2
+# params: [threshold, freeze, alpha, warmup, min_scale, clip, aggregate, log_0 .. log_{k-1}]
+_AS_LOG0 = 7
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _floored_scale(loc: float, scale: float, log_space: bool, min_scale: float) -> float:
+    floor = min_scale if log_space else min_scale * abs(loc)
+    return max(scale * MAD_TO_SIGMA, floor, 1e-300)
+
+
+@njit(cache=True, error_model="numpy")
+def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    freeze = params[1] != 0.0
+    alpha = params[2]
+    warmup = params[3]
+    min_scale = params[4]
+    clip = params[5]
+    use_max = params[6] != 0.0
+    k = X.shape[1]
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            present = 0
+            bad = False
+            for j in range(k):
+                if not miss[t, j, i]:
+                    present += 1
+                    if not np.isfinite(X[t, j, i]):
+                        bad = True
+            if present == 0:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            if bad:
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            acc = 0.0
+            m = 0
+            for j in range(k):
+                if miss[t, j, i]:
+                    continue
+                count = state[3 * j + _COUNT, i]
+                if count == 0.0 or count < warmup:
+                    continue
+                log_j = params[_AS_LOG0 + j] != 0.0
+                x = X[t, j, i]
+                y = math.log(max(x, LOG_FLOOR)) if log_j else x
+                loc = state[3 * j + _LOC, i]
+                s = _floored_scale(loc, state[3 * j + _SCALE, i], log_j, min_scale)
+                z = abs(y - loc) / s
+                if use_max:
+                    acc = max(acc, z)
+                else:
+                    acc += z * z
+                m += 1
+            if m == 0:
+                score = 0.0
+            elif use_max:
+                score = acc
+            else:
+                score = math.sqrt(acc / m)
+            alarm = score > threshold
+            scores[t, i] = score
+            alarms[t, i] = alarm
+            if alarm and freeze:
+                continue
+            for j in range(k):
+                if miss[t, j, i]:
+                    continue
+                log_j = params[_AS_LOG0 + j] != 0.0
+                x = X[t, j, i]
+                y = math.log(max(x, LOG_FLOOR)) if log_j else x
+                count = state[3 * j + _COUNT, i]
+                if count == 0.0:
+                    state[3 * j + _LOC, i] = y
+                    state[3 * j + _SCALE, i] = 0.0
+                    state[3 * j + _COUNT, i] = 1.0
+                    continue
+                loc = state[3 * j + _LOC, i]
+                scale = state[3 * j + _SCALE, i]
+                r = y - loc
+                if count >= warmup and clip < np.inf:
+                    lim = clip * _floored_scale(loc, scale, log_j, min_scale)
+                    r = min(max(r, -lim), lim)
+                a = max(alpha, 1.0 / (count + 1.0))
+                state[3 * j + _LOC, i] = loc + a * r
+                state[3 * j + _SCALE, i] = (1.0 - a) * scale + a * abs(r)
+                state[3 * j + _COUNT, i] = count + 1.0
+
+
+class ActivationShift(BankDetector):
+    """Per-layer activation-statistics shift score from per-feature robust z-scores.
+
+    Series are layers; the ``n_features`` inputs are statistics of that layer (by default
+    mean, std, abs-max and kurtosis).  Each feature keeps a robust EW location (updates
+    winsorised at ``clip`` scales after warm-up, so one outlier moves it by at most
+    ``alpha * clip`` scales) and an EW mean absolute deviation; ``z_j = |y_j - loc_j| / scale_j``
+    with ``y_j = log(x_j)`` where ``log_space[j]`` is set.  The layer's score aggregates the
+    ``z_j`` of the features present on this step and past their warm-up (RMS by default).
+
+    A missing feature is skipped (neither scored nor updated); all features missing gives
+    ``nan``; any non-finite present feature gives ``+inf`` and the layer's state is untouched.
+
+    Parameters
+    ----------
+    n_series
+        Number of layers.
+    n_features
+        Number of statistics per layer (the detector's inputs).
+    log_space
+        Per feature (or one bool for all): score ``log(x)`` (positive, scale-like statistics)
+        instead of ``x`` (signed statistics such as the mean).  Default ``(False, True, True,
+        True)`` matches mean / std / abs-max / kurtosis.
+    alpha
+        Weight of the newest value in the EW location and scale (memory ~ ``1/alpha`` steps).
+    warmup
+        Observations of a feature before it contributes to the score.
+    threshold
+        Alarm when the aggregated score exceeds this many robust sigmas.
+    min_scale
+        Scale floor: absolute in log space (0.01 ~ 1 %), relative to ``|loc|`` in signed space.
+    clip
+        Winsorise updates at ``loc +- clip * scale`` after warm-up (``inf`` disables).
+    aggregate
+        ``"rms"`` (``sqrt(mean z^2)``: a shift in several statistics at once counts more than
+        noise in one) or ``"max"`` (most sensitive to one statistic).
+    freeze_on_alarm
+        Do not update a layer's statistics while it is in alarm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> T, layers = 200, 2
+    >>> mean = rng.normal(0.0, 0.01, (T, layers))
+    >>> std = np.exp(rng.normal(0.0, 0.02, (T, layers)))
+    >>> absmax = 4.0 * std * np.exp(rng.normal(0.0, 0.05, (T, layers)))
+    >>> kurt = np.exp(rng.normal(1.1, 0.03, (T, layers)))
+    >>> std[150:, 1] *= 10.0; absmax[150:, 1] *= 10.0      # layer 1's input scaled at step 150
+    >>> det = ActivationShift(n_series=layers)
+    >>> scores, alarms = det.update_many(mean, std, absmax, kurt)
+    >>> int(np.argmax(alarms[:, 1])), bool(alarms[:, 0].any())
+    (150, False)
+    """
+
+    kind = "activation_shift"
+    hyperparameters = (
+        "n_features",
+        "log_space",
+        "alpha",
+        "warmup",
+        "min_scale",
+        "clip",
+        "aggregate",
+    )
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        n_features: int = 4,
+        log_space: bool | Sequence[bool] = (False, True, True, True),
+        alpha: float = 0.02,
+        warmup: int = 30,
+        threshold: float = 6.0,
+        min_scale: float = 0.01,
+        clip: float = 4.0,
+        aggregate: str = "rms",
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.n_features = check_int(name, "n_features", n_features, 1)
+        if isinstance(log_space, (bool, np.bool_)):
+            flags = (bool(log_space),) * self.n_features
+        else:
+            try:
+                flags = tuple(check_bool(name, "log_space", b) for b in log_space)
+            except (TypeError, ValueError):
+                flags = ()
+            if len(flags) != self.n_features:
+                raise ValueError(
+                    f"The 'log_space' parameter of {name} must be a bool or a sequence of "
+                    f"{self.n_features} bools (one per feature). Got {log_space!r} instead."
+                )
+        self.log_space = flags
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
+        self.warmup = check_int(name, "warmup", warmup, 0)
+        self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
+        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
+        if aggregate not in AGGREGATES:
+            raise ValueError(
+                f"The 'aggregate' parameter of {name} must be one of {sorted(AGGREGATES)}. "
+                f"Got {aggregate!r} instead."
+            )
+        self.aggregate = aggregate
+        # instance-level override of the class default (one input per feature)
+        setattr(self, "n_inputs", self.n_features)  # noqa: B010
+        setattr(self, "input_names", tuple(f"x{j}" for j in range(self.n_features)))  # noqa: B010
+        self._setup()
+
+    def _extra_params(self) -> list[float]:
+        return [
+            self.alpha,
+            float(self.warmup),
+            self.min_scale,
+            self.clip,
+            AGGREGATES[self.aggregate],
+            *(float(bool(b)) for b in self.log_space),
+        ]
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((3 * self.n_features, n))
+
+    kernel = staticmethod(_shift_kernel)
+
+    @property
+    def location(self) -> FloatArray:
+        """Robust running location per feature and layer, shape ``(n_features, n_series)``."""
+        return self._state[_LOC::3].copy()
+
+    @property
+    def scale(self) -> FloatArray:
+        """Robust sigma per feature and layer (before the floor), ``(n_features, n_series)``."""
+        return self._state[_SCALE::3] * MAD_TO_SIGMA
+
+
+# ---------------------------------------------------------------------------- HistogramDrift
+# state rows
+_H_COUNT, _H_NREF, _H_POS, _H_NCUR, _H_SCORE, _H_SINCE = 0, 1, 2, 3, 4, 5
+_H_FIELDS = 6
+# params: [threshold, freeze, window, n_bins, warmup, stride, refresh, smoothing]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _bin_of(x: float, buf, e0: int, n_edges: int, i: int) -> int:  # type: ignore[no-untyped-def]
+    """Number of edges <= x (bisect right) -> bin index in [0, n_edges]."""
+    lo = 0
+    hi = n_edges
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if buf[e0 + mid, i] <= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True, error_model="numpy")
+def _build_reference(buf, i, w, nb):  # type: ignore[no-untyped-def]
+    """Edges from the reference's order statistics; reference and current bin counts."""
+    e0 = 2 * w
+    r0 = e0 + nb - 1
+    c0 = r0 + nb
+    srt = np.sort(buf[0:w, i].copy())
+    for j in range(1, nb):
+        buf[e0 + j - 1, i] = srt[(j * w) // nb]
+    for b in range(nb):
+        buf[r0 + b, i] = 0.0
+        buf[c0 + b, i] = 0.0
+    for r in range(w):
+        buf[r0 + _bin_of(buf[r, i], buf, e0, nb - 1, i), i] += 1.0
+
+
+@njit(cache=True, error_model="numpy")
+def _psi(buf, i, w, nb, smoothing, b_add, b_del):  # type: ignore[no-untyped-def]
+    """PSI of the current counts (+1 in ``b_add``, -1 in ``b_del``) against the reference."""
+    r0 = 2 * w + nb - 1
+    c0 = r0 + nb
+    denom = w + nb * smoothing
+    out = 0.0
+    for b in range(nb):
+        c = buf[c0 + b, i]
+        if b == b_add:
+            c += 1.0
+        if b == b_del:
+            c -= 1.0
+        p = (c + smoothing) / denom
+        q = (buf[r0 + b, i] + smoothing) / denom
+        out += (p - q) * math.log(p / q)
+    return out
+
+
+@njit(cache=True, error_model="numpy")
+def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    freeze = params[1] != 0.0
+    w = int(params[2])
+    nb = int(params[3])
+    warmup = params[4]
+    stride = int(params[5])
+    refresh = int(params[6])
+    smoothing = params[7]
+    e0 = 2 * w
+    c0 = e0 + 2 * nb - 1
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            if miss[t, 0, i]:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            x = X[t, 0, i]
+            if not np.isfinite(x):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            if state[_H_COUNT, i] < warmup:
+                state[_H_COUNT, i] += 1.0
+                scores[t, i] = 0.0
+                alarms[t, i] = False
+                continue
+            nref = int(state[_H_NREF, i])
+            if nref < w:
+                buf[nref, i] = x
+                state[_H_NREF, i] = nref + 1.0
+                state[_H_COUNT, i] += 1.0
+                if nref + 1 == w:
+                    _build_reference(buf, i, w, nb)
+                scores[t, i] = 0.0
+                alarms[t, i] = False
+                continue
+            b_new = _bin_of(x, buf, e0, nb - 1, i)
+            ncur = int(state[_H_NCUR, i])
+            pos = int(state[_H_POS, i])
+            if ncur < w:
+                # filling the current window: no score yet, nothing to freeze
+                buf[w + pos, i] = x
+                buf[c0 + b_new, i] += 1.0
+                state[_H_POS, i] = (pos + 1) % w
+                state[_H_NCUR, i] = ncur + 1.0
+                state[_H_COUNT, i] += 1.0
+                if ncur + 1 < w:
+                    scores[t, i] = 0.0
+                    alarms[t, i] = False
+                    continue
+                since = state[_H_SINCE, i]
+                score = _psi(buf, i, w, nb, smoothing, -1, -1)
+                scores[t, i] = score
+                alarms[t, i] = score > threshold
+                state[_H_SCORE, i] = score
+                state[_H_SINCE, i] = since + 1.0
+                continue
+            b_old = _bin_of(buf[w + pos, i], buf, e0, nb - 1, i)
+            since = state[_H_SINCE, i]
+            if since % stride == 0.0:
+                score = _psi(buf, i, w, nb, smoothing, b_new, b_old)
+            else:
+                score = state[_H_SCORE, i]
+            alarm = score > threshold
+            scores[t, i] = score
+            alarms[t, i] = alarm
+            if alarm and freeze:
+                continue
+            buf[w + pos, i] = x
+            buf[c0 + b_old, i] -= 1.0
+            buf[c0 + b_new, i] += 1.0
+            state[_H_POS, i] = (pos + 1) % w
+            state[_H_COUNT, i] += 1.0
+            state[_H_SCORE, i] = score
+            state[_H_SINCE, i] = since + 1.0
+            if refresh > 0 and (since + 1.0) % refresh == 0.0:
+                for r in range(w):
+                    buf[r, i] = buf[w + r, i]
+                _build_reference(buf, i, w, nb)
+                for r in range(w):
+                    buf[c0 + _bin_of(buf[w + r, i], buf, e0, nb - 1, i), i] += 1.0
+
+
+class HistogramDrift(BankDetector):
+    """Population Stability Index of a sliding window against a reference window.
+
+    Per series: after ``warmup`` finite values, the next ``window`` finite values form the
+    reference; its order statistics at ``j / n_bins`` give ``n_bins - 1`` bin edges.  The last
+    ``window`` finite values form the current window, and once it is full every step is scored
+    with ``PSI = sum_b (p_b - q_b) * log(p_b / q_b)`` where ``p``/``q`` are the current/reference
+    bin fractions with ``smoothing`` pseudo-counts per bin (so an empty bin is finite).  The
+    current value is part of the scored window; it enters the window unless the series is in
+    alarm with ``freeze_on_alarm``.  With ``stride > 1`` the PSI is recomputed every ``stride``
+    steps and carried in between; with ``refresh > 0`` the reference is replaced by the current
+    window every ``refresh`` scored steps (drift *rate* rather than drift since the start).
+
+    Rule of thumb for PSI: < 0.1 stable, 0.1-0.25 moderate, > 0.25 a shift; sampling noise alone
+    gives about ``2 * (n_bins - 1) / window``.  Training statistics drift legitimately, so the
+    default threshold (1.0) flags only large distribution changes.
+
+    Parameters
+    ----------
+    n_series
+        Number of series.
+    window
+        Size of the reference and of the current window.
+    n_bins
+        Number of quantile bins.
+    warmup
+        Finite values skipped before the reference starts (early training is a transient).
+    threshold
+        Alarm when PSI exceeds this.
+    stride
+        Recompute the PSI every ``stride`` steps (carry the last score in between).
+    refresh
+        Replace the reference by the current window every ``refresh`` scored steps (0 = never).
+    smoothing
+        Pseudo-count added to every bin of both histograms.
+    freeze_on_alarm
+        Do not push values into the current window while the series is in alarm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(1)
+    >>> x = rng.normal(0.0, 1.0, 1200)
+    >>> x[700:] += np.linspace(0.0, 3.0, 500)        # slow drift: 0.006 sigma per step
+    >>> det = HistogramDrift(window=200, n_bins=10, threshold=1.0)
+    >>> scores, alarms = det.update_many(x)
+    >>> bool(alarms[:700].any()), 800 < int(np.argmax(alarms[:, 0])) < 1100
+    (False, True)
+    """
+
+    kind = "activation_shift"
+    hyperparameters = ("window", "n_bins", "warmup", "stride", "refresh", "smoothing")
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        window: int = 200,
+        n_bins: int = 10,
+        warmup: int = 0,
+        threshold: float = 1.0,
+        stride: int = 1,
+        refresh: int = 0,
+        smoothing: float = 0.5,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.window = check_int(name, "window", window, 2)
+        self.n_bins = check_int(name, "n_bins", n_bins, 2, self.window)
+        self.warmup = check_int(name, "warmup", warmup, 0)
+        self.stride = check_int(name, "stride", stride, 1)
+        self.refresh = check_int(name, "refresh", refresh, 0)
+        self.smoothing = check_float(name, "smoothing", smoothing, 0.0, low_open=True)
+        self._setup()
+
+    def _extra_params(self) -> list[float]:
+        return [
+            float(self.window),
+            float(self.n_bins),
+            float(self.warmup),
+            float(self.stride),
+            float(self.refresh),
+            self.smoothing,
+        ]
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((_H_FIELDS, n))
+
+    def _init_buf(self, n: int) -> FloatArray:
+        # reference values, current ring, edges, reference counts, current counts
+        return np.zeros((2 * self.window + 3 * self.n_bins - 1, n))
+
+    kernel = staticmethod(_hist_kernel)
+
+    @property
+    def edges(self) -> FloatArray:
+        """Bin edges per series, shape ``(n_bins - 1, n_series)`` (zeros until built)."""
+        e0 = 2 * self.window
+        return self._buf[e0 : e0 + self.n_bins - 1].copy()

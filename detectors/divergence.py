@@ -1,0 +1,332 @@
+"""Train/validation divergence: a growing generalisation gap, and validation spikes.
+
+Validation loss arrives every N steps (missing in between).  Both detectors work in log space
+and score only on steps where a validation value is present (``nan`` elsewhere).
+
+:class:`TrainValDivergence` keeps an EW mean of the log train loss (debiased) and, at each
+validation point ``k``, forms the increments since the previous validation point::
+
+    dv_k = log(val_k) - log(val_{k-1})          # validation change
+    dm_k = m_k - m_{k-1}                        # smoothed log-train change
+    u_k  = dv_k - max(dm_k, 0)  = min(dv_k, dv_k - dm_k)
+
+``u_k`` is the growth of the gap ``log(val) - m`` *capped by the validation change itself*: it is
+positive only when validation rises, and a rise that the train loss shares (both going up:
+global instability, not over-fitting) is discounted.  (The raw gap also grows on healthy runs,
+because the smoothed train loss lags behind a falling loss; capping by ``dv`` removes that.)
+The score is the t-statistic of the mean of the last ``n_points`` increments::
+
+    score = mean(u) * sqrt(n) / max(sd(u), min_scale)
+
+so a *sustained* rise -- several increases in a row, even each as small as the noise -- scores
+high, while isolated bumps do not.  ``min_scale`` (log units) keeps tiny, perfectly regular
+drifts on a plateau from producing large t-values.
+
+:class:`ValSpike` scores one validation point against the previous one:
+``(log(val_k) - log(val_{k-1})) / scale`` with ``scale = 1.4826 * median |dv|`` over the last
+``window`` validation increments (floored at ``min_scale``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray, check_float, check_int
+
+LOG_FLOOR = 1e-30
+
+# TrainValDivergence state rows
+_TM, _TCOUNT, _PREV_V, _PREV_M, _NVAL, _POS, _NINC, _HAS_M = 0, 1, 2, 3, 4, 5, 6, 7
+_TV_FIELDS = 8
+# params: [threshold, freeze, alpha, n_points, warmup, min_scale]
+
+
+@njit(cache=True, error_model="numpy")
+def _tv_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    freeze = params[1] != 0.0
+    alpha = params[2]
+    m_pts = int(params[3])
+    warmup = params[4]
+    min_scale = params[5]
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            has_l = not miss[t, 0, i]
+            has_v = not miss[t, 1, i]
+            if (has_l and not np.isfinite(X[t, 0, i])) or (has_v and not np.isfinite(X[t, 1, i])):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            # tentative train update (committed unless frozen)
+            tm = state[_TM, i]
+            tc = state[_TCOUNT, i]
+            if has_l:
+                y = math.log(max(X[t, 0, i], LOG_FLOOR))
+                if tc == 0.0:
+                    tm = y
+                else:
+                    a = max(alpha, 1.0 / (tc + 1.0))
+                    tm = tm + a * (y - tm)
+                tc = tc + 1.0
+            if not has_v:
+                state[_TM, i] = tm
+                state[_TCOUNT, i] = tc
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            v = math.log(max(X[t, 1, i], LOG_FLOOR))
+            nval = state[_NVAL, i]
+            if nval == 0.0:
+                state[_TM, i] = tm
+                state[_TCOUNT, i] = tc
+                state[_PREV_V, i] = v
+                state[_PREV_M, i] = tm
+                state[_HAS_M, i] = 1.0 if tc > 0.0 else 0.0
+                state[_NVAL, i] = 1.0
+                scores[t, i] = 0.0
+                alarms[t, i] = False
+                continue
+            dv = v - state[_PREV_V, i]
+            has_m = tc > 0.0 and state[_HAS_M, i] != 0.0
+            dm = tm - state[_PREV_M, i] if has_m else 0.0
+            u = dv - max(dm, 0.0)
+            pos = int(state[_POS, i])
+            ninc = state[_NINC, i]
+            n = int(min(ninc + 1.0, m_pts))
+            if ninc + 1.0 < warmup:
+                score = 0.0
+            else:
+                # the window: u plus the n - 1 most recent stored increments
+                s = u
+                for r in range(1, n):
+                    s += buf[(pos - r) % m_pts, i]
+                mean = s / n
+                ss = (u - mean) * (u - mean)
+                for r in range(1, n):
+                    d = buf[(pos - r) % m_pts, i] - mean
+                    ss += d * d
+                sd = math.sqrt(ss / (n - 1)) if n > 1 else 0.0
+                score = mean * math.sqrt(n) / max(sd, min_scale, 1e-300)
+            alarm = score > threshold
+            scores[t, i] = score
+            alarms[t, i] = alarm
+            if alarm and freeze:
+                continue
+            state[_TM, i] = tm
+            state[_TCOUNT, i] = tc
+            buf[pos, i] = u
+            state[_POS, i] = (pos + 1) % m_pts
+            state[_NINC, i] = ninc + 1.0
+            state[_PREV_V, i] = v
+            state[_PREV_M, i] = tm
+            state[_HAS_M, i] = 1.0 if tc > 0.0 else 0.0
+            state[_NVAL, i] = nval + 1.0
+
+
+class TrainValDivergence(BankDetector):
+    """Sustained growth of the validation/train gap (over-fitting) at validation points.
+
+    Inputs are ``loss`` (every step) and ``val_loss`` (every N steps, missing otherwise).  The
+    train loss is smoothed by an EW mean in log space; at every validation point the gap
+    increment ``u = dv - max(dm, 0)`` (see the module docstring) enters a window of the last
+    ``n_points`` increments, and the score is the t-statistic of their mean.  Only validation
+    steps are scored (``nan`` on the others); a non-finite train or validation value scores
+    ``+inf`` and is not used.
+
+    Parameters
+    ----------
+    n_series
+        Number of series (e.g. one per validation set sharing a train loss).
+    alpha
+        Weight of the newest train loss in the EW mean of ``log(loss)`` (debiased: plain average
+        while ``count < 1/alpha``).  0.05 smooths minibatch noise over ~20 steps yet follows
+        the loss closely between evaluations.
+    n_points
+        Number of validation increments in the t-statistic (5 = six evaluations).
+    warmup
+        Validation increments needed before scoring (at least 2 for a standard deviation).
+    threshold
+        Alarm when the t-statistic exceeds this.
+    min_scale
+        Floor of the increments' standard deviation, in log units (0.005 = 0.5 %).
+    freeze_on_alarm
+        Do not update the statistics on a validation step in alarm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> T = 2000
+    >>> steps = np.arange(T)
+    >>> train = np.exp(-steps / 800.0 + rng.normal(0.0, 0.05, T))
+    >>> val = 1.05 * np.exp(-steps / 800.0)
+    >>> val[1000:] = val[1000] * np.exp((steps[1000:] - 1000) / 2000.0)   # over-fitting
+    >>> val_logged = np.where(steps % 50 == 0, val, np.nan)
+    >>> missing = np.stack([np.zeros(T, bool), np.isnan(val_logged)], axis=1)[:, :, None]
+    >>> det = TrainValDivergence()
+    >>> scores, alarms = det.update_many(train, val_logged, missing=missing)
+    >>> first = int(np.argmax(alarms[:, 0]))
+    >>> bool(alarms[:1000].any()), 1000 < first <= 1250
+    (False, True)
+    """
+
+    kind = "train_val_divergence"
+    n_inputs = 2
+    input_names = ("loss", "val_loss")
+    hyperparameters = ("alpha", "n_points", "warmup", "min_scale")
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        alpha: float = 0.05,
+        n_points: int = 5,
+        warmup: int = 4,
+        threshold: float = 4.0,
+        min_scale: float = 0.005,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
+        self.n_points = check_int(name, "n_points", n_points, 2)
+        self.warmup = check_int(name, "warmup", warmup, 2)
+        self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
+        self._setup()
+
+    def _extra_params(self) -> list[float]:
+        return [self.alpha, float(self.n_points), float(self.warmup), self.min_scale]
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((_TV_FIELDS, n))
+
+    def _init_buf(self, n: int) -> FloatArray:
+        return np.zeros((self.n_points, n))
+
+    kernel = staticmethod(_tv_kernel)
+
+    @property
+    def smoothed_train(self) -> FloatArray:
+        """EW mean of ``log(loss)`` per series."""
+        return self._state[_TM].copy()
+
+
+# ValSpike state rows
+_VS_PREV, _VS_NVAL, _VS_POS, _VS_NINC = 0, 1, 2, 3
+# params: [threshold, freeze, window, warmup, min_scale]
+MAD_TO_SIGMA = 1.4826
+
+
+@njit(cache=True, error_model="numpy")
+def _vs_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    freeze = params[1] != 0.0
+    w = int(params[2])
+    warmup = params[3]
+    min_scale = params[4]
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            if miss[t, 0, i]:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            x = X[t, 0, i]
+            if not np.isfinite(x):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            v = math.log(max(x, LOG_FLOOR))
+            nval = state[_VS_NVAL, i]
+            if nval == 0.0:
+                state[_VS_PREV, i] = v
+                state[_VS_NVAL, i] = 1.0
+                scores[t, i] = 0.0
+                alarms[t, i] = False
+                continue
+            dv = v - state[_VS_PREV, i]
+            ninc = int(state[_VS_NINC, i])
+            if ninc < warmup:
+                score = 0.0
+            else:
+                n = min(ninc, w)
+                med = np.median(buf[:n, i])
+                score = dv / max(MAD_TO_SIGMA * med, min_scale, 1e-300)
+            alarm = score > threshold
+            scores[t, i] = score
+            alarms[t, i] = alarm
+            if alarm and freeze:
+                continue
+            pos = int(state[_VS_POS, i])
+            buf[pos, i] = abs(dv)
+            state[_VS_POS, i] = (pos + 1) % w
+            state[_VS_NINC, i] = ninc + 1.0
+            state[_VS_PREV, i] = v
+            state[_VS_NVAL, i] = nval + 1.0
+
+
+class ValSpike(BankDetector):
+    """Spike of a validation point relative to the previous validation points (log space).
+
+    ``score = (log(val_k) - log(val_{k-1})) / max(1.4826 * median(|dv|), min_scale)``, the
+    median over the last ``window`` validation increments: a robust "how many typical
+    eval-to-eval changes did validation just jump up".  Only steps with a validation value are
+    scored; the others are missing (``nan``).  Falling validation gives negative scores.
+
+    Parameters
+    ----------
+    n_series
+        Number of series.
+    window
+        Number of past validation increments in the robust scale.
+    warmup
+        Validation increments needed before scoring.
+    threshold
+        Alarm when the score exceeds this.
+    min_scale
+        Floor of the scale in log units (0.01 = 1 %).
+    freeze_on_alarm
+        Do not update the statistics on a validation point in alarm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> val = np.exp(-np.arange(30) / 100.0 + rng.normal(0.0, 0.01, 30))
+    >>> val[20] *= 1.5
+    >>> scores, alarms = ValSpike().update_many(val)
+    >>> np.flatnonzero(alarms[:, 0]).tolist()
+    [20]
+    """
+
+    kind = "train_val_divergence"
+    input_names = ("val_loss",)
+    hyperparameters = ("window", "warmup", "min_scale")
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        window: int = 8,
+        warmup: int = 3,
+        threshold: float = 6.0,
+        min_scale: float = 0.01,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.window = check_int(name, "window", window, 1)
+        self.warmup = check_int(name, "warmup", warmup, 1)
+        self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
+        self._setup()
+
+    def _extra_params(self) -> list[float]:
+        return [float(self.window), float(self.warmup), self.min_scale]
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((4, n))
+
+    def _init_buf(self, n: int) -> FloatArray:
+        return np.zeros((self.window, n))
+
+    kernel = staticmethod(_vs_kernel)

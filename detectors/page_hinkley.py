@@ -1,0 +1,188 @@
+"""Page-Hinkley level-shift test, reproducing ``river.drift.PageHinkley`` exactly.
+
+For every finite observation ``x`` (river's recurrence, same floating-point order)::
+
+    n += 1;  mean += (1 / n) * (x - mean);  dev = x - mean
+    s_up   = alpha * s_up   + dev - delta;   min_up   = min(min_up, s_up)
+    s_down = alpha * s_down + dev + delta;   max_down = max(max_down, s_down)
+
+and, once ``n >= min_instances``, the Page-Hinkley statistics ``up = s_up - min_up`` and
+``down = max_down - s_down``.  The score is ``up`` (``mode="up"``), ``down`` (``"down"``) or
+``max(up, down)`` (``"both"``); ``alarm = score > threshold`` is river's ``drift_detected``
+(river compares with ``>`` too).  Like river, the series restarts from scratch after a drift
+(``reset_on_drift=True``).  Before ``min_instances`` observations the score is ``0.0``.
+
+Note that with ``reset_on_drift`` the threshold also decides *when* the statistics restart, so
+scores after the first alarm depend on it; ``reset_on_drift=False`` gives threshold-free scores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+
+MODES = {"up": 1.0, "down": -1.0, "both": 0.0}
+
+# state rows
+_N, _MEAN, _S_UP, _S_DOWN, _MIN_UP, _MAX_DOWN = 0, 1, 2, 3, 4, 5
+_N_FIELDS = 6
+# params: [threshold, freeze, min_instances, delta, alpha, mode, reset_on_drift]
+
+
+@njit(cache=True, error_model="numpy")
+def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    min_instances = params[2]
+    delta = params[3]
+    alpha = params[4]
+    mode = params[5]
+    reset = params[6] != 0.0
+    for i in range(X.shape[2]):
+        n = state[_N, i]
+        mean = state[_MEAN, i]
+        s_up = state[_S_UP, i]
+        s_down = state[_S_DOWN, i]
+        min_up = state[_MIN_UP, i]
+        max_down = state[_MAX_DOWN, i]
+        for t in range(X.shape[0]):
+            if miss[t, 0, i]:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            x = X[t, 0, i]
+            if not np.isfinite(x):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            n += 1.0
+            mean += (1.0 / n) * (x - mean)
+            dev = x - mean
+            s_up = alpha * s_up + dev - delta
+            s_down = alpha * s_down + dev + delta
+            if s_up < min_up:
+                min_up = s_up
+            if s_down > max_down:
+                max_down = s_down
+            if n >= min_instances:
+                up = s_up - min_up
+                down = max_down - s_down
+                if mode > 0.0:
+                    s = up
+                elif mode < 0.0:
+                    s = down
+                else:
+                    s = max(up, down)
+            else:
+                s = 0.0
+            alarm = s > threshold
+            scores[t, i] = s
+            alarms[t, i] = alarm
+            if alarm and reset:
+                n = 0.0
+                mean = 0.0
+                s_up = 0.0
+                s_down = 0.0
+                min_up = np.inf
+                max_down = -1.0
+        state[_N, i] = n
+        state[_MEAN, i] = mean
+        state[_S_UP, i] = s_up
+        state[_S_DOWN, i] = s_down
+        state[_MIN_UP, i] = min_up
+        state[_MAX_DOWN, i] = max_down
+
+
+class PageHinkley(BankDetector):
+    """Page-Hinkley test for a shift of the mean (river's ``drift.PageHinkley``, banked).
+
+    Parameters
+    ----------
+    n_series
+        Number of series in the bank.
+    min_instances
+        Number of finite observations (since the last restart) before the test is applied.
+    delta
+        Tolerated magnitude of change (the drift allowance subtracted at every step).
+    threshold
+        Page-Hinkley threshold (lambda): ``alarm = score > threshold``.
+    alpha
+        Forgetting factor of the cumulative sums.
+    mode
+        ``"up"`` (increases of the mean), ``"down"`` or ``"both"``.
+    reset_on_drift
+        Restart the statistics after an alarm, as river does.
+    freeze_on_alarm
+        Not supported (must be ``False``): after a drift the detector restarts instead.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> x = np.concatenate([rng.normal(0.0, 1.0, 500), rng.normal(3.0, 1.0, 500)])
+    >>> det = PageHinkley()
+    >>> scores, alarms = det.update_many(x)
+    >>> np.flatnonzero(alarms[:, 0]).tolist()
+    [518]
+    """
+
+    kind = "level_shift"
+    hyperparameters = ("min_instances", "delta", "alpha", "mode", "reset_on_drift")
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        min_instances: int = 30,
+        delta: float = 0.005,
+        threshold: float = 50.0,
+        alpha: float = 1 - 0.0001,
+        mode: str = "both",
+        reset_on_drift: bool = True,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        if self.freeze_on_alarm:
+            raise ValueError(
+                f"The 'freeze_on_alarm' parameter of {name} must be False: the detector "
+                "restarts after a drift instead. Got True instead."
+            )
+        self.min_instances = check_int(name, "min_instances", min_instances, 0)
+        self.delta = check_float(name, "delta", delta, 0.0)
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0)
+        if mode not in MODES:
+            raise ValueError(
+                f"The 'mode' parameter of {name} must be one of {sorted(MODES)}. "
+                f"Got {mode!r} instead."
+            )
+        self.mode = mode
+        self.reset_on_drift = check_bool(name, "reset_on_drift", reset_on_drift)
+        self._setup()
+
+    def _extra_params(self) -> list[float]:
+        return [
+            float(self.min_instances),
+            self.delta,
+            self.alpha,
+            MODES[self.mode],
+            float(self.reset_on_drift),
+        ]
+
+    def _init_state(self, n: int) -> FloatArray:
+        state = np.zeros((_N_FIELDS, n))
+        state[_MIN_UP] = np.inf
+        state[_MAX_DOWN] = -1.0
+        return state
+
+    kernel = staticmethod(_kernel)
+
+    @property
+    def n_observations(self) -> FloatArray:
+        """Finite observations since the last restart, per series."""
+        return self._state[_N].copy()
+
+    @property
+    def mean(self) -> FloatArray:
+        """Running mean since the last restart, per series."""
+        return self._state[_MEAN].copy()

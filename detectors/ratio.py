@@ -1,0 +1,223 @@
+"""Ratio of each new value to a reference level (window mean / median, EW mean, initial max).
+
+The score of a step is the ratio ``x / reference``, where the reference is computed from the
+values accepted *before* the step (test-then-train).  With ``patience = p`` the score is the
+**minimum ratio over the last ``p`` scored steps**, so ``score > threshold`` exactly when the
+ratio exceeded the threshold on each of those ``p`` steps.  The score does not depend on the
+threshold, so threshold sweeps on precomputed scores remain exact.
+
+Industry rules as parameter choices (they use ``>=``; this package alarms on ``score >
+threshold``, which differs only when the ratio equals the threshold exactly -- pass
+``np.nextafter(t, 0.0)`` to reproduce ``>= t`` bit for bit):
+
+* "loss >= 2x the window mean for 5 steps, window 100":
+  ``RatioToMean(window=100, threshold=2.0, patience=5, reference="mean")``
+* "loss >= 3x the 10-step mean": ``RatioToMean(window=10, threshold=3.0, patience=1,
+  reference="mean")``
+* "loss >= 10x the max of the first 100 values":
+  ``RatioToMean(window=100, threshold=10.0, reference="initial_max")``
+
+The default (``window=100, threshold=2.0, patience=3, reference="median"``) uses the window
+*median*: a window mean that contains one 100x spike is inflated for the next ``window`` steps,
+so the mean rule goes blind right after the first spike; and a patience of 3 reacts two steps
+sooner than 5 while still ignoring one- and two-step blips of heavy-tailed gradient norms.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray, check_int
+from .robust import sorted_median, sorted_push
+
+#: reference modes -> kernel code
+REFERENCES = {"mean": 0.0, "median": 1.0, "ewm": 2.0, "initial_max": 3.0}
+_MEAN, _MEDIAN, _EWM, _INITIAL_MAX = 0, 1, 2, 3
+#: a non-positive reference is replaced by this (the detector is meant for positive signals)
+TINY = 1e-300
+
+# state rows: ring write position, accepted values, EW mean / running max, ratio-ring position
+_POS, _COUNT, _REF, _RPOS = 0, 1, 2, 3
+_N_FIELDS = 4
+# params: [threshold, freeze, window, warmup, patience, reference]
+# buf rows: [0, window) value ring ("mean"/"median"), [window, 2 window) the ring sorted
+# ("median"), then `patience` recent ratios
+
+
+@njit(cache=True, error_model="numpy")
+def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    freeze = params[1] != 0.0
+    window = int(params[2])
+    warmup = params[3]
+    patience = int(params[4])
+    mode = int(params[5])
+    ring = mode == _MEAN or mode == _MEDIAN
+    off = 2 * window if mode == _MEDIAN else (window if ring else 0)
+    alpha = 2.0 / (window + 1.0)
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            if miss[t, 0, i]:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            x = X[t, 0, i]
+            if not np.isfinite(x):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            count = state[_COUNT, i]
+            ratio = 0.0
+            if count >= warmup and count > 0.0:
+                if mode == _MEAN:
+                    n_valid = int(min(count, window))
+                    acc = 0.0
+                    for j in range(n_valid):
+                        acc += buf[j, i]
+                    ref = acc / n_valid
+                elif mode == _MEDIAN:
+                    ref = sorted_median(buf, window, int(min(count, window)), i)
+                else:
+                    ref = state[_REF, i]
+                ratio = x / max(ref, TINY)
+            rpos = int(state[_RPOS, i])
+            buf[off + rpos, i] = ratio
+            state[_RPOS, i] = (rpos + 1) % patience
+            s = ratio
+            for j in range(patience):
+                s = min(s, buf[off + j, i])
+            alarm = s > threshold
+            scores[t, i] = s
+            alarms[t, i] = alarm
+            if alarm and freeze:
+                continue
+            if ring:
+                pos = int(state[_POS, i])
+                if mode == _MEDIAN:
+                    n_valid = int(min(count, window))
+                    sorted_push(buf, window, i, n_valid, window, buf[pos, i], x)
+                buf[pos, i] = x
+                state[_POS, i] = (pos + 1) % window
+            elif mode == _EWM:
+                a = max(alpha, 1.0 / (count + 1.0))
+                state[_REF, i] += a * (x - state[_REF, i])
+            elif count == 0.0:
+                state[_REF, i] = x
+            elif count < window:
+                state[_REF, i] = max(state[_REF, i], x)
+            state[_COUNT, i] = count + 1.0
+
+
+class RatioToMean(BankDetector):
+    """Ratio of each value to a reference level of the same series, with patience.
+
+    Parameters
+    ----------
+    n_series
+        Number of series in the bank.
+    window
+        Number of values the reference is built from: the last ``window`` values
+        (``"mean"``, ``"median"``), an exponentially weighted mean with span ``window``
+        (``alpha = 2 / (window + 1)``, ``"ewm"``), or the first ``window`` values
+        (``"initial_max"``).
+    threshold
+        Alarm when the score (a ratio) exceeds this value.
+    patience
+        Number of consecutive scored steps the ratio must exceed the threshold; the score is
+        the minimum ratio over the last ``patience`` scored steps (missing and non-finite steps
+        are not scored and neither break nor extend a streak).
+    reference
+        ``"median"`` (window median, default), ``"mean"`` (window mean), ``"ewm"`` or
+        ``"initial_max"`` (max of the first ``window`` values, then fixed).
+    warmup
+        Number of accepted values before any score is emitted (score ``0.0`` before).
+        ``None`` means ``window`` for every reference but ``"ewm"`` and ``min(window, 30)``
+        for ``"ewm"``.
+    freeze_on_alarm
+        Do not add a value to the reference when it raised an alarm.
+
+    Notes
+    -----
+    Meant for positive signals (loss, gradient norm): a non-positive reference is replaced by
+    ``1e-300``.  Non-finite values alarm with score ``+inf`` and never enter the reference;
+    missing values score ``nan`` and change nothing.
+
+    Examples
+    --------
+    "loss >= 2x the mean of the last 100 values for 5 steps":
+
+    >>> import numpy as np
+    >>> rule = RatioToMean(window=100, threshold=2.0, patience=5, reference="mean")
+    >>> x = np.ones(200)
+    >>> x[150:160] = 3.0
+    >>> scores, alarms = rule.update_many(x)
+    >>> np.flatnonzero(alarms[:, 0]).tolist()
+    [154, 155, 156, 157, 158, 159]
+    >>> float(scores[154, 0]) > 2.0 > float(scores[153, 0])
+    True
+
+    After a single 100x spike the window mean is inflated and the mean rule misses a sustained
+    2.5x rise; the default (window median, patience 3) ignores the one-step spike and catches
+    the rise on its third step:
+
+    >>> x = np.ones(300)
+    >>> x[120] = 100.0
+    >>> x[150:160] = 2.5
+    >>> rule.reset()
+    >>> bool(rule.update_many(x)[1].any())
+    False
+    >>> np.flatnonzero(RatioToMean().update_many(x)[1][:, 0]).tolist()
+    [152, 153, 154, 155, 156, 157, 158, 159]
+    """
+
+    kind = "spike"
+    hyperparameters = ("window", "patience", "reference", "warmup")
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        window: int = 100,
+        threshold: float = 2.0,
+        patience: int = 3,
+        reference: str = "median",
+        warmup: int | None = None,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.window = check_int(name, "window", window, 1)
+        self.patience = check_int(name, "patience", patience, 1)
+        if reference not in REFERENCES:
+            raise ValueError(
+                f"The 'reference' parameter of {name} must be one of {sorted(REFERENCES)}. "
+                f"Got {reference!r} instead."
+            )
+        self.reference = reference
+        if warmup is None:
+            warmup = min(self.window, 30) if reference == "ewm" else self.window
+        high = np.inf if reference == "ewm" else self.window
+        self.warmup = check_int(name, "warmup", warmup, 1, high)
+        self._setup()
+
+    def _extra_params(self) -> list[float]:
+        return [
+            float(self.window),
+            float(self.warmup),
+            float(self.patience),
+            REFERENCES[self.reference],
+        ]
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((_N_FIELDS, n))
+
+    def _init_buf(self, n: int) -> FloatArray:
+        ring = {"mean": self.window, "median": 2 * self.window}.get(self.reference, 0)
+        return np.zeros((ring + self.patience, n))
+
+    kernel = staticmethod(_kernel)
+
+    @property
+    def count(self) -> FloatArray:
+        """Number of values accepted into each series' reference so far."""
+        return self._state[_COUNT].copy()
