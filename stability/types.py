@@ -120,7 +120,7 @@ class Intervention:
 
 @dataclass(frozen=True)
 class ReduceLR(Intervention):
-    """Multiply the LR by ``factor`` for ``duration`` steps, then restore it over ``restore_steps``."""
+    """Multiply the LR by ``factor`` for ``duration`` steps, then restore over ``restore_steps``."""
 
     factor: float = 0.5
     duration: int = 100

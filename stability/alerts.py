@@ -1,0 +1,316 @@
+"""Alert sinks: Python logging (default), a file, and a Slack-compatible HTTP webhook.
+
+A sink's :meth:`~AlertSink.send` never raises and never blocks the training loop: the webhook
+posts from a background thread through a bounded queue, with a timeout, rate limiting (at most
+``max_per_window`` warnings per ``window_s`` seconds; the rest are coalesced into a count that
+rides on the next message) and escalation (critical alerts always go, ahead of warnings).
+Failures are reported once through :mod:`logging` and counted in ``stats``.
+
+Examples
+--------
+>>> from stability.types import Alert
+>>> sink = LoggingSink()
+>>> sink.send(Alert(5, "L1: loss_spike(loss)", severity="warning", message="loss spiked"))
+>>> sink.stats["sent"]
+1
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .types import Alert
+
+logger = logging.getLogger("stability.alerts")
+
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
+
+
+def format_alert(alert: Alert, prefix: str = "[stability]") -> str:
+    """One line of text for an alert.
+
+    >>> format_alert(Alert(7, "r", severity="critical", message="rollback to 5"))
+    '[stability] CRITICAL step 7: rollback to 5'
+    """
+    return f"{prefix} {alert.severity.upper()} step {alert.step}: {alert.message or alert.reason}"
+
+
+class AlertSink:
+    """Base class: ``send`` delivers or drops, never raises; failures are reported once."""
+
+    name = "sink"
+
+    def __init__(self) -> None:
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._reported = False
+
+    def send(self, alert: Alert) -> None:
+        """Deliver ``alert`` (or queue it); never raises."""
+        try:
+            self._send(alert)
+            self.stats["sent"] += 1
+        except Exception as e:  # noqa: BLE001 - a sink must never break training
+            self._failed(e)
+
+    def _send(self, alert: Alert) -> None:
+        raise NotImplementedError
+
+    def _failed(self, e: BaseException) -> None:
+        self.stats["failed"] += 1
+        if not self._reported:
+            self._reported = True
+            logger.warning("stability alert sink %s failed (%s: %s); further failures are "
+                           "counted, not reported.", self.name, type(e).__name__, e)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Release resources (flushing what is pending within ``timeout`` seconds)."""
+
+
+class LoggingSink(AlertSink):
+    """Alerts as log records on the ``stability.alerts`` logger (the default sink)."""
+
+    name = "logging"
+
+    def __init__(self, logger_name: str = "stability.alerts") -> None:
+        super().__init__()
+        self.logger = logging.getLogger(logger_name)
+
+    def _send(self, alert: Alert) -> None:
+        self.logger.log(_LEVELS.get(alert.severity, logging.WARNING), format_alert(alert))
+
+
+class FileSink(AlertSink):
+    """Alerts appended to a text file, one line each (opened per write; flushed)."""
+
+    name = "file"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+
+    def _send(self, alert: Alert) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {format_alert(alert)}\n")
+
+
+class RateLimiter:
+    """At most ``max_events`` per sliding ``window_s`` seconds.
+
+    >>> t = [0.0]
+    >>> rl = RateLimiter(2, 10.0, clock=lambda: t[0])
+    >>> [rl.allow() for _ in range(3)]
+    [True, True, False]
+    >>> t[0] = 11.0; rl.allow()
+    True
+    """
+
+    def __init__(self, max_events: int, window_s: float,
+                 clock: Callable[[], float] | None = None) -> None:
+        if max_events < 1 or window_s <= 0:
+            raise ValueError("RateLimiter needs max_events >= 1 and window_s > 0.")
+        self.max_events = max_events
+        self.window_s = window_s
+        self.clock = clock or time.monotonic
+        self._times: collections.deque[float] = collections.deque()
+
+    def allow(self, force: bool = False) -> bool:
+        """Record an event and say whether it may go (``force`` always goes and counts)."""
+        now = self.clock()
+        while self._times and now - self._times[0] >= self.window_s:
+            self._times.popleft()
+        if force or len(self._times) < self.max_events:
+            self._times.append(now)
+            return True
+        return False
+
+
+class WebhookSink(AlertSink):
+    """POST ``{"text": ...}`` (Slack-compatible) to ``url`` from a background thread.
+
+    Parameters
+    ----------
+    url : str
+        The webhook URL.
+    timeout : float
+        Seconds per HTTP request.
+    max_queue : int
+        Bounded queue; when full a warning is dropped (counted) -- a critical alert replaces
+        the oldest queued warning instead.
+    max_per_window, window_s : int, float
+        Warnings beyond ``max_per_window`` per ``window_s`` seconds are coalesced: counted, and
+        mentioned ("+N more alerts suppressed") in the next message that goes out.
+    min_severity : str
+        Alerts below this severity are ignored.
+    """
+
+    name = "webhook"
+
+    def __init__(self, url: str, *, timeout: float = 5.0, max_queue: int = 100,
+                 max_per_window: int = 5, window_s: float = 60.0,
+                 min_severity: str = "warning", clock: Callable[[], float] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__()
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"The 'url' parameter of WebhookSink must be http(s). Got {url!r}.")
+        if timeout <= 0 or max_queue < 1:
+            raise ValueError("WebhookSink needs timeout > 0 and max_queue >= 1.")
+        self.url = url
+        self.timeout = float(timeout)
+        self.max_queue = int(max_queue)
+        self.min_severity = min_severity
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.limiter = RateLimiter(max_per_window, window_s, clock)
+        self._queue: collections.deque[tuple[Alert, int]] = collections.deque()
+        self._cond = threading.Condition()
+        self._suppressed = 0
+        self._busy = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="stability-webhook", daemon=True)
+        self._thread.start()
+
+    def send(self, alert: Alert) -> None:
+        """Queue ``alert`` (non-blocking; never raises)."""
+        try:
+            order = ("info", "warning", "critical")
+            if order.index(alert.severity if alert.severity in order else "warning") < order.index(
+                    self.min_severity):
+                self.stats["ignored"] += 1
+                return
+            critical = alert.severity == "critical"
+            with self._cond:
+                if self._stop:
+                    self.stats["dropped"] += 1
+                    return
+                if not self.limiter.allow(force=critical):
+                    self._suppressed += 1
+                    self.stats["coalesced"] += 1
+                    return
+                if len(self._queue) >= self.max_queue:
+                    victim = next((i for i, (a, _) in enumerate(self._queue)
+                                   if a.severity != "critical"), None)
+                    if not critical or victim is None:
+                        self.stats["dropped"] += 1
+                        return
+                    del self._queue[victim]
+                    self.stats["dropped"] += 1
+                suppressed, self._suppressed = self._suppressed, 0
+                if critical:  # escalation: ahead of every queued warning
+                    pos = next((i for i, (a, _) in enumerate(self._queue)
+                                if a.severity != "critical"), len(self._queue))
+                    self._queue.insert(pos, (alert, suppressed))
+                else:
+                    self._queue.append((alert, suppressed))
+                self._cond.notify()
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                alert, suppressed = self._queue.popleft()
+                self._busy = True
+            try:
+                self._post(alert, suppressed)
+                self.stats["sent"] += 1
+            except Exception as e:  # noqa: BLE001 - report once, keep going
+                self._failed(e)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _post(self, alert: Alert, suppressed: int) -> None:
+        text = format_alert(alert)
+        if suppressed:
+            text += f" (+{suppressed} more alerts suppressed by rate limit)"
+        body = json.dumps({"text": text}).encode()
+        req = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310
+            if resp.status >= 300:
+                raise urllib.error.HTTPError(self.url, resp.status, "webhook error", resp.headers,
+                                             None)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the queue is drained (at most ``timeout`` s); ``True`` if drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Deliver what is queued within ``timeout`` seconds, then stop the thread."""
+        with self._cond:
+            if self._suppressed and not self._stop:
+                last = Alert(-1, "rate limit", severity="warning",
+                             message="alerts were suppressed by the rate limit")
+                self._queue.append((last, self._suppressed))
+                self._suppressed = 0
+                self._cond.notify()
+        self.flush(timeout)
+        with self._cond:
+            self._stop = True
+            n = len(self._queue)
+            self._queue.clear()
+            self.stats["dropped"] += n
+            self._cond.notify_all()
+        self._thread.join(0 if timeout is None else max(timeout, 0.0) + 0.1)
+
+
+class AlertRouter:
+    """Fan an alert out to several sinks; one broken sink never affects the others.
+
+    >>> r = AlertRouter()                     # default: a LoggingSink
+    >>> r.send(Alert(1, "x", message="hi")); [type(s).__name__ for s in r.sinks]
+    ['LoggingSink']
+    """
+
+    def __init__(self, sinks: Iterable[AlertSink] | None = None) -> None:
+        self.sinks: list[AlertSink] = list(sinks) if sinks is not None else [LoggingSink()]
+
+    def send(self, alert: Alert) -> None:
+        for s in self.sinks:
+            try:
+                s.send(alert)
+            except Exception as e:  # noqa: BLE001 - user-written sinks too
+                logger.warning("alert sink %r raised %s: %s", s, type(e).__name__, e)
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        for s in self.sinks:
+            try:
+                s.close(timeout)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("closing alert sink %r raised %s: %s", s, type(e).__name__, e)
+
+
+def make_sink(spec: dict[str, Any]) -> AlertSink:
+    """Build a sink from config data: ``{"type": "logging"|"file"|"webhook", ...kwargs}``.
+
+    >>> type(make_sink({"type": "file", "path": "alerts.txt"})).__name__
+    'FileSink'
+    """
+    spec = dict(spec)
+    kind = spec.pop("type", "logging")
+    if kind == "logging":
+        return LoggingSink(**spec)
+    if kind == "file":
+        return FileSink(**spec)
+    if kind == "webhook":
+        return WebhookSink(**spec)
+    raise ValueError(f"Unknown alert sink type {kind!r}; known: logging, file, webhook.")

@@ -1,0 +1,242 @@
+"""Durable, append-only event log (JSON Lines).
+
+Every record is one JSON object on one line with at least ``type``, ``step`` and ``time`` (Unix
+seconds).  Each append is a single ``os.write`` on a file opened with ``O_APPEND`` -- no user-space
+buffer, so a record is in the kernel as soon as :meth:`EventLog.append` returns and survives the
+process being killed right after.  Critical records (critical alarms, checkpoints, rollbacks,
+stops, and anything appended with ``critical=True``) are also ``fsync``-ed, so they survive a
+machine crash too.
+
+Write failures (read-only directory, full disk, ...) are reported once through :mod:`logging` and
+never raise into the training loop, unless ``strict=True``.
+
+Examples
+--------
+>>> import tempfile, os
+>>> from stability.types import Alarm
+>>> path = os.path.join(tempfile.mkdtemp(), "events.jsonl")
+>>> with EventLog(path) as log:
+...     ok = log.alarm(Alarm(3, "loss_spike", "loss", 9.0, 6.0, "warning", "ewma_z"))
+...     ok = log.info(4, "hello", lr=0.1)
+>>> [(e["type"], e["step"]) for e in read_events(path)]
+[('alarm', 3), ('info', 4)]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .types import Alarm, Intervention
+
+logger = logging.getLogger("stability.events")
+
+#: Intervention types that are always fsynced.
+CRITICAL_TYPES = frozenset({"checkpoint", "rollback", "stop"})
+
+
+def _clean(v: Any) -> Any:
+    """Make ``v`` strict-JSON serialisable (non-finite floats become strings)."""
+    if isinstance(v, float):
+        if math.isfinite(v):
+            return v
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, Mapping):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if v is None or isinstance(v, (str, int, bool)):
+        return v
+    if hasattr(v, "to_dict"):
+        return _clean(v.to_dict())
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def is_critical(record: Mapping[str, Any]) -> bool:
+    """Whether a record must be fsynced.
+
+    >>> is_critical({"type": "alarm", "severity": "critical"}), is_critical({"type": "info"})
+    (True, False)
+    """
+    if record.get("critical"):
+        return True
+    t = record.get("type")
+    if t in CRITICAL_TYPES:
+        return True
+    if t == "alarm" and record.get("severity") == "critical":
+        return True
+    return t == "intervention" and record.get("intervention") in CRITICAL_TYPES
+
+
+class EventLog:
+    """Append-only JSONL event log.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file; parent directories are created.  Appends to an existing file.
+    fsync : {"critical", "always", "never"}
+        When to ``fsync`` after a write.
+    strict : bool
+        Raise ``OSError`` on write failures instead of reporting them once through logging.
+    clock : callable, optional
+        Time source for the ``time`` field (default :func:`time.time`).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], fsync: str = "critical",
+                 strict: bool = False, clock: Any = None) -> None:
+        if fsync not in ("critical", "always", "never"):
+            raise ValueError(f"The 'fsync' parameter of EventLog must be one of critical, always, "
+                             f"never. Got {fsync!r} instead.")
+        self.path = os.fspath(path)
+        self.fsync = fsync
+        self.strict = strict
+        self.clock = clock or time.time
+        self.n_written = 0
+        self.n_dropped = 0
+        self._fd: int | None = None
+        self._reported = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            parent = os.path.dirname(self.path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            self._fail(e)
+
+    def _fail(self, e: OSError) -> None:
+        if self.strict:
+            raise e
+        if not self._reported:
+            self._reported = True
+            logger.error("stability event log %s cannot be written (%s); events are being "
+                         "dropped (reported once).", self.path, e)
+
+    # ------------------------------------------------------------------ writing
+    def append(self, record: Mapping[str, Any], critical: bool | None = None) -> bool:
+        """Append one record; returns ``True`` if it reached the file.
+
+        ``type`` defaults to ``"info"``, ``step`` to ``None`` and ``time`` to now.
+        """
+        rec: dict[str, Any] = {"type": "info", "step": None}
+        rec.update(record)
+        rec.setdefault("time", self.clock())
+        crit = is_critical(rec) if critical is None else critical
+        line = (json.dumps(_clean(rec), allow_nan=False, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._closed:
+                raise ValueError("I/O operation on a closed EventLog.")
+            if self._fd is None:
+                self.n_dropped += 1
+                return False
+            try:
+                view = memoryview(line)
+                while view:
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+                if self.fsync == "always" or (crit and self.fsync == "critical"):
+                    os.fsync(self._fd)
+            except OSError as e:
+                self.n_dropped += 1
+                self._fail(e)
+                return False
+            self.n_written += 1
+            return True
+
+    def alarm(self, alarm: Alarm, **extra: Any) -> bool:
+        """Append an ``alarm`` record."""
+        return self.append({"type": "alarm", **alarm.to_dict(), **extra})
+
+    def intervention(self, iv: Intervention, **extra: Any) -> bool:
+        """Append an ``intervention`` record (``intervention`` holds the intervention type)."""
+        d = iv.to_dict()
+        d["intervention"] = d.pop("type")
+        return self.append({"type": "intervention", **d, **extra})
+
+    def goodput(self, step: int, stats: Mapping[str, Any]) -> bool:
+        """Append a ``goodput`` record."""
+        return self.append({"type": "goodput", "step": step, **stats})
+
+    def info(self, step: int | None, message: str, **extra: Any) -> bool:
+        """Append an ``info`` record."""
+        return self.append({"type": "info", "step": step, "message": message, **extra})
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """``fsync`` the file (every append is already written through to the kernel)."""
+        with self._lock:
+            if self._fd is not None:
+                try:
+                    os.fsync(self._fd)
+                except OSError as e:
+                    self._fail(e)
+
+    def close(self) -> None:
+        """Flush and close; idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        with self._lock:
+            self._closed = True
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                os.close(fd)
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EventLog({self.path!r}, written={self.n_written}, dropped={self.n_dropped})"
+
+
+def iter_events(path: str | os.PathLike[str], errors: str = "raise") -> Iterator[dict[str, Any]]:
+    """Yield the records of an event log in order.
+
+    A torn (incomplete or unparsable) *last* line -- a write interrupted by a crash -- is
+    skipped silently.  A bad line elsewhere raises ``ValueError`` (``errors="raise"``) or is
+    skipped with a warning (``errors="skip"``).
+    """
+    if errors not in ("raise", "skip"):
+        raise ValueError(f"errors must be 'raise' or 'skip'. Got {errors!r} instead.")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = len(lines) - 1
+    while last >= 0 and not lines[last].strip():
+        last -= 1
+    for i, raw in enumerate(lines[: last + 1]):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if i == last:
+                return
+            if errors == "raise":
+                raise ValueError(f"{os.fspath(path)}:{i + 1}: corrupt event record ({e}).") from e
+            logger.warning("%s:%d: skipping corrupt event record (%s).", os.fspath(path), i + 1, e)
+            continue
+        yield rec
+
+
+def read_events(path: str | os.PathLike[str], errors: str = "raise") -> list[dict[str, Any]]:
+    """All records of an event log (see :func:`iter_events`)."""
+    return list(iter_events(path, errors))

@@ -1,0 +1,430 @@
+"""Policy: turn alarms into one coherent, escalating response per incident.
+
+The policy keeps one *escalation level* shared by the kinds whose rule has ``escalate = true``
+(loss spikes, gradient explosions, activation shifts, non-finite values, LR/loss anomalies).  A
+response is the set of actions of the current level in the kind's ladder; the default ladder is
+
+1. ``alert`` + ``clip``: a tighter gradient clip, ``clip.factor`` x the median of the recent
+   gradient norms (``context["grad_norm_recent_median"]``), never above the clip in force;
+2. ``alert`` + ``reduce_lr``: multiply the LR by ``lr.factor`` for ``lr.duration`` steps, then
+   restore it gradually over ``lr.restore_steps`` steps;
+3. ``alert`` + ``checkpoint`` + ``rollback``: an emergency checkpoint (tagged unhealthy), then a
+   rollback to the latest *healthy* checkpoint before the incident's onset, skipping the batches
+   ``[onset, now]``;
+4. ``alert`` + ``stop``.
+
+Independently of the level, the optimizer step is skipped on every alarm step whose kind's
+``skip`` rule matches (``nonfinite``: always; most kinds: on critical alarms).
+
+Timing:
+
+* **cooldown** -- alarms within ``cooldown`` steps of a response are merged into it (no new
+  response; only ``SkipStep`` still applies).  All alarms of one step are merged too, so a storm
+  gives one response.  A kind with ``patience`` (``nonfinite``: 3 alarm steps within the
+  escalation window) jumps to ``persist_level`` even inside a cooldown;
+* **escalation** -- a response within ``escalation_window`` steps of the previous one goes one
+  level up; a later one repeats the current level;
+* **hysteresis** -- the level drops by one per ``quiet_steps`` steps without alarms.
+
+On a step without (actionable) alarms :meth:`Policy.step` changes nothing but the persistent
+``Control`` fields, which are a pure function of (state, step) -- see :meth:`Policy.control_at`.
+The batch replay may therefore call :meth:`Policy.step` only on alarm steps.
+
+Examples
+--------
+>>> from stability.types import Alarm, Control
+>>> pol = Policy({"cooldown": 5, "escalation_window": 50})
+>>> ctl = Control()
+>>> spike = lambda s: [Alarm(s, "loss_spike", "loss", 9.0, 6.0, "warning", "ewma_z")]
+>>> [i.type for i in pol.step(100, spike(100), ctl, {"grad_norm_recent_median": 0.5})]
+['alert', 'set_clip']
+>>> ctl.clip_norm
+1.0
+>>> pol.step(102, spike(102), ctl)                  # inside the cooldown: merged
+[]
+>>> [i.type for i in pol.step(110, spike(110), ctl)]  # recurs within the window: level 2
+['alert', 'reduce_lr']
+>>> ctl.lr_factor, pol.control_at(300).lr_factor
+(0.5, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .lr_schedule import adaptive_clip, compound_factor, lr_cut_end, lr_factor_at
+from .policy_config import ACTIONS, PolicyConfig
+from .types import (
+    SEVERITIES,
+    Alarm,
+    Alert,
+    Checkpoint,
+    Control,
+    Intervention,
+    ReduceLR,
+    Rollback,
+    SetClip,
+    SkipStep,
+    Stop,
+)
+
+STATE_VERSION = 1
+_SEV = {s: i for i, s in enumerate(SEVERITIES)}
+_INF = 2**62
+
+
+class Policy:
+    """Escalation-ladder policy; see the module docstring for the semantics.
+
+    Parameters
+    ----------
+    config : dict, PolicyConfig or None
+        The ``[policy]`` table (validated by :meth:`PolicyConfig.from_dict`).
+    """
+
+    def __init__(self, config: Mapping[str, Any] | PolicyConfig | None = None) -> None:
+        self.config = config if isinstance(config, PolicyConfig) else PolicyConfig.from_dict(config)
+        self.log_only = self.config.mode == "log_only"
+        self._min_sev = _SEV[self.config.min_severity]
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every incident (fresh state)."""
+        self._level = 0
+        self._last_alarm: int | None = None
+        self._last_response: int | None = None
+        self._kind_last: dict[str, int] = {}
+        self._onset: int | None = None
+        self._hist: dict[str, list[int]] = {}
+        self._lr: tuple[int, float, int, int] | None = None   # start, factor, duration, restore
+        self._clip: tuple[float, int, int] | None = None      # norm, start, duration
+        self._neutral_from = -_INF
+        self._rewound_to: int | None = None
+        self.n_rollbacks = 0
+        self.n_responses = 0
+        self.n_merged = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible state (``"version"`` key); config is not included."""
+        return {
+            "version": STATE_VERSION,
+            "level": self._level,
+            "last_alarm": self._last_alarm,
+            "last_response": self._last_response,
+            "kind_last": dict(self._kind_last),
+            "onset": self._onset,
+            "hist": {k: list(v) for k, v in self._hist.items()},
+            "lr": None if self._lr is None else list(self._lr),
+            "clip": None if self._clip is None else list(self._clip),
+            "n_rollbacks": self.n_rollbacks,
+            "n_responses": self.n_responses,
+            "n_merged": self.n_merged,
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; later decisions are identical."""
+        version = int(sd.get("version", 0))
+        if version > STATE_VERSION:
+            raise ValueError(f"Policy state version {version} is newer than this library's "
+                             f"({STATE_VERSION}).")
+        self.reset()
+        opt = _opt_int
+        self._level = int(sd.get("level", 0))
+        self._last_alarm = opt(sd.get("last_alarm"))
+        self._last_response = opt(sd.get("last_response"))
+        self._kind_last = {str(k): int(v) for k, v in sd.get("kind_last", {}).items()}
+        self._onset = opt(sd.get("onset"))
+        self._hist = {str(k): [int(x) for x in v] for k, v in sd.get("hist", {}).items()}
+        lr = sd.get("lr")
+        self._lr = None if lr is None else (int(lr[0]), float(lr[1]), int(lr[2]), int(lr[3]))
+        clip = sd.get("clip")
+        self._clip = None if clip is None else (float(clip[0]), int(clip[1]), int(clip[2]))
+        self.n_rollbacks = int(sd.get("n_rollbacks", 0))
+        self.n_responses = int(sd.get("n_responses", 0))
+        self.n_merged = int(sd.get("n_merged", 0))
+        self._update_neutral()
+
+    # ------------------------------------------------------------------ pure queries
+    def level_at(self, step: int) -> int:
+        """Escalation level at ``step`` after hysteresis decay (0 = no incident).
+
+        >>> Policy({"quiet_steps": 10}).level_at(5)
+        0
+        """
+        if self._last_alarm is None or self._level == 0:
+            return 0
+        quiet = max(step - self._last_alarm, 0)
+        return max(0, self._level - quiet // self.config.quiet_steps)
+
+    def lr_factor_at(self, step: int) -> float:
+        """LR multiplier the policy wants at ``step`` (ignores ``log_only``)."""
+        if self._lr is None:
+            return 1.0
+        s, f, d, r = self._lr
+        return lr_factor_at(step, s, f, d, r, self.config.lr.shape)
+
+    def clip_norm_at(self, step: int) -> float | None:
+        """Clip norm the policy wants at ``step`` (``None``: trainer default; ignores log_only)."""
+        if self._clip is None:
+            return None
+        norm, start, duration = self._clip
+        if step < start or (duration > 0 and step >= start + duration):
+            return None
+        return norm
+
+    def planned_control_at(self, step: int) -> Control:
+        """Persistent fields the policy wants at ``step``, whatever the mode."""
+        return Control(lr_factor=self.lr_factor_at(step), clip_norm=self.clip_norm_at(step))
+
+    def control_at(self, step: int) -> Control:
+        """Persistent ``Control`` fields (``lr_factor``, ``clip_norm``) at ``step``.
+
+        A pure function of (state, step): exactly what :meth:`step` writes on a step without
+        alarms.  Neutral in ``log_only`` mode.
+        """
+        return Control() if self.log_only else self.planned_control_at(step)
+
+    def _apply_persistent(self, step: int, control: Control) -> None:
+        if step >= self._neutral_from:
+            control.lr_factor, control.clip_norm = 1.0, None
+        else:
+            control.lr_factor = self.lr_factor_at(step)
+            control.clip_norm = self.clip_norm_at(step)
+
+    def _update_neutral(self) -> None:
+        ends = [-_INF]
+        if self._lr is not None:
+            ends.append(lr_cut_end(self._lr[0], self._lr[2], self._lr[3]))
+        if self._clip is not None:
+            ends.append(_INF if self._clip[2] == 0 else self._clip[1] + self._clip[2])
+        self._neutral_from = max(ends)
+
+    # ------------------------------------------------------------------ the decision
+    def step(
+        self,
+        step: int,
+        alarms: Sequence[Alarm],
+        control: Control,
+        context: Mapping[str, Any] | None = None,
+    ) -> list[Intervention]:
+        """Respond to the alarms of ``step``; mutate ``control`` (unless ``log_only``).
+
+        Parameters
+        ----------
+        step : int
+            The training step.
+        alarms : sequence of Alarm
+            The alarms of this step (empty on a quiet step).
+        control : Control
+            Per-step fields are set on alarm steps (never cleared: the monitor resets them);
+            persistent ``lr_factor`` / ``clip_norm`` are written every call.
+        context : mapping, optional
+            ``grad_norm``, ``grad_norm_recent_median``, ``clip_norm`` (the trainer's own clip) and
+            ``healthy_checkpoints`` (a :class:`~stability.checkpoints.CheckpointLedger`); all
+            optional.  The policy notes alarm steps in the ledger, and rewinds it on a rollback
+            when ``rewind_on_rollback``.
+
+        Returns
+        -------
+        list of Intervention
+            Empty on quiet and merged steps.
+        """
+        step = int(step)
+        acts = [a for a in alarms if _SEV.get(a.severity, 1) >= self._min_sev] if alarms else []
+        if not acts:
+            if not self.log_only:
+                self._apply_persistent(step, control)
+            return []
+        ctx: Mapping[str, Any] = context or {}
+        cfg = self.config
+        by_kind: dict[str, list[Alarm]] = {}
+        for a in acts:
+            by_kind.setdefault(a.kind, []).append(a)
+        kinds = sorted(by_kind)
+        rules = {k: cfg.rule(k) for k in kinds}
+        crit = {k: any(a.severity == "critical" for a in by_kind[k]) for k in kinds}
+        skip = any(rules[k].skip == "always" or (rules[k].skip == "critical" and crit[k])
+                   for k in kinds)
+
+        persist = 0
+        for k in kinds:
+            r = rules[k]
+            if r.patience > 0:
+                h = [s for s in self._hist.get(k, []) if step - s < cfg.escalation_window]
+                h = (h + [step])[-r.patience:]
+                self._hist[k] = h
+                if len(h) >= r.patience:
+                    persist = max(persist, r.persist_level)
+
+        actions: set[str] = set()
+        esc = [k for k in kinds if rules[k].escalate]
+        eff = self.level_at(step)
+        responded = False
+        if esc:
+            ledger = ctx.get("healthy_checkpoints")
+            if ledger is not None:
+                ledger.note_alarm(step)
+            if eff == 0 or self._onset is None:
+                self._onset = step
+            start = max(rules[k].critical_start_level if crit[k] else rules[k].start_level
+                        for k in esc)
+            last = self._last_response
+            in_cooldown = eff > 0 and last is not None and step - last < cfg.cooldown
+            new = 0
+            if in_cooldown:
+                if persist > eff:
+                    new = persist
+            elif eff == 0:
+                new = max(start, persist)
+            else:
+                up = last is not None and step - last <= cfg.escalation_window
+                new = max(eff + 1 if up else eff, start, persist)
+            self._last_alarm = step
+            if new:
+                new = min(new, len(cfg.ladder))
+                self._level = new
+                self._last_response = step
+                responded = True
+                for k in esc:
+                    lad = rules[k].ladder or cfg.ladder
+                    actions.update(lad[min(new, len(lad)) - 1])
+            else:
+                self._level = eff
+        level_now = self.level_at(step)
+        for k in kinds:
+            if rules[k].escalate:
+                continue
+            last_k = self._kind_last.get(k)
+            if last_k is None or not 0 <= step - last_k < cfg.cooldown:
+                self._kind_last[k] = step
+                responded = True
+                lad = rules[k].ladder or cfg.ladder
+                lvl = max(level_now, rules[k].critical_start_level if crit[k]
+                          else rules[k].start_level)
+                actions.update(lad[min(lvl, len(lad)) - 1])
+        if skip:
+            actions.add("skip")
+        if responded:
+            self.n_responses += 1
+        else:
+            self.n_merged += 1
+        self._rewound_to = None
+        ivs = self._build(step, actions, by_kind, max(level_now, 1), ctx, control)
+        self._update_neutral()
+        if not self.log_only:
+            # after a rewinding rollback the trainer continues from the restored step
+            self._apply_persistent(step if self._rewound_to is None else self._rewound_to,
+                                   control)
+        return ivs
+
+    # ------------------------------------------------------------------ building the response
+    def _build(self, step: int, actions: set[str], by_kind: Mapping[str, list[Alarm]],
+               level: int, ctx: Mapping[str, Any], control: Control) -> list[Intervention]:
+        cfg = self.config
+        act = not self.log_only
+        reason = f"L{level}: " + "; ".join(
+            f"{k}({_signals(v)})" for k, v in sorted(by_kind.items()))
+        notes: list[str] = []
+        out: list[Intervention] = []
+        if "rollback" in actions and self.n_rollbacks >= cfg.max_rollbacks:
+            actions = (actions - {"rollback"}) | {"stop"}
+            notes.append(f"rollback limit ({cfg.max_rollbacks}) reached")
+        if "skip" in actions:
+            out.append(SkipStep(step, reason))
+            if act:
+                control.skip_step = True
+        if "clip" in actions:
+            current = self.clip_norm_at(step)
+            if current is None:
+                current = _finite_or_none(ctx.get("clip_norm"))
+            med = _finite_or_none(ctx.get("grad_norm_recent_median"))
+            norm = adaptive_clip(med, cfg.clip.factor, current, tighten=cfg.clip.tighten,
+                                 min_norm=cfg.clip.min_norm, max_norm=cfg.clip.max_norm)
+            if norm is None:
+                notes.append("no gradient statistics to derive a clip from")
+            else:
+                self._clip = (norm, step, cfg.clip.duration)
+                out.append(SetClip(step, reason, max_norm=norm, duration=cfg.clip.duration))
+        if "reduce_lr" in actions:
+            f = compound_factor(self.lr_factor_at(step), cfg.lr.factor, cfg.lr.min_factor)
+            self._lr = (step, f, cfg.lr.duration, cfg.lr.restore_steps)
+            out.append(ReduceLR(step, reason, factor=f, duration=cfg.lr.duration,
+                                restore_steps=cfg.lr.restore_steps))
+        if "checkpoint" in actions:
+            out.append(Checkpoint(step, reason, healthy=False))
+            if act:
+                control.save_checkpoint = True
+                control.checkpoint_reason = reason
+        if "rollback" in actions:
+            onset = step if self._onset is None else self._onset
+            ledger = ctx.get("healthy_checkpoints")
+            target = None if ledger is None else ledger.latest_healthy_before(
+                onset, cfg.checkpoint_margin)
+            if target is None:
+                notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
+            else:
+                out.append(Rollback(step, reason, to_step=target.step, skip_from=onset,
+                                    skip_to=step))
+                self.n_rollbacks += 1
+                self._onset = None
+                if act:
+                    control.rollback_to = target.step
+                    control.skip_batches = (onset, step)
+                    if cfg.rewind_on_rollback:
+                        self._rewind(step, target.covers, ledger)
+                        self._rewound_to = target.covers
+        if "stop" in actions:
+            out.append(Stop(step, reason + ("; " + "; ".join(notes) if notes else "")))
+            if act:
+                control.stop = True
+                control.stop_reason = out[-1].reason
+        if "alert" in actions or notes:
+            sev = "critical" if (level >= 3 or actions & {"rollback", "stop"}
+                                 or any(a.severity == "critical"
+                                        for v in by_kind.values() for a in v)) else "warning"
+            done = ", ".join(a for a in ACTIONS if a in actions and a != "alert") or "none"
+            msg = f"step {step}: {reason} -> {done}" + ("; " + "; ".join(notes) if notes else "")
+            out.insert(0, Alert(step, reason, severity=sev, message=msg))
+        return out
+
+    def _rewind(self, step: int, to: int, ledger: Any) -> None:
+        """The trainer restarts counting at ``to + 1``: shift every timestamp by ``to - step``."""
+        d = to - step
+
+        def sh(x: int | None) -> int | None:
+            return None if x is None else x + d
+
+        self._last_alarm = sh(self._last_alarm)
+        self._last_response = sh(self._last_response)
+        self._kind_last = {k: v + d for k, v in self._kind_last.items()}
+        self._hist = {k: [x + d for x in v] for k, v in self._hist.items()}
+        if self._lr is not None:
+            self._lr = (self._lr[0] + d,) + self._lr[1:]
+        if self._clip is not None:
+            self._clip = (self._clip[0], self._clip[1] + d, self._clip[2])
+        if ledger is not None and hasattr(ledger, "rewind"):
+            ledger.rewind(to)
+
+    def __repr__(self) -> str:
+        return f"Policy(mode={self.config.mode!r}, level={self._level})"
+
+
+def _signals(alarms: Iterable[Alarm], limit: int = 3) -> str:
+    sig = sorted({a.signal for a in alarms})
+    more = f", +{len(sig) - limit}" if len(sig) > limit else ""
+    return ", ".join(sig[:limit]) + more
+
+
+def _finite_or_none(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)

@@ -1,0 +1,280 @@
+"""The ``[policy]`` table: schema, defaults and validation with errors that name the key.
+
+Unknown keys are rejected (a typo must not silently fall back to a default).  Per-kind rules are
+merged field by field over the built-in defaults, so ``kinds.nonfinite.patience = 5`` keeps the
+other ``nonfinite`` settings.
+
+Examples
+--------
+>>> cfg = PolicyConfig.from_dict({"cooldown": 10, "lr": {"factor": 0.3}})
+>>> cfg.cooldown, cfg.lr.factor, cfg.lr.duration
+(10, 0.3, 100)
+>>> PolicyConfig.from_dict({"cooldwn": 10})  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+ValueError: policy: unknown key 'cooldwn'; allowed: checkpoint_margin, clip, cooldown, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .lr_schedule import RAMP_SHAPES
+from .types import ALARM_KINDS, SEVERITIES
+
+#: Action names usable in a ladder level.
+ACTIONS = ("alert", "clip", "skip", "reduce_lr", "checkpoint", "rollback", "stop")
+MODES = ("act", "log_only")
+SKIP_RULES = ("always", "critical", "never")
+
+Ladder = tuple[tuple[str, ...], ...]
+
+DEFAULT_LADDER: Ladder = (
+    ("alert", "clip"),
+    ("alert", "reduce_lr"),
+    ("alert", "checkpoint", "rollback"),
+    ("alert", "stop"),
+)
+
+
+# ------------------------------------------------------------------------------- validators
+def _known(path: str, d: Any, keys: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{path}: must be a table (dict); got {d!r}.")
+    for k in d:
+        if k not in keys:
+            raise ValueError(f"{path}: unknown key {k!r}; allowed: {', '.join(sorted(keys))}.")
+    return d
+
+
+def _int(path: str, v: Any, low: int, high: float = math.inf) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        hi = "inf)" if math.isinf(high) else f"{int(high)}]"
+        raise ValueError(f"{path}: must be an int in [{low}, {hi}; got {v!r}.")
+    return int(v)
+
+
+def _float(path: str, v: Any, low: float, high: float, *, low_open: bool = False) -> float:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if ok:
+        ok = (v > low if low_open else v >= low) and v <= high
+    if not ok:
+        lo = "(" if low_open else "["
+        raise ValueError(f"{path}: must be a finite number in {lo}{low}, {high}]; got {v!r}.")
+    return float(v)
+
+
+def _choice(path: str, v: Any, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise ValueError(f"{path}: must be one of {', '.join(choices)}; got {v!r}.")
+    return str(v)
+
+
+def _bool(path: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{path}: must be true or false; got {v!r}.")
+    return v
+
+
+def _ladder(path: str, v: Any) -> Ladder:
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not v:
+        raise ValueError(f"{path}: must be a non-empty list of levels (lists of actions); "
+                         f"got {v!r}.")
+    out = []
+    for i, level in enumerate(v):
+        if isinstance(level, str) or not isinstance(level, (list, tuple)):
+            raise ValueError(f"{path}[{i}]: must be a list of actions; got {level!r}.")
+        for a in level:
+            if a not in ACTIONS:
+                raise ValueError(f"{path}[{i}]: unknown action {a!r}; "
+                                 f"allowed: {', '.join(ACTIONS)}.")
+        out.append(tuple(str(a) for a in level))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class ClipConfig:
+    """``[policy.clip]``: how a tighter gradient clip is derived (see ``adaptive_clip``)."""
+
+    factor: float = 2.0      #: max_norm = factor * grad_norm_recent_median
+    tighten: float = 0.5     #: without a median: current clip * tighten
+    min_norm: float = 1e-6   #: floor
+    max_norm: float | None = None  #: cap (e.g. the trainer's own clip); None = no cap
+    duration: int = 200      #: steps the tighter clip holds; 0 = until changed
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "policy.clip") -> ClipConfig:
+        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        c = cls()
+        mx = d.get("max_norm", c.max_norm)
+        return cls(
+            factor=_float(f"{path}.factor", d.get("factor", c.factor), 0.0, 1e12, low_open=True),
+            tighten=_float(f"{path}.tighten", d.get("tighten", c.tighten), 0.0, 1.0, low_open=True),
+            min_norm=_float(f"{path}.min_norm", d.get("min_norm", c.min_norm), 0.0, 1e12),
+            max_norm=None if mx is None else _float(f"{path}.max_norm", mx, 0.0, 1e12,
+                                                    low_open=True),
+            duration=_int(f"{path}.duration", d.get("duration", c.duration), 0),
+        )
+
+
+@dataclass(frozen=True)
+class LRConfig:
+    """``[policy.lr]``: the temporary LR cut and its gradual restore."""
+
+    factor: float = 0.5       #: multiplier of a cut (compounds if a cut is already active)
+    duration: int = 100       #: steps at the reduced LR
+    restore_steps: int = 50   #: steps of the ramp back to 1.0
+    shape: str = "linear"     #: ramp shape: linear | cosine | step
+    min_factor: float = 0.01  #: compounding floor
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "policy.lr") -> LRConfig:
+        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        c = cls()
+        out = cls(
+            factor=_float(f"{path}.factor", d.get("factor", c.factor), 0.0, 1.0, low_open=True),
+            duration=_int(f"{path}.duration", d.get("duration", c.duration), 0),
+            restore_steps=_int(f"{path}.restore_steps", d.get("restore_steps", c.restore_steps), 0),
+            shape=_choice(f"{path}.shape", d.get("shape", c.shape), RAMP_SHAPES),
+            min_factor=_float(f"{path}.min_factor", d.get("min_factor", c.min_factor), 0.0, 1.0,
+                              low_open=True),
+        )
+        if out.min_factor > out.factor:
+            raise ValueError(f"{path}.min_factor: must be <= {path}.factor ({out.factor}); "
+                             f"got {out.min_factor}.")
+        return out
+
+
+@dataclass(frozen=True)
+class KindRule:
+    """``[policy.kinds.<kind>]``: how one alarm kind maps onto the ladder.
+
+    ``ladder`` (``None`` = the global ladder) gives the actions per level; a kind whose ladder is
+    shorter stays at its last level.  ``escalate = false`` kinds neither raise nor are merged by
+    the shared escalation level (they have their own cooldown).  ``skip`` says when the optimizer
+    step is skipped (on every matching alarm step, also inside a cooldown).  ``patience > 0``:
+    that many alarm steps of this kind within ``escalation_window`` jump to at least
+    ``persist_level``, even inside a cooldown.
+    """
+
+    ladder: Ladder | None = None
+    escalate: bool = True
+    skip: str = "critical"
+    start_level: int = 1
+    critical_start_level: int = 1
+    patience: int = 0
+    persist_level: int = 3
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str, base: KindRule | None = None) -> KindRule:
+        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        c = base or cls()
+        lad = d.get("ladder", c.ladder)
+        return cls(
+            ladder=None if lad is None else _ladder(f"{path}.ladder", lad),
+            escalate=_bool(f"{path}.escalate", d.get("escalate", c.escalate)),
+            skip=_choice(f"{path}.skip", d.get("skip", c.skip), SKIP_RULES),
+            start_level=_int(f"{path}.start_level", d.get("start_level", c.start_level), 1),
+            critical_start_level=_int(f"{path}.critical_start_level",
+                                      d.get("critical_start_level", c.critical_start_level), 1),
+            patience=_int(f"{path}.patience", d.get("patience", c.patience), 0),
+            persist_level=_int(f"{path}.persist_level", d.get("persist_level", c.persist_level), 1),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ladder"] = None if self.ladder is None else [list(x) for x in self.ladder]
+        return d
+
+
+DEFAULT_KINDS: dict[str, KindRule] = {
+    "nonfinite": KindRule(skip="always", patience=3, persist_level=3),
+    "train_val_divergence": KindRule(ladder=(("alert", "checkpoint"),), escalate=False,
+                                     skip="never"),
+    "lr_loss_anomaly": KindRule(ladder=(("alert", "reduce_lr"),), skip="never"),
+    "level_shift": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
+}
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The whole ``[policy]`` table.  See the module docstring and ``Policy`` for semantics."""
+
+    mode: str = "act"
+    min_severity: str = "warning"
+    cooldown: int = 20
+    escalation_window: int = 200
+    quiet_steps: int = 500
+    ladder: Ladder = DEFAULT_LADDER
+    rewind_on_rollback: bool = True
+    checkpoint_margin: int | None = None
+    max_rollbacks: int = 3
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    lr: LRConfig = field(default_factory=LRConfig)
+    kinds: Mapping[str, KindRule] = field(default_factory=lambda: dict(DEFAULT_KINDS))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None = None) -> PolicyConfig:
+        """Validate a ``[policy]`` table; missing keys take their defaults."""
+        d = _known("policy", d if d is not None else {},
+                   tuple(f.name for f in dataclasses.fields(cls)))
+        c = cls()
+        kinds = dict(DEFAULT_KINDS)
+        kd = _known("policy.kinds", d.get("kinds", {}), ALARM_KINDS)
+        for k, v in kd.items():
+            kinds[k] = KindRule.from_dict(v, f"policy.kinds.{k}", kinds.get(k))
+        margin = d.get("checkpoint_margin", c.checkpoint_margin)
+        out = cls(
+            mode=_choice("policy.mode", d.get("mode", c.mode), MODES),
+            min_severity=_choice("policy.min_severity", d.get("min_severity", c.min_severity),
+                                 SEVERITIES),
+            cooldown=_int("policy.cooldown", d.get("cooldown", c.cooldown), 0),
+            escalation_window=_int("policy.escalation_window",
+                                   d.get("escalation_window", c.escalation_window), 0),
+            quiet_steps=_int("policy.quiet_steps", d.get("quiet_steps", c.quiet_steps), 1),
+            ladder=_ladder("policy.ladder", d.get("ladder", c.ladder)),
+            rewind_on_rollback=_bool("policy.rewind_on_rollback",
+                                     d.get("rewind_on_rollback", c.rewind_on_rollback)),
+            checkpoint_margin=None if margin is None else _int("policy.checkpoint_margin",
+                                                               margin, 0),
+            max_rollbacks=_int("policy.max_rollbacks", d.get("max_rollbacks", c.max_rollbacks), 0),
+            clip=ClipConfig.from_dict(d.get("clip", {})),
+            lr=LRConfig.from_dict(d.get("lr", {})),
+            kinds=kinds,
+        )
+        for name, given in kd.items():  # levels beyond the ladder are clamped; flag explicit ones
+            rule = kinds[name]
+            for key in ("start_level", "critical_start_level", "persist_level"):
+                if key in given and getattr(rule, key) > len(out.ladder):
+                    raise ValueError(f"policy.kinds.{name}.{key}: exceeds the number of ladder "
+                                     f"levels ({len(out.ladder)}); got {getattr(rule, key)}.")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-compatible table that ``from_dict`` accepts back."""
+        return {
+            "mode": self.mode,
+            "min_severity": self.min_severity,
+            "cooldown": self.cooldown,
+            "escalation_window": self.escalation_window,
+            "quiet_steps": self.quiet_steps,
+            "ladder": [list(x) for x in self.ladder],
+            "rewind_on_rollback": self.rewind_on_rollback,
+            "checkpoint_margin": self.checkpoint_margin,
+            "max_rollbacks": self.max_rollbacks,
+            "clip": dataclasses.asdict(self.clip),
+            "lr": dataclasses.asdict(self.lr),
+            "kinds": {k: v.to_dict() for k, v in sorted(self.kinds.items())},
+        }
+
+    def rule(self, kind: str) -> KindRule:
+        """The rule for ``kind`` (the default rule for kinds without one)."""
+        return self.kinds.get(kind, _DEFAULT_RULE)
+
+
+_DEFAULT_RULE = KindRule()

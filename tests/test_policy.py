@@ -1,0 +1,474 @@
+"""Tests of the escalation-ladder policy (stability/policy.py, policy_config.py, lr_schedule.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stability.checkpoints import CheckpointLedger
+from stability.lr_schedule import adaptive_clip, lr_factor_at
+from stability.policy import Policy
+from stability.policy_config import PolicyConfig
+from stability.types import (
+    Alarm,
+    Control,
+    Intervention,
+    ReduceLR,
+    Rollback,
+    SetClip,
+)
+
+
+def alarm(step: int, kind: str = "loss_spike", severity: str = "warning",
+          signal: str = "loss") -> Alarm:
+    return Alarm(step, kind, signal, 9.0, 6.0, severity, "det")
+
+
+def types_(ivs: list[Intervention]) -> list[str]:
+    return [i.type for i in ivs]
+
+
+def ledger_with(*steps: int, margin: int = 0) -> CheckpointLedger:
+    led = CheckpointLedger(margin=margin)
+    for s in steps:
+        led.add(s, f"ckpt-{s}")
+    return led
+
+
+BASE = {"cooldown": 10, "escalation_window": 100, "quiet_steps": 300,
+        "rewind_on_rollback": False}
+
+
+# --------------------------------------------------------------------------- escalation ladder
+def test_escalation_order_clip_lr_rollback_stop() -> None:
+    pol = Policy(BASE)
+    led = ledger_with(200, 400, 600, 800, 950)
+    ctx = {"grad_norm_recent_median": 0.4, "healthy_checkpoints": led}
+    ctl = Control()
+    seen: dict[int, list[str]] = {}
+    # a loss spike at 1000 that keeps recurring every 30 steps, alarms in between are merged
+    for step in range(990, 1120):
+        ctl.reset_step()
+        al = [alarm(step)] if step >= 1000 and (step - 1000) % 30 in (0, 1, 2) else []
+        ivs = pol.step(step, al, ctl, ctx)
+        if ivs:
+            seen[step] = types_(ivs)
+    assert seen == {
+        1000: ["alert", "set_clip"],
+        1030: ["alert", "reduce_lr"],
+        1060: ["alert", "checkpoint", "rollback"],
+        1090: ["alert", "stop"],
+    }
+
+
+def test_rollback_request_fields_and_control() -> None:
+    pol = Policy({**BASE, "ladder": [["checkpoint", "rollback"]]})
+    led = ledger_with(100, 200, 300)
+    ctl = Control()
+    ivs = pol.step(305, [alarm(305)], ctl, {"healthy_checkpoints": led})
+    rb = next(i for i in ivs if isinstance(i, Rollback))
+    assert (rb.to_step, rb.skip_from, rb.skip_to) == (300, 305, 305)
+    assert ctl.save_checkpoint and ctl.rollback_to == 300 and ctl.skip_batches == (305, 305)
+    assert types_(ivs) == ["checkpoint", "rollback"]
+
+
+def test_rollback_target_is_latest_healthy_before_onset() -> None:
+    led = CheckpointLedger(margin=5)
+    led.add(100, "a")
+    led.add(200, "b")
+    led.add(300, "c", healthy=False, reason="emergency")   # flagged unhealthy
+    led.add(350, "d")                                       # an alarm at 353 taints it
+    led.add(398, "e")                                       # within margin of the onset
+    led.add(420, "f")                                       # after the onset
+    led.note_alarm(353)
+    pol = Policy({**BASE, "ladder": [["alert", "clip"], ["alert", "checkpoint", "rollback"]]})
+    ctx = {"healthy_checkpoints": led, "grad_norm_recent_median": 1.0}
+    ctl = Control()
+    assert "set_clip" in types_(pol.step(400, [alarm(400)], ctl, ctx))   # onset = 400
+    ivs = pol.step(430, [alarm(430)], ctl, ctx)
+    rb = next(i for i in ivs if isinstance(i, Rollback))
+    assert rb.to_step == 200
+    assert (rb.skip_from, rb.skip_to) == (400, 430)
+
+
+def test_no_healthy_checkpoint_alerts_instead_of_rolling_back() -> None:
+    pol = Policy({**BASE, "ladder": [["alert", "checkpoint", "rollback"]]})
+    ctl = Control()
+    ivs = pol.step(10, [alarm(10)], ctl, {"healthy_checkpoints": CheckpointLedger()})
+    assert types_(ivs) == ["alert", "checkpoint"]
+    assert "cannot roll back" in ivs[0].message and ctl.rollback_to is None
+
+
+def test_max_rollbacks_turns_rollback_into_stop() -> None:
+    pol = Policy({**BASE, "ladder": [["rollback"]], "max_rollbacks": 1})
+    led = ledger_with(0)
+    ctl = Control()
+    assert types_(pol.step(10, [alarm(10)], ctl, {"healthy_checkpoints": led})) == ["rollback"]
+    ivs = pol.step(50, [alarm(50)], ctl, {"healthy_checkpoints": led})
+    assert "stop" in types_(ivs) and ctl.stop and "rollback limit" in ctl.stop_reason
+
+
+def test_rewind_on_rollback_rebases_timers_and_ledger() -> None:
+    cfg = {"cooldown": 10, "escalation_window": 100, "quiet_steps": 300,
+           "ladder": [["alert", "reduce_lr"], ["alert", "checkpoint", "rollback"], ["stop"]]}
+    pol = Policy(cfg)
+    led = ledger_with(500, 900)
+    ctx = {"healthy_checkpoints": led}
+    ctl = Control()
+    pol.step(1000, [alarm(1000)], ctl, ctx)                      # LR cut at 1000
+    ivs = pol.step(1050, [alarm(1050)], ctl, ctx)
+    assert next(i for i in ivs if isinstance(i, Rollback)).to_step == 900
+    assert [r.step for r in led.records] == [500, 900]         # nothing after 900 kept
+    # the trainer resumes at 901: the LR cut made 50 steps before the rollback is 50 steps old
+    assert pol.control_at(901).lr_factor == pytest.approx(lr_factor_at(51, 0, 0.5, 100, 50))
+    ctl.reset_step()
+    assert pol.step(905, [alarm(905)], ctl, ctx) == []          # still in the cooldown
+    assert types_(pol.step(960, [alarm(960)], ctl, ctx)) == ["stop"]
+
+
+# --------------------------------------------------------------------------- cooldown, storm
+def test_cooldown_holds() -> None:
+    pol = Policy(BASE)
+    ctl = Control()
+    assert pol.step(100, [alarm(100)], ctl, {"grad_norm_recent_median": 1.0})
+    for s in range(101, 110):
+        assert pol.step(s, [alarm(s)], ctl) == []
+    assert types_(pol.step(110, [alarm(110)], ctl)) == ["alert", "reduce_lr"]
+    assert pol.n_merged == 9 and pol.n_responses == 2
+
+
+def test_skip_still_applies_inside_cooldown() -> None:
+    pol = Policy(BASE)
+    ctl = Control()
+    pol.step(100, [alarm(100, severity="critical")], ctl, {"grad_norm_recent_median": 1.0})
+    assert ctl.skip_step
+    ctl.reset_step()
+    assert types_(pol.step(101, [alarm(101, severity="critical")], ctl)) == ["skip_step"]
+    assert ctl.skip_step
+    ctl.reset_step()
+    assert pol.step(102, [alarm(102, severity="warning")], ctl) == [] and not ctl.skip_step
+
+
+def test_storm_gives_one_response() -> None:
+    pol = Policy(BASE)
+    ctl = Control()
+    storm = [alarm(500, kind, sev, f"{kind}/blk{i}")
+             for i in range(20)
+             for kind, sev in (("loss_spike", "warning"), ("grad_explosion", "critical"),
+                               ("activation_shift", "warning"))]
+    ivs = pol.step(500, storm, ctl, {"grad_norm_recent_median": 2.0})
+    assert types_(ivs) == ["alert", "skip_step", "set_clip"]
+    assert ivs[0].severity == "critical"
+    assert "activation_shift" in ivs[0].reason and "+17" in ivs[0].reason
+    for s in range(501, 510):
+        ctl.reset_step()
+        ivs = pol.step(s, storm, ctl)
+        assert types_(ivs) == ["skip_step"]
+
+
+def test_info_alarms_are_ignored_by_default() -> None:
+    pol = Policy(BASE)
+    assert pol.step(3, [alarm(3, severity="info")], Control()) == []
+    assert pol.level_at(3) == 0
+
+
+# --------------------------------------------------------------------------- hysteresis
+def test_hysteresis_deescalates_one_level_per_quiet_period() -> None:
+    pol = Policy(BASE)
+    ctl = Control()
+    ctx = {"grad_norm_recent_median": 1.0}
+    pol.step(1000, [alarm(1000)], ctl, ctx)
+    pol.step(1050, [alarm(1050)], ctl, ctx)
+    assert pol.level_at(1050) == 2
+    assert pol.level_at(1349) == 2 and pol.level_at(1350) == 1 and pol.level_at(1650) == 0
+    # after one quiet period the level is 1 and a recurrence (outside the window) repeats it
+    assert types_(pol.step(1400, [alarm(1400)], ctl, ctx)) == ["alert", "set_clip"]
+    # ... and one within the window escalates again, but only to 2
+    assert types_(pol.step(1450, [alarm(1450)], ctl, ctx)) == ["alert", "reduce_lr"]
+
+
+def test_fresh_episode_after_full_quiet_resets_onset() -> None:
+    pol = Policy({**BASE, "ladder": [["alert"], ["rollback"]]})
+    led = ledger_with(100, 1500)
+    ctx = {"healthy_checkpoints": led}
+    pol.step(1000, [alarm(1000)], Control(), ctx)
+    pol.step(2000, [alarm(2000)], Control(), ctx)        # level decayed to 0: new onset 2000
+    ivs = pol.step(2050, [alarm(2050)], Control(), ctx)
+    rb = next(i for i in ivs if isinstance(i, Rollback))
+    assert (rb.to_step, rb.skip_from) == (1500, 2000)
+
+
+# --------------------------------------------------------------------------- per-kind rules
+def test_nonfinite_skips_then_rolls_back_when_persistent() -> None:
+    pol = Policy(BASE)
+    led = ledger_with(50)
+    ctx = {"healthy_checkpoints": led, "grad_norm_recent_median": 1.0}
+    ctl = Control()
+    out = []
+    for s in (100, 101, 102):
+        ctl.reset_step()
+        out.append(types_(pol.step(s, [alarm(s, "nonfinite", "critical", "loss")], ctl, ctx)))
+        assert ctl.skip_step
+    assert out[0] == ["alert", "skip_step", "set_clip"]
+    assert out[1] == ["skip_step"]
+    assert out[2] == ["alert", "skip_step", "checkpoint", "rollback"]
+
+
+def test_train_val_divergence_alert_and_checkpoint_only() -> None:
+    pol = Policy(BASE)
+    ctl = Control()
+    for s in (100, 150, 200, 250):
+        ctl.reset_step()
+        assert types_(pol.step(s, [alarm(s, "train_val_divergence")], ctl)) == [
+            "alert", "checkpoint"]
+        assert ctl.save_checkpoint and ctl.lr_factor == 1.0
+    assert pol.level_at(250) == 0
+    # its own cooldown does not hide a loss spike
+    ctl.reset_step()
+    ivs = pol.step(251, [alarm(251), alarm(251, "train_val_divergence")], ctl,
+                   {"grad_norm_recent_median": 1.0})
+    assert types_(ivs) == ["alert", "set_clip"]
+
+
+def test_lr_loss_anomaly_reduces_lr() -> None:
+    pol = Policy(BASE)
+    ctl = Control()
+    assert types_(pol.step(7, [alarm(7, "lr_loss_anomaly")], ctl)) == ["alert", "reduce_lr"]
+    assert ctl.lr_factor == 0.5
+
+
+def test_custom_kind_rule_merges_over_defaults() -> None:
+    cfg = PolicyConfig.from_dict({"kinds": {"nonfinite": {"patience": 5}}})
+    assert cfg.rule("nonfinite").skip == "always" and cfg.rule("nonfinite").patience == 5
+    assert cfg.rule("loss_spike").skip == "critical"
+
+
+def test_critical_start_level() -> None:
+    pol = Policy({**BASE, "kinds": {"grad_explosion": {"critical_start_level": 2}}})
+    ivs = pol.step(5, [alarm(5, "grad_explosion", "critical")], Control())
+    assert types_(ivs) == ["alert", "skip_step", "reduce_lr"]
+
+
+# --------------------------------------------------------------------------- LR ramp, clip
+def test_lr_ramp_values_in_control() -> None:
+    pol = Policy({**BASE, "ladder": [["reduce_lr"]],
+                  "lr": {"factor": 0.2, "duration": 3, "restore_steps": 4}})
+    ctl = Control()
+    got = []
+    for s in range(10, 20):
+        ctl.reset_step()
+        pol.step(s, [alarm(s)] if s == 10 else [], ctl)
+        got.append(round(ctl.lr_factor, 6))
+    assert got == [0.2, 0.2, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_lr_cuts_compound_and_are_floored() -> None:
+    pol = Policy({**BASE, "ladder": [["reduce_lr"]], "cooldown": 0,
+                  "lr": {"factor": 0.1, "min_factor": 0.05}})
+    ctl = Control()
+    f = [next(i for i in pol.step(s, [alarm(s)], ctl) if isinstance(i, ReduceLR)).factor
+         for s in (1, 2, 3)]
+    assert f == pytest.approx([0.1, 0.05, 0.05])
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "step"])
+def test_lr_factor_ramp_is_monotone_and_ends_at_one(shape: str) -> None:
+    vals = [lr_factor_at(s, 0, 0.25, 5, 10, shape) for s in range(-2, 20)]
+    assert vals[:2] == [1.0, 1.0] and vals[2:7] == [0.25] * 5
+    assert all(b >= a for a, b in zip(vals[2:], vals[3:], strict=False))
+    assert vals[-1] == 1.0 and lr_factor_at(14, 0, 0.25, 5, 10, shape) == 1.0
+
+
+def test_adaptive_clip_from_context() -> None:
+    pol = Policy({**BASE, "ladder": [["clip"]], "cooldown": 0})
+    ctl = Control()
+    (c1,) = pol.step(1, [alarm(1)], ctl, {"grad_norm_recent_median": 0.3})
+    assert isinstance(c1, SetClip) and c1.max_norm == pytest.approx(0.6)
+    assert ctl.clip_norm == pytest.approx(0.6)
+    # a larger median never loosens the clip in force
+    (c2,) = pol.step(2, [alarm(2)], ctl, {"grad_norm_recent_median": 5.0})
+    assert isinstance(c2, SetClip) and c2.max_norm == pytest.approx(0.6)
+    # the trainer's own clip caps a fresh policy's value
+    pol2 = Policy({**BASE, "ladder": [["clip"]]})
+    (c3,) = pol2.step(1, [alarm(1)], Control(), {"grad_norm_recent_median": 1.0, "clip_norm": 0.5})
+    assert isinstance(c3, SetClip) and c3.max_norm == 0.5
+    # no statistics and no clip: nothing to derive from -> a note in the alert, no SetClip
+    pol3 = Policy({**BASE, "ladder": [["alert", "clip"]]})
+    ivs = pol3.step(1, [alarm(1)], Control(), {"grad_norm_recent_median": math.nan})
+    assert types_(ivs) == ["alert"] and "no gradient statistics" in ivs[0].message
+    assert adaptive_clip(None, 2.0, 1.0, tighten=0.25) == 0.25
+
+
+def test_clip_expires() -> None:
+    pol = Policy({**BASE, "ladder": [["clip"]], "clip": {"duration": 5}})
+    ctl = Control()
+    pol.step(10, [alarm(10)], ctl, {"grad_norm_recent_median": 1.0})
+    assert [pol.control_at(s).clip_norm for s in (9, 10, 14, 15)] == [None, 2.0, 2.0, None]
+    ctl.reset_step()
+    pol.step(15, [], ctl)
+    assert ctl.clip_norm is None
+
+
+# --------------------------------------------------------------------------- log_only
+def _run(pol: Policy, events: dict[int, list[Alarm]], steps: range, every_step: bool = True,
+         ledger: CheckpointLedger | None = None) -> tuple[list[tuple[int, list[dict]]],
+                                                          list[tuple[int, float, float | None]]]:
+    ctl = Control()
+    out = []
+    controls = []
+    for s in steps:
+        ctl.reset_step()
+        al = events.get(s, [])
+        ctx = {"grad_norm_recent_median": 1.0 + (s % 7) / 10, "healthy_checkpoints": ledger}
+        if al or every_step:
+            ivs = pol.step(s, al, ctl, ctx)
+            if ivs:
+                out.append((s, [i.to_dict() for i in ivs]))
+            controls.append((s, ctl.lr_factor, ctl.clip_norm))
+        else:
+            c = pol.control_at(s)
+            controls.append((s, c.lr_factor, c.clip_norm))
+    return out, controls
+
+
+def _events(seed: int, n: int = 2000, p: float = 0.02) -> dict[int, list[Alarm]]:
+    rng = np.random.default_rng(seed)
+    kinds = ["loss_spike", "grad_explosion", "nonfinite", "train_val_divergence",
+             "lr_loss_anomaly", "activation_shift"]
+    ev: dict[int, list[Alarm]] = {}
+    for s in range(n):
+        if rng.random() < p:
+            k = int(rng.integers(1, 4))
+            ev[s] = [alarm(s, kinds[int(rng.integers(len(kinds)))],
+                           ["warning", "critical"][int(rng.integers(2))], f"sig{j}")
+                     for j in range(k)]
+    return ev
+
+
+def test_log_only_leaves_control_neutral_and_records_same_decisions() -> None:
+    ev = _events(1)
+    cfg = {**BASE, "max_rollbacks": 100}
+    act, _ = _run(Policy(cfg), ev, range(2000), ledger=ledger_with(0, 300, 600))
+    pol = Policy({**cfg, "mode": "log_only"})
+    ctl = Control()
+    ledger = ledger_with(0, 300, 600)
+    dry = []
+    for s in range(2000):
+        ctl.reset_step()
+        ivs = pol.step(s, ev.get(s, []), ctl, {"grad_norm_recent_median": 1.0 + (s % 7) / 10,
+                                               "healthy_checkpoints": ledger})
+        if ivs:
+            dry.append((s, [i.to_dict() for i in ivs]))
+        assert ctl == Control(), s
+        assert pol.control_at(s) == Control()
+    assert dry == act
+    assert {t["type"] for _, ivs in dry for t in ivs} >= {"set_clip", "reduce_lr", "stop"}
+
+
+# --------------------------------------------------------------------------- purity, round trip
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_quiet_step_purity(seed: int) -> None:
+    ev = _events(seed, p=0.03)
+    cfg = {"cooldown": 5, "escalation_window": 60, "quiet_steps": 150, "max_rollbacks": 100,
+           "clip": {"duration": 40}, "lr": {"duration": 30, "restore_steps": 20}}
+    dense = _run(Policy(cfg), ev, range(2000), True, ledger_with(0, 100, 700))
+    sparse = _run(Policy(cfg), ev, range(2000), False, ledger_with(0, 100, 700))
+    assert dense == sparse
+    assert dense[0]
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.tuples(st.integers(0, 400), st.sampled_from(
+    ["loss_spike", "nonfinite", "train_val_divergence", "lr_loss_anomaly", "level_shift"]),
+    st.sampled_from(["info", "warning", "critical"])), max_size=40),
+    st.integers(0, 15), st.integers(1, 80), st.booleans())
+def test_quiet_step_purity_property(raw: list[tuple[int, str, str]], cooldown: int,
+                                    quiet: int, rewind: bool) -> None:
+    ev: dict[int, list[Alarm]] = {}
+    for s, k, sev in raw:
+        ev.setdefault(s, []).append(alarm(s, k, sev))
+    cfg = {"cooldown": cooldown, "escalation_window": 30, "quiet_steps": quiet,
+           "rewind_on_rollback": rewind, "clip": {"duration": 20},
+           "lr": {"duration": 10, "restore_steps": 7}}
+    assert _run(Policy(cfg), ev, range(420), True, ledger_with(0, 50)) == _run(
+        Policy(cfg), ev, range(420), False, ledger_with(0, 50))
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_state_round_trip_mid_sequence(seed: int) -> None:
+    ev = _events(seed, p=0.03)
+    cfg = {"cooldown": 5, "escalation_window": 60, "quiet_steps": 150, "max_rollbacks": 100}
+    ref = Policy(cfg)
+    led_ref = ledger_with(0, 100, 700)
+    full, _ = _run(ref, ev, range(2000), ledger=led_ref)
+    for cut in (333, 1000, 1501):
+        a = Policy(cfg)
+        led_a = ledger_with(0, 100, 700)
+        first, _ = _run(a, ev, range(cut), ledger=led_a)
+        sd = json.loads(json.dumps(a.state_dict()))
+        assert sd["version"] == 1
+        b = Policy(cfg)
+        b.load_state_dict(sd)
+        led_b = CheckpointLedger.from_state_dict(json.loads(json.dumps(led_a.state_dict())))
+        rest, _ = _run(b, ev, range(cut, 2000), ledger=led_b)
+        assert first + rest == full
+
+
+def test_load_state_tolerates_missing_later_fields_and_rejects_future_versions() -> None:
+    pol = Policy()
+    pol.load_state_dict({"version": 1})
+    assert pol.level_at(10) == 0
+    with pytest.raises(ValueError, match="newer"):
+        pol.load_state_dict({"version": 99})
+
+
+def test_interventions_round_trip_as_json() -> None:
+    pol = Policy({**BASE, "ladder": [["alert", "skip", "clip", "reduce_lr", "checkpoint",
+                                      "rollback", "stop"]]})
+    ivs = pol.step(9, [alarm(9)], Control(), {"grad_norm_recent_median": 1.0,
+                                             "healthy_checkpoints": ledger_with(1)})
+    assert len(ivs) == 7
+    for iv in ivs:
+        assert Intervention.from_dict(json.loads(json.dumps(iv.to_dict()))) == iv
+
+
+# --------------------------------------------------------------------------- config
+@pytest.mark.parametrize("cfg, match", [
+    ({"cooldwn": 3}, r"policy: unknown key 'cooldwn'"),
+    ({"cooldown": -1}, r"policy.cooldown: must be an int"),
+    ({"cooldown": 2.5}, r"policy.cooldown"),
+    ({"mode": "dry"}, r"policy.mode: must be one of act, log_only"),
+    ({"lr": {"factor": 1.5}}, r"policy.lr.factor"),
+    ({"lr": {"factr": 0.5}}, r"policy.lr: unknown key 'factr'"),
+    ({"lr": {"factor": 0.1, "min_factor": 0.5}}, r"policy.lr.min_factor"),
+    ({"lr": {"shape": "zigzag"}}, r"policy.lr.shape"),
+    ({"clip": {"factor": 0}}, r"policy.clip.factor"),
+    ({"clip": "tight"}, r"policy.clip: must be a table"),
+    ({"ladder": [["clip", "explode"]]}, r"policy.ladder\[0\]: unknown action 'explode'"),
+    ({"ladder": []}, r"policy.ladder"),
+    ({"ladder": ["clip"]}, r"policy.ladder\[0\]"),
+    ({"kinds": {"loss_spikes": {}}}, r"policy.kinds: unknown key 'loss_spikes'"),
+    ({"kinds": {"nonfinite": {"skip": "sometimes"}}}, r"policy.kinds.nonfinite.skip"),
+    ({"kinds": {"nonfinite": {"persist_level": 9}}}, r"policy.kinds.nonfinite.persist_level"),
+    ({"quiet_steps": 0}, r"policy.quiet_steps"),
+    ({"rewind_on_rollback": "yes"}, r"policy.rewind_on_rollback"),
+    ({"min_severity": "loud"}, r"policy.min_severity"),
+])
+def test_bad_config(cfg: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Policy(cfg)
+
+
+def test_config_round_trip_and_no_input_mutation() -> None:
+    raw = {"cooldown": 3, "kinds": {"nonfinite": {"patience": 2}}, "lr": {"factor": 0.25}}
+    before = copy.deepcopy(raw)
+    cfg = PolicyConfig.from_dict(raw)
+    assert raw == before
+    assert PolicyConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert Policy(cfg).config is cfg
