@@ -6,12 +6,22 @@ Every detector is a bank of independent series updated by one kernel call per st
 """
 
 from ._base import BankDetector
+from .activation import ActivationShift, HistogramDrift
+from .divergence import TrainValDivergence, ValSpike
 from .ewma import EWMAZScore
+from .lr_loss import LRJump, LRLevelInstability, LRLossCorrelation
 from .nonfinite import NonFiniteGuard
 from .ratio import RatioToMean
 from .robust import RobustZScore
 
 __all__ = [
+    "ActivationShift",
+    "HistogramDrift",
+    "LRJump",
+    "LRLevelInstability",
+    "LRLossCorrelation",
+    "TrainValDivergence",
+    "ValSpike",
     "BankDetector",
     "EWMAZScore",
     "NonFiniteGuard",

@@ -270,10 +270,15 @@ _H_FIELDS = 6
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _bin_of(x: float, buf, e0: int, n_edges: int, i: int) -> int:  # type: ignore[no-untyped-def]
-    """Number of edges <= x (bisect right) -> bin index in [0, n_edges]."""
-    lo = 0
-    hi = n_edges
+def _bin_of(x: float, buf, e0: int, nb: int, i: int) -> int:  # type: ignore[no-untyped-def]
+    """Bin of ``x``: 0 below the reference minimum, ``nb + 1`` above its maximum, otherwise
+    ``1 +`` the number of interior (quantile) edges ``<= x``."""
+    if x < buf[e0, i]:
+        return 0
+    if x > buf[e0 + nb, i]:
+        return nb + 1
+    lo = 1
+    hi = nb
     while lo < hi:
         mid = (lo + hi) // 2
         if buf[e0 + mid, i] <= x:
@@ -285,28 +290,30 @@ def _bin_of(x: float, buf, e0: int, n_edges: int, i: int) -> int:  # type: ignor
 
 @njit(cache=True, error_model="numpy")
 def _build_reference(buf, i, w, nb):  # type: ignore[no-untyped-def]
-    """Edges from the reference's order statistics; reference and current bin counts."""
+    """Edges (min, quantiles, max) from the reference; reference and current bin counts."""
     e0 = 2 * w
-    r0 = e0 + nb - 1
-    c0 = r0 + nb
+    r0 = e0 + nb + 1
+    c0 = r0 + nb + 2
     srt = np.sort(buf[0:w, i].copy())
+    buf[e0, i] = srt[0]
     for j in range(1, nb):
-        buf[e0 + j - 1, i] = srt[(j * w) // nb]
-    for b in range(nb):
+        buf[e0 + j, i] = srt[(j * w) // nb]
+    buf[e0 + nb, i] = srt[w - 1]
+    for b in range(nb + 2):
         buf[r0 + b, i] = 0.0
         buf[c0 + b, i] = 0.0
     for r in range(w):
-        buf[r0 + _bin_of(buf[r, i], buf, e0, nb - 1, i), i] += 1.0
+        buf[r0 + _bin_of(buf[r, i], buf, e0, nb, i), i] += 1.0
 
 
 @njit(cache=True, error_model="numpy")
 def _psi(buf, i, w, nb, smoothing, b_add, b_del):  # type: ignore[no-untyped-def]
     """PSI of the current counts (+1 in ``b_add``, -1 in ``b_del``) against the reference."""
-    r0 = 2 * w + nb - 1
-    c0 = r0 + nb
-    denom = w + nb * smoothing
+    r0 = 2 * w + nb + 1
+    c0 = r0 + nb + 2
+    denom = w + (nb + 2) * smoothing
     out = 0.0
-    for b in range(nb):
+    for b in range(nb + 2):
         c = buf[c0 + b, i]
         if b == b_add:
             c += 1.0
@@ -329,7 +336,7 @@ def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
     refresh = int(params[6])
     smoothing = params[7]
     e0 = 2 * w
-    c0 = e0 + 2 * nb - 1
+    c0 = e0 + (nb + 1) + (nb + 2)
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             if miss[t, 0, i]:
@@ -356,7 +363,7 @@ def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
                 scores[t, i] = 0.0
                 alarms[t, i] = False
                 continue
-            b_new = _bin_of(x, buf, e0, nb - 1, i)
+            b_new = _bin_of(x, buf, e0, nb, i)
             ncur = int(state[_H_NCUR, i])
             pos = int(state[_H_POS, i])
             if ncur < w:
@@ -377,7 +384,7 @@ def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
                 state[_H_SCORE, i] = score
                 state[_H_SINCE, i] = since + 1.0
                 continue
-            b_old = _bin_of(buf[w + pos, i], buf, e0, nb - 1, i)
+            b_old = _bin_of(buf[w + pos, i], buf, e0, nb, i)
             since = state[_H_SINCE, i]
             if since % stride == 0.0:
                 score = _psi(buf, i, w, nb, smoothing, b_new, b_old)
@@ -400,25 +407,30 @@ def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
                     buf[r, i] = buf[w + r, i]
                 _build_reference(buf, i, w, nb)
                 for r in range(w):
-                    buf[c0 + _bin_of(buf[w + r, i], buf, e0, nb - 1, i), i] += 1.0
+                    buf[c0 + _bin_of(buf[w + r, i], buf, e0, nb, i), i] += 1.0
 
 
 class HistogramDrift(BankDetector):
     """Population Stability Index of a sliding window against a reference window.
 
     Per series: after ``warmup`` finite values, the next ``window`` finite values form the
-    reference; its order statistics at ``j / n_bins`` give ``n_bins - 1`` bin edges.  The last
+    reference; its order statistics at ``j / n_bins`` give ``n_bins - 1`` bin edges, and two
+    more bins catch values below the reference's minimum or above its maximum (so a constant
+    reference still sees a level change, and leaving the reference's range counts).  The last
     ``window`` finite values form the current window, and once it is full every step is scored
-    with ``PSI = sum_b (p_b - q_b) * log(p_b / q_b)`` where ``p``/``q`` are the current/reference
-    bin fractions with ``smoothing`` pseudo-counts per bin (so an empty bin is finite).  The
-    current value is part of the scored window; it enters the window unless the series is in
-    alarm with ``freeze_on_alarm``.  With ``stride > 1`` the PSI is recomputed every ``stride``
-    steps and carried in between; with ``refresh > 0`` the reference is replaced by the current
-    window every ``refresh`` scored steps (drift *rate* rather than drift since the start).
+    with ``PSI = sum_b (p_b - q_b) * log(p_b / q_b)`` over the ``n_bins + 2`` bins, where
+    ``p``/``q`` are the current/reference bin fractions with ``smoothing`` pseudo-counts per bin
+    (so an empty bin is finite).  The current value is part of the scored window; it enters the
+    window unless the series is in alarm with ``freeze_on_alarm``.  With ``stride > 1`` the PSI
+    is recomputed every ``stride`` steps and carried in between; with ``refresh > 0`` the
+    reference is replaced by the current window every ``refresh`` scored steps (drift *rate*
+    rather than drift since the start).
 
     Rule of thumb for PSI: < 0.1 stable, 0.1-0.25 moderate, > 0.25 a shift; sampling noise alone
-    gives about ``2 * (n_bins - 1) / window``.  Training statistics drift legitimately, so the
-    default threshold (1.0) flags only large distribution changes.
+    gives about ``2 * (n_bins + 1) / window``.  The default threshold (1.0) flags only large
+    distribution changes.  Caveat: raw per-layer activation statistics trend through training
+    (a GPT's block std grows ~5x), so against a fixed early reference PSI saturates on clean
+    runs too; use it on stationary signals, on a refreshed reference, or with a high threshold.
 
     Parameters
     ----------
@@ -492,13 +504,14 @@ class HistogramDrift(BankDetector):
         return np.zeros((_H_FIELDS, n))
 
     def _init_buf(self, n: int) -> FloatArray:
-        # reference values, current ring, edges, reference counts, current counts
-        return np.zeros((2 * self.window + 3 * self.n_bins - 1, n))
+        # reference values, current ring, edges (min, quantiles, max), reference counts,
+        # current counts (n_bins + 2 bins each: two out-of-range bins)
+        return np.zeros((2 * self.window + 3 * self.n_bins + 5, n))
 
     kernel = staticmethod(_hist_kernel)
 
     @property
     def edges(self) -> FloatArray:
-        """Bin edges per series, shape ``(n_bins - 1, n_series)`` (zeros until built)."""
+        """Reference min, quantile edges and max per series, ``(n_bins + 1, n_series)``."""
         e0 = 2 * self.window
-        return self._buf[e0 : e0 + self.n_bins - 1].copy()
+        return self._buf[e0 : e0 + self.n_bins + 1].copy()

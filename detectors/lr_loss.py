@@ -400,9 +400,10 @@ def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
             new_var = (1.0 - a) * (var + a * dd * dd)
             base = state[_L_BASE, i]
             ratio = new_var / max(base, min_var, 1e-300)
-            peaked = state[_L_PEAKED, i] != 0.0 or lr <= state[_L_LR, i]
+            prev_lr = state[_L_LR, i]  # the LR that produced this loss change
+            peaked = state[_L_PEAKED, i] != 0.0 or lr <= prev_lr
             warm = count >= warmup and peaked
-            if warm and lr > margin * state[_L_MAXLR, i]:
+            if warm and prev_lr > margin * state[_L_MAXLR, i]:
                 score = ratio
             else:
                 score = 0.0
@@ -424,7 +425,7 @@ def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
                 v_in = min(new_var, stable_ratio * max(base, min_var))
                 state[_L_BASE, i] = base + base_alpha * (v_in - base)
                 if ratio <= stable_ratio:
-                    state[_L_MAXLR, i] = max(state[_L_MAXLR, i], lr)
+                    state[_L_MAXLR, i] = max(state[_L_MAXLR, i], prev_lr)
             state[_L_LR, i] = lr
             state[_L_PEAKED, i] = 1.0 if peaked else 0.0
             state[_L_COUNT, i] = count + 1.0
@@ -438,7 +439,13 @@ class LRLevelInstability(BankDetector):
     ``stable_ratio``; every step during warm-up).  The highest LR seen on a stable step is the
     "stable LR level".  Then::
 
-        score = volatility / baseline   if lr > margin * max_stable_lr   else 0
+        score = volatility / baseline   if lr_prev > margin * max_stable_lr   else 0
+
+    where ``lr_prev`` is the LR of the previous step, the one whose update produced this step's
+    loss change (and the LR recorded as stable when the change was calm).  The scoring starts
+    after ``warmup`` steps *and* once the LR has stopped rising (the end of the schedule's
+    warm-up: every LR of a warm-up ramp is new, and the loss noise in log space naturally grows
+    while the loss falls).
 
     so a loss that becomes noisy only once the LR exceeds every level at which it was calm
     (a re-warm to a too-high peak, an LR multiplied by a bug) scores high, while ordinary noise
