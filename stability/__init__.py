@@ -1,5 +1,7 @@
 """stability: watch training runs, catch instability within steps, act before the run is lost."""
 
+from .config import MonitorConfig
+from .monitor import Monitor
 from .types import (
     ALARM_KINDS,
     Alarm,
@@ -25,6 +27,8 @@ __all__ = [
     "Control",
     "Decision",
     "Intervention",
+    "Monitor",
+    "MonitorConfig",
     "ReduceLR",
     "Rollback",
     "SetClip",

@@ -1,0 +1,98 @@
+"""Microseconds per ``Monitor.observe()`` for a realistic LLM configuration.
+
+~20 scalar signals + 128 layers x 4 activation statistics + 128 per-layer gradient norms, with the
+``llm_pretrain`` preset (13 detector bindings, policy included):
+
+(a) per-layer families passed as arrays (``declare_family`` fast path);
+(b) the same values as ~660 separate keys.
+
+Run::
+
+    python benchmarks/bench_monitor.py [--steps 20000] [--layers 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from stability import Monitor  # noqa: E402
+
+STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
+SCALARS = ("loss", "lr", "grad_norm", "update_ratio", "param_norm", "tokens_per_s", "mfu",
+           "loss_scale", "batch_size", "seq_len", "throughput", "mem_gb", "step_time",
+           "data_time", "z_loss", "aux_loss", "moe_balance", "clip_frac", "wd", "epoch")
+
+
+def make_stream(steps: int, layers: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(scalars (steps, 20), per-layer (steps, 5, layers)) of stationary log-normal noise."""
+    rng = np.random.default_rng(seed)
+    sc = np.exp(rng.normal(0.0, 0.03, (steps, len(SCALARS))))
+    sc[:, 1] = 3e-4  # constant LR
+    fam = np.exp(rng.normal(0.0, 0.03, (steps, len(STATS) + 1, layers)))
+    fam[:, 0] -= 1.0  # act_mean around 0
+    return sc, fam
+
+
+def bench(steps: int, layers: int, keyed: bool, preset: str) -> float:
+    names = [f"L{i}" for i in range(layers)]
+    sc, fam = make_stream(steps, layers)
+    mon = Monitor(preset)
+    fams = (*STATS, "grad_norm")
+    if not keyed:
+        for f in fams:
+            mon.declare_family(f, names)
+    keys = [[f"{f}/{n}" for n in names] for f in fams]
+    inputs = []
+    for t in range(steps):
+        d = dict(zip(SCALARS, sc[t].tolist(), strict=True))
+        if t % 50 == 0:
+            d["val_loss"] = float(sc[t, 0])
+        if keyed:
+            for k in range(len(fams)):
+                d.update(zip(keys[k], fam[t, k].tolist(), strict=True))
+            inputs.append((d, None))
+        else:
+            inputs.append((d, {f: fam[t, k] for k, f in enumerate(fams)}))
+    warm = min(200, steps // 4)
+    for t in range(warm):
+        mon.observe(t, *inputs[t])
+    obs = mon.observe
+    block = 250
+    per_block = []
+    for lo in range(warm, steps - block + 1, block):
+        t0 = time.perf_counter()
+        for t in range(lo, lo + block):
+            m, f = inputs[t]
+            obs(t, m, f)
+        per_block.append(1e6 * (time.perf_counter() - t0) / block)
+    best, med = min(per_block), float(np.median(per_block))
+    alarms = mon.counters["alarms"]
+    n_keys = len(inputs[-1][0])
+    print(f"  {'keys' if keyed else 'families':8s}: best block {best:7.2f} us/step, median "
+          f"{med:7.2f} ({n_keys} keys per step, {len(mon.signals)} signals, {alarms} alarms)")
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--layers", type=int, default=128)
+    ap.add_argument("--preset", default="llm_pretrain")
+    a = ap.parse_args()
+    print(f"Monitor.observe(), preset {a.preset!r}, {len(SCALARS)} scalars + {a.layers} layers x "
+          f"({len(STATS)} act stats + grad_norm), {a.steps} steps, policy included")
+    fa = bench(a.steps, a.layers, keyed=False, preset=a.preset)
+    fb = bench(a.steps, a.layers, keyed=True, preset=a.preset)
+    print(f"(a) families as arrays: {fa:.2f} us/step (best block; target <= 10)")
+    print(f"(b) separate keys:      {fb:.2f} us/step (best block; target <= 100)")
+
+
+if __name__ == "__main__":
+    main()

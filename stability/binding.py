@@ -1,0 +1,206 @@
+"""Signal binding: metric-name aliases, glob patterns, slots, and the per-step gather.
+
+Names
+    Every incoming metric name is first normalised through an alias table
+    (:data:`DEFAULT_ALIASES` plus the config's ``[monitor].aliases``).  An alias key ending in
+    ``/*`` rewrites a prefix: ``"grad-norm/*" = "grad_norm/*"`` maps ``grad-norm/blk0`` to
+    ``grad_norm/blk0``.  Two raw names that alias to the same canonical name share one slot (the
+    one given last on a step wins).
+
+Patterns
+    Each detector input is an fnmatch-style pattern (``*``, ``?``, ``[seq]``).  The text matched
+    by the wildcards is the *series key* (wildcard captures joined with ``/``): ``grad_norm/*``
+    on ``grad_norm/blk0`` gives key ``blk0``; a pattern without wildcards gives key ``''``.
+    For multi-input detectors the series keys of all inputs are matched, so
+    ``["act_mean/*", "act_std/*"]`` makes one series per layer with two inputs.
+
+Slots and growth
+    Each canonical name bound by at least one pattern gets a *slot* (an index into the step's
+    value vector).  A name seen for the first time -- e.g. a layer that appears after the
+    first step -- is resolved once (then cached) and ``grow()``s every bank it belongs to by
+    one fresh series; the new series warms up on its own, existing series are untouched.
+    Names that match no pattern are ignored (listed in ``Monitor.unbound``).
+
+Per step the monitor writes values into the slot vector and :func:`gather_step` copies them
+into every binding's ``(1, n_inputs, n_series)`` input array and missing mask in one Numba call.
+
+Examples
+--------
+>>> a = Aliases({"my loss": "loss"})
+>>> a("my loss"), a("train/loss"), a("grad-norm/blk0"), a("learning_rate")
+('loss', 'loss', 'grad_norm/blk0', 'lr')
+>>> p = Pattern("grad_norm/*")
+>>> p.match("grad_norm/blk0"), p.match("grad_norm"), Pattern("loss").match("loss")
+('blk0', None, '')
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import numpy as np
+from numba import njit
+
+from detectors._base import BoolArray, FloatArray
+
+__all__ = ["DEFAULT_ALIASES", "Aliases", "Pattern", "gather_step", "any_true"]
+
+#: Aliases applied to every metric name before matching (config aliases are merged on top).
+DEFAULT_ALIASES: dict[str, str] = {
+    # training loss
+    "train/loss": "loss",
+    "train_loss": "loss",
+    "training_loss": "loss",
+    "loss/train": "loss",
+    "lm loss": "loss",
+    "lm_loss": "loss",
+    "lm-loss": "loss",
+    "train/lm_loss": "loss",
+    # validation loss
+    "val/loss": "val_loss",
+    "valid/loss": "val_loss",
+    "eval/loss": "val_loss",
+    "eval_loss": "val_loss",
+    "validation_loss": "val_loss",
+    "loss/val": "val_loss",
+    "lm loss validation": "val_loss",
+    # learning rate
+    "learning_rate": "lr",
+    "learning-rate": "lr",
+    "learning rate": "lr",
+    "train/lr": "lr",
+    "train/learning_rate": "lr",
+    # global gradient norm
+    "grad-norm": "grad_norm",
+    "grad norm": "grad_norm",
+    "gradnorm": "grad_norm",
+    "global_grad_norm": "grad_norm",
+    "train/grad_norm": "grad_norm",
+    "grad_norm/global": "grad_norm",
+    # per-layer families (prefix rewrites)
+    "grad-norm/*": "grad_norm/*",
+    "train/grad_norm/*": "grad_norm/*",
+    "update-ratio/*": "update_ratio/*",
+}
+
+
+class Aliases:
+    """Callable name normaliser: exact aliases first, then ``prefix/*`` rewrites.
+
+    Parameters
+    ----------
+    extra
+        Aliases merged over :data:`DEFAULT_ALIASES` (mapping a name to itself disables a default).
+    """
+
+    def __init__(self, extra: Mapping[str, str] | None = None):
+        table = dict(DEFAULT_ALIASES)
+        table.update(extra or {})
+        self.exact: dict[str, str] = {}
+        self.prefix: list[tuple[str, str]] = []
+        for src, dst in table.items():
+            if src.endswith("/*"):
+                self.prefix.append((src[:-1], dst[:-1] if dst.endswith("/*") else dst + "/"))
+            else:
+                self.exact[src] = dst
+        self.prefix.sort(key=lambda p: -len(p[0]))
+
+    def __call__(self, name: str) -> str:
+        out = self.exact.get(name)
+        if out is not None:
+            return out
+        for src, dst in self.prefix:
+            if name.startswith(src):
+                return dst + name[len(src):]
+        return name
+
+
+class Pattern:
+    """fnmatch-style pattern whose wildcards capture the series key.
+
+    >>> Pattern("act_*/*").match("act_mean/blk3")
+    'mean/blk3'
+    >>> Pattern("*").match("loss")
+    'loss'
+    """
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        out, i, n = [], 0, len(pattern)
+        while i < n:
+            c = pattern[i]
+            if c == "*":
+                out.append("(.*)")
+            elif c == "?":
+                out.append("(.)")
+            elif c == "[":
+                j = pattern.find("]", i + 2)
+                if j < 0:
+                    out.append(re.escape(c))
+                else:
+                    body = pattern[i + 1 : j]
+                    if body.startswith("!"):
+                        body = "^" + body[1:]
+                    out.append("([" + body.replace("\\", "\\\\") + "])")
+                    i = j
+            else:
+                out.append(re.escape(c))
+            i += 1
+        self.wildcard = any(ch in pattern for ch in "*?[")
+        self._re = re.compile("".join(out) + r"\Z", re.DOTALL)
+
+    def match(self, name: str) -> str | None:
+        """The series key if ``name`` matches, else ``None``."""
+        m = self._re.match(name)
+        if m is None:
+            return None
+        return "/".join(m.groups())
+
+    def __repr__(self) -> str:
+        return f"Pattern({self.pattern!r})"
+
+
+@njit(cache=True, error_model="numpy")
+def gather_step(  # type: ignore[no-untyped-def]
+    vals, present, gidx, boff, soff, X, M, S, A, active
+):
+    """Copy slot values into all bindings' inputs; clear outputs of idle bindings.
+
+    ``gidx[k]`` is the slot feeding element ``k`` of the concatenated input buffer ``X``
+    (missing mask ``M``); binding ``b`` owns ``X[boff[b]:boff[b+1]]`` and outputs
+    ``S/A[soff[b]:soff[b+1]]``.  ``active[b]`` is set when any of its inputs is present;
+    idle bindings get score ``nan`` / no alarm (exactly what their kernel would output for
+    an all-missing step).  ``present`` is cleared for the next step.
+    """
+    n_b = boff.shape[0] - 1
+    for b in range(n_b):
+        any_p = False
+        for k in range(boff[b], boff[b + 1]):
+            s = gidx[k]
+            p = present[s]
+            X[k] = vals[s]
+            M[k] = not p
+            if p:
+                any_p = True
+        active[b] = any_p
+        if not any_p:
+            for i in range(soff[b], soff[b + 1]):
+                S[i] = np.nan
+                A[i] = False
+    for s in range(present.shape[0]):
+        present[s] = False
+
+
+@njit(cache=True)
+def any_true(a):  # type: ignore[no-untyped-def]
+    """``a.any()`` for a 1-d bool array, without NumPy's reduction overhead."""
+    for i in range(a.shape[0]):
+        if a[i]:
+            return True
+    return False
+
+
+def empty_buffers(n: int) -> tuple[FloatArray, BoolArray]:
+    """Value and presence vectors for ``n`` slots (slot 0 = always absent, 1 = scratch)."""
+    return np.zeros(n), np.zeros(n, dtype=np.bool_)

@@ -1,0 +1,441 @@
+"""Monitor configuration: dataclasses, loading (TOML / JSON / dict / preset) and validation.
+
+The schema (``docs/CONTRACTS.md``)::
+
+    preset = "llm_pretrain"          # optional base preset; the rest overrides it
+    [monitor]
+    aliases = { "train/loss" = "loss" }   # merged over stability.binding.DEFAULT_ALIASES
+    log_only = false                 # decide and record, but Control stays neutral
+    strict = false                   # raise on bad input / handler errors instead of recording
+
+    [[detectors]]                    # one binding = one detector bank
+    name = "grad_spike_layers"       # unique; appears in Alarm.detector
+    detector = "ewma_z"              # registry name (stability.registry)
+    inputs = ["grad_norm/*"]         # one pattern per detector input
+    kind = "grad_explosion"          # optional; default from the detector / bound signals
+    severity = "warning"             # base severity ('critical' above critical_factor*threshold)
+    critical_factor = 3.0
+    params = { alpha = 0.02, threshold = 6.0 }
+
+    [policy]                         # passed to stability.policy.Policy as a dict
+
+Overriding a preset: ``[monitor]`` keys replace the preset's (``aliases`` are merged); a
+``[[detectors]]`` entry whose ``name`` exists in the preset updates that entry (its ``params``
+are merged key by key), other entries are appended; ``[policy]`` is merged recursively.
+
+Configs are data: TOML is read with :mod:`tomllib` (``tomli`` on 3.10), JSON with :mod:`json`;
+nothing is evaluated or unpickled.  Every error names the offending key path.
+
+Examples
+--------
+>>> cfg = MonitorConfig.from_dict({"detectors": [
+...     {"name": "loss", "detector": "ewma_z", "inputs": ["loss"], "params": {"alpha": 0.05}}]})
+>>> cfg.detectors[0].kind, cfg.detectors[0].severity
+('loss_spike', 'warning')
+>>> MonitorConfig.from_dict(cfg.to_dict()) == cfg
+True
+>>> MonitorConfig.from_dict({"detector": []})
+Traceback (most recent call last):
+...
+stability.registry.ConfigError: config: unknown key 'detector' (did you mean 'detectors'?); ...
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from . import presets as _presets
+from .registry import (
+    DEFAULT_KINDS,
+    ConfigError,
+    DetectorUnavailableError,
+    detector_class,
+    detector_target,
+    did_you_mean,
+    make_detector,
+)
+from .types import ALARM_KINDS, SEVERITIES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "ConfigError",
+    "DetectorSpec",
+    "MonitorSettings",
+    "MonitorConfig",
+    "ConfigSource",
+    "load_config",
+    "infer_kind",
+]
+
+_TOP_KEYS = ("preset", "monitor", "detectors", "policy")
+_MONITOR_KEYS = ("aliases", "log_only", "strict")
+_DETECTOR_KEYS = ("name", "detector", "inputs", "kind", "severity", "critical_factor", "params")
+
+
+def infer_kind(inputs: tuple[str, ...] | list[str]) -> str:
+    """Alarm kind for spike detectors whose registry entry has no fixed kind.
+
+    >>> infer_kind(["grad_norm/*"]), infer_kind(["loss"]), infer_kind(["act_std/*"])
+    ('grad_explosion', 'loss_spike', 'activation_shift')
+    """
+    first = inputs[0] if inputs else ""
+    if first.startswith(("grad", "update_ratio", "param_norm")):
+        return "grad_explosion"
+    if first.startswith(("act", "attn")):
+        return "activation_shift"
+    if first.startswith("val"):
+        return "train_val_divergence"
+    if first.startswith("lr"):
+        return "lr_loss_anomaly"
+    return "loss_spike"
+
+
+def _check_keys(d: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for k in d:
+        if k not in allowed:
+            raise ConfigError(
+                f"{where}: unknown key {k!r}{did_you_mean(k, allowed)}; "
+                f"allowed: {', '.join(allowed)}"
+            )
+
+
+def _table(v: Any, where: str) -> dict[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{where}: must be a table/dict; got {type(v).__name__} {v!r}.")
+    for k in v:
+        if not isinstance(k, str):
+            raise ConfigError(f"{where}: keys must be strings; got {k!r}.")
+    return dict(v)
+
+
+def _bool(v: Any, where: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: must be true or false; got {v!r}.")
+    return v
+
+
+def _str(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{where}: must be a non-empty string; got {v!r}.")
+    return v
+
+
+def _plain(v: Any, where: str) -> Any:
+    """Check that ``v`` is plain config data (no objects) and deep-copy it."""
+    if isinstance(v, Mapping):
+        return {_str(k, where): _plain(x, f"{where}.{k}") for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise ConfigError(
+        f"{where}: must be plain data (number, string, bool, list, table); got {v!r}."
+    )
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """The ``[monitor]`` table."""
+
+    aliases: dict[str, str] = field(default_factory=dict)
+    log_only: bool = False
+    strict: bool = False
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "monitor") -> MonitorSettings:
+        d = _table(d, where)
+        _check_keys(d, _MONITOR_KEYS, where)
+        aliases = _table(d.get("aliases", {}), f"{where}.aliases")
+        for k, v in aliases.items():
+            _str(k, f"{where}.aliases")
+            _str(v, f"{where}.aliases.{k!r}")
+            if k.endswith("/*") != v.endswith("/*"):
+                raise ConfigError(
+                    f"{where}.aliases.{k!r}: a prefix alias must map 'a/*' to 'b/*'; got {v!r}."
+                )
+        return cls(
+            aliases=aliases,
+            log_only=_bool(d.get("log_only", False), f"{where}.log_only"),
+            strict=_bool(d.get("strict", False), f"{where}.strict"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"aliases": dict(self.aliases), "log_only": self.log_only, "strict": self.strict}
+
+
+@dataclass(frozen=True)
+class DetectorSpec:
+    """One ``[[detectors]]`` entry: a detector bank bound to signal patterns."""
+
+    name: str
+    detector: str
+    inputs: tuple[str, ...]
+    kind: str
+    severity: str = "warning"
+    critical_factor: float = 3.0
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(
+        cls, d: Mapping[str, Any], where: str = "detectors[0]", check_params: bool = True
+    ) -> DetectorSpec:
+        """Validate one entry; ``check_params`` instantiates the detector to check ``params``."""
+        d = _table(d, where)
+        _check_keys(d, _DETECTOR_KEYS, where)
+        for req in ("name", "detector", "inputs"):
+            if req not in d:
+                raise ConfigError(f"{where}: missing required key {req!r}.")
+        name = _str(d["name"], f"{where}.name")
+        det = _str(d["detector"], f"{where}.detector")
+        try:
+            detector_target(det)
+        except ConfigError as exc:
+            raise type(exc)(f"{where}.detector: {exc}") from None
+        raw_inputs = d["inputs"]
+        if isinstance(raw_inputs, str):
+            raw_inputs = [raw_inputs]
+        if not isinstance(raw_inputs, (list, tuple)) or not raw_inputs:
+            raise ConfigError(
+                f"{where}.inputs: must be a non-empty list of patterns; got {raw_inputs!r}."
+            )
+        inputs = tuple(_str(p, f"{where}.inputs[{i}]") for i, p in enumerate(raw_inputs))
+        wild = [any(c in p for c in "*?[") for p in inputs]
+        if len(inputs) > 1 and any(wild) and not all(wild):
+            raise ConfigError(
+                f"{where}.inputs: patterns of a multi-input detector must all contain a wildcard "
+                f"or none (series keys must match); got {list(inputs)}."
+            )
+        default_kind = DEFAULT_KINDS.get(det) or infer_kind(inputs)
+        kind = _str(d.get("kind", default_kind), f"{where}.kind")
+        if kind not in ALARM_KINDS:
+            raise ConfigError(
+                f"{where}.kind: unknown alarm kind {kind!r}{did_you_mean(kind, ALARM_KINDS)}; "
+                f"known: {', '.join(ALARM_KINDS)}"
+            )
+        severity = _str(d.get("severity", "warning"), f"{where}.severity")
+        if severity not in SEVERITIES:
+            raise ConfigError(
+                f"{where}.severity: must be one of {', '.join(SEVERITIES)}; got {severity!r}."
+            )
+        cf = d.get("critical_factor", 3.0)
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or math.isnan(cf) or cf < 1.0:
+            raise ConfigError(f"{where}.critical_factor: must be a number >= 1; got {cf!r}.")
+        params = _plain(_table(d.get("params", {}), f"{where}.params"), f"{where}.params")
+        spec = cls(name, det, inputs, kind, severity, float(cf), params)
+        if check_params:
+            spec.validate_params(where)
+        return spec
+
+    def validate_params(self, where: str) -> None:
+        """Instantiate the detector once (``n_series=1``) to validate ``params``.
+
+        Skipped silently while the detector's module is not importable; building a
+        :class:`~stability.monitor.Monitor` then raises a clear error.
+        """
+        try:
+            detector_class(self.detector)
+        except DetectorUnavailableError:
+            return
+        make_detector(
+            self.detector, self.params, n_series=1, n_inputs=len(self.inputs), where=where
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "detector": self.detector,
+            "inputs": list(self.inputs),
+            "kind": self.kind,
+            "severity": self.severity,
+            "critical_factor": self.critical_factor,
+            "params": copy.deepcopy(self.params),
+        }
+
+
+def _merge_dicts(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge_dicts(dict(out[k]), v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+ConfigSource = Union["MonitorConfig", Mapping[str, Any], str, Path, None]
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """A complete, validated monitor configuration (presets already resolved).
+
+    ``preset`` records the base preset's name for information only; :meth:`to_dict` writes the
+    fully resolved configuration without it, and it is ignored by ``==``.
+    """
+
+    monitor: MonitorSettings = field(default_factory=MonitorSettings)
+    detectors: tuple[DetectorSpec, ...] = ()
+    policy: dict[str, Any] = field(default_factory=dict)
+    preset: str | None = field(default=None, compare=False)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, check_params: bool = True) -> MonitorConfig:
+        """Build from plain data (the parsed TOML/JSON document)."""
+        d = _table(d, "config")
+        _check_keys(d, _TOP_KEYS, "config")
+        preset = d.get("preset")
+        raw_dets = d.get("detectors", [])
+        if not isinstance(raw_dets, (list, tuple)):
+            raise ConfigError(f"detectors: must be a list of tables; got {raw_dets!r}.")
+        for i, e in enumerate(raw_dets):
+            e = _table(e, f"detectors[{i}]")
+            _check_keys(e, _DETECTOR_KEYS, f"detectors[{i}]")
+            if "name" not in e:
+                raise ConfigError(f"detectors[{i}]: missing required key 'name'.")
+            _str(e["name"], f"detectors[{i}].name")
+        mon = _table(d.get("monitor", {}), "monitor")
+        pol = _plain(_table(d.get("policy", {}), "policy"), "policy")
+        entries: list[tuple[str, dict[str, Any]]] = []
+        if preset is not None:
+            _str(preset, "preset")
+            base = _presets.load_preset(preset)
+            mon = _merge_dicts(_table(base.get("monitor", {}), "monitor"), mon)
+            pol = _merge_dicts(_table(base.get("policy", {}), "policy"), pol)
+            entries = [
+                (f"preset {preset!r} detectors[{j}]", dict(e))
+                for j, e in enumerate(base.get("detectors", []))
+            ]
+        n_preset = len(entries)
+        for i, e in enumerate(raw_dets):
+            where = f"detectors[{i}]"
+            for j, (_, b) in enumerate(entries[:n_preset]):
+                if b.get("name") == e["name"]:
+                    merged = {**b, **e}
+                    merged["params"] = _merge_dicts(
+                        _table(b.get("params", {}), where + ".params"),
+                        _table(e.get("params", {}), where + ".params"),
+                    )
+                    entries[j] = (where, merged)
+                    break
+            else:
+                entries.append((where, dict(e)))
+        specs: list[DetectorSpec] = []
+        seen: set[str] = set()
+        for where, e in entries:
+            spec = DetectorSpec.from_dict(e, where, check_params=check_params)
+            if spec.name in seen:
+                raise ConfigError(f"{where}.name: duplicate binding name {spec.name!r}.")
+            seen.add(spec.name)
+            specs.append(spec)
+        cfg = cls(MonitorSettings.from_dict(mon), tuple(specs), pol, preset)
+        if check_params:
+            cfg.validate_policy()
+        return cfg
+
+    def validate_policy(self) -> None:
+        """Let :class:`stability.policy.Policy` validate ``[policy]`` (when it is available)."""
+        try:
+            from .policy import Policy  # noqa: PLC0415
+        except ImportError:
+            return
+        try:
+            Policy(copy.deepcopy(self.policy))
+        except (ValueError, TypeError, KeyError) as exc:
+            msg = str(exc)
+            raise ConfigError(msg if msg.startswith("policy") else f"policy: {msg}") from None
+
+    @classmethod
+    def from_toml(cls, source: str | Path) -> MonitorConfig:
+        """From a ``.toml`` path, or TOML text (when ``source`` is a str containing a newline)."""
+        text, where = _read(source)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where}: invalid TOML: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> MonitorConfig:
+        """From a ``.json`` path, or JSON text."""
+        text, where = _read(source)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: invalid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_preset(cls, name: str) -> MonitorConfig:
+        """A bundled preset (see :func:`stability.presets.list_presets`)."""
+        return cls.from_dict({"preset": name})
+
+    @classmethod
+    def load(cls, source: ConfigSource = None) -> MonitorConfig:
+        """Preset name | ``.toml`` / ``.json`` path | dict | MonitorConfig | None (``default``)."""
+        return load_config(source)
+
+    # ------------------------------------------------------------------ output
+    def to_dict(self) -> dict[str, Any]:
+        """Fully resolved plain data; ``MonitorConfig.from_dict(cfg.to_dict()) == cfg``."""
+        return {
+            "monitor": self.monitor.to_dict(),
+            "detectors": [s.to_dict() for s in self.detectors],
+            "policy": copy.deepcopy(self.policy),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """JSON text of :meth:`to_dict`."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def _read(source: str | Path) -> tuple[str, str]:
+    if isinstance(source, Path) or "\n" not in source:
+        path = Path(source)
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    return source, "config"
+
+
+def load_config(source: ConfigSource = None) -> MonitorConfig:
+    """Resolve any accepted config source into a :class:`MonitorConfig`.
+
+    >>> load_config().preset
+    'default'
+    >>> load_config("no_such_preset")
+    Traceback (most recent call last):
+    ...
+    stability.registry.ConfigError: preset: unknown preset 'no_such_preset'; ...
+    """
+    if source is None:
+        return MonitorConfig.from_preset("default")
+    if isinstance(source, MonitorConfig):
+        return source
+    if isinstance(source, Mapping):
+        return MonitorConfig.from_dict(source)
+    if isinstance(source, (str, Path)):
+        s = str(source)
+        if s.endswith(".toml"):
+            return MonitorConfig.from_toml(Path(s))
+        if s.endswith(".json"):
+            return MonitorConfig.from_json(Path(s))
+        if isinstance(source, str) and "/" not in s and "\n" not in s:
+            return MonitorConfig.from_preset(s)
+        raise ConfigError(f"config: {s!r} is neither a preset name nor a .toml/.json path.")
+    raise ConfigError(
+        "config: expected a preset name, a path, a dict or a MonitorConfig; "
+        f"got {type(source).__name__}."
+    )

@@ -1,0 +1,717 @@
+"""The monitor: metrics in, alarms + interventions + :class:`~stability.types.Control` out.
+
+One :class:`Monitor` holds one detector bank per ``[[detectors]]`` binding of its config.  Each
+``observe()`` writes the step's values into a slot vector, gathers every binding's
+``(1, n_inputs, n_series)`` input in one Numba call and makes ONE kernel call per binding
+(``update_array``); :meth:`Monitor.replay` runs each bank's ``update_many`` once over a whole
+recorded run and gives identical decisions.
+
+Input handling (documented policy, all tested):
+
+* **values** -- floats, ints, NumPy scalars / size-1 arrays, anything with ``__float__`` or
+  ``__array__`` (torch tensors work without importing torch).  ``None`` means *not logged* on this
+  step (missing, never NaN).  Strings, booleans, wrong shapes and other objects are recorded in
+  ``Decision.skipped`` (``ValueError`` in strict mode) and never reach a detector.
+* **NaN / inf** -- real observations: the ``nonfinite`` binding alarms (critical) and the other
+  detectors' alarms on that same signal are suppressed on that step, so one NaN is one alarm.
+* **names** -- normalised through aliases; names no binding matches are ignored (``unbound``);
+  new layers grow the banks (see :mod:`stability.binding`).
+* **steps** -- must be ints ``>= 0`` and increase.  A step ``<=`` the last observed one (duplicate
+  or out of order) is not fed to the detectors: the decision only lists the reason in
+  ``skipped``.  After a :class:`~stability.types.Rollback` (or :meth:`Monitor.rewind`) the
+  counter restarts at the rollback target, so the replayed steps are accepted.
+
+``log_only`` (dry run): the policy decides and interventions are recorded, but the returned
+``Control`` stays neutral.
+
+Examples
+--------
+>>> mon = Monitor({"detectors": [
+...     {"name": "nan", "detector": "nonfinite", "inputs": ["*"]},
+...     {"name": "loss_spike", "detector": "ewma_z", "inputs": ["loss"],
+...      "params": {"warmup": 5, "alpha": 0.1}}]})
+>>> for s in range(20):
+...     d = mon.observe(s, {"loss": 2.0 + 0.01 * (s % 3), "lr": 1e-3})
+>>> d.healthy
+True
+>>> [(a.kind, a.signal, a.severity) for a in mon.observe(20, {"loss": 40.0}).alarms]
+[('loss_spike', 'loss', 'critical')]
+>>> [(a.kind, a.signal) for a in mon.observe(21, {"loss": float("nan")}).alarms]
+[('nonfinite', 'loss')]
+>>> mon.observe(21, {"loss": 2.0}).skipped
+('step 21: not after the last observed step 21 (duplicate or out of order); not fed to detectors',)
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .binding import Aliases, Pattern, any_true, empty_buffers, gather_step
+from .config import ConfigSource, DetectorSpec, MonitorConfig, load_config
+from .monitor_io import decode_state, encode_state, table_columns, to_float
+from .registry import make_detector
+from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
+
+__all__ = ["Monitor", "STATE_VERSION"]
+
+STATE_VERSION = 1
+GRAD_HISTORY = 100
+_ABSENT, _SCRATCH = 0, 1
+_NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
+
+
+class _NullPolicy:
+    """Stand-in used only when ``stability.policy`` cannot be imported."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        self.cfg = dict(cfg)
+
+    def step(self, step: int, alarms: Sequence[Alarm], control: Control,
+             context: Mapping[str, Any] | None = None) -> list[Intervention]:
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        return None
+
+
+def _make_policy(cfg: Mapping[str, Any]) -> Any:
+    try:
+        from .policy import Policy  # noqa: PLC0415
+    except ImportError:
+        return _NullPolicy(cfg)
+    return Policy(dict(cfg))
+
+
+def _new_control(src: Control) -> Control:
+    c = object.__new__(Control)
+    c.__dict__.update(src.__dict__)
+    return c
+
+
+def _decision(step: int, alarms: tuple[Alarm, ...], ivs: tuple[Intervention, ...],
+              control: Control, skipped: tuple[str, ...]) -> Decision:
+    d = object.__new__(Decision)
+    d.__dict__.update(step=step, alarms=alarms, interventions=ivs, control=control,
+                      skipped=skipped)
+    return d
+
+
+class _Binding:
+    """Runtime side of one ``[[detectors]]`` entry: patterns, series, slots, detector, views."""
+
+    def __init__(self, spec: DetectorSpec, where: str) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.kind = spec.kind
+        self.severity = spec.severity
+        self.critical_factor = spec.critical_factor
+        self.nonfinite = spec.kind == "nonfinite"
+        self.patterns = [Pattern(p) for p in spec.inputs]
+        self.n_inputs = len(self.patterns)
+        self.det = make_detector(spec.detector, spec.params, n_series=0,
+                                 n_inputs=self.n_inputs, where=where)
+        self.keys: list[str] = []
+        self.key_index: dict[str, int] = {}
+        self.slots: list[list[int]] = [[] for _ in self.patterns]  # slots[j][i]
+        self.X: Any = None
+        self.M: Any = None
+        self.S: Any = None
+        self.A: Any = None
+
+    def add_series(self, key: str) -> int:
+        i = len(self.keys)
+        self.keys.append(key)
+        self.key_index[key] = i
+        for col in self.slots:
+            col.append(_ABSENT)
+        return i
+
+
+class Monitor:
+    """Online training monitor (see the module docstring for the input policy).
+
+    Parameters
+    ----------
+    config
+        Preset name, ``.toml`` / ``.json`` path, dict or :class:`MonitorConfig`; ``None`` uses
+        the ``default`` preset.
+    event_log
+        Optional :class:`~stability.events.EventLog`: every alarm and intervention is appended.
+    alert_sinks
+        Optional alert sinks (or an :class:`~stability.alerts.AlertRouter`): every
+        :class:`~stability.types.Alert` intervention is sent to them.
+    on_alarm, on_intervention
+        Optional handlers (one callable or a list); failures are contained unless strict.
+    checkpoints
+        A :class:`~stability.checkpoints.CheckpointLedger` (a fresh one by default), passed to
+        the policy as ``context["healthy_checkpoints"]``.
+    """
+
+    def __init__(self, config: ConfigSource = None, *, event_log: Any = None,
+                 alert_sinks: Any = None, on_alarm: Any = None, on_intervention: Any = None,
+                 checkpoints: Any = None) -> None:
+        self.config: MonitorConfig = load_config(config)
+        self.log_only = self.config.monitor.log_only
+        self.strict = self.config.monitor.strict
+        self._alias = Aliases(self.config.monitor.aliases)
+        self._bindings = [
+            _Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
+        ]
+        self.policy = _make_policy(self.config.policy)
+        self.event_log = event_log
+        self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else (
+            [] if alert_sinks is None else [alert_sinks])
+        from .handlers import HandlerRegistry  # noqa: PLC0415
+        self.handlers = HandlerRegistry(strict=self.strict)
+        for fn in _as_list(on_alarm):
+            self.handlers.on_alarm(fn)
+        for fn in _as_list(on_intervention):
+            self.handlers.on_intervention(fn)
+        if checkpoints is None:
+            from .checkpoints import CheckpointLedger  # noqa: PLC0415
+            checkpoints = CheckpointLedger()
+        self.checkpoints = checkpoints
+        self._reset_runtime()
+
+    # ------------------------------------------------------------------ setup helpers
+    def _reset_runtime(self) -> None:
+        self.control = Control()
+        self._policy_control = Control() if self.log_only else self.control
+        self._policy_dirty = False
+        self._slot_names: list[str] = ["<absent>", "<scratch>"]
+        self._slot_of: dict[str, int] = {}
+        self._cache: dict[Any, int] = {}
+        self.unbound: set[str] = set()
+        self._families: dict[str, tuple[list[str], np.ndarray, slice | None]] = {}
+        self._vals, self._present = empty_buffers(64)
+        self._last_keys: list[Any] = []
+        self._last_slots = np.zeros(0, dtype=np.int64)
+        self._last_ok = True
+        self._last_range: slice | None = None
+        self._dirty = True
+        self._grad_slot = 0
+        self._grad_hist: collections.deque[float] = collections.deque(maxlen=GRAD_HISTORY)
+        self._grad_last: float | None = None
+        self.last_step = -1
+        self.counters = {"steps": 0, "skipped_steps": 0, "skipped_values": 0, "alarm_steps": 0,
+                         "alarms": 0, "interventions": 0}
+
+    # ------------------------------------------------------------------ public helpers
+    def on_alarm(self, fn: Any) -> Any:
+        """Register ``fn(alarm)`` (decorator-friendly); failures contained unless strict."""
+        return self.handlers.on_alarm(fn)
+
+    def on_intervention(self, fn: Any) -> Any:
+        """Register ``fn(intervention)``; failures contained unless strict."""
+        return self.handlers.on_intervention(fn)
+
+    @property
+    def signals(self) -> list[str]:
+        """Canonical names of the bound signals, in slot order."""
+        return self._slot_names[2:]
+
+    def series(self, binding: str) -> list[str]:
+        """Series keys of a binding, in bank order."""
+        for b in self._bindings:
+            if b.name == binding:
+                return list(b.keys)
+        raise KeyError(f"no binding named {binding!r}; "
+                       f"bindings: {[b.name for b in self._bindings]}")
+
+    def detector(self, binding: str) -> Any:
+        """The detector bank of a binding."""
+        for b in self._bindings:
+            if b.name == binding:
+                return b.det
+        raise KeyError(f"no binding named {binding!r}")
+
+    def rewind(self, step: int) -> None:
+        """Accept steps after ``step`` again (the trainer resumed from an earlier checkpoint).
+
+        Detector statistics are kept (load a saved :meth:`state_dict` to restore them too).
+        """
+        self.last_step = int(step)
+
+    # ------------------------------------------------------------------ name resolution
+    def _lookup(self, raw: Any) -> int:
+        """Slot of a raw metric name (cached): ``>= 2`` bound, 1 unbound, -1 invalid name."""
+        s = self._cache.get(raw)
+        if s is not None:
+            return s
+        if not isinstance(raw, str):
+            return -1
+        name = self._alias(raw)
+        s = self._slot_of.get(name)
+        if s is None:
+            s = self._bind(name)
+        self._cache[raw] = s
+        return s
+
+    def _bind(self, name: str) -> int:
+        hits = []
+        for b in self._bindings:
+            for j, p in enumerate(b.patterns):
+                key = p.match(name)
+                if key is not None:
+                    hits.append((b, j, key))
+        if not hits:
+            self.unbound.add(name)
+            return _SCRATCH
+        s = len(self._slot_names)
+        self._slot_names.append(name)
+        self._slot_of[name] = s
+        if s >= self._vals.shape[0]:
+            vals, present = empty_buffers(2 * s)
+            vals[: s] = self._vals
+            present[: s] = self._present
+            self._vals, self._present = vals, present
+        for b, j, key in hits:
+            i = b.key_index.get(key)
+            if i is None:
+                i = b.add_series(key)
+                b.det.grow(1)
+            b.slots[j][i] = s
+        if name == "grad_norm":
+            self._grad_slot = s
+        self._dirty = True
+        return s
+
+    def declare_family(self, name: str, layers: Sequence[str]) -> None:
+        """Declare the layer order of a per-layer family for ``observe(..., families=...)``.
+
+        ``families={name: array}`` is then equivalent to the keys ``f"{name}/{layer}"``
+        (arrays must have ``len(layers)`` elements).  Re-declaring replaces the layer list.
+        """
+        layers = [str(x) for x in layers]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"declare_family({name!r}): layer names must be unique.")
+        slots = np.array([self._lookup(f"{name}/{x}") for x in layers], dtype=np.int64)
+        n = len(slots)
+        contig = slice(int(slots[0]), int(slots[0]) + n) if n and np.array_equal(
+            slots, np.arange(slots[0], slots[0] + n)) else None
+        self._families[name] = (layers, slots, contig)
+
+    @property
+    def families(self) -> dict[str, list[str]]:
+        """Declared families and their layer order."""
+        return {k: list(v[0]) for k, v in self._families.items()}
+
+    def _relayout(self) -> None:
+        bs = self._bindings
+        sizes = [b.n_inputs * len(b.keys) for b in bs]
+        boff = np.zeros(len(bs) + 1, dtype=np.int64)
+        soff = np.zeros(len(bs) + 1, dtype=np.int64)
+        boff[1:] = np.cumsum(sizes)
+        soff[1:] = np.cumsum([len(b.keys) for b in bs])
+        gidx = np.zeros(int(boff[-1]), dtype=np.int64)
+        x_all = np.zeros(int(boff[-1]))
+        m_all = np.ones(int(boff[-1]), dtype=np.bool_)
+        s_all = np.full(int(soff[-1]), np.nan)
+        a_all = np.zeros(int(soff[-1]), dtype=np.bool_)
+        calls = []
+        for k, b in enumerate(bs):
+            n, lo, hi = len(b.keys), int(boff[k]), int(boff[k + 1])
+            if n:
+                gidx[lo:hi] = np.asarray(b.slots, dtype=np.int64).reshape(-1)
+            b.X = x_all[lo:hi].reshape(1, b.n_inputs, n)
+            b.M = m_all[lo:hi].reshape(1, b.n_inputs, n)
+            so, se = int(soff[k]), int(soff[k + 1])
+            s_all[so:se] = b.det._score1[0]
+            a_all[so:se] = b.det._alarm1[0]
+            # the bank writes its outputs straight into the monitor's shared vectors
+            b.S = b.det._score1 = s_all[so:se].reshape(1, n)
+            b.A = b.det._alarm1 = a_all[so:se].reshape(1, n)
+            calls.append((b.det.update_array, b.X, b.M))
+        self._gather = (gidx, boff, soff, x_all, m_all, s_all, a_all,
+                        np.zeros(len(bs), dtype=np.bool_))
+        self._calls = calls
+        self._dirty = False
+
+    # ------------------------------------------------------------------ input
+    def _bad(self, msg: str, skipped: list[str]) -> None:
+        if self.strict:
+            raise ValueError(msg)
+        skipped.append(msg)
+        self.counters["skipped_values"] += 1
+
+    def _check_step(self, step: Any, skipped: list[str]) -> int | None:
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer, float)):
+            self._bad(f"step: must be an int; got {step!r}", skipped)
+            return None
+        if isinstance(step, float) and not (math.isfinite(step) and step.is_integer()):
+            self._bad(f"step: must be an int; got {step!r}", skipped)
+            return None
+        s = int(step)
+        if s < 0:
+            self._bad(f"step {s}: negative step; not fed to detectors", skipped)
+            return None
+        if s <= self.last_step:
+            self._bad(f"step {s}: not after the last observed step {self.last_step} "
+                      "(duplicate or out of order); not fed to detectors", skipped)
+            return None
+        return s
+
+    def _fill(self, metrics: Mapping[Any, Any], skipped: list[str]) -> None:
+        keys = list(metrics)
+        if keys != self._last_keys:
+            slots = [self._lookup(k) for k in keys]
+            self._last_keys = keys
+            self._last_slots = np.array(slots, dtype=np.int64)
+            self._last_ok = not slots or min(slots) >= 0
+            n = len(slots)
+            self._last_range = (slice(slots[0], slots[0] + n) if n and self._last_ok and
+                                slots == list(range(slots[0], slots[0] + n)) else None)
+        vals, present = self._vals, self._present
+        if self._last_ok:
+            try:  # fast path: every value converts like float() (strings/None/arrays do not)
+                buf = np.frombuffer(array("d", metrics.values()), dtype=np.float64)
+            except (TypeError, ValueError, OverflowError):
+                pass
+            else:
+                idx = self._last_range if self._last_range is not None else self._last_slots
+                vals[idx] = buf
+                present[idx] = True
+                return
+        for k, v, s in zip(keys, list(metrics.values()), self._last_slots.tolist(),
+                             strict=True):
+            if s == _SCRATCH or v is None:
+                continue
+            if s < 0:
+                self._bad(f"metrics[{k!r}]: metric names must be strings; skipped", skipped)
+                continue
+            x = to_float(v)
+            if isinstance(x, str):
+                self._bad(f"metrics[{k!r}]: {x}; skipped", skipped)
+                continue
+            vals[s] = x
+            present[s] = True
+
+    def _fill_families(self, families: Mapping[str, Any], skipped: list[str]) -> None:
+        vals, present = self._vals, self._present
+        for name, arr in families.items():
+            fam = self._families.get(name)
+            if fam is None:
+                self._bad(f"families[{name!r}]: not declared (call declare_family first); "
+                          "skipped", skipped)
+                continue
+            if arr is None:
+                continue
+            layers, slots, contig = fam
+            if type(arr) is np.ndarray and arr.dtype.char == "d" and arr.shape == slots.shape:
+                a = arr
+            else:
+                try:
+                    a = np.asarray(arr)
+                    if a.dtype.kind not in "fiub":
+                        raise TypeError(f"dtype {a.dtype} is not numeric")
+                    a = a.astype(np.float64, copy=False)
+                except Exception as exc:  # noqa: BLE001 -- any conversion failure is a bad value
+                    self._bad(f"families[{name!r}]: cannot convert ({exc}); skipped", skipped)
+                    continue
+                if a.shape != (len(layers),):
+                    self._bad(f"families[{name!r}]: shape {a.shape}; expected ({len(layers)},); "
+                              "skipped", skipped)
+                    continue
+            if contig is not None:
+                vals[contig] = a
+                present[contig] = True
+            else:
+                vals[slots] = a
+                present[slots] = True
+
+    # ------------------------------------------------------------------ the step
+    def observe(self, step: int, metrics: Mapping[str, Any] | None = None,
+                families: Mapping[str, Any] | None = None) -> Decision:
+        """Feed one step's metrics; returns the :class:`~stability.types.Decision`.
+
+        Parameters
+        ----------
+        step
+            Training step (int >= 0, increasing).
+        metrics
+            Name -> value (see the module docstring for accepted values).
+        families
+            Declared family name -> array of per-layer values (fast path).
+        """
+        skipped: list[str] = []
+        ctrl = self.control
+        ctrl.reset_step()
+        s = self._check_step(step, skipped)
+        if s is None:
+            self.counters["skipped_steps"] += 1
+            st = int(step) if isinstance(step, (int, np.integer)) else -1
+            return _decision(st, (), (), _new_control(ctrl), tuple(skipped))
+        if metrics:
+            if isinstance(metrics, Mapping):
+                self._fill(metrics, skipped)
+            else:
+                self._bad(f"metrics: expected a mapping; got {type(metrics).__name__}", skipped)
+        if families:
+            self._fill_families(families, skipped)
+        if self._dirty:
+            self._relayout()
+        g = self._grad_slot
+        gnow = float(self._vals[g]) if g and self._present[g] else None
+        gidx, boff, soff, x_all, m_all, s_all, a_all, active = self._gather
+        gather_step(self._vals, self._present, gidx, boff, soff, x_all, m_all, s_all, a_all,
+                    active)
+        for (update, x, m), on in zip(self._calls, active.tolist(), strict=True):
+            if on:
+                update(x, m)
+        self.last_step = s
+        self.counters["steps"] += 1
+        if any_true(a_all):
+            alarms = self._make_alarms(s, [(b, b.S[0], b.A[0]) for b in self._bindings])
+        else:
+            alarms = ()
+        ivs = self._policy_step(s, alarms, gnow)
+        if gnow is not None and math.isfinite(gnow):
+            self._grad_hist.append(gnow)
+            self._grad_last = gnow
+        d = _decision(s, alarms, ivs, _new_control(ctrl), tuple(skipped))
+        if alarms or ivs:
+            self._emit(d)
+        return d
+
+    def _policy_step(self, s: int, alarms: tuple[Alarm, ...], gnow: float | None
+                     ) -> tuple[Intervention, ...]:
+        pc = self._policy_control
+        if alarms:
+            if pc is not self.control:
+                pc.reset_step()
+            ivs = tuple(self.policy.step(s, alarms, pc, self._context(gnow)))
+            self._policy_dirty = True
+            if not self.log_only:
+                for iv in ivs:
+                    if isinstance(iv, Rollback):
+                        self.last_step = min(self.last_step, iv.to_step)
+            return ivs
+        if self._policy_dirty:
+            self.policy.step(s, (), pc, None)
+            self._policy_dirty = pc.lr_factor != 1.0 or pc.clip_norm is not None
+        return ()
+
+    def _context(self, gnow: float | None) -> dict[str, Any]:
+        ctx: dict[str, Any] = {"healthy_checkpoints": self.checkpoints}
+        if gnow is not None and math.isfinite(gnow):
+            ctx["grad_norm"] = gnow
+        elif self._grad_last is not None:
+            ctx["grad_norm"] = self._grad_last
+        if self._grad_hist:
+            ctx["grad_norm_recent_median"] = float(np.median(np.fromiter(
+                self._grad_hist, dtype=np.float64, count=len(self._grad_hist))))
+        return ctx
+
+    def _make_alarms(self, step: int, rows: list[tuple[_Binding, Any, Any]]
+                     ) -> tuple[Alarm, ...]:
+        names = self._slot_names
+        bad: set[str] = set()
+        for b, _, a in rows:
+            if b.nonfinite and a.any():
+                for i in np.flatnonzero(a).tolist():
+                    bad.update(names[b.slots[j][i]] for j in range(b.n_inputs)
+                               if b.slots[j][i] > _SCRATCH)
+        out: list[Alarm] = []
+        for b, sc, a in rows:
+            if not a.any():
+                continue
+            thr = float(b.det.threshold)
+            items = []
+            for i in np.flatnonzero(a).tolist():
+                comps = [names[b.slots[j][i]] for j in range(b.n_inputs)
+                         if b.slots[j][i] > _SCRATCH]
+                if not b.nonfinite and bad.intersection(comps):
+                    continue
+                score = float(sc[i])
+                signal = ",".join(comps) if comps else b.keys[i]
+                if b.nonfinite:
+                    sev = "critical"
+                    msg = f"{signal} is {_NF_NAMES.get(score, 'non-finite')}"
+                else:
+                    sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
+                                         ) else b.severity
+                    msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
+                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg))
+            items.sort(key=lambda al: al.signal)
+            out.extend(items)
+        return tuple(out)
+
+    def _emit(self, d: Decision) -> None:
+        self.counters["alarm_steps"] += bool(d.alarms)
+        self.counters["alarms"] += len(d.alarms)
+        self.counters["interventions"] += len(d.interventions)
+        log = self.event_log
+        for a in d.alarms:
+            if log is not None:
+                log.alarm(a)
+            self.handlers.alarm(a)
+        for iv in d.interventions:
+            if log is not None:
+                log.intervention(iv, log_only=self.log_only)
+            if isinstance(iv, Alert):
+                for sink in self.alert_sinks:
+                    sink.send(iv)
+            self.handlers.intervention(iv)
+
+    # ------------------------------------------------------------------ batch replay
+    def replay(self, data: Any) -> list[Decision]:
+        """Replay a recorded run: identical to a loop of :meth:`observe`, much faster.
+
+        ``data``: a pyarrow ``Table`` / ``RecordBatch``, a dict of NumPy columns (``step`` plus
+        one column per metric; nulls / masked / ``None`` = not logged), or an iterable of those
+        (see :meth:`replay_batches`).  Non-numeric columns are ignored.
+        """
+        if _is_table(data):
+            return self._replay_table(data)
+        return list(self.replay_batches(data))
+
+    def replay_batches(self, batches: Iterable[Any]) -> Iterator[Decision]:
+        """Replay batch after batch (bounded memory); detector state carries across batches."""
+        for batch in batches:
+            yield from self._replay_table(batch)
+
+    def _replay_table(self, data: Any) -> list[Decision]:
+        steps, cols = table_columns(data)
+        t_len = len(steps)
+        if t_len == 0:
+            return []
+        if steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0):
+            return [self.observe(int(steps[t]), {n: float(v[t]) for n, v, p in cols if p[t]})
+                    for t in range(t_len)]
+        firsts = []
+        for ci, (_, _, p) in enumerate(cols):
+            nz = np.flatnonzero(p)
+            if nz.size:
+                firsts.append((int(nz[0]), ci))
+        for _, ci in sorted(firsts):
+            self._lookup(cols[ci][0])
+        if self._dirty:
+            self._relayout()
+        n_slots = len(self._slot_names)
+        vals = np.zeros((t_len, n_slots))
+        pres = np.zeros((t_len, n_slots), dtype=np.bool_)
+        for name, v, p in cols:
+            s = self._cache.get(name, _SCRATCH)
+            if s > _SCRATCH:
+                vals[p, s] = v[p]
+                pres[p, s] |= True
+        outs = []
+        any_alarm = np.zeros(t_len, dtype=np.bool_)
+        for b in self._bindings:
+            idx = np.asarray(b.slots, dtype=np.int64).reshape(b.n_inputs, len(b.keys))
+            x = vals[:, idx]
+            sc, al = b.det.update_many(*[x[:, j, :] for j in range(b.n_inputs)],
+                                       missing=~pres[:, idx])
+            any_alarm |= al.any(axis=1)
+            outs.append((sc, al))
+        g = self._grad_slot
+        ctrl = self.control
+        decisions = []
+        for t in range(t_len):
+            s = int(steps[t])
+            ctrl.reset_step()
+            gnow = float(vals[t, g]) if g and pres[t, g] else None
+            self.last_step = s
+            if any_alarm[t]:
+                alarms = self._make_alarms(s, [(b, o[0][t], o[1][t])
+                                               for b, o in zip(self._bindings, outs, strict=True)])
+                ivs = self._policy_step(s, alarms, gnow)
+            else:
+                alarms = ()
+                ivs = self._policy_step(s, alarms, gnow) if self._policy_dirty else ()
+            if gnow is not None and math.isfinite(gnow):
+                self._grad_hist.append(gnow)
+                self._grad_last = gnow
+            d = _decision(s, alarms, ivs, _new_control(ctrl), ())
+            if alarms or ivs:
+                self._emit(d)
+            decisions.append(d)
+        self.counters["steps"] += t_len
+        return decisions
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Whole-monitor snapshot as JSON-compatible data (``json.dumps`` works, no NaN)."""
+        sd = {
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "slots": self._slot_names[2:],
+            "unbound": sorted(self.unbound),
+            "families": {k: list(v[0]) for k, v in self._families.items()},
+            "bindings": [{"name": b.name, "keys": list(b.keys), "slots": [list(c) for c in b.slots],
+                          "detector": b.det.state_dict()} for b in self._bindings],
+            "policy": self.policy.state_dict(),
+            "policy_dirty": self._policy_dirty,
+            "control": self.control.to_dict(),
+            "policy_control": self._policy_control.to_dict(),
+            "checkpoints": self.checkpoints.state_dict() if hasattr(
+                self.checkpoints, "state_dict") else None,
+            "last_step": self.last_step,
+            "grad_history": list(self._grad_hist),
+            "grad_last": self._grad_last,
+            "counters": dict(self.counters),
+        }
+        return encode_state(sd)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` snapshot (taken with the same detector bindings)."""
+        sd = decode_state(state)
+        version = int(sd.get("version", STATE_VERSION))
+        if version > STATE_VERSION:
+            raise ValueError(f"Monitor.load_state_dict(): unsupported state version {version}.")
+        names = [b["name"] for b in sd.get("bindings", [])]
+        if names != [b.name for b in self._bindings]:
+            raise ValueError(f"Monitor.load_state_dict(): snapshot bindings {names} do not match "
+                             f"this monitor's {[b.name for b in self._bindings]}.")
+        self._reset_runtime()
+        self._slot_names += [str(x) for x in sd.get("slots", [])]
+        self._slot_of = {n: i for i, n in enumerate(self._slot_names) if i > _SCRATCH}
+        self._grad_slot = self._slot_of.get("grad_norm", 0)
+        self._vals, self._present = empty_buffers(max(64, 2 * len(self._slot_names)))
+        self.unbound = set(sd.get("unbound", []))
+        for b, bd in zip(self._bindings, sd["bindings"], strict=True):
+            b.keys = [str(k) for k in bd["keys"]]
+            b.key_index = {k: i for i, k in enumerate(b.keys)}
+            b.slots = [[int(x) for x in c] for c in bd["slots"]]
+            b.det.load_state_dict(bd["detector"])
+        for name, layers in sd.get("families", {}).items():
+            self.declare_family(name, layers)
+        self.policy.load_state_dict(sd.get("policy", {}))
+        self._policy_dirty = bool(sd.get("policy_dirty", False))
+        self.control = Control.from_dict(sd.get("control", {}))
+        self._policy_control = (Control.from_dict(sd.get("policy_control", {})) if self.log_only
+                                else self.control)
+        if sd.get("checkpoints") is not None and hasattr(self.checkpoints, "load_state_dict"):
+            self.checkpoints.load_state_dict(sd["checkpoints"])
+        self.last_step = int(sd.get("last_step", -1))
+        self._grad_hist.extend(float(x) for x in sd.get("grad_history", []))
+        gl = sd.get("grad_last")
+        self._grad_last = None if gl is None else float(gl)
+        self.counters.update({k: int(v) for k, v in sd.get("counters", {}).items()})
+        self._dirty = True
+
+    def __repr__(self) -> str:
+        return (f"Monitor(bindings={[b.name for b in self._bindings]}, "
+                f"signals={len(self._slot_names) - 2}, last_step={self.last_step})")
+
+
+def _as_list(x: Any) -> list[Any]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _is_table(data: Any) -> bool:
+    if isinstance(data, Mapping):
+        return True
+    mod = type(data).__module__
+    return mod.startswith("pyarrow") and hasattr(data, "column_names")

@@ -1,0 +1,175 @@
+"""Monitor input/output helpers: value coercion, table columns, JSON-safe state encoding.
+
+Examples
+--------
+>>> to_float(3), to_float(np.float32(0.5)), to_float(np.array([2.0]))
+(3.0, 0.5, 2.0)
+>>> to_float("1.5"), to_float(np.zeros(3))
+('string value not accepted', 'shape (3,); expected a scalar')
+>>> decode_state(encode_state({"a": np.array([1.0, np.nan]), "b": float("inf")}))
+{'a': array([ 1., nan]), 'b': inf}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["to_float", "table_columns", "encode_state", "decode_state"]
+
+_ND = "__ndarray__"
+_FL = "__float__"
+
+
+def _from_array(a: np.ndarray) -> float | str:
+    if a.dtype.kind not in "fiub":
+        return f"dtype {a.dtype} not accepted"
+    if a.size != 1:
+        return f"shape {a.shape}; expected a scalar"
+    return float(a.reshape(-1)[0])
+
+
+def to_float(v: Any) -> float | str:
+    """Coerce one metric value to ``float``; a ``str`` return value is the rejection reason.
+
+    Accepted: ``int``/``float`` (booleans as 0/1), NumPy scalars and size-1 arrays, objects
+    with ``__float__`` (e.g. 1-element torch tensors, also on GPU) or ``__array__``.  Rejected:
+    strings, bytes, complex numbers, other shapes, other objects.
+    """
+    t = type(v)
+    if t is float or t is int:
+        try:
+            return float(v)
+        except OverflowError:
+            return "integer too large for float64"
+    if isinstance(v, (bool, np.bool_)):
+        return float(v)
+    if isinstance(v, (str, bytes)):
+        return "string value not accepted"
+    if isinstance(v, (complex, np.complexfloating)):
+        return "complex value not accepted"
+    if isinstance(v, (np.floating, np.integer)):
+        return float(v)
+    if isinstance(v, np.ndarray):
+        return _from_array(v)
+    if isinstance(v, (int, float)):  # subclasses
+        return float(v)
+    shape = getattr(v, "shape", None)
+    if hasattr(v, "__float__"):
+        if shape is not None and math.prod(tuple(shape)) != 1:
+            return f"shape {tuple(shape)}; expected a scalar"
+        try:
+            return float(v)
+        except Exception as exc:  # noqa: BLE001 -- foreign objects may raise anything
+            return f"cannot convert {type(v).__name__} to float ({exc})"
+    if hasattr(v, "__array__"):
+        try:
+            return _from_array(np.asarray(v))
+        except Exception as exc:  # noqa: BLE001
+            return f"cannot convert {type(v).__name__} to float ({exc})"
+    return f"not a number ({type(v).__name__})"
+
+
+def _numeric_column(v: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """(float64 values, present mask) of a dict column, or ``None`` for non-numeric columns."""
+    if isinstance(v, np.ma.MaskedArray):
+        if v.dtype.kind not in "fiub":
+            return None
+        mask = np.ma.getmaskarray(v)
+        return np.asarray(v.filled(0), dtype=np.float64), ~mask
+    a = np.asarray(v)
+    if a.dtype == object:
+        present = np.array([x is not None for x in a], dtype=np.bool_)
+        out = np.zeros(len(a))
+        for i in np.flatnonzero(present):
+            x = to_float(a[i])
+            if isinstance(x, str):
+                return None
+            out[i] = x
+        return out, present
+    if a.dtype.kind not in "fiub" or a.ndim != 1:
+        return None
+    return a.astype(np.float64), np.ones(a.shape[0], dtype=np.bool_)
+
+
+def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np.ndarray]]]:
+    """``(steps, [(name, values, present), ...])`` of a wide table (pyarrow or dict of arrays).
+
+    Numeric columns only (integer / floating); nulls, masked entries and ``None`` are
+    not-present.  The ``step`` column is required and may not contain nulls.
+    """
+    cols: list[tuple[str, np.ndarray, np.ndarray]] = []
+    if isinstance(data, Mapping):
+        if "step" not in data:
+            raise ValueError("replay: the table has no 'step' column.")
+        steps = np.asarray(data["step"])
+        for name, v in data.items():
+            if name == "step":
+                continue
+            nc = _numeric_column(v)
+            if nc is not None:
+                if nc[0].shape != steps.shape:
+                    raise ValueError(f"replay: column {name!r} has shape {nc[0].shape}; "
+                                     f"expected {steps.shape}.")
+                cols.append((str(name), nc[0], nc[1]))
+    else:
+        import pyarrow as pa  # noqa: PLC0415
+
+        names = list(data.column_names)
+        if "step" not in names:
+            raise ValueError("replay: the table has no 'step' column.")
+        scol = data.column(names.index("step"))
+        if scol.null_count:
+            raise ValueError("replay: the 'step' column contains nulls.")
+        steps = np.asarray(scol.to_numpy(zero_copy_only=False))
+        for k, name in enumerate(names):
+            if name == "step":
+                continue
+            col = data.column(k)
+            if not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)
+                    or pa.types.is_boolean(col.type)):
+                continue
+            present = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=np.bool_)
+            vals = np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False),
+                              dtype=np.float64)
+            cols.append((str(name), np.where(present, vals, 0.0), present))
+    if steps.dtype.kind not in "iu" and steps.size:
+        if steps.dtype.kind != "f" or not np.all(np.isfinite(steps)) or np.any(steps % 1):
+            raise ValueError("replay: the 'step' column must hold integers.")
+    return steps.astype(np.int64), cols
+
+
+def encode_state(x: Any) -> Any:
+    """Make nested state JSON-safe: arrays and non-finite floats become tagged dicts."""
+    if isinstance(x, np.ndarray):
+        flat = x.reshape(-1).tolist()
+        if x.dtype.kind == "f":
+            flat = [v if math.isfinite(v) else repr(v) for v in flat]
+        return {_ND: x.dtype.str, "shape": list(x.shape), "data": flat}
+    if isinstance(x, Mapping):
+        return {str(k): encode_state(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [encode_state(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return {_FL: repr(x)}
+    return x
+
+
+def decode_state(x: Any) -> Any:
+    """Inverse of :func:`encode_state` (bit-exact for floats)."""
+    if isinstance(x, Mapping):
+        if _ND in x:
+            dt = np.dtype(x[_ND])
+            data = [float(v) for v in x["data"]] if dt.kind == "f" else x["data"]
+            return np.array(data, dtype=dt).reshape(tuple(x["shape"]))
+        if _FL in x and len(x) == 1:
+            return float(x[_FL])
+        return {k: decode_state(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [decode_state(v) for v in x]
+    return x
