@@ -55,6 +55,7 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
     clip = params[5]
     use_max = params[6] != 0.0
     k = X.shape[1]
+    ys = np.empty(k)  # transformed inputs, computed once per layer and step
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             present = 0
@@ -72,6 +73,10 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
                 scores[t, i] = np.inf
                 alarms[t, i] = True
                 continue
+            for j in range(k):
+                if not miss[t, j, i]:
+                    x = X[t, j, i]
+                    ys[j] = math.log(max(x, LOG_FLOOR)) if params[_AS_LOG0 + j] != 0.0 else x
             acc = 0.0
             m = 0
             for j in range(k):
@@ -81,8 +86,7 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
                 if count == 0.0 or count < warmup:
                     continue
                 log_j = params[_AS_LOG0 + j] != 0.0
-                x = X[t, j, i]
-                y = math.log(max(x, LOG_FLOOR)) if log_j else x
+                y = ys[j]
                 loc = state[3 * j + _LOC, i]
                 s = _floored_scale(loc, state[3 * j + _SCALE, i], log_j, min_scale)
                 z = abs(y - loc) / s
@@ -106,8 +110,7 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
                 if miss[t, j, i]:
                     continue
                 log_j = params[_AS_LOG0 + j] != 0.0
-                x = X[t, j, i]
-                y = math.log(max(x, LOG_FLOOR)) if log_j else x
+                y = ys[j]
                 count = state[3 * j + _COUNT, i]
                 if count == 0.0:
                     state[3 * j + _LOC, i] = y
