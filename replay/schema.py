@@ -1,0 +1,585 @@
+"""The declared Arrow schema of a recorded run, its metadata, and validation.
+
+A recorded run is a **wide** table: one ``step`` column (``int64``, the optimizer step) and one
+``float64`` column per metric (``loss``, ``grad_norm/<layer>``, ...). Two kinds of "no number" are
+kept apart everywhere:
+
+* **null**: the metric was *not logged* on that step (e.g. ``val_loss`` between evaluations);
+* **NaN**: the metric *was logged and was NaN* (a diverged loss). Detectors treat the two
+  differently.
+
+A **long** table (``step: int64, name: string, value: float64``) is accepted and pivoted to wide.
+
+The schema metadata key ``b"stability"`` holds JSON ``{"schema_version": 1, "monitor_config": ...,
+"run": {...}}``.
+
+Validation rules (:func:`normalize_table`):
+
+* ``step`` must exist, be integer-valued (integer type, or float/string holding whole numbers) and
+  never null, else :class:`RunFormatError`.
+* Numeric metric columns (ints, floats, bools, decimals) are cast to ``float64``; nulls stay null.
+* String columns whose values all parse as numbers (``"1.5"``, ``"nan"``, ``"inf"``) are converted.
+* A string column with *some* numbers and some non-numeric text is an error naming the file, the
+  column, the row and the value (a metric column holding text is a broken export, not something to
+  guess about).
+* Columns holding no numbers at all (run names, file names, nested objects) are **dropped with a
+  warning** (``non_numeric="drop"``, the default) or rejected (``non_numeric="error"``).
+* Rows are sorted by step (stable); several rows for the same step are merged, the last non-null
+  value per column winning.
+
+Examples
+--------
+>>> t = table_from_records([(2, {"loss": 1.5}), (1, {"loss": float("nan"), "lr": 0.1})])
+>>> t.column_names
+['step', 'loss', 'lr']
+>>> t.column("step").to_pylist(), t.column("lr").to_pylist()
+([1, 2], [0.1, None])
+>>> read_metadata(t.schema)["schema_version"]
+1
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = [
+    "DEFAULT_ALIASES",
+    "alias_resolver",
+    "METADATA_KEY",
+    "SCHEMA_VERSION",
+    "STEP",
+    "RunFormatError",
+    "apply_aliases",
+    "is_long_format",
+    "make_metadata",
+    "normalize_table",
+    "pivot_long",
+    "read_metadata",
+    "run_schema",
+    "table_from_records",
+]
+
+#: version of the on-disk layout written by this module
+SCHEMA_VERSION = 1
+#: schema-metadata key holding the JSON run metadata
+METADATA_KEY = b"stability"
+#: name of the step column
+STEP = "step"
+
+NonNumeric = Literal["drop", "error"]
+
+#: names used by trainers and log formats for the canonical metrics (raw name -> canonical name).
+#: Fallback only: ``replay.reader.default_aliases`` uses ``stability.binding.DEFAULT_ALIASES`` (the
+#: monitor's table, one source of truth) whenever that module imports.
+DEFAULT_ALIASES: dict[str, str] = {
+    # train loss
+    "train/loss": "loss",
+    "train_loss": "loss",
+    "training_loss": "loss",
+    "loss/train": "loss",
+    "lm loss": "loss",
+    "lm_loss": "loss",
+    "train/lm_loss": "loss",
+    # validation loss
+    "eval_loss": "val_loss",
+    "eval/loss": "val_loss",
+    "val/loss": "val_loss",
+    "valid_loss": "val_loss",
+    "validation_loss": "val_loss",
+    "loss/val": "val_loss",
+    "lm loss value": "val_loss",
+    # learning rate
+    "learning_rate": "lr",
+    "learning rate": "lr",
+    "train/learning_rate": "lr",
+    "train/lr": "lr",
+    "lr-Adam": "lr",
+    "lr-AdamW": "lr",
+    "lr-SGD": "lr",
+    # global gradient norm
+    "grad-norm": "grad_norm",
+    "grad norm": "grad_norm",
+    "gradient_norm": "grad_norm",
+    "train/grad_norm": "grad_norm",
+    "grad_2.0_norm_total": "grad_norm",
+    # others
+    "loss scale": "loss_scale",
+    "train/loss_scale": "loss_scale",
+    "train/epoch": "epoch",
+}
+
+
+class RunFormatError(ValueError):
+    """A run file (or table) that cannot be read as a recorded run.
+
+    The message always starts with the source (file name, URI or ``<table>``).
+
+    Examples
+    --------
+    >>> str(RunFormatError("run.parquet", "no 'step' column"))
+    "run.parquet: no 'step' column"
+    """
+
+    def __init__(self, source: object, problem: str) -> None:
+        self.source = str(source)
+        self.problem = problem
+        super().__init__(f"{self.source}: {problem}")
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def make_metadata(
+    monitor_config: Mapping[str, Any] | None = None, run: Mapping[str, Any] | None = None
+) -> dict[bytes, bytes]:
+    """Schema metadata for a recorded run.
+
+    Parameters
+    ----------
+    monitor_config : mapping or None
+        The monitor configuration (JSON data) the run was recorded with.
+    run : mapping or None
+        Free-form run information (name, model, hyperparameters, source file, ...).
+
+    Returns
+    -------
+    dict
+        ``{b"stability": <JSON bytes>}``, ready for ``pa.Schema.with_metadata``.
+
+    Examples
+    --------
+    >>> make_metadata(run={"name": "r1"})[b"stability"]
+    b'{"schema_version": 1, "monitor_config": null, "run": {"name": "r1"}}'
+    """
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "monitor_config": None if monitor_config is None else dict(monitor_config),
+        "run": {} if run is None else dict(run),
+    }
+    return {METADATA_KEY: json.dumps(doc, default=str).encode()}
+
+
+def read_metadata(schema: pa.Schema, source: object = "<table>") -> dict[str, Any] | None:
+    """Return the decoded ``b"stability"`` metadata of ``schema``, or None when absent.
+
+    Raises
+    ------
+    RunFormatError
+        If the metadata is not valid JSON or has a newer ``schema_version``.
+
+    Examples
+    --------
+    >>> read_metadata(pa.schema([("step", pa.int64())])) is None
+    True
+    """
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise RunFormatError(
+            source, f"metadata {METADATA_KEY!r} is not valid JSON ({exc})"
+        ) from None
+    if not isinstance(doc, dict):
+        raise RunFormatError(source, f"metadata {METADATA_KEY!r} is not a JSON object")
+    version = doc.get("schema_version", SCHEMA_VERSION)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise RunFormatError(
+            source, f"schema_version {version!r} is newer than this library ({SCHEMA_VERSION})"
+        )
+    doc.setdefault("monitor_config", None)
+    doc.setdefault("run", {})
+    return doc
+
+
+def run_schema(
+    metric_names: Iterable[str], metadata: Mapping[bytes, bytes] | None = None
+) -> pa.Schema:
+    """The wide schema: ``step`` int64 then one float64 column per metric.
+
+    Examples
+    --------
+    >>> run_schema(["loss", "grad_norm/blk0"]).types
+    [DataType(int64), DataType(double), DataType(double)]
+    """
+    fields = [pa.field(STEP, pa.int64(), nullable=False)]
+    fields += [pa.field(n, pa.float64()) for n in metric_names]
+    return pa.schema(fields, metadata=dict(metadata) if metadata else None)
+
+
+# --------------------------------------------------------------------------- building tables
+
+
+def table_from_records(
+    records: Iterable[tuple[int, Mapping[str, float | None]]],
+    metadata: Mapping[bytes, bytes] | None = None,
+) -> pa.Table:
+    """Build a wide run table from ``(step, {name: value})`` records.
+
+    Records for the same step are merged (the last non-null value wins); rows come out sorted by
+    step; columns in order of first appearance. ``None`` means "not logged" (null).
+
+    Examples
+    --------
+    >>> t = table_from_records([(0, {"loss": 1.0}), (0, {"val_loss": 2.0}), (1, {"loss": None})])
+    >>> t.to_pydict()
+    {'step': [0, 1], 'loss': [1.0, None], 'val_loss': [2.0, None]}
+    """
+    rows: dict[int, dict[str, float | None]] = {}
+    names: dict[str, None] = {}
+    for step, metrics in records:
+        row = rows.setdefault(int(step), {})
+        for name, value in metrics.items():
+            names.setdefault(name, None)
+            if value is not None:
+                row[name] = value
+    steps = sorted(rows)
+    arrays = [pa.array(steps, type=pa.int64())]
+    for name in names:
+        arrays.append(pa.array([rows[s].get(name) for s in steps], type=pa.float64()))
+    md = dict(metadata) if metadata else make_metadata()
+    return pa.Table.from_arrays(arrays, schema=run_schema(names, md))
+
+
+def is_long_format(schema: pa.Schema) -> bool:
+    """True if ``schema`` is the long layout ``step, name, value``.
+
+    Examples
+    --------
+    >>> is_long_format(pa.schema([("step", pa.int64()), ("name", pa.string()),
+    ...                           ("value", pa.float64())]))
+    True
+    """
+    return set(schema.names) == {STEP, "name", "value"}
+
+
+def pivot_long(table: pa.Table, source: object = "<table>") -> pa.Table:
+    """Pivot a long ``step, name, value`` table to the wide layout (last non-null value per cell).
+
+    Examples
+    --------
+    >>> long = pa.table({"step": [0, 0, 1], "name": ["loss", "lr", "loss"],
+    ...                  "value": [1.0, 0.1, float("nan")]})
+    >>> pivot_long(long).to_pydict()
+    {'step': [0, 1], 'loss': [1.0, nan], 'lr': [0.1, None]}
+    """
+    steps = _step_array(table.column(STEP), source)
+    names_col = table.column("name")
+    if pc.any(pc.is_null(names_col)).as_py():
+        raise RunFormatError(source, "long format: column 'name' contains nulls")
+    names_col = names_col.cast(pa.string())
+    values = _to_float(table.column("value"), "value", source, "error")
+    if values is None:  # pragma: no cover - non_numeric="error" never returns None
+        raise RunFormatError(source, "long format: column 'value' is not numeric")
+    enc = pc.dictionary_encode(names_col).combine_chunks()
+    codes = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    names = enc.dictionary.to_pylist()
+    vals = values.to_numpy(zero_copy_only=False)
+    valid = pc.is_valid(values).to_numpy(zero_copy_only=False)
+    ustep, sidx = np.unique(steps, return_inverse=True)
+    n, m = len(ustep), len(names)
+    # a null value is "not logged": it never overrides a logged one
+    key = (codes * n + sidx)[valid]
+    kept = np.flatnonzero(valid)
+    # last logged occurrence of every (name, step) cell
+    rev_keys, rev_first = np.unique(key[::-1], return_index=True)
+    last = kept[len(key) - 1 - rev_first]
+    dense = np.full(m * n, np.nan)
+    mask = np.zeros(m * n, dtype=bool)
+    dense[rev_keys] = vals[last]
+    mask[rev_keys] = True
+    # columns ordered by first appearance
+    _, first_pos = np.unique(codes, return_index=True)
+    order = np.argsort(first_pos, kind="stable")
+    arrays = [pa.array(ustep, type=pa.int64())]
+    for c in order:
+        sl = slice(int(c) * n, (int(c) + 1) * n)
+        arrays.append(pa.array(dense[sl], mask=~mask[sl], type=pa.float64()))
+    md = table.schema.metadata or make_metadata()
+    return pa.Table.from_arrays(arrays, schema=run_schema([names[c] for c in order], md))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def normalize_table(
+    table: pa.Table,
+    source: object = "<table>",
+    non_numeric: NonNumeric = "drop",
+    sort: bool = True,
+) -> pa.Table:
+    """Validate ``table`` and return it in the declared schema (see the module docstring).
+
+    Parameters
+    ----------
+    table : pa.Table
+        Wide or long table.
+    source : object
+        Name used in error messages (file path or URI).
+    non_numeric : {"drop", "error"}
+        What to do with columns holding no numbers at all.
+    sort : bool
+        Sort rows by step and merge duplicate steps (skip when the caller knows they are sorted
+        and unique).
+
+    Returns
+    -------
+    pa.Table
+        ``step`` int64 (non-null) and float64 metric columns; metadata preserved or created.
+
+    Raises
+    ------
+    RunFormatError
+        No ``step`` column, non-integer or null steps, text in a numeric column.
+
+    Examples
+    --------
+    >>> t = pa.table({"step": [1.0, 0.0], "loss": ["2.5", "nan"], "note": ["a", "b"]})
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     normalize_table(t).to_pydict()
+    {'step': [0, 1], 'loss': [nan, 2.5]}
+    >>> normalize_table(pa.table({"loss": [1.0]}))
+    Traceback (most recent call last):
+    ...
+    replay.schema.RunFormatError: <table>: no 'step' column (columns: ['loss'])
+    """
+    if non_numeric not in ("drop", "error"):
+        raise ValueError(f"non_numeric must be 'drop' or 'error'. Got {non_numeric!r} instead.")
+    if STEP not in table.column_names:
+        raise RunFormatError(source, f"no 'step' column (columns: {table.column_names[:20]})")
+    if table.column_names.count(STEP) > 1:
+        raise RunFormatError(source, "more than one 'step' column")
+    if is_long_format(table.schema):
+        return pivot_long(table, source)
+    if not sort and _is_canonical(table.schema):  # fast path for streamed batches
+        nulls = table.column(STEP).null_count
+        if nulls:
+            raise RunFormatError(source, f"column 'step' has {nulls} null value(s)")
+        md = table.schema.metadata
+        if not md or METADATA_KEY not in md:
+            return table.replace_schema_metadata({**(md or {}), **make_metadata()})
+        return table
+    steps = _step_array(table.column(STEP), source)
+    names: list[str] = []
+    arrays: list[pa.ChunkedArray] = []
+    dropped: list[str] = []
+    seen: set[str] = set()
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        if name == STEP:
+            continue
+        if name in seen:
+            raise RunFormatError(source, f"duplicate column {name!r}")
+        seen.add(name)
+        conv = _to_float(col, name, source, non_numeric)
+        if conv is None:
+            dropped.append(name)
+            continue
+        names.append(name)
+        arrays.append(conv)
+    if dropped:
+        warnings.warn(
+            f"{source}: dropped non-numeric column(s) {dropped}", UserWarning, stacklevel=2
+        )
+    md = table.schema.metadata
+    if not md or METADATA_KEY not in md:
+        md = {**(md or {}), **make_metadata()}
+    else:
+        read_metadata(table.schema, source)  # validates
+    out = pa.Table.from_arrays(
+        [pa.chunked_array([pa.array(steps, type=pa.int64())]), *arrays],
+        schema=run_schema(names, md),
+    )
+    if sort:
+        out = _sort_and_merge(out, steps)
+    return out
+
+
+def alias_resolver(aliases: Mapping[str, str]) -> Callable[[str], str]:
+    """A function mapping a raw column name to its canonical name.
+
+    Same rules as the monitor's ``stability.binding.Aliases``: exact names first, then keys ending
+    in ``/*`` rewrite a prefix (longest prefix first).
+
+    Examples
+    --------
+    >>> f = alias_resolver({"train/loss": "loss", "grad-norm/*": "grad_norm/*"})
+    >>> f("train/loss"), f("grad-norm/blk0"), f("lr")
+    ('loss', 'grad_norm/blk0', 'lr')
+    """
+    exact: dict[str, str] = {}
+    prefix: list[tuple[str, str]] = []
+    for src, dst in aliases.items():
+        if src.endswith("/*"):
+            prefix.append((src[:-1], dst[:-1] if dst.endswith("/*") else dst + "/"))
+        else:
+            exact[src] = dst
+    prefix.sort(key=lambda p: -len(p[0]))
+
+    def resolve(name: str) -> str:
+        out = exact.get(name)
+        if out is not None:
+            return out
+        for src, dst in prefix:
+            if name.startswith(src):
+                return dst + name[len(src) :]
+        return name
+
+    return resolve
+
+
+def apply_aliases(table: pa.Table, aliases: Mapping[str, str]) -> pa.Table:
+    """Rename columns through ``aliases`` (raw name -> canonical name, see :func:`alias_resolver`).
+
+    When several columns map to the same name they are coalesced: per row, the first non-null value
+    in column order wins (a column already carrying the canonical name comes first).
+
+    Examples
+    --------
+    >>> t = pa.table({"step": [0, 1], "train/loss": [1.0, None], "loss": [None, 2.0]})
+    >>> apply_aliases(t, {"train/loss": "loss"}).to_pydict()
+    {'step': [0, 1], 'loss': [1.0, 2.0]}
+    """
+    if not aliases:
+        return table
+    resolve = alias_resolver(aliases)
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(table.column_names):
+        target = STEP if name == STEP else resolve(name)
+        lst = groups.setdefault(target, [])
+        if target == name:
+            lst.insert(0, i)
+        else:
+            lst.append(i)
+    if all(len(v) == 1 and table.column_names[v[0]] == k for k, v in groups.items()):
+        return table
+    names, cols = [], []
+    for target, idx in groups.items():
+        names.append(target)
+        if len(idx) == 1:
+            cols.append(table.column(idx[0]))
+        else:
+            cols.append(pc.coalesce(*[table.column(i) for i in idx]))
+    fields = [pa.field(n, c.type, nullable=(n != STEP)) for n, c in zip(names, cols, strict=True)]
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields, metadata=table.schema.metadata))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_canonical(schema: pa.Schema) -> bool:
+    """``step`` int64 first, then unique float64 columns (metadata not checked)."""
+    names = schema.names
+    if not names or names[0] != STEP or len(set(names)) != len(names):
+        return False
+    return schema.types[0] == pa.int64() and all(t == pa.float64() for t in schema.types[1:])
+
+
+def _step_array(col: pa.ChunkedArray | pa.Array, source: object) -> np.ndarray:
+    """``step`` as an int64 NumPy array, or a clear error."""
+    if col.null_count:
+        raise RunFormatError(source, f"column 'step' has {col.null_count} null value(s)")
+    typ = col.type
+    if pa.types.is_integer(typ):
+        return np.asarray(col.to_numpy(), dtype=np.int64)
+    if pa.types.is_floating(typ) or pa.types.is_decimal(typ):
+        f = np.asarray(col.cast(pa.float64()).to_numpy(), dtype=np.float64)
+    elif pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        f = _parse_strings(col.to_pylist(), STEP, source)
+    else:
+        raise RunFormatError(source, f"column 'step' must hold integers, got type {typ}")
+    bad = ~np.isfinite(f) | (f != np.round(f))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise RunFormatError(
+            source, f"column 'step' must hold integers; row {i} holds {col[i].as_py()!r}"
+        )
+    return f.astype(np.int64)
+
+
+def _parse_strings(values: list[Any], name: str, source: object) -> np.ndarray:
+    out = np.empty(len(values))
+    for i, v in enumerate(values):
+        if v is None:
+            out[i] = np.nan
+            continue
+        try:
+            out[i] = float(v)
+        except ValueError:
+            raise RunFormatError(
+                source, f"column {name!r} holds non-numeric value {v!r} at row {i}"
+            ) from None
+    return out
+
+
+def _to_float(
+    col: pa.ChunkedArray | pa.Array, name: str, source: object, non_numeric: NonNumeric
+) -> pa.ChunkedArray | None:
+    """Cast a metric column to float64; None means "no numbers here, drop it"."""
+    if isinstance(col, pa.Array):
+        col = pa.chunked_array([col])
+    typ = col.type
+    if pa.types.is_floating(typ) or pa.types.is_integer(typ) or pa.types.is_decimal(typ):
+        return col.cast(pa.float64())
+    if pa.types.is_boolean(typ):
+        return col.cast(pa.int8()).cast(pa.float64())
+    if pa.types.is_null(typ):
+        return pa.chunked_array([pa.nulls(len(col), pa.float64())])
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        values = col.to_pylist()
+        parsed: list[float | None] = []
+        first_bad: tuple[int, str] | None = None
+        n_num = 0
+        for i, v in enumerate(values):
+            if v is None or v == "":
+                parsed.append(None)
+                continue
+            try:
+                parsed.append(float(v))
+                n_num += 1
+            except ValueError:
+                parsed.append(None)
+                if first_bad is None:
+                    first_bad = (i, v)
+        if first_bad is None:
+            return pa.chunked_array([pa.array(parsed, type=pa.float64())])
+        if n_num:
+            raise RunFormatError(
+                source,
+                f"column {name!r} holds non-numeric value {first_bad[1]!r} at row {first_bad[0]}",
+            )
+    if non_numeric == "error":
+        raise RunFormatError(source, f"column {name!r} is not numeric (type {typ})")
+    return None
+
+
+def _sort_and_merge(table: pa.Table, steps: np.ndarray) -> pa.Table:
+    """Stable-sort rows by step; merge duplicate steps (last non-null value per column)."""
+    if len(steps) < 2:
+        return table
+    d = np.diff(steps)
+    if (d > 0).all():
+        return table
+    if not (d >= 0).all():
+        order = np.argsort(steps, kind="stable")
+        table = table.take(pa.array(order))
+        steps = steps[order]
+        d = np.diff(steps)
+        if (d > 0).all():
+            return table
+    # duplicates: group_by keeps first-appearance order without threads
+    metrics = [n for n in table.column_names if n != STEP]
+    agg = table.group_by(STEP, use_threads=False).aggregate(
+        [(n, "last", pc.ScalarAggregateOptions(skip_nulls=True)) for n in metrics]
+    )
+    cols = [agg.column(STEP)] + [agg.column(f"{n}_last") for n in metrics]
+    return pa.Table.from_arrays(cols, schema=table.schema)
