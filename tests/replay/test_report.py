@@ -149,3 +149,13 @@ def test_report_renders_in_headless_chromium(tmp_path):
         timeout=120,
     )
     assert res.returncode == 0 and shot.stat().st_size > 20_000
+
+
+def test_png_summary(tmp_path):
+    pytest.importorskip("matplotlib")
+    from replay.report import write_png
+
+    out = tmp_path / "run.png"
+    write_png(out, synthetic_run(), alarms=[{"step": 400, "kind": "nonfinite"}], title="png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
