@@ -7,14 +7,20 @@ Every detector is a bank of independent series updated by one kernel call per st
 
 from ._base import BankDetector
 from .activation import ActivationShift, HistogramDrift
+from .adwin import ADWIN
+from .cusum import CUSUM
 from .divergence import TrainValDivergence, ValSpike
 from .ewma import EWMAZScore
 from .lr_loss import LRJump, LRLevelInstability, LRLossCorrelation
 from .nonfinite import NonFiniteGuard
+from .page_hinkley import PageHinkley
 from .ratio import RatioToMean
 from .robust import RobustZScore
 
 __all__ = [
+    "ADWIN",
+    "CUSUM",
+    "PageHinkley",
     "ActivationShift",
     "HistogramDrift",
     "LRJump",

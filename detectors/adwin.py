@@ -135,8 +135,9 @@ def _screen_fails(u0, u1, n0, n1, a, c, k_sqrt, k_lin):  # type: ignore[no-untyp
 def _detect(b, cap, rows, n_rows, width, total, variance, delta, mwl):  # type: ignore[no-untyped-def]
     """Test every cut, dropping the oldest bucket while one fails (river's ``detect_change``).
 
-    Returns ``(change, best, n_rows, width, total, variance)`` with ``best`` the largest
-    ``|mean0 - mean1| - eps_cut`` over the cuts tested.
+    Returns ``(change, best, n_rows, width, total, variance)``; ``best`` is the largest
+    ``|mean0 - mean1| - eps_cut`` over the cuts evaluated exactly (cuts rejected by the screen
+    have a negative margin, so ``max(0, best)`` is the same as over all cuts).
     """
     cnt0 = 2 * rows * cap
     change = False

@@ -124,7 +124,7 @@ class PageHinkley(BankDetector):
     >>> det = PageHinkley()
     >>> scores, alarms = det.update_many(x)
     >>> np.flatnonzero(alarms[:, 0]).tolist()
-    [518]
+    [514]
     """
 
     kind = "level_shift"

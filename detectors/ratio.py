@@ -31,6 +31,10 @@ from numba import njit
 from ._base import BankDetector, FloatArray, check_int
 from .robust import sorted_median, sorted_push
 
+#: Largest accepted ``window``: the ring buffer is allocated per series up front (a
+#: hostile config must fail validation, not exhaust memory).
+MAX_WINDOW = 1_000_000
+
 #: reference modes -> kernel code
 REFERENCES = {"mean": 0.0, "median": 1.0, "ewm": 2.0, "initial_max": 3.0}
 _MEAN, _MEDIAN, _EWM, _INITIAL_MAX = 0, 1, 2, 3
@@ -186,7 +190,7 @@ class RatioToMean(BankDetector):
     ):
         super().__init__(n_series, threshold, freeze_on_alarm)
         name = type(self).__name__
-        self.window = check_int(name, "window", window, 1)
+        self.window = check_int(name, "window", window, 1, MAX_WINDOW)
         self.patience = check_int(name, "patience", patience, 1)
         if reference not in REFERENCES:
             raise ValueError(

@@ -27,6 +27,10 @@ from numba import njit
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
 from .ewma import DIRECTIONS, LOG_FLOOR
 
+#: Largest accepted ``window``: the ring buffer is allocated per series up front (a
+#: hostile config must fail validation, not exhaust memory).
+MAX_WINDOW = 1_000_000
+
 #: consistency constant: 1.4826 * MAD estimates the std of a normal distribution
 MAD_SCALE = 1.4826
 
@@ -264,7 +268,7 @@ class RobustZScore(BankDetector):
     ):
         super().__init__(n_series, threshold, freeze_on_alarm)
         name = type(self).__name__
-        self.window = check_int(name, "window", window, 1)
+        self.window = check_int(name, "window", window, 1, MAX_WINDOW)
         if warmup is None:
             warmup = max(2, self.window // 4) if self.window >= 2 else 1
         self.warmup = check_int(name, "warmup", warmup, 1, self.window)

@@ -273,6 +273,49 @@ def _merge_dicts(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
+def _merge_detector_lists(
+    base: list[dict[str, Any]], over: list[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Entries of ``over`` update the ``base`` entry of the same name (params merged key by key)
+    or are appended."""
+    out = [dict(b) for b in base]
+    for e in over:
+        for j, b in enumerate(out):
+            if b.get("name") == e.get("name"):
+                merged = {**b, **e}
+                merged["params"] = _merge_dicts(
+                    dict(b.get("params", {})), dict(e.get("params", {}))
+                )
+                out[j] = merged
+                break
+        else:
+            out.append(dict(e))
+    return out
+
+
+def _resolve_presets(d: Mapping[str, Any], depth: int = 0) -> dict[str, Any]:
+    """Flatten a document whose ``preset`` key names a base preset (presets may extend presets).
+
+    Returns ``{"monitor": ..., "policy": ..., "detectors": [...]}`` with the base first.
+    """
+    if depth > 8:
+        raise ConfigError("preset: presets extend each other in a cycle.")
+    own: dict[str, Any] = {
+        "monitor": dict(_table(d.get("monitor", {}), "monitor")),
+        "policy": dict(_table(d.get("policy", {}), "policy")),
+        "detectors": [dict(e) for e in d.get("detectors", [])],
+    }
+    name = d.get("preset")
+    if name is None:
+        return own
+    base = _resolve_presets(_presets.load_preset(str(name)), depth + 1)
+    return {
+        "monitor": _merge_dicts(base["monitor"], own["monitor"]),
+        "policy": _merge_dicts(base["policy"], own["policy"]),
+        "detectors": _merge_detector_lists(base["detectors"], own["detectors"]),
+    }
+
+
 ConfigSource = Union["MonitorConfig", Mapping[str, Any], str, Path, None]
 
 
@@ -305,32 +348,21 @@ class MonitorConfig:
             if "name" not in e:
                 raise ConfigError(f"detectors[{i}]: missing required key 'name'.")
             _str(e["name"], f"detectors[{i}].name")
-        mon = _table(d.get("monitor", {}), "monitor")
-        pol = _plain(_table(d.get("policy", {}), "policy"), "policy")
-        entries: list[tuple[str, dict[str, Any]]] = []
         if preset is not None:
             _str(preset, "preset")
-            base = _presets.load_preset(preset)
-            mon = _merge_dicts(_table(base.get("monitor", {}), "monitor"), mon)
-            pol = _merge_dicts(_table(base.get("policy", {}), "policy"), pol)
-            entries = [
-                (f"preset {preset!r} detectors[{j}]", dict(e))
-                for j, e in enumerate(base.get("detectors", []))
-            ]
-        n_preset = len(entries)
-        for i, e in enumerate(raw_dets):
-            where = f"detectors[{i}]"
-            for j, (_, b) in enumerate(entries[:n_preset]):
-                if b.get("name") == e["name"]:
-                    merged = {**b, **e}
-                    merged["params"] = _merge_dicts(
-                        _table(b.get("params", {}), where + ".params"),
-                        _table(e.get("params", {}), where + ".params"),
-                    )
-                    entries[j] = (where, merged)
-                    break
-            else:
-                entries.append((where, dict(e)))
+        flat = _resolve_presets(d)
+        mon = _table(flat.get("monitor", {}), "monitor")
+        pol = _plain(_table(flat.get("policy", {}), "policy"), "policy")
+        user_index = {e["name"]: i for i, e in enumerate(raw_dets)}
+        entries = [
+            (
+                f"detectors[{user_index[e['name']]}]"
+                if e["name"] in user_index
+                else f"preset {preset!r} detectors[{j}]",
+                e,
+            )
+            for j, e in enumerate(flat["detectors"])
+        ]
         specs: list[DetectorSpec] = []
         seen: set[str] = set()
         for where, e in entries:

@@ -7,6 +7,10 @@ process being killed right after.  Critical records (critical alarms, checkpoint
 stops, and anything appended with ``critical=True``) are also ``fsync``-ed, so they survive a
 machine crash too.
 
+Opening an existing log cuts a torn last record (a line without its newline, left by a crash in the
+middle of a write), so records appended after a restart never follow half a line; a short write
+(disk full) is truncated away for the same reason.
+
 Write failures (read-only directory, full disk, ...) are reported once through :mod:`logging` and
 never raise into the training loop, unless ``strict=True``.
 
@@ -115,8 +119,31 @@ class EventLog:
             if parent:
                 os.makedirs(parent, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._drop_torn_tail(self._fd)
         except OSError as e:
             self._fail(e)
+
+    def _drop_torn_tail(self, fd: int) -> None:
+        """Cut a torn last record (no final newline: a write cut short by a crash).
+
+        Appending after it would turn the torn record into a corrupt line in the middle of the
+        file, which :func:`iter_events` rejects.
+        """
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+        if tail.endswith(b"\n"):
+            return
+        cut = tail.rfind(b"\n")
+        if cut < 0 and size > len(tail):
+            return  # a last line longer than 64 KiB: leave it alone
+        keep = size - len(tail) + cut + 1
+        os.ftruncate(fd, keep)
+        logger.warning("stability event log %s: dropped a torn last record (%d bytes) left by "
+                       "an interrupted write.", self.path, size - keep)
 
     def _fail(self, e: OSError) -> None:
         if self.strict:
@@ -143,14 +170,21 @@ class EventLog:
             if self._fd is None:
                 self.n_dropped += 1
                 return False
+            done = 0
             try:
                 view = memoryview(line)
                 while view:
                     n = os.write(self._fd, view)
                     view = view[n:]
+                    done += n
                 if self.fsync == "always" or (crit and self.fsync == "critical"):
                     os.fsync(self._fd)
             except OSError as e:
+                if 0 < done < len(line):  # a short write (disk full): do not leave half a record
+                    try:
+                        os.ftruncate(self._fd, os.fstat(self._fd).st_size - done)
+                    except OSError:
+                        pass
                 self.n_dropped += 1
                 self._fail(e)
                 return False

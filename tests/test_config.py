@@ -129,6 +129,10 @@ def test_bad_sources(tmp_path):
         load_config(42)  # type: ignore[arg-type]
 
 
-def test_presets_are_plain_toml_without_nesting():
+def test_presets_extend_the_default_preset_only():
     for name in list_presets():
-        assert "preset" not in load_preset(name)
+        base = load_preset(name).get("preset")
+        assert base in (None, "default")
+        if base:  # overrides only: every detector entry names a default binding
+            names = {e["name"] for e in load_preset("default")["detectors"]}
+            assert {e["name"] for e in load_preset(name).get("detectors", [])} <= names

@@ -45,6 +45,4 @@ def load_preset(name: str) -> dict[str, Any]:
         )
     text = resources.files(__name__).joinpath(f"{name}.toml").read_text(encoding="utf-8")
     data = tomllib.loads(text)
-    if "preset" in data:
-        raise ConfigError(f"preset {name!r}: presets cannot extend other presets.")
     return data

@@ -1,0 +1,212 @@
+"""Two-sided tabular CUSUM (Page 1954) on standardised values.
+
+Each finite observation ``y`` (``log x`` with ``log_space``) is standardised against a reference
+mean and standard deviation *before* they are updated (test-then-train)::
+
+    z = (y - mean) / max(std, min_std * |mean|, 1e-300)
+    s_up   = max(0, s_up   + (z - k))
+    s_down = max(0, s_down - (z + k))
+
+The score is ``max(s_up, s_down)`` (``direction="both"``), ``s_up`` (``"up"``) or ``s_down``
+(``"down"``), and ``alarm = score > threshold`` (the decision interval ``h``).
+
+The reference is the plain mean / sample variance of the first ``warmup`` finite observations
+(score ``0.0`` meanwhile); afterwards it follows an exponentially weighted mean/variance with
+rate ``alpha`` (``alpha = 0`` freezes it: the classical chart).  With ``reset_on_alarm`` an alarm
+clears both sums and restarts the warm-up, so the new level becomes the reference and every
+shift alarms once; ``freeze_on_alarm`` keeps the reference still while a series is in alarm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from .ewma import LOG_FLOOR, ew_update
+
+DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
+
+# state rows: reference mean, M2 (warm-up) / variance (after), count, upper and lower sums
+_MEAN, _VAR, _COUNT, _S_UP, _S_DOWN = 0, 1, 2, 3, 4
+_N_FIELDS = 5
+# params: [threshold, freeze, k, warmup, alpha, min_std, direction, log_space, reset_on_alarm]
+
+
+@njit(cache=True, error_model="numpy")
+def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    freeze = params[1] != 0.0
+    k = params[2]
+    warmup = params[3]
+    alpha = params[4]
+    min_std = params[5]
+    direction = params[6]
+    log_space = params[7] != 0.0
+    reset = params[8] != 0.0
+    for i in range(X.shape[2]):
+        mean = state[_MEAN, i]
+        var = state[_VAR, i]
+        count = state[_COUNT, i]
+        s_up = state[_S_UP, i]
+        s_down = state[_S_DOWN, i]
+        std = max(math.sqrt(var), min_std * abs(mean), 1e-300)  # refreshed when they change
+        for t in range(X.shape[0]):
+            if miss[t, 0, i]:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            x = X[t, 0, i]
+            if not np.isfinite(x):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            y = math.log(max(x, LOG_FLOOR)) if log_space else x
+            if count < warmup:
+                # Welford on the warm-up window; var holds M2 until the warm-up ends
+                count += 1.0
+                d = y - mean
+                mean += d / count
+                var += d * (y - mean)
+                if count == warmup:
+                    var = var / (count - 1.0)
+                    std = max(math.sqrt(var), min_std * abs(mean), 1e-300)
+                scores[t, i] = 0.0
+                alarms[t, i] = False
+                continue
+            z = (y - mean) / std
+            s_up = max(0.0, s_up + (z - k))
+            s_down = max(0.0, s_down - (z + k))
+            if direction > 0.0:
+                s = s_up
+            elif direction < 0.0:
+                s = s_down
+            else:
+                s = max(s_up, s_down)
+            alarm = s > threshold
+            scores[t, i] = s
+            alarms[t, i] = alarm
+            if alarm and reset:
+                mean = 0.0
+                var = 0.0
+                count = 0.0
+                s_up = 0.0
+                s_down = 0.0
+            elif alpha > 0.0 and not (alarm and freeze):
+                mean, var = ew_update(mean, var, y, alpha)
+                std = max(math.sqrt(var), min_std * abs(mean), 1e-300)
+        state[_MEAN, i] = mean
+        state[_VAR, i] = var
+        state[_COUNT, i] = count
+        state[_S_UP, i] = s_up
+        state[_S_DOWN, i] = s_down
+
+
+class CUSUM(BankDetector):
+    """Two-sided tabular CUSUM of standardised values (see the module docstring).
+
+    Parameters
+    ----------
+    n_series
+        Number of series in the bank.
+    k
+        Allowance (reference value) in standard deviations; ``k = delta / 2`` is optimal for a
+        shift of ``delta`` standard deviations.
+    threshold
+        Decision interval ``h`` in standard deviations: ``alarm = score > threshold``.  The
+        textbook ``h = 4..5`` (with ``k = 0.5``) alarms about every few hundred in-control
+        steps; ``8`` is quieter on long training runs.
+    warmup
+        Finite observations used to estimate the reference mean and standard deviation.
+    alpha
+        Rate of the exponentially weighted reference after the warm-up (``0`` freezes it).
+    min_std
+        Floor of the reference standard deviation, relative to ``|mean|`` (absolute in log
+        space is not needed: log values are already relative).  Keeps constant streams quiet.
+    direction
+        ``"both"`` (two-sided), ``"up"`` or ``"down"``.
+    log_space
+        Work on ``log(x)`` (values <= 0 floored at 1e-30): relative shifts of positive signals.
+    reset_on_alarm
+        Clear the sums and re-learn the reference after an alarm (one alarm per shift).
+    freeze_on_alarm
+        Do not update the reference while a series is in alarm (without ``reset_on_alarm``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> x = np.concatenate([rng.normal(0.0, 1.0, 500), rng.normal(2.0, 1.0, 500)])
+    >>> det = CUSUM()
+    >>> scores, alarms = det.update_many(x)
+    >>> np.flatnonzero(alarms[:, 0]).tolist()
+    [504]
+    """
+
+    kind = "level_shift"
+    hyperparameters = (
+        "k",
+        "warmup",
+        "alpha",
+        "min_std",
+        "direction",
+        "log_space",
+        "reset_on_alarm",
+    )
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        k: float = 0.5,
+        threshold: float = 8.0,
+        warmup: int = 100,
+        alpha: float = 0.0,
+        min_std: float = 1e-6,
+        direction: str = "both",
+        log_space: bool = False,
+        reset_on_alarm: bool = True,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.k = check_float(name, "k", k, 0.0)
+        self.warmup = check_int(name, "warmup", warmup, 2)
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0)
+        self.min_std = check_float(name, "min_std", min_std, 0.0)
+        if direction not in DIRECTIONS:
+            raise ValueError(
+                f"The 'direction' parameter of {name} must be one of {sorted(DIRECTIONS)}. "
+                f"Got {direction!r} instead."
+            )
+        self.direction = direction
+        self.log_space = check_bool(name, "log_space", log_space)
+        self.reset_on_alarm = check_bool(name, "reset_on_alarm", reset_on_alarm)
+        self._setup()
+
+    def _extra_params(self) -> list[float]:
+        return [
+            self.k,
+            float(self.warmup),
+            self.alpha,
+            self.min_std,
+            DIRECTIONS[self.direction],
+            float(self.log_space),
+            float(self.reset_on_alarm),
+        ]
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((_N_FIELDS, n))
+
+    kernel = staticmethod(_kernel)
+
+    @property
+    def mean(self) -> FloatArray:
+        """Reference mean per series (running warm-up mean while warming up)."""
+        return self._state[_MEAN].copy()
+
+    @property
+    def sums(self) -> tuple[FloatArray, FloatArray]:
+        """Upper and lower cumulative sums ``(s_up, s_down)`` per series."""
+        return self._state[_S_UP].copy(), self._state[_S_DOWN].copy()

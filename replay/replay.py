@@ -1,0 +1,455 @@
+"""Replay recorded runs through the monitor: alarms, interventions, goodput, events on disk.
+
+The monitor's batch path (:meth:`stability.monitor.Monitor.replay`) gives exactly the decisions
+of a step-by-step ``observe()`` loop, so a replay shows what the monitor *would have done*.
+
+Goodput figures (all counterfactual -- the recorded run did not act on the requests):
+
+* ``stop_step``: first step at which a ``Stop`` was requested (``None`` if never);
+  ``steps_after_stop``: recorded steps after it (compute a stop would have saved);
+* ``skipped_steps``: steps whose optimizer update would have been skipped;
+* ``rollback_steps``: steps that rollbacks would have thrown away and recomputed
+  (``step - to_step`` summed over rollbacks);
+* ``goodput``: ``(executed - skipped - rolled back) / executed`` where ``executed`` is the number
+  of recorded steps up to and including the stop (all of them without a stop).
+
+Examples
+--------
+>>> discover_runs("/nonexistent/*.parquet")
+[]
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+
+from stability.types import Alarm, Decision, Intervention
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_GLOB = set("*?[")
+
+
+# ---------------------------------------------------------------------------- finding runs
+def _has_parts(d: Path) -> bool:
+    return any(d.glob("part-*.parquet"))
+
+
+def discover_runs(spec: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """Resolve a run spec to ``(run_id, path)`` pairs, sorted by run id.
+
+    ``spec`` may be a ``.parquet`` file (one run), a directory of ``part-*.parquet`` files (one
+    run), a directory of runs (files and/or part directories), or a glob of any of these.
+    The run id is the file stem or the directory name.
+    """
+    text = os.fspath(spec)
+    if any(c in text for c in _GLOB):
+        out: list[tuple[str, str]] = []
+        for m in sorted(glob.glob(text)):
+            p = Path(m)
+            if p.is_file() and p.suffix == ".parquet":
+                out.append((p.stem, str(p)))
+            elif p.is_dir() and _has_parts(p):
+                out.append((p.name, str(p)))
+        return sorted(out)
+    p = Path(text)
+    if p.is_file():
+        return [(p.stem, str(p))]
+    if p.is_dir():
+        if _has_parts(p):
+            return [(p.name, str(p))]
+        out = [(f.stem, str(f)) for f in p.glob("*.parquet") if f.is_file()]
+        out += [(d.name, str(d)) for d in p.iterdir() if d.is_dir() and _has_parts(d)]
+        return sorted(out)
+    return []
+
+
+def discover_many(specs: Iterable[str]) -> list[tuple[str, str]]:
+    """:func:`discover_runs` over several specs; duplicate run ids are an error."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        found = discover_runs(spec)
+        if not found:
+            raise FileNotFoundError(f"no runs found at {spec!r}")
+        for rid, path in found:
+            if rid in out and out[rid] != path:
+                raise ValueError(f"two runs share the id {rid!r}: {out[rid]} and {path}")
+            out[rid] = path
+    return sorted(out.items())
+
+
+def read_table(path: str, aliases: Mapping[str, str] | None = None) -> pa.Table:
+    """Read a whole run as a wide table (the IO layer's reader, if available)."""
+    try:
+        from replay.io import load_run  # type: ignore[attr-defined]
+
+        return load_run(path)  # type: ignore[no-any-return]
+    except ImportError:
+        pass
+    try:
+        from replay.reader import read_run
+
+        return read_run(path, aliases=aliases)
+    except ImportError:  # pragma: no cover - reader not there yet
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path)
+
+
+# ---------------------------------------------------------------------------- progress
+class Progress:
+    """A plain progress bar on stderr, drawn only when stderr is a TTY."""
+
+    def __init__(self, total: int, label: str = "", enabled: bool | None = None):
+        self.total = total
+        self.label = label
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def update(self, n: int = 1) -> None:
+        """Advance by ``n`` items and redraw."""
+        self.done += n
+        if not self.enabled:
+            return
+        width = 30
+        frac = self.done / self.total if self.total else 1.0
+        bar = "#" * int(width * frac)
+        el = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r{self.label} [{bar:<{width}}] {self.done}/{self.total} {el:.1f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        """Finish the line."""
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def parallel_map(fn: Callable[[T], R], items: Sequence[T], jobs: int | None = None,
+                 label: str = "", progress: bool | None = None) -> list[R]:
+    """``[fn(x) for x in items]`` across processes (order kept), with a progress bar.
+
+    ``jobs=1`` (or a single item) runs in this process.  ``fn`` must be picklable.
+    """
+    n = len(items)
+    jobs = os.cpu_count() or 1 if jobs is None else max(1, jobs)
+    bar = Progress(n, label, progress)
+    out: list[Any] = [None] * n
+    try:
+        if jobs == 1 or n <= 1:
+            for i, x in enumerate(items):
+                out[i] = fn(x)
+                bar.update()
+        else:
+            with ProcessPoolExecutor(max_workers=min(jobs, n)) as ex:
+                futs = {ex.submit(fn, x): i for i, x in enumerate(items)}
+                for f in as_completed(futs):
+                    out[futs[f]] = f.result()
+                    bar.update()
+    finally:
+        bar.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- replay
+@dataclass
+class ReplayResult:
+    """What the monitor would have done on one recorded run."""
+
+    run_id: str
+    path: str
+    n_steps: int
+    steps: NDArray[np.int64]
+    alarms: list[Alarm] = field(default_factory=list)
+    interventions: list[Intervention] = field(default_factory=list)
+    goodput: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def alarm_steps(self) -> NDArray[np.int64]:
+        """Sorted unique steps with at least one alarm."""
+        return np.unique(np.array([a.step for a in self.alarms], dtype=np.int64))
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-compatible summary (counts, first alarm, interventions, goodput)."""
+        by_kind = Counter(a.kind for a in self.alarms)
+        by_det = Counter(a.detector for a in self.alarms)
+        by_iv = Counter(i.type for i in self.interventions)
+        first = min(self.alarms, key=lambda a: a.step) if self.alarms else None
+        return {
+            "run_id": self.run_id,
+            "path": self.path,
+            "n_steps": self.n_steps,
+            "first_step": int(self.steps[0]) if self.steps.size else None,
+            "last_step": int(self.steps[-1]) if self.steps.size else None,
+            "alarm_steps": int(self.alarm_steps.size),
+            "alarms": len(self.alarms),
+            "alarms_by_kind": dict(sorted(by_kind.items())),
+            "alarms_by_detector": dict(sorted(by_det.items())),
+            "first_alarm": first.to_dict() if first else None,
+            "interventions_by_type": dict(sorted(by_iv.items())),
+            "interventions": [i.to_dict() for i in self.interventions[:20]],
+            "goodput": self.goodput,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def goodput(steps: NDArray[np.int64], interventions: Sequence[Intervention]) -> dict[str, Any]:
+    """Counterfactual goodput figures (see the module docstring).
+
+    >>> from stability.types import SkipStep, Stop
+    >>> goodput(np.arange(100), [SkipStep(10), SkipStep(11), Stop(49)])["goodput"]
+    0.96
+    """
+    n = int(steps.size)
+    stop = next((int(i.step) for i in interventions if i.type == "stop"), None)
+    executed = n if stop is None else int((steps <= stop).sum())
+    upto = (lambda s: True) if stop is None else (lambda s: s <= stop)
+    skipped = len({int(i.step) for i in interventions if i.type == "skip_step" and upto(i.step)})
+    rolled = sum(max(0, int(i.step) - int(getattr(i, "to_step", i.step)))
+                 for i in interventions if i.type == "rollback" and upto(i.step))
+    good = executed - skipped - rolled
+    return {
+        "stop_step": stop,
+        "steps_after_stop": n - executed,
+        "skipped_steps": skipped,
+        "rollback_steps": rolled,
+        "executed_steps": executed,
+        "goodput": round(max(good, 0) / executed, 6) if executed else float("nan"),
+    }
+
+
+def _monitor(config: Any) -> Any:
+    from stability.monitor import Monitor  # type: ignore[import-not-found]
+
+    return Monitor(config)
+
+
+def decisions_to_records(decisions: Iterable[Decision]) -> Iterator[dict[str, Any]]:
+    """JSON-compatible records of the decisions that carry alarms or interventions."""
+    for d in decisions:
+        if d.alarms or d.interventions or d.skipped:
+            yield d.to_dict()
+
+
+def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]],
+                 run_id: str = "") -> int:
+    """Write decision records as JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``).
+
+    Parquet gets one row per alarm / intervention: ``run_id, step, event, kind, detail``
+    (``detail`` is the JSON of the alarm or intervention).  Returns the number of records.
+    """
+    p = Path(path)
+    recs = list(records)
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows: dict[str, list[Any]] = {"run_id": [], "step": [], "event": [], "kind": [],
+                                      "detail": []}
+        for r in recs:
+            for a in r.get("alarms", []):
+                for k, v in (("event", "alarm"), ("kind", a["kind"])):
+                    rows[k].append(v)
+                rows["run_id"].append(run_id)
+                rows["step"].append(int(r["step"]))
+                rows["detail"].append(json.dumps(a))
+            for i in r.get("interventions", []):
+                rows["run_id"].append(run_id)
+                rows["step"].append(int(r["step"]))
+                rows["event"].append("intervention")
+                rows["kind"].append(i["type"])
+                rows["detail"].append(json.dumps(i))
+        table = pa.table({"run_id": pa.array(rows["run_id"], pa.string()),
+                          "step": pa.array(rows["step"], pa.int64()),
+                          "event": pa.array(rows["event"], pa.string()),
+                          "kind": pa.array(rows["kind"], pa.string()),
+                          "detail": pa.array(rows["detail"], pa.string())})
+        pq.write_table(table, p)
+    else:
+        with p.open("w") as fh:
+            for r in recs:
+                fh.write(json.dumps({"run_id": run_id, **r}) + "\n")
+    return len(recs)
+
+
+def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
+                 events: str | os.PathLike[str] | None = None) -> ReplayResult:
+    """Replay an in-memory run table through a fresh monitor built from ``config``."""
+    t0 = time.perf_counter()
+    mon = _monitor(config)
+    decisions: list[Decision] = mon.replay(table)
+    steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    alarms = [a for d in decisions for a in d.alarms]
+    ivs = [i for d in decisions for i in d.interventions]
+    res = ReplayResult(run_id=run_id, path=path, n_steps=int(steps.size), steps=steps,
+                       alarms=alarms, interventions=ivs, goodput=goodput(steps, ivs))
+    if events is not None:
+        write_events(events, decisions_to_records(decisions), run_id)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def replay_run(path: str | os.PathLike[str], config: Any = None, *,
+               events: str | os.PathLike[str] | None = None,
+               run_id: str | None = None) -> ReplayResult:
+    """Replay one recorded run (file or directory of parts) through the monitor.
+
+    Parameters
+    ----------
+    path
+        The run.
+    config
+        Monitor config: preset name, path, dict or ``MonitorConfig`` (``None`` = the default).
+    events
+        Optional ``.jsonl`` / ``.parquet`` path for the alarms and interventions.
+    run_id
+        Defaults to the file stem / directory name.
+    """
+    p = os.fspath(path)
+    rid = run_id if run_id is not None else Path(p).stem
+    table = read_table(p)
+    return replay_table(table, _default_config(config), rid, p, events)
+
+
+def _default_config(config: Any) -> Any:
+    return "default" if config is None else config
+
+
+def _replay_job(args: tuple[str, str, Any, str | None]) -> ReplayResult:
+    rid, path, config, events = args
+    return replay_run(path, config, events=events, run_id=rid)
+
+
+def replay_many(runs: Sequence[tuple[str, str]], config: Any = None, *, jobs: int | None = None,
+                events_dir: str | os.PathLike[str] | None = None, events_suffix: str = ".jsonl",
+                progress: bool | None = None) -> list[ReplayResult]:
+    """Replay many runs in parallel (one process per core), keeping the input order.
+
+    ``events_dir`` (optional) receives one ``<run_id><events_suffix>`` file per run.
+    """
+    if events_dir is not None:
+        Path(events_dir).mkdir(parents=True, exist_ok=True)
+    cfg = _default_config(config)
+    jobs_args = [(rid, p, cfg, None if events_dir is None
+                  else str(Path(events_dir) / f"{rid}{events_suffix}")) for rid, p in runs]
+    return parallel_map(_replay_job, jobs_args, jobs, "replay", progress)
+
+
+def format_summary(res: ReplayResult) -> str:
+    """Human-readable summary of one replay."""
+    s = res.summary()
+    lines = [f"run {s['run_id']}  ({s['n_steps']} steps, {s['first_step']}..{s['last_step']},"
+             f" {res.path})"]
+    if not res.alarms:
+        lines.append("  no alarms")
+    else:
+        fa = s["first_alarm"]
+        lines.append(f"  alarms: {s['alarms']} on {s['alarm_steps']} steps; first at step "
+                     f"{fa['step']}: {fa['kind']} on {fa['signal']} ({fa['detector']}, "
+                     f"score {fa['score']}, threshold {fa['threshold']})")
+        for k, v in s["alarms_by_kind"].items():
+            lines.append(f"    {k:<22} {v}")
+    if res.interventions:
+        lines.append("  interventions that would have been requested:")
+        for k, v in s["interventions_by_type"].items():
+            first = next(i for i in res.interventions if i.type == k)
+            lines.append(f"    {k:<14} x{v:<5} first at step {first.step}"
+                         + (f" ({first.reason})" if first.reason else ""))
+    else:
+        lines.append("  no interventions")
+    g = s["goodput"]
+    stop = "none" if g["stop_step"] is None else (f"step {g['stop_step']} "
+                                                  f"({g['steps_after_stop']} steps saved)")
+    lines.append(f"  goodput {g['goodput']:.4f}: skipped {g['skipped_steps']}, rolled back "
+                 f"{g['rollback_steps']}, stop {stop}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- evaluation runs
+def monitor_available() -> bool:
+    """``True`` when :mod:`stability.monitor` can be imported."""
+    try:
+        import stability.monitor  # noqa: F401  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    return True
+
+
+def detector_alarm_steps(table: pa.Table, config: Any = None) -> NDArray[np.int64]:
+    """Alarm steps of a config's detectors alone (no monitor, no policy): the union of every
+    binding's ``score > threshold`` with the config's own parameters.
+
+    Used when the monitor is not available; with it, use :func:`replay_table`.
+    """
+    from stability.config import load_config
+
+    from .tune import Candidate, score_table
+
+    cfg = load_config(config).to_dict()
+    cands = []
+    for b, d in enumerate(cfg["detectors"]):
+        cands.append(Candidate(b, d["name"], d["detector"], tuple(d["inputs"]),
+                               tuple(sorted(d.get("params", {}).items())), tunable=False))
+    rs = score_table(table, cands, cfg.get("monitor", {}).get("aliases", {}))
+    hit = np.zeros(rs.steps.size, dtype=np.bool_)
+    for s in rs.scores:
+        hit |= s > 0.0
+    return rs.steps[hit]
+
+
+def _eval_job(args: tuple[str, str, Any, bool, bool]) -> tuple[str, NDArray[np.int64],
+                                                               dict[str, NDArray[np.int64]]]:
+    rid, path, config, with_baselines, use_monitor = args
+    table = read_table(path)
+    steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    out: dict[str, NDArray[np.int64]] = {}
+    if use_monitor:
+        out["ours"] = replay_table(table, config, rid, path).alarm_steps
+    else:
+        out["ours"] = detector_alarm_steps(table, config)
+    if with_baselines:
+        from .baselines import baseline_alarms
+
+        out.update(baseline_alarms(table))
+    return rid, steps, out
+
+
+def alarms_for_eval(runs: Sequence[tuple[str, str]], config: Any = None, *,
+                    baselines: bool = False, jobs: int | None = None,
+                    progress: bool | None = None
+                    ) -> tuple[dict[str, NDArray[np.int64]], dict[str, dict[str,
+                                                                           NDArray[np.int64]]]]:
+    """Alarm steps of our config (and optionally every baseline) on every run, in parallel.
+
+    Returns
+    -------
+    steps, alarms
+        ``run_id -> logged steps`` and ``name -> run_id -> alarm steps`` (``name`` is ``ours``
+        or a baseline name).
+    """
+    use_mon = monitor_available()
+    args = [(rid, p, config, baselines, use_mon) for rid, p in runs]
+    results = parallel_map(_eval_job, args, jobs, "eval", progress)
+    steps: dict[str, NDArray[np.int64]] = {}
+    alarms: dict[str, dict[str, NDArray[np.int64]]] = {}
+    for rid, st, per in results:
+        steps[rid] = st
+        for name, a in per.items():
+            alarms.setdefault(name, {})[rid] = a
+    return steps, alarms

@@ -1,0 +1,421 @@
+"""Guard a plain PyTorch training loop with a :class:`~stability.monitor.Monitor`.
+
+The guard measures the signals itself (one host sync per step), asks the monitor, and carries out
+the decision for real: clip, LR multiplier surviving the scheduler, skipped step, emergency
+checkpoint, rollback with skipped batches, clean stop (:class:`TrainingStopped`).
+
+Example (index-addressable data, so a rollback can rewind and skip the offending batches)::
+
+    import stability.torch
+    from stability.monitor import Monitor
+
+    guard = stability.torch.attach(model, optimizer, scheduler, Monitor("small"),
+                                   checkpoint_dir="ckpt", checkpoint_every=100)
+    for i in guard.batches(n_batches):          # honours rollbacks and skipped batches
+        x, y = get_batch(i)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        guard.step(loss)                        # measure, decide, clip, step, schedule, zero_grad
+
+``guard.step`` raises :class:`TrainingStopped` when the monitor asks to stop. With an ordinary
+(non-rewindable) iterator use ``for batch in loader: ...`` the same way: a rollback then restores
+the weights and training simply goes on with fresh batches (the bad ones are behind it).
+
+Lower-level use, for loops that call the optimizer themselves::
+
+    loss.backward()
+    decision = guard.check(loss)     # signals + decision; clips / drops grads as requested
+    if guard.should_step:
+        optimizer.step()
+    scheduler.step(); optimizer.zero_grad()
+    guard.finish()                   # checkpoints, rollback, stop
+
+Skipped steps: the gradients are dropped and the optimizer does not step; the scheduler still
+advances by default (``step_scheduler_on_skip=True``) so the LR schedule stays aligned with the
+data position -- set it to ``False`` to freeze the schedule on skipped steps instead.
+
+Steps: the monitor step is the guard's optimizer-step counter. A rollback to the checkpoint of
+step ``s`` sets it back to ``s + 1`` together with the model, optimizer, scheduler and data
+position (the monitor's own state is *not* rolled back: it must remember what happened).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..types import Control, Decision
+from .distributed import ControlSync
+from .interventions import (
+    CheckpointStore,
+    LRMultiplier,
+    SavedCheckpoint,
+    TrainingStopped,
+    clip_gradients,
+    drop_gradients,
+)
+from .signals import SignalCollector, Signals
+
+__all__ = ["TorchGuard", "TrainingStopped", "attach", "find_ledger"]
+
+log = logging.getLogger("stability.adapters")
+
+STATE_VERSION = 1
+
+
+def find_ledger(monitor: Any) -> Any:
+    """The monitor's :class:`~stability.checkpoints.CheckpointLedger`, or ``None``."""
+    for name in ("ledger", "checkpoints", "checkpoint_ledger"):
+        led = getattr(monitor, name, None)
+        if led is not None and hasattr(led, "add"):
+            return led
+    return None
+
+
+class TorchGuard:
+    """Signals in, decisions out, interventions carried out on real objects.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    optimizer : torch.optim.Optimizer
+    scheduler : LR scheduler, optional
+    monitor : Monitor, optional
+        ``None`` only measures signals (and applies ``clip_norm``).
+    checkpoint_dir : path-like, optional
+        Where checkpoints go; ``None`` keeps them in memory (CPU copies).
+    checkpoint_every : int
+        Take a checkpoint every this many steps when the step is healthy (0 = never).
+    keep_checkpoints : int
+        How many checkpoints to retain.
+    clip_norm : float, optional
+        The loop's own clipping norm (used when the monitor has not set one; the tighter wins).
+    step_scheduler_on_skip : bool
+        Whether the scheduler advances on a skipped step.
+    layer_depth, update_ratio_every, activations, activation_every
+        Passed to :class:`~stability.adapters.signals.SignalCollector`.
+    recorder : object with ``log(step, metrics)``, optional
+        Gets every step's signals (rank 0 only), e.g. ``replay.recorder.RunRecorder``.
+    distributed : bool, optional
+        Reduce decisions across ranks (default: when torch.distributed is initialised).
+    raise_on_stop : bool
+        Raise :class:`TrainingStopped` from :meth:`finish` when asked to stop.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        monitor: Any = None,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 100,
+        keep_checkpoints: int = 4,
+        clip_norm: float | None = None,
+        step_scheduler_on_skip: bool = True,
+        layer_depth: int | None = None,
+        update_ratio_every: int = 1,
+        activations: Any = None,
+        activation_every: int = 10,
+        recorder: Any = None,
+        distributed: bool | None = None,
+        raise_on_stop: bool = True,
+        start_step: int = 0,
+    ) -> None:
+        if checkpoint_every < 0:
+            raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
+                             f"the range [0, inf). Got {checkpoint_every} instead.")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.monitor = monitor
+        self.clip_norm = clip_norm
+        self.step_scheduler_on_skip = step_scheduler_on_skip
+        self.checkpoint_every = int(checkpoint_every)
+        self.raise_on_stop = raise_on_stop
+        self.collector = SignalCollector(
+            model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
+            activations=activations, activation_every=activation_every)
+        self.multiplier = LRMultiplier(optimizer)
+        self.sync = ControlSync() if distributed in (None, True) else None
+        if self.sync is not None and not self.sync.active:
+            self.sync = None
+        rank = self.sync.rank if self.sync is not None else -1
+        self.store = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank)
+        self.recorder = recorder if rank <= 0 else None
+        self.step_count = int(start_step)
+        self.data_position = 0
+        self.skip_positions: set[int] = set()
+        self._pos_of_step: OrderedDict[int, int] = OrderedDict()
+        self._families_declared = False
+        self._pending: dict[str, float] = {}
+        self._consumed = False
+        self._rewound = False
+        self.control = Control()
+        self.decision: Decision | None = None
+        self.healthy = True
+        self.should_step = True
+        self.stopped: TrainingStopped | None = None
+        # goodput-style counters
+        self.steps_skipped = 0
+        self.batches_skipped = 0
+        self.rollbacks = 0
+        self.steps_lost = 0
+        self.checkpoints_taken = 0
+        self.interventions: list[Any] = []
+        self.collector.begin_step(self.step_count)
+
+    # ------------------------------------------------------------------ data
+    def batches(self, n_batches: int, max_iterations: int | None = None) -> Iterator[int]:
+        """Yield the indices of the batches to train on, honouring rollbacks and skips.
+
+        Parameters
+        ----------
+        n_batches : int
+            Train until this many batch positions are consumed.
+        max_iterations : int, optional
+            Hard cap on yielded batches (default ``4 * n_batches``), against rollback loops.
+        """
+        cap = 4 * n_batches if max_iterations is None else max_iterations
+        it = 0
+        while self.data_position < n_batches and it < cap:
+            idx = self.data_position
+            if idx in self.skip_positions:
+                self.data_position += 1
+                self.batches_skipped += 1
+                continue
+            self._consumed = self._rewound = False
+            it += 1
+            yield idx
+            if not (self._consumed or self._rewound):
+                self.data_position = idx + 1
+
+    def should_skip_batch(self, position: int) -> bool:
+        """Whether the batch at ``position`` is one a rollback asked to skip."""
+        return position in self.skip_positions
+
+    def validation(self, val_loss: float, **metrics: float) -> None:
+        """Hand in a validation result; it joins the next step's metrics."""
+        self._pending["val_loss"] = float(val_loss)
+        self._pending.update({k: float(v) for k, v in metrics.items()})
+
+    # ------------------------------------------------------------------ one step
+    def step(self, loss: Any, metrics: Mapping[str, Any] | None = None) -> Decision:
+        """Everything after ``loss.backward()``: decide, clip, step, schedule, zero_grad.
+
+        Returns the monitor's :class:`~stability.types.Decision`; raises
+        :class:`TrainingStopped` when the monitor stops the run.
+        """
+        decision = self.check(loss, metrics)
+        try:
+            if self.should_step:
+                self.optimizer.step()
+            if self.scheduler is not None and (self.should_step or self.step_scheduler_on_skip):
+                self.scheduler.step()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.finish()
+        return decision
+
+    def collect(self, loss: Any, metrics: Mapping[str, Any] | None = None) -> Signals:
+        """Measure this step's signals (one host sync); adds ``lr`` and pending validation."""
+        extra: dict[str, Any] = {"lr": self.multiplier.base_lrs()[0]}
+        extra.update(self._pending)
+        self._pending = {}
+        if metrics:
+            extra.update(metrics)
+        return self.collector.collect(loss, extra)
+
+    def check(self, loss: Any, metrics: Mapping[str, Any] | None = None,
+              signals: Signals | None = None) -> Decision:
+        """Measure, decide and prepare the optimizer step (clip / LR factor / drop grads).
+
+        Call after ``backward()`` and before ``optimizer.step()``; read :attr:`should_step`.
+        """
+        step = self.step_count
+        self._pos_of_step[step] = self.data_position
+        while len(self._pos_of_step) > 100_000:
+            self._pos_of_step.popitem(last=False)
+        sig = signals if signals is not None else self.collect(loss, metrics)
+        decision = self._observe(step, sig)
+        control = decision.control
+        alarmed = bool(decision.alarms)
+        if self.sync is not None:
+            control, alarmed = self.sync.reduce(control, step, alarmed)
+        self.decision, self.control, self.healthy = decision, control, not alarmed
+        self.interventions.extend(decision.interventions)
+        if self.recorder is not None:
+            self.recorder.log(step, sig.flat(self.collector.layers))
+        # act before the optimizer step
+        self.multiplier.factor = float(control.lr_factor)
+        self.should_step = not (control.skip_step or control.rollback_to is not None
+                                or control.stop)
+        if self.should_step:
+            norm = _tightest(self.clip_norm, control.clip_norm)
+            if norm is not None:
+                clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"))
+            self.collector.before_step(step)
+            self.multiplier.apply()  # idempotent; also done by the optimizer pre-hook
+        else:
+            drop_gradients(self.collector.params)
+            self.steps_skipped += 1
+        return decision
+
+    def finish(self) -> None:
+        """After the optimizer/scheduler step: checkpoints, rollback, stop; advances the step."""
+        control, step = self.control, self.step_count
+        self.collector.after_step(stepped=self.should_step)
+        self._consumed = True
+        if control.save_checkpoint:
+            # with a rollback in the same decision the ledger was already rewound: the emergency
+            # checkpoint (kept for forensics) belongs to the abandoned timeline, so not registered
+            self.save_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency",
+                                 register=control.rollback_to is None)
+        if control.stop:
+            self.stopped = TrainingStopped(
+                control.stop_reason or "stop requested", step,
+                self.decision.alarms if self.decision else (), self.decision)
+            self.step_count += 1
+            self.data_position += 1
+            if self.raise_on_stop:
+                raise self.stopped
+            return
+        if control.rollback_to is not None and self.rollback(control.rollback_to,
+                                                             control.skip_batches):
+            self.collector.begin_step(self.step_count)
+            return
+        if self.checkpoint_every and step % self.checkpoint_every == 0 and self.healthy:
+            self.save_checkpoint(healthy=True, reason="periodic", step=step)
+        self.step_count += 1
+        self.data_position = self._pos_of_step.get(step, self.data_position) + 1
+        self.collector.begin_step(self.step_count)
+
+    # ------------------------------------------------------------------ monitor
+    def _observe(self, step: int, sig: Signals) -> Decision:
+        mon = self.monitor
+        if mon is None:
+            return Decision(step, control=Control(clip_norm=None))
+        if not self._families_declared:
+            self._families_declared = True
+            self._use_families = hasattr(mon, "declare_family")
+            if self._use_families:
+                for fam, names in self.collector.layers.items():
+                    mon.declare_family(fam, list(names))
+        if self._use_families:
+            d = mon.observe(step, sig.scalars, families=sig.families)
+        else:
+            d = mon.observe(step, sig.flat(self.collector.layers))
+        return d  # type: ignore[no-any-return]
+
+    def _monitor_state(self) -> dict[str, Any] | None:
+        if self.monitor is None or not hasattr(self.monitor, "state_dict"):
+            return None
+        return self.monitor.state_dict()  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, healthy: bool, reason: str = "", step: int | None = None,
+                        register: bool = True) -> SavedCheckpoint:
+        """Checkpoint model, optimizer, scheduler, monitor state and data position now.
+
+        The entry is registered in the monitor's checkpoint ledger with its health flag.
+        """
+        step = self.step_count if step is None else step
+        pos = self._pos_of_step.get(step, self.data_position) + 1
+        entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
+                                data_position=pos, healthy=healthy, reason=reason,
+                                monitor_state=self._monitor_state())
+        self.checkpoints_taken += 1
+        led = find_ledger(self.monitor) if register else None
+        if led is not None:
+            try:
+                led.add(step, entry.path or f"memory:step-{step}", healthy=healthy,
+                        reason=reason, covers_step=step)
+            except Exception:  # bookkeeping must never kill the run
+                log.exception("could not register checkpoint %s in the ledger", step)
+        return entry
+
+    def rollback(self, to_step: int, skip: tuple[int, int] | None = None) -> bool:
+        """Restore the checkpoint of ``to_step`` (or the latest healthy one before it).
+
+        Batches consumed on steps ``skip[0]..skip[1]`` are added to :attr:`skip_positions`.
+        Returns ``False`` (and only logs) when no checkpoint is available.
+        """
+        entry = self.store.entries.get(to_step) or self.store.latest_healthy(to_step)
+        if entry is None:
+            log.warning("rollback to step %s requested but no checkpoint is available", to_step)
+            return False
+        if skip is not None:
+            for s in range(int(skip[0]), int(skip[1]) + 1):
+                if s in self._pos_of_step:
+                    self.skip_positions.add(self._pos_of_step[s])
+        snap = self.store.restore(entry.step, self.model, self.optimizer, self.scheduler)
+        issued = self.decision is not None and any(
+            getattr(iv, "type", "") == "rollback" for iv in self.decision.interventions)
+        if self.monitor is not None and hasattr(self.monitor, "rewind"):
+            self.monitor.rewind(entry.step)  # accept steps after entry.step again
+        led = find_ledger(self.monitor)
+        if not issued and led is not None and hasattr(led, "rewind"):
+            led.rewind(entry.step)  # another rank asked: keep this rank's ledger in line
+        self.multiplier.restore()
+        lost = self.step_count - entry.step
+        self.steps_lost += max(lost, 0)
+        self.rollbacks += 1
+        self.step_count = entry.step + 1
+        self.data_position = int(snap.get("data_position", entry.data_position))
+        self._rewound = True
+        self.collector.state_reset()
+        self.optimizer.zero_grad(set_to_none=True)
+        log.warning("rolled back to step %d (%d steps lost), skipping %s", entry.step, lost, skip)
+        return True
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible guard state (monitor included) with a ``"version"`` key."""
+        return {
+            "version": STATE_VERSION,
+            "step": self.step_count,
+            "data_position": self.data_position,
+            "skip_positions": sorted(self.skip_positions),
+            "lr_factor": self.multiplier.factor,
+            "monitor": self._monitor_state(),
+            "counters": {k: getattr(self, k) for k in _COUNTERS},
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (fields added later fall back to defaults)."""
+        self.step_count = int(sd.get("step", self.step_count))
+        self.data_position = int(sd.get("data_position", self.data_position))
+        self.skip_positions = set(int(x) for x in sd.get("skip_positions", ()))
+        self.multiplier.factor = float(sd.get("lr_factor", 1.0))
+        if sd.get("monitor") is not None and self.monitor is not None:
+            self.monitor.load_state_dict(sd["monitor"])
+        for k, v in dict(sd.get("counters", {})).items():
+            if k in _COUNTERS:
+                setattr(self, k, int(v))
+        self.collector.begin_step(self.step_count)
+
+    def detach(self) -> None:
+        """Remove every hook this guard installed."""
+        self.multiplier.remove()
+        self.collector.remove()
+
+
+_COUNTERS = ("steps_skipped", "batches_skipped", "rollbacks", "steps_lost", "checkpoints_taken")
+
+
+def _tightest(a: float | None, b: float | None) -> float | None:
+    vals = [v for v in (a, b) if v is not None and math.isfinite(v) and v > 0]
+    return min(vals) if vals else None
+
+
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+           monitor: Any = None, **kwargs: Any) -> TorchGuard:
+    """Create a :class:`TorchGuard` (see its parameters); the one-line entry point."""
+    return TorchGuard(model, optimizer, scheduler, monitor, **kwargs)

@@ -1,0 +1,223 @@
+"""Command line: ``stability replay | eval | tune | report``.
+
+Examples
+--------
+::
+
+    stability replay runs/public/runs/public_0009.parquet --events events.jsonl
+    stability replay 'runs/*.parquet' --jobs 8
+    stability eval runs/public/runs --labels runs/public/labels.parquet --baselines
+    stability tune runs/public/runs modded_nanogpt/train_loss --labels labels.parquet \\
+        --budget 1.0 -o tuned.toml --folds 5 [--backend ray]
+    stability report ...        # provided by replay.report
+
+``RUN`` / ``RUNS`` may be a ``.parquet`` file, a directory of ``part-*.parquet`` files, a
+directory of runs or a glob; several may be given.  Heavy modules are imported lazily, so
+``stability --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    from replay.evaluate import DEFAULT_GAP, DEFAULT_TOLERANCE, DEFAULT_WINDOW
+
+    g = p.add_argument_group("evaluation definitions (see replay.evaluate)")
+    g.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help="steps after the onset in which an alarm detects the fault "
+                        "(default %(default)s)")
+    g.add_argument("--tolerance", type=int, default=DEFAULT_TOLERANCE,
+                   help="steps before the onset still accepted (default %(default)s)")
+    g.add_argument("--gap", type=int, default=DEFAULT_GAP,
+                   help="alarms closer than this are one episode (default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests)."""
+    parser = argparse.ArgumentParser(
+        prog="stability", description="Watch training runs; replay, evaluate and tune offline.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("replay", help="replay recorded runs through the monitor")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run file, part directory, "
+                   "directory of runs or glob")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    p.add_argument("--events", default=None,
+                   help="write alarms/interventions here (.jsonl or .parquet); with several "
+                        "runs, a directory (one file per run)")
+    p.add_argument("--jobs", "-j", type=int, default=None, help="processes (default: cores)")
+    p.add_argument("--json", action="store_true", help="print the summaries as JSON")
+
+    p = sub.add_parser("eval", help="score alarms against labels (ours vs baselines)")
+    p.add_argument("runs", nargs="+", metavar="RUNS")
+    p.add_argument("--labels", "-l", default=None,
+                   help="labels file (.parquet/.json/.csv); unlabelled runs count as clean")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    p.add_argument("--baselines", action="store_true", help="also score the industry rules")
+    p.add_argument("--jobs", "-j", type=int, default=None)
+    p.add_argument("--per-scenario", action="store_true", help="print the per-kind breakdown")
+    p.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    _eval_args(p)
+
+    p = sub.add_parser("tune", help="tune parameters/thresholds under a false-alarm budget")
+    p.add_argument("runs", nargs="+", metavar="RUNS")
+    p.add_argument("--labels", "-l", default=None)
+    p.add_argument("--budget", type=float, required=True,
+                   help="max false alarms per 10k clean steps")
+    p.add_argument("--output", "-o", required=True, help="tuned config (.toml or .json)")
+    p.add_argument("--config", "-c", default=None, help="base config (default preset)")
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds (0/1 = none)")
+    p.add_argument("--backend", choices=("local", "ray"), default="local")
+    p.add_argument("--jobs", "-j", type=int, default=None)
+    p.add_argument("--thresholds", type=int, default=1000,
+                   help="thresholds swept per candidate (default %(default)s)")
+    _eval_args(p)
+
+    p = sub.add_parser("report", help="render a report (replay.report)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _runs(specs: Sequence[str]) -> list[tuple[str, str]]:
+    from replay.replay import discover_many
+
+    return discover_many(specs)
+
+
+def _cmd_replay(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from replay.replay import format_summary, replay_many, replay_run
+
+    runs = _runs(a.runs)
+    if len(runs) == 1:
+        rid, path = runs[0]
+        results = [replay_run(path, a.config, events=a.events, run_id=rid)]
+    else:
+        suffix = ".jsonl"
+        if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
+            suffix = Path(a.events).suffix
+            a.events = str(Path(a.events).with_suffix(""))
+        results = replay_many(runs, a.config, jobs=a.jobs, events_dir=a.events,
+                              events_suffix=suffix)
+    if a.json:
+        print(json.dumps([r.summary() for r in results], indent=1, default=str))
+        return 0
+    for r in results:
+        print(format_summary(r))
+    if len(results) > 1:
+        alarmed = sum(bool(r.alarms) for r in results)
+        print(f"\n{len(results)} runs, {alarmed} with alarms, "
+              f"{sum(r.n_steps for r in results)} steps")
+    if a.events:
+        print(f"events written to {a.events}")
+    return 0
+
+
+def _eval_settings(a: argparse.Namespace) -> dict[str, int]:
+    return {"window": a.window, "tolerance": a.tolerance, "gap": a.gap}
+
+
+def _cmd_eval(a: argparse.Namespace) -> int:
+    from replay.evaluate import evaluate_runs, format_scenarios, format_table
+    from replay.labels import load_labels
+    from replay.replay import alarms_for_eval, monitor_available
+
+    runs = _runs(a.runs)
+    labels = load_labels(a.labels) if a.labels else {}
+    steps, alarms = alarms_for_eval(runs, a.config, baselines=a.baselines, jobs=a.jobs)
+    summaries = {}
+    for name, per_run in alarms.items():
+        summaries[name] = evaluate_runs(per_run, steps, labels, **_eval_settings(a))[0]
+    if a.json:
+        print(json.dumps({k: v.to_dict() for k, v in summaries.items()}, indent=1,
+                         default=_json_default))
+        return 0
+    s0 = summaries["ours"]
+    src = "monitor" if monitor_available() else "detectors only (monitor unavailable)"
+    print(f"{len(runs)} runs ({s0.n_clean} clean, {s0.n_visible} visible faults, "
+          f"{s0.n_invisible} invisible, {s0.n_div} eligible divergences), "
+          f"{s0.clean_steps} clean steps; ours = {a.config or 'default'} via {src}")
+    print(format_table(summaries))
+    if a.per_scenario:
+        for name, s in summaries.items():
+            print(f"\n[{name}]")
+            print(format_scenarios(s))
+    return 0
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+def _cmd_tune(a: argparse.Namespace) -> int:
+    from replay.evaluate import format_table
+    from replay.labels import load_labels
+    from replay.tune import EvalSettings, tune, write_config
+
+    runs = _runs(a.runs)
+    labels = load_labels(a.labels) if a.labels else {}
+    res = tune(runs, labels, a.budget, config=a.config, folds=a.folds, backend=a.backend,
+               jobs=a.jobs, settings=EvalSettings(**_eval_settings(a)),
+               n_thresholds=a.thresholds)
+    header = (f"tuned by `stability tune` on {len(runs)} runs, budget {a.budget} false alarms "
+              f"per 10k clean steps\n")
+    if res.heldout is not None:
+        h = res.heldout
+        header += (f"held-out ({a.folds}-fold by run): recall {h.recall:.3f}, "
+                   f"false alarms/10k {h.fa_per_10k:.3f}\n")
+    write_config(a.output, res.config, header)
+    for c in res.choices:
+        print(f"  {c['binding']:<24} {c['detector']:<12} threshold {c['threshold']:.4g}  "
+              f"{json.dumps(c['params'])}")
+    rows = {"train (all runs)": res.train}
+    if res.heldout is not None:
+        rows[f"held-out ({a.folds}-fold)"] = res.heldout
+    print(format_table(rows))
+    secs = ", ".join(f"{k} {v:.2f}" for k, v in res.seconds.items())
+    print(f"timings: {secs}")
+    print(f"wrote {a.output}")
+    return 0
+
+
+def _cmd_report(argv: Sequence[str]) -> int:
+    import importlib
+
+    mod = importlib.import_module("replay.report")
+    entry = getattr(mod, "main", None)
+    if entry is None:
+        print("replay.report has no main(argv)", file=sys.stderr)
+        return 2
+    rc = entry(list(argv))
+    return int(rc or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``stability`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "report":
+        return _cmd_report(args[1:])
+    parser = build_parser()
+    a = parser.parse_args(args)
+    if a.command is None:
+        parser.print_help()
+        return 2
+    handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune}
+    try:
+        return handlers[a.command](a)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"stability {a.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and sample data (tiny models trained on CPU)."""

@@ -1,0 +1,124 @@
+"""The plain-PyTorch guard with the real Monitor on tiny runs, and the tinytrain faults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from stability.adapters.torch import TorchGuard, find_ledger  # noqa: E402
+from stability.monitor import Monitor  # noqa: E402
+from stability.testing.tinytrain import FaultSpec, flip_bit, train_run  # noqa: E402
+from stability.types import Control, Decision  # noqa: E402
+
+
+def test_import_stability_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, stability, stability.adapters; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_clean_run_no_interventions_and_fault_rescued() -> None:
+    clean = train_run("mlp", 140, seed=0)
+    watched = train_run("mlp", 140, seed=0, monitor=Monitor("small"))
+    assert watched.acting_interventions() == []
+    assert watched.final_loss == pytest.approx(clean.final_loss, rel=1e-6)
+    fault = FaultSpec("bit_flip", 100)
+    broken = train_run("mlp", 140, seed=0, fault=fault)
+    saved = train_run("mlp", 140, seed=0, fault=fault, monitor=Monitor("small"))
+    assert not math.isfinite(broken.final_loss)
+    assert saved.rollbacks >= 1 and saved.steps_lost > 0
+    assert abs(saved.final_loss / clean.final_loss - 1) < 0.05
+
+
+class _Scripted:
+    """Stand-in monitor that issues scripted controls (exercises every action)."""
+
+    def __init__(self, script: dict[int, Control]) -> None:
+        self.script = script
+        self.seen: list[int] = []
+        from stability.checkpoints import CheckpointLedger
+
+        self.checkpoints = CheckpointLedger()
+
+    def observe(self, step: int, metrics=None, families=None) -> Decision:
+        self.seen.append(step)
+        return Decision(step, control=self.script.pop(step, Control()))
+
+    def state_dict(self) -> dict:
+        return {"version": 1, "seen": list(self.seen)}
+
+
+def _loop(script: dict[int, Control], n: int = 12, **kw):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    mon = _Scripted(script)
+    guard = TorchGuard(m, opt, sched, mon, checkpoint_every=2, **kw)
+    used = []
+    for i in guard.batches(n):
+        used.append(i)
+        g = torch.Generator().manual_seed(i)
+        loss = m(torch.randn(4, 3, generator=g)).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+    return guard, mon, used, m
+
+
+def test_skip_rollback_and_batch_skipping() -> None:
+    script = {3: Control(skip_step=True),
+              7: Control(save_checkpoint=True, rollback_to=4, skip_batches=(5, 7))}
+    guard, mon, used, _ = _loop(script)
+    assert guard.steps_skipped == 2 and guard.rollbacks == 1
+    assert mon.seen[:9] == [0, 1, 2, 3, 4, 5, 6, 7, 5]  # steps restart after the checkpoint
+    assert used[:8] == list(range(8)) and used[8] == 8  # batches 5..7 are skipped
+    assert guard.batches_skipped == 3 and guard.steps_lost == 3
+    recs = find_ledger(mon).records
+    assert [r.step for r in recs if r.healthy][:3] == [0, 2, 4]
+
+
+def test_stop_raises_typed_exception() -> None:
+    from stability.adapters.interventions import TrainingStopped
+
+    with pytest.raises(TrainingStopped, match="enough"):
+        _loop({5: Control(stop=True, stop_reason="enough")})
+
+
+def test_clip_and_lr_factor_applied() -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2, 1, bias=False)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    mon = _Scripted({0: Control(clip_norm=0.01, lr_factor=0.5), 1: Control(lr_factor=0.5)})
+    guard = TorchGuard(m, opt, sched, mon, checkpoint_every=0, update_ratio_every=0)
+    w0 = m.weight.detach().clone()
+    loss = m(torch.ones(1, 2)).sum() * 100
+    loss.backward()
+    guard.step(loss)
+    delta = (m.weight.detach() - w0).norm().item()
+    assert delta == pytest.approx(0.5 * 0.01, rel=1e-3)  # clipped to 0.01, LR halved
+    assert opt.param_groups[0]["lr"] == 1.0  # the scheduler's value is untouched
+
+
+def test_guard_state_dict_roundtrip() -> None:
+    guard, _, _, _ = _loop({}, n=5)
+    sd = guard.state_dict()
+    g2, _, _, _ = _loop({}, n=1)
+    g2.monitor = None
+    g2.load_state_dict(sd)
+    assert g2.step_count == guard.step_count and g2.data_position == guard.data_position
+
+
+def test_flip_bit_and_fault_spec() -> None:
+    t = torch.tensor([1.0, 0.25])
+    assert flip_bit(t, 1, 30) > 1e30
+    assert flip_bit(t, 1, 30) == 0.25  # flipping twice restores
+    with pytest.raises(ValueError, match="kind"):
+        FaultSpec("meteor", 3)
+    assert FaultSpec("overfit", 3).active(10**6)

@@ -1,0 +1,431 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from river import drift
+
+from detectors.adwin import ADWIN
+
+from .generic import (
+    check_split_batches,
+    check_state_roundtrip,
+    check_stream_equals_batch,
+    check_threshold_monotone,
+    stream,
+)
+
+# with NUMBA_DISABLE_JIT=1 the kernel runs on NumPy scalars, which warn where Numba is silent
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:divide by zero encountered:RuntimeWarning",
+    "ignore:invalid value encountered:RuntimeWarning",
+)
+
+
+def fdiv(a, b):
+    """IEEE division (inf / nan instead of ZeroDivisionError), as in Rust and Numba."""
+    if b == 0.0:
+        if a == 0.0 or math.isnan(a):
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return a / b
+
+
+def flog(v):
+    return -math.inf if v == 0.0 else (math.nan if v < 0.0 else math.log(v))
+
+
+def fsqrt(v):
+    return math.nan if v < 0.0 else math.sqrt(v)
+
+
+class RefADWIN:
+    """Plain-Python port of river's ``rust_src/adwin.rs`` plus river's restart after a drift.
+
+    Rows are Python lists of ``[total, variance]`` (oldest first).  The score is the positive
+    part of the largest ``|mean0 - mean1| - eps_cut`` over every cut tested (no screening).
+    """
+
+    def __init__(self, delta=0.002, clock=32, max_buckets=5, min_window_length=5,
+                 grace_period=10, reset_on_drift=True, max_rows=48):
+        self.delta, self.clock, self.mb = delta, clock, max_buckets
+        self.mwl, self.gp = float(min_window_length), float(grace_period)
+        self.reset_on_drift, self.max_rows = reset_on_drift, max_rows
+        self.reset()
+
+    def reset(self):
+        self.total = self.variance = self.width = 0.0
+        self.tick = 0
+        self.rows = [[]]
+
+    def delete(self):
+        last = len(self.rows) - 1
+        n = float(2**last)
+        u, v = self.rows[last][0]
+        mu = u / n
+        self.width -= n
+        self.total -= u
+        mw = fdiv(self.total, self.width)
+        self.variance -= v + n * self.width * (mu - mw) * (mu - mw) / (n + self.width)
+        del self.rows[last][0]
+        while len(self.rows) > 1 and not self.rows[-1]:
+            self.rows.pop()
+
+    def insert(self, value):
+        self.rows[0].append([value, 0.0])
+        self.width += 1.0
+        inc = 0.0
+        if self.width > 1.0:
+            d = value - self.total / (self.width - 1.0)
+            inc = (self.width - 1.0) * d * d / self.width
+        self.variance += inc
+        self.total += value
+        idx = 0
+        while len(self.rows[idx]) == self.mb + 1:
+            if idx + 1 == self.max_rows:
+                self.delete()
+                break
+            n1 = float(2**idx)
+            (t0, v0), (t1, v1) = self.rows[idx][0], self.rows[idx][1]
+            mu1, mu2 = t0 / n1, t1 / n1
+            temp = n1 * 0.5 * (mu1 - mu2) * (mu1 - mu2)
+            if idx + 1 >= len(self.rows):
+                self.rows.append([])
+            self.rows[idx + 1].append([t0 + t1, v0 + v1 + temp])
+            del self.rows[idx][:2]
+            if len(self.rows[idx + 1]) <= self.mb:
+                break
+            idx += 1
+
+    def update(self, x):
+        """Returns (score, drift)."""
+        self.insert(x)
+        change = False
+        best = -math.inf
+        self.tick += 1
+        if self.tick % self.clock == 0 and self.width > self.gp:
+            reduce = True
+            while reduce:
+                reduce = False
+                n0, n1, u0, u1 = 0.0, self.width, 0.0, self.total
+                done = False
+                for idx in range(len(self.rows) - 1, -1, -1):
+                    if done:
+                        break
+                    size = float(2**idx)
+                    row = self.rows[idx]
+                    for k in range(len(row)):
+                        n0 += size
+                        n1 -= size
+                        u0 += row[k][0]
+                        u1 -= row[k][0]
+                        if idx == 0 and k == len(row) - 1:
+                            done = True
+                            break
+                        if n1 >= self.mwl and n0 >= self.mwl:
+                            dm = abs(fdiv(u0, n0) - fdiv(u1, n1))
+                            dp = flog(2.0 * flog(self.width) / self.delta)
+                            m = 1.0 / (n0 - self.mwl + 1.0) + 1.0 / (n1 - self.mwl + 1.0)
+                            eps = fsqrt(2.0 * m * (self.variance / self.width) * dp)
+                            eps += 2.0 / 3.0 * dp * m
+                            if dm - eps > best:
+                                best = dm - eps
+                            if dm > eps:
+                                reduce = change = True
+                                if self.width > 0.0:
+                                    self.delete()
+                                    done = True
+                                    break
+        if change and self.reset_on_drift:
+            self.reset()
+        return max(best, 0.0), change
+
+
+def reference(x, miss=None, threshold=0.0, **kw):
+    ref = RefADWIN(**kw)
+    scores, alarms = [], []
+    for k, v in enumerate(x):
+        if miss is not None and miss[k]:
+            scores.append(math.nan)
+            alarms.append(False)
+        elif not math.isfinite(v):
+            scores.append(math.inf)
+            alarms.append(True)
+        else:
+            s, _ = ref.update(float(v))
+            scores.append(s)
+            alarms.append(s > threshold)
+    return np.array(scores), np.array(alarms)
+
+
+def river_drifts(x, **kw):
+    """Drift indices of river's ADWIN (stops where river's Rust code panics)."""
+    det = drift.ADWIN(**kw)
+    out = []
+    for i, v in enumerate(x):
+        try:
+            det.update(float(v))
+        except BaseException:  # pyo3 PanicException (max_buckets=1 corner case)
+            return out, i
+        if det.drift_detected:
+            out.append(i)
+    return out, len(x)
+
+
+def shift_streams(seed, t=3000):
+    rng = np.random.default_rng(seed)
+    k = np.arange(t)
+    abrupt = rng.normal(0.0, 1.0, t) + 1.5 * (k >= t // 3) - 2.0 * (k >= 2 * t // 3)
+    gradual = rng.normal(0.0, 0.5, t) + np.clip((k - t / 2) / (t / 4), 0.0, 1.0) * 2.0
+    bits = (rng.random(t) < np.where(k < t / 2, 0.2, 0.6)).astype(float)
+    walk = np.cumsum(rng.normal(0.0, 0.05, t))
+    heavy = rng.standard_t(2.0, t) + 5.0 * (k >= t // 2)
+    offset = 1e8 + rng.normal(0.0, 1.0, t) + 4.0 * (k >= t // 2)
+    return [abrupt, gradual, bits, walk, heavy, offset]
+
+
+RIVER_CONFIGS = [
+    {},
+    {"clock": 1},
+    {"delta": 0.1, "clock": 4, "max_buckets": 2, "min_window_length": 1, "grace_period": 0},
+    {"delta": 1e-5, "clock": 7, "max_buckets": 3},
+    {"delta": 0.01, "clock": 16, "max_buckets": 8, "min_window_length": 20,
+     "grace_period": 100},
+    {"max_buckets": 1, "clock": 4, "delta": 0.05},
+]
+
+
+@pytest.mark.parametrize("cfg", RIVER_CONFIGS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_drift_indices_equal_river(cfg, seed):
+    n_drifts = 0
+    for x in shift_streams(seed):
+        expected, upto = river_drifts(x, **cfg)
+        _, alarms = ADWIN(**cfg).update_many(x[:upto])
+        assert np.flatnonzero(alarms[:, 0]).tolist() == expected
+        n_drifts += len(expected)
+    if cfg.get("max_buckets", 5) > 1:
+        assert n_drifts > 0  # the streams do exercise the detection path
+
+
+def test_window_statistics_equal_river():
+    x = shift_streams(3)[0]
+    ours, theirs = ADWIN(clock=1), drift.ADWIN(clock=1)
+    for v in x:
+        ours.update(v)
+        theirs.update(v)
+        if not theirs.drift_detected:  # river restarts lazily, on the next update
+            assert ours.width[0] == theirs.width
+            assert ours.total[0] == theirs.total
+            assert ours.variance[0] == theirs.variance
+            assert ours.estimation[0] == theirs.estimation
+
+
+def test_bank_equals_independent_river_detectors():
+    xs = shift_streams(4, t=2000)
+    x = np.stack(xs, axis=1)
+    cfg = {"clock": 8, "delta": 0.01}
+    s_bank, a_bank = ADWIN(n_series=x.shape[1], **cfg).update_many(x)
+    s_loop, a_loop = stream(ADWIN(n_series=x.shape[1], **cfg), x)
+    np.testing.assert_array_equal(s_bank, s_loop)
+    np.testing.assert_array_equal(a_bank, a_loop)
+    for j in range(x.shape[1]):
+        assert np.flatnonzero(a_bank[:, j]).tolist() == river_drifts(x[:, j], **cfg)[0]
+
+
+CONFIGS = [
+    {},
+    {"clock": 1, "delta": 0.05, "min_window_length": 2, "grace_period": 0},
+    {"clock": 3, "max_buckets": 2, "reset_on_drift": False},
+    {"clock": 1, "max_buckets": 3, "max_rows": 4, "delta": 0.2},  # capacity guard in use
+    {"clock": 5, "max_buckets": 1, "delta": 0.05},
+]
+
+
+def noisy_stream(seed, t=600, n=3, offset=0.0):
+    rng = np.random.default_rng(seed)
+    k = np.arange(t)[:, None]
+    x = rng.normal(0.0, 1.0, (t, n)) + 2.0 * (k >= t // 2) + offset
+    x[t // 3, 1] = np.nan
+    x[t // 4, 2] = np.inf
+    x[t // 5, 2] = -np.inf
+    x[t // 7, 0] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_matches_reference_on_every_prefix(cfg):
+    x = noisy_stream(0)
+    miss = np.zeros_like(x, dtype=bool)
+    miss[::11, 1] = True
+    s, a = stream(ADWIN(n_series=3, **cfg), x, missing=miss)
+    n_alarms = 0
+    for i in range(3):
+        rs, ra = reference(x[:, i], miss=miss[:, i], **cfg)
+        np.testing.assert_array_equal(s[:, i], rs)  # bit-exact, including the score
+        np.testing.assert_array_equal(a[:, i], ra)
+        n_alarms += int(((rs > 0) & np.isfinite(rs)).sum())
+    assert n_alarms > 0
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_stream_equals_batch_and_roundtrip(cfg):
+    x = noisy_stream(3)
+    miss = np.zeros_like(x, dtype=bool)
+    miss[::7, 1] = True
+    f = lambda n: ADWIN(n_series=n, **cfg)  # noqa: E731
+    check_stream_equals_batch(f, x, missing=miss)
+    check_split_batches(f, x, splits=(1, 7, 50, 63, 64, 200))
+    for split in (1, 17, 300, 599):
+        check_state_roundtrip(f, x, split=split)
+    check_state_roundtrip(f, x, split=301, via_json=True)
+
+
+def test_long_batch_and_streaming_paths_agree():
+    # batches >= 64 steps run on a contiguous copy of the buffer, shorter ones in place
+    x = np.random.default_rng(5).normal(0.0, 1.0, (1000, 2)) + np.r_[0:1000][:, None] / 300.0
+    f = lambda n: ADWIN(n_series=n, clock=4)  # noqa: E731
+    check_split_batches(f, x, splits=(63, 64, 65, 500, 563))
+
+
+def test_missing_and_nonfinite_never_enter_state():
+    det = ADWIN(clock=1)
+    det.update_many(np.arange(40.0) % 3)
+    before = det.state_dict()
+    for bad in (np.nan, np.inf, -np.inf):
+        assert det.update(bad)[0] and det.score[0] == np.inf
+    assert not det.update(5.0, missing=[True])[0] and np.isnan(det.score[0])
+    after = det.state_dict()
+    np.testing.assert_array_equal(after["state"], before["state"])
+    np.testing.assert_array_equal(after["buf"], before["buf"])
+
+
+def test_constant_streams_and_large_offset_quiet():
+    for c in (0.0, 3.0, -1e8, 1e-300):
+        s, a = ADWIN(clock=1).update_many(np.full(2000, c))
+        assert not a.any() and (s == 0.0).all()
+    rng = np.random.default_rng(0)
+    y = 1e8 + rng.normal(0.0, 1.0, 3000)
+    assert not ADWIN().update_many(y)[1].any()
+    y[1500:] += 3.0
+    hits = np.flatnonzero(ADWIN().update_many(y)[1][:, 0])
+    assert hits.size and 1500 <= hits[0] < 1700
+    assert hits.tolist() == river_drifts(y)[0]
+
+
+def test_score_is_margin_of_strongest_cut():
+    rng = np.random.default_rng(1)
+    x = np.r_[rng.normal(0, 1, 500), rng.normal(3, 1, 500)]
+    s, a = ADWIN().update_many(x)
+    assert (s >= 0).all()
+    np.testing.assert_array_equal(a[:, 0], s[:, 0] > 0)
+    off_clock = (np.arange(1000) + 1) % 32 != 0
+    assert (s[off_clock, 0] == 0).all()
+
+
+def test_golden_alarm_indices():
+    rng = np.random.default_rng(12345)
+    x = np.r_[rng.normal(0, 1, 2000), rng.normal(0.8, 1, 2000), rng.normal(-0.5, 2, 2000)]
+    _, a = ADWIN().update_many(x)
+    assert np.flatnonzero(a[:, 0]).tolist() == GOLDEN
+
+
+GOLDEN = [2079, 4031]
+
+
+def test_threshold_monotone():
+    x = noisy_stream(9, t=1500)
+    check_threshold_monotone(
+        lambda t: ADWIN(n_series=3, threshold=t, clock=4), x, thresholds=[0, 0.05, 0.2, 1, 5]
+    )
+
+
+def test_zero_and_one_length():
+    det = ADWIN(n_series=2)
+    s, a = det.update_many(np.zeros((0, 2)))
+    assert s.shape == (0, 2) and a.shape == (0, 2)
+    s, a = det.update_many(np.ones((1, 2)))
+    assert s.shape == (1, 2) and not a.any()
+    assert det.width.tolist() == [1.0, 1.0]
+
+
+def test_reset_and_grow():
+    x = noisy_stream(5)[:, :2]
+    det = ADWIN(n_series=2, clock=4)
+    s1, _ = det.update_many(x)
+    det.reset()
+    s2, _ = det.update_many(x)
+    np.testing.assert_array_equal(s1, s2)
+    a = ADWIN(n_series=2, clock=4)
+    a.update_many(x[:100])
+    a.grow(1)
+    b = ADWIN(n_series=2, clock=4)
+    b.update_many(x[:100])
+    x3 = np.concatenate([x[100:], np.ones((500, 1))], axis=1)
+    np.testing.assert_array_equal(a.update_many(x3)[0][:, :2], b.update_many(x[100:])[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"delta": 0.0}, "'delta' parameter of ADWIN"),
+        ({"delta": 1.0}, "'delta'"),
+        ({"clock": 0}, "'clock'"),
+        ({"clock": 2.0}, "'clock'"),
+        ({"max_buckets": 0}, "'max_buckets'"),
+        ({"min_window_length": 0}, "'min_window_length'"),
+        ({"grace_period": -1}, "'grace_period'"),
+        ({"threshold": -0.1}, "'threshold'"),
+        ({"max_rows": 0}, "'max_rows'"),
+        ({"max_rows": 63}, "'max_rows'"),
+        ({"freeze_on_alarm": True}, "'freeze_on_alarm'"),
+        ({"reset_on_drift": 1}, "'reset_on_drift'"),
+        ({"n_series": -1}, "'n_series'"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ADWIN(**kwargs)
+
+
+def test_bad_inputs_and_threshold():
+    det = ADWIN(n_series=3)
+    with pytest.raises(ValueError, match=r"shape \(2,\); expected \(3,\)"):
+        det.update(np.ones(2))
+    with pytest.raises(ValueError, match="must be numeric"):
+        det.update(["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"expected \(steps, 3\)"):
+        det.update_many(np.ones((5, 2)))
+    with pytest.raises(ValueError, match="'threshold'"):
+        det.set_threshold(-1.0)
+    det.set_threshold(0.5)
+    assert det.params[0] == 0.5
+
+
+@settings(deadline=None, max_examples=50)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(min_value=-1e6, max_value=1e6),
+            st.sampled_from([math.nan, math.inf, -math.inf, 0.0, 1.0]),
+        ),
+        min_size=1,
+        max_size=120,
+    ),
+    st.integers(0, 120),
+    st.sampled_from([1, 2, 3, 5]),
+)
+def test_property_reference_stream_batch(values, split, max_buckets):
+    x = np.array(values)[:, None]
+    cfg = {"clock": 1, "delta": 0.2, "min_window_length": 1, "grace_period": 0,
+           "max_buckets": max_buckets}
+    f = lambda n: ADWIN(n_series=n, **cfg)  # noqa: E731
+    check_stream_equals_batch(f, x)
+    check_state_roundtrip(f, x, split=min(split, len(values)))
+    s, a = f(1).update_many(x)
+    rs, ra = reference(x[:, 0], **cfg)
+    np.testing.assert_array_equal(s[:, 0], rs)
+    np.testing.assert_array_equal(a[:, 0], ra)

@@ -1,0 +1,233 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detectors.cusum import CUSUM
+from detectors.ewma import LOG_FLOOR
+
+from .generic import (
+    check_split_batches,
+    check_state_roundtrip,
+    check_stream_equals_batch,
+    check_threshold_monotone,
+    stream,
+)
+
+
+def reference(x, miss=None, k=0.5, threshold=8.0, warmup=100, alpha=0.0, min_std=1e-6,
+              direction="both", log_space=False, reset_on_alarm=True, freeze_on_alarm=False):
+    """Plain-Python two-sided tabular CUSUM for one series."""
+    warm: list[float] = []
+    mean = var = 0.0
+    s_up = s_down = 0.0
+    scores, alarms = [], []
+    for j, v in enumerate(x):
+        if miss is not None and miss[j]:
+            scores.append(math.nan)
+            alarms.append(False)
+            continue
+        if not math.isfinite(v):
+            scores.append(math.inf)
+            alarms.append(True)
+            continue
+        y = math.log(max(v, LOG_FLOOR)) if log_space else v
+        if len(warm) < warmup:
+            # Welford, written out as in the kernel (a two-pass mean differs in the last ulp)
+            warm.append(y)
+            d = y - mean
+            mean += d / len(warm)
+            var += d * (y - mean)
+            if len(warm) == warmup:
+                var /= warmup - 1
+            scores.append(0.0)
+            alarms.append(False)
+            continue
+        std = max(math.sqrt(var), min_std * abs(mean), 1e-300)
+        z = (y - mean) / std
+        s_up = max(0.0, s_up + (z - k))
+        s_down = max(0.0, s_down - (z + k))
+        s = {"up": s_up, "down": s_down, "both": max(s_up, s_down)}[direction]
+        scores.append(s)
+        alarms.append(s > threshold)
+        if s > threshold and reset_on_alarm:
+            warm, mean, var, s_up, s_down = [], 0.0, 0.0, 0.0, 0.0
+        elif alpha > 0 and not (s > threshold and freeze_on_alarm):
+            d = y - mean
+            mean = mean + alpha * d
+            var = (1 - alpha) * (var + d * (alpha * d))
+    return np.array(scores), np.array(alarms)
+
+
+def test_welford_warmup_matches_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(3.0, 2.0, 40)
+    det = CUSUM(warmup=40)
+    det.update_many(x)
+    assert abs(det.mean[0] - x.mean()) < 1e-12
+    assert abs(det.state_dict()["state"][1, 0] - x.var(ddof=1)) < 1e-12
+
+
+CONFIGS = [
+    {},
+    {"warmup": 20, "threshold": 4.0, "k": 0.25, "alpha": 0.05},
+    {"warmup": 10, "direction": "up", "log_space": True, "reset_on_alarm": False},
+    {"warmup": 10, "direction": "down", "alpha": 0.1, "reset_on_alarm": False,
+     "freeze_on_alarm": True, "threshold": 3.0},
+    {"warmup": 2, "min_std": 0.0, "k": 0.0, "threshold": 2.0},
+]
+
+
+def noisy_stream(seed, t=500, n=3, offset=0.0):
+    rng = np.random.default_rng(seed)
+    k = np.arange(t)[:, None]
+    x = np.exp(rng.normal(0.0, 0.1, (t, n)) + 0.4 * (k >= t // 2) - 0.6 * (k >= 4 * t // 5))
+    x = x + offset
+    x[t // 3, 1] = np.nan
+    x[t // 4, 2] = np.inf
+    x[t // 5, 2] = -np.inf
+    x[t // 7, 0] = -1.0
+    return x
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_reference_on_every_prefix(cfg, seed):
+    x = noisy_stream(seed)
+    miss = np.zeros_like(x, dtype=bool)
+    miss[::9, 0] = True
+    s, a = stream(CUSUM(n_series=3, **cfg), x, missing=miss)
+    for i in range(3):
+        rs, ra = reference(x[:, i], miss=miss[:, i], **cfg)
+        np.testing.assert_allclose(s[:, i], rs, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(a[:, i], ra)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_stream_equals_batch_and_roundtrip(cfg):
+    x = noisy_stream(3)
+    miss = np.zeros_like(x, dtype=bool)
+    miss[::7, 1] = True
+    f = lambda n: CUSUM(n_series=n, **cfg)  # noqa: E731
+    check_stream_equals_batch(f, x, missing=miss)
+    check_split_batches(f, x)
+    for split in (1, 17, 250, 499):
+        check_state_roundtrip(f, x, split=split)
+    check_state_roundtrip(f, x, split=123, via_json=True)
+
+
+def test_missing_and_nonfinite_never_enter_state():
+    det = CUSUM(warmup=5)
+    det.update_many(np.arange(10.0))
+    before = det.state_dict()["state"].copy()
+    for bad in (np.nan, np.inf, -np.inf):
+        assert det.update(bad)[0] and det.score[0] == np.inf
+    assert not det.update(1.0, missing=[True])[0] and np.isnan(det.score[0])
+    np.testing.assert_array_equal(det.state_dict()["state"], before)
+
+
+def test_constant_streams_and_large_offset():
+    for c in (0.0, 3.0, -1e8, 0.1):
+        s, a = CUSUM().update_many(np.full(3000, c))
+        assert not a.any() and (s == 0.0).all()
+    rng = np.random.default_rng(0)
+    y = 1e8 + rng.normal(0.0, 1.0, 3000)
+    assert not CUSUM(min_std=0.0, threshold=12.0).update_many(y)[1].any()
+    y[2000:] += 3.0
+    hits = np.flatnonzero(CUSUM(min_std=0.0, threshold=12.0).update_many(y)[1][:, 0])
+    assert hits.size == 1 and 2000 <= hits[0] < 2015
+
+
+def test_detects_both_directions_once_per_shift():
+    rng = np.random.default_rng(3)
+    x = np.r_[rng.normal(0, 1, 400), rng.normal(2, 1, 400), rng.normal(-1, 1, 400)]
+    s, a = CUSUM().update_many(x)
+    hits = np.flatnonzero(a[:, 0]).tolist()
+    assert len(hits) == 2 and 400 <= hits[0] < 420 and 800 <= hits[1] < 820
+    up = np.flatnonzero(CUSUM(direction="up").update_many(x)[1][:, 0]).tolist()
+    down = np.flatnonzero(CUSUM(direction="down").update_many(x)[1][:, 0]).tolist()
+    assert up == hits[:1]
+    # the one-sided chart never restarted at the upward shift: its reference is still 0, so the
+    # drop to -1 is a 1-sigma shift for it (2 after the restart of the two-sided chart): slower
+    assert len(down) == 1 and hits[1] <= down[0] < 850
+
+
+def test_golden_alarm_indices():
+    rng = np.random.default_rng(12345)
+    x = np.exp(np.r_[rng.normal(0, 0.05, 1500), rng.normal(0.1, 0.05, 1500)])
+    _, a = CUSUM(log_space=True).update_many(x)
+    assert np.flatnonzero(a[:, 0]).tolist() == GOLDEN
+
+
+GOLDEN = [1505]
+
+
+def test_threshold_monotone():
+    x = noisy_stream(9, t=1500)
+    check_threshold_monotone(
+        lambda t: CUSUM(n_series=3, threshold=t, reset_on_alarm=False, alpha=0.01), x,
+        thresholds=[0.5, 1, 2, 4, 8, 16],
+    )
+
+
+def test_zero_and_one_length():
+    det = CUSUM(n_series=2)
+    s, a = det.update_many(np.zeros((0, 2)))
+    assert s.shape == (0, 2) and a.shape == (0, 2)
+    s, a = det.update_many(np.ones((1, 2)))
+    assert s.shape == (1, 2) and (s == 0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"k": -0.1}, "'k' parameter of CUSUM"),
+        ({"warmup": 1}, "'warmup'"),
+        ({"warmup": 10.0}, "'warmup'"),
+        ({"alpha": 1.5}, "'alpha'"),
+        ({"min_std": -1.0}, "'min_std'"),
+        ({"direction": "sideways"}, "'direction'"),
+        ({"log_space": 1}, "'log_space'"),
+        ({"reset_on_alarm": None}, "'reset_on_alarm'"),
+        ({"threshold": "x"}, "'threshold'"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CUSUM(**kwargs)
+
+
+def test_bad_inputs_have_clear_errors():
+    det = CUSUM(n_series=3)
+    with pytest.raises(ValueError, match=r"shape \(2,\); expected \(3,\)"):
+        det.update(np.ones(2))
+    with pytest.raises(ValueError, match=r"expected \(steps, 3\)"):
+        det.update_many(np.ones((5, 2)))
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(min_value=-1e6, max_value=1e6),
+            st.sampled_from([math.nan, math.inf, -math.inf, 0.0]),
+        ),
+        min_size=1,
+        max_size=80,
+    ),
+    st.integers(0, 80),
+    st.sampled_from([0.0, 0.1]),
+)
+def test_property_reference_stream_batch(values, split, alpha):
+    x = np.array(values)[:, None]
+    cfg = {"warmup": 3, "threshold": 3.0, "alpha": alpha}
+    f = lambda n: CUSUM(n_series=n, **cfg)  # noqa: E731
+    check_stream_equals_batch(f, x)
+    check_state_roundtrip(f, x, split=min(split, len(values)))
+    s, a = f(1).update_many(x)
+    rs, ra = reference(x[:, 0], **cfg)
+    np.testing.assert_allclose(s[:, 0], rs, rtol=1e-9, atol=1e-9)
