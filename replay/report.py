@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -391,3 +392,93 @@ def write_report(path: str | Path, table: pa.Table, **kwargs: Any) -> Path:
     out = Path(path)
     out.write_text(build_report(table, **kwargs), encoding="utf-8")
     return out
+
+
+def _read_events_file(path: str) -> list[dict[str, Any]]:
+    p = Path(path)
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(p).to_pylist()
+        out = []
+        for r in rows:
+            payload = r.get("payload") or r.get("record")
+            out.append(json.loads(payload) if isinstance(payload, str) else r)
+        return out
+    from stability.events import read_events
+
+    return read_events(p, errors="skip")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``stability report RUN [--events E] [--config C] [--labels L] -o report.html [--png P]``.
+
+    Without ``--events`` the run is replayed through the monitor (``--config``, default preset)
+    to find the alarms and interventions shown on the timeline.
+    """
+    import argparse
+
+    from .replay import read_table, replay_table
+
+    ap = argparse.ArgumentParser(prog="stability report", description=main.__doc__)
+    ap.add_argument("run", help="recorded run (file, directory of parts, or importable log)")
+    ap.add_argument("--events", "-e", help="event log (.jsonl / .parquet) to show instead")
+    ap.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    ap.add_argument("--labels", "-l", help="labels file, to show delay and lead time")
+    ap.add_argument("--output", "-o", default="report.html", help="HTML output path")
+    ap.add_argument("--png", help="also write a PNG summary (needs matplotlib)")
+    ap.add_argument("--title", help="page title (default: the run name)")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+
+    run_id = Path(args.run.rstrip("/")).stem
+    try:
+        table = read_table(args.run)
+    except (OSError, ValueError) as exc:
+        print(f"stability report: {exc}", file=sys.stderr)
+        return 2
+    alarms: list[dict[str, Any]] = []
+    interventions: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] | None = None
+    config: dict[str, Any] | None = None
+    if args.events:
+        events = _read_events_file(args.events)
+    else:
+        from stability.config import load_config
+
+        cfg = load_config(args.config)
+        config = cfg.to_dict()
+        res = replay_table(table, cfg, run_id, args.run)
+        alarms = [a.to_dict() for a in res.alarms]
+        interventions = [i.to_dict() for i in res.interventions]
+    label = None
+    if args.labels:
+        from .labels import load_labels
+
+        found = load_labels(args.labels).get(run_id)
+        if found is not None:
+            label = {
+                "scenario": found.scenario,
+                "onset_step": found.onset_step,
+                "failure_step": found.failure_step,
+                "nan_step": found.nan_step,
+                "divergence_step": found.divergence_step,
+            }
+    title = args.title or run_id
+    out = write_report(
+        args.output,
+        table,
+        events=events,
+        alarms=alarms,
+        interventions=interventions,
+        config=config,
+        label=label,
+        title=title,
+    )
+    print(f"wrote {out}")
+    if args.png:
+        a2, i2 = alarms, interventions
+        if events is not None:
+            a2, i2, _ = split_events(events)
+        write_png(args.png, table, a2, i2, title=title)
+        print(f"wrote {args.png}")
+    return 0

@@ -159,3 +159,15 @@ def test_png_summary(tmp_path):
     write_png(out, synthetic_run(), alarms=[{"step": 400, "kind": "nonfinite"}], title="png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_report_cli_replays_a_bundled_sample(tmp_path):
+    from stability.cli import main
+
+    run = Path(__file__).resolve().parents[2] / "data" / "runs" / "lr_blowup"
+    labels = run.parents[1] / "labels.parquet"
+    out = tmp_path / "r.html"
+    assert main(["report", str(run), "--labels", str(labels), "-o", str(out)]) == 0
+    page = out.read_text()
+    assert "lr_loss_anomaly" in page and "detection delay" in page and "<svg" in page
+    assert main(["report", str(tmp_path / "missing"), "-o", str(out)]) == 2
