@@ -10,8 +10,9 @@ import pytest
 
 from stability import Control, Monitor
 from stability.monitor_io import table_columns
+from tests.shared_data import PUBLIC_RUNS
 
-RUNS = Path(__file__).resolve().parents[2] / "shared" / "runs" / "public" / "runs"
+RUNS = PUBLIC_RUNS
 if not RUNS.exists():
     RUNS = Path("/work/shared/runs/public/runs")
 needs_runs = pytest.mark.skipif(not RUNS.exists(), reason="shared runs not available")

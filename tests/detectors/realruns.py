@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-PUBLIC = Path(__file__).resolve().parents[3] / "shared" / "runs" / "public"
+from tests.shared_data import PUBLIC as _PUBLIC
+
+PUBLIC = _PUBLIC
 
 
 def labels() -> list[dict]:

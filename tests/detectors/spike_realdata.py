@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
+from tests.shared_data import SHARED as _SHARED
+
+SHARED = _SHARED
 BLOOM = (
     SHARED / "realruns" / "bigscience_chronicles" / "tr11-176B_BLOOM_first_loss_spike_31216.parquet"
 )

@@ -10,9 +10,10 @@ import pytest
 
 from replay.replay import discover_runs, goodput, read_table, replay_run, replay_table
 from stability.cli import build_parser, main
+from tests.shared_data import PUBLIC_LABELS, PUBLIC_RUNS
 
-RUNS = "/work/shared/runs/public/runs"
-LABELS = "/work/shared/runs/public/labels.parquet"
+RUNS = str(PUBLIC_RUNS)
+LABELS = str(PUBLIC_LABELS)
 R9 = f"{RUNS}/public_0009.parquet"  # fp16 overflow -> NaN at 767
 
 monitor = pytest.importorskip("stability.monitor")

@@ -18,8 +18,9 @@ from replay.evaluate import (
 )
 from replay.labels import LabelError, RunLabel, labels_from_records, load_labels
 from replay.scoring import candidate_thresholds, run_profile, summarise_sweep, sweep
+from tests.shared_data import PUBLIC_LABELS
 
-LABELS = "/work/shared/runs/public/labels.parquet"
+LABELS = str(PUBLIC_LABELS)
 
 
 def test_episodes_gap_boundary() -> None:

@@ -12,8 +12,9 @@ import pytest
 
 from replay.plotting import bin_columns, colormap, encode_png
 from replay.report import build_report, split_events, write_report
+from tests.shared_data import PUBLIC_RUNS
 
-PUBLIC = Path(__file__).resolve().parents[2].parent / "shared" / "runs" / "public" / "runs"
+PUBLIC = PUBLIC_RUNS
 
 
 def synthetic_run(n: int = 600) -> pa.Table:

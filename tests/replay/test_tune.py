@@ -18,9 +18,10 @@ from replay.tune import (
     tune_scores,
     write_config,
 )
+from tests.shared_data import PUBLIC_LABELS, PUBLIC_RUNS
 
-PUBLIC = sorted(glob.glob("/work/shared/runs/public/runs/*.parquet"))
-LABELS = "/work/shared/runs/public/labels.parquet"
+PUBLIC = sorted(glob.glob(str(PUBLIC_RUNS / "*.parquet")))
+LABELS = str(PUBLIC_LABELS)
 
 BASE = {"monitor": {"aliases": {}, "log_only": False, "strict": False}, "detectors": [
     {"name": "nonfinite", "detector": "nonfinite", "inputs": ["*"], "kind": "nonfinite"},
