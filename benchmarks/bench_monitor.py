@@ -8,7 +8,10 @@
 
 Run::
 
-    python benchmarks/bench_monitor.py [--steps 20000] [--layers 128]
+    python benchmarks/bench_monitor.py [--steps 20000] [--layers 128] [--breakdown]
+
+``--breakdown`` also times the parts of one step separately (private monitor internals; the
+figures are best-of-repeats, so they do not add up exactly on a loaded machine).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import timeit
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +44,46 @@ def make_stream(steps: int, layers: int, seed: int = 0) -> tuple[np.ndarray, np.
     return sc, fam
 
 
-def bench(steps: int, layers: int, keyed: bool, preset: str) -> float:
+def _best_us(fn: object, number: int = 2000, repeat: int = 9) -> float:
+    return 1e6 * min(timeit.repeat(fn, number=number, repeat=repeat)) / number  # type: ignore[arg-type]
+
+
+def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> None:
+    """Print the cost of each part of ``observe()`` (uses the monitor's private internals)."""
+    from stability.binding import gather_step  # noqa: PLC0415
+
+    sk: list[str] = []
+    parts = {"fill metrics": _best_us(lambda: mon._fill(metrics, sk))}
+    if families:
+        parts["fill families"] = _best_us(lambda: mon._fill_families(families, sk))
+    g = mon._gather
+    mon._fill(metrics, sk)
+    if families:
+        mon._fill_families(families, sk)
+    gather_step(mon._vals, mon._present, *g)
+    calls = mon._active_calls(g[7].copy())
+    parts["gather (1 njit call)"] = _best_us(lambda: gather_step(mon._vals, mon._present, *g))
+
+    def banks() -> None:
+        for update, x, m in calls:
+            update(x, m)
+
+    parts[f"bank updates ({len(calls)} calls)"] = _best_us(banks)
+    parts["alarm check"] = _best_us(lambda: np.count_nonzero(g[6]))
+    box = [step]
+
+    def obs() -> None:
+        box[0] += 1
+        mon.observe(box[0], metrics, families)
+
+    total = _best_us(obs)
+    for k, v in parts.items():
+        print(f"      {k:28s} {v:7.2f} us")
+    print(f"      {'rest (python glue)':28s} {total - sum(parts.values()):7.2f} us")
+    print(f"      {'observe() total':28s} {total:7.2f} us")
+
+
+def bench(steps: int, layers: int, keyed: bool, preset: str, parts: bool = False) -> float:
     names = [f"L{i}" for i in range(layers)]
     sc, fam = make_stream(steps, layers)
     mon = Monitor(preset)
@@ -77,6 +120,8 @@ def bench(steps: int, layers: int, keyed: bool, preset: str) -> float:
     n_keys = len(inputs[-1][0])
     print(f"  {'keys' if keyed else 'families':8s}: best block {best:7.2f} us/step, median "
           f"{med:7.2f} ({n_keys} keys per step, {len(mon.signals)} signals, {alarms} alarms)")
+    if parts:
+        breakdown(mon, steps, *inputs[warm])
     return best
 
 
@@ -85,11 +130,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--layers", type=int, default=128)
     ap.add_argument("--preset", default="llm_pretrain")
+    ap.add_argument("--breakdown", action="store_true", help="time the parts of one step")
     a = ap.parse_args()
     print(f"Monitor.observe(), preset {a.preset!r}, {len(SCALARS)} scalars + {a.layers} layers x "
           f"({len(STATS)} act stats + grad_norm), {a.steps} steps, policy included")
-    fa = bench(a.steps, a.layers, keyed=False, preset=a.preset)
-    fb = bench(a.steps, a.layers, keyed=True, preset=a.preset)
+    fa = bench(a.steps, a.layers, keyed=False, preset=a.preset, parts=a.breakdown)
+    fb = bench(a.steps, a.layers, keyed=True, preset=a.preset, parts=a.breakdown)
     print(f"(a) families as arrays: {fa:.2f} us/step (best block; target <= 10)")
     print(f"(b) separate keys:      {fb:.2f} us/step (best block; target <= 100)")
 

@@ -45,6 +45,7 @@ True
 from __future__ import annotations
 
 import collections
+import logging
 import math
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -52,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from .binding import Aliases, Pattern, any_true, empty_buffers, gather_step
+from .binding import Aliases, Pattern, empty_buffers, gather_step
 from .config import ConfigSource, DetectorSpec, MonitorConfig, load_config
 from .monitor_io import decode_state, encode_state, table_columns, to_float
 from .registry import make_detector
@@ -60,10 +61,16 @@ from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
 
 __all__ = ["Monitor", "STATE_VERSION"]
 
+logger = logging.getLogger("stability.monitor")
+
 STATE_VERSION = 1
 GRAD_HISTORY = 100
+#: Default seconds a user handler may run before it is abandoned (``handler_timeout``).
+HANDLER_TIMEOUT = 1.0
 _ABSENT, _SCRATCH = 0, 1
 _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
+#: (keys in order, their slots, all keys valid, contiguous slot range or None)
+_KeyPlan = tuple[list[Any], np.ndarray, bool, "slice | None"]
 
 
 class _NullPolicy:
@@ -151,6 +158,10 @@ class Monitor:
         :class:`~stability.types.Alert` intervention is sent to them.
     on_alarm, on_intervention
         Optional handlers (one callable or a list); failures are contained unless strict.
+    handler_timeout
+        Seconds a handler may run before it is abandoned (logged and counted as a failure, so a
+        hanging handler cannot block :meth:`observe`); each call then runs in a daemon thread.
+        ``None`` runs handlers inline without a limit.
     checkpoints
         A :class:`~stability.checkpoints.CheckpointLedger` (a fresh one by default), passed to
         the policy as ``context["healthy_checkpoints"]``.
@@ -158,7 +169,8 @@ class Monitor:
 
     def __init__(self, config: ConfigSource = None, *, event_log: Any = None,
                  alert_sinks: Any = None, on_alarm: Any = None, on_intervention: Any = None,
-                 checkpoints: Any = None) -> None:
+                 checkpoints: Any = None,
+                 handler_timeout: float | None = HANDLER_TIMEOUT) -> None:
         self.config: MonitorConfig = load_config(config)
         self.log_only = self.config.monitor.log_only
         self.strict = self.config.monitor.strict
@@ -171,7 +183,8 @@ class Monitor:
         self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else (
             [] if alert_sinks is None else [alert_sinks])
         from .handlers import HandlerRegistry  # noqa: PLC0415
-        self.handlers = HandlerRegistry(strict=self.strict)
+        self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
+        self._sink_failed: set[int] = set()
         for fn in _as_list(on_alarm):
             self.handlers.on_alarm(fn)
         for fn in _as_list(on_intervention):
@@ -192,18 +205,20 @@ class Monitor:
         self._cache: dict[Any, int] = {}
         self.unbound: set[str] = set()
         self._families: dict[str, tuple[list[str], np.ndarray, slice | None]] = {}
+        self._fam_plans: dict[tuple[str, ...], tuple[int, int, list[tuple[int]]] | None] = {}
         self._vals, self._present = empty_buffers(64)
-        self._last_keys: list[Any] = []
-        self._last_slots = np.zeros(0, dtype=np.int64)
-        self._last_ok = True
-        self._last_range: slice | None = None
+        # the two most recent key layouts of ``metrics`` (e.g. with and without val_loss)
+        self._key_plans: list[_KeyPlan] = []
         self._dirty = True
+        self._ctrl_dirty = False        # self.control may hold per-step requests
+        self._snap: Control | None = None  # copy of self.control shared by quiet decisions
+        self._call_sets: dict[bytes, list[tuple[Any, Any, Any]]] = {}
         self._grad_slot = 0
         self._grad_hist: collections.deque[float] = collections.deque(maxlen=GRAD_HISTORY)
         self._grad_last: float | None = None
         self.last_step = -1
         self.counters = {"steps": 0, "skipped_steps": 0, "skipped_values": 0, "alarm_steps": 0,
-                         "alarms": 0, "interventions": 0}
+                         "alarms": 0, "interventions": 0, "sink_errors": 0}
 
     # ------------------------------------------------------------------ public helpers
     def on_alarm(self, fn: Any) -> Any:
@@ -299,6 +314,7 @@ class Monitor:
         contig = slice(int(slots[0]), int(slots[0]) + n) if n and np.array_equal(
             slots, np.arange(slots[0], slots[0] + n)) else None
         self._families[name] = (layers, slots, contig)
+        self._fam_plans.clear()
 
     @property
     def families(self) -> dict[str, list[str]]:
@@ -334,7 +350,17 @@ class Monitor:
         self._gather = (gidx, boff, soff, x_all, m_all, s_all, a_all,
                         np.zeros(len(bs), dtype=np.bool_))
         self._calls = calls
+        self._call_sets = {}
         self._dirty = False
+
+    def _active_calls(self, active: np.ndarray) -> list[tuple[Any, Any, Any]]:
+        """The bank updates of the bindings flagged in ``active`` (cached per pattern)."""
+        key = active.tobytes()
+        calls = self._call_sets.get(key)
+        if calls is None:
+            calls = [c for c, on in zip(self._calls, active.tolist(), strict=True) if on]
+            self._call_sets[key] = calls
+        return calls
 
     # ------------------------------------------------------------------ input
     def _bad(self, msg: str, skipped: list[str]) -> None:
@@ -360,29 +386,39 @@ class Monitor:
             return None
         return s
 
-    def _fill(self, metrics: Mapping[Any, Any], skipped: list[str]) -> None:
+    def _key_plan(self, metrics: Mapping[Any, Any]) -> _KeyPlan:
+        """Slots of ``metrics``' keys, cached for the two most recent key layouts."""
         keys = list(metrics)
-        if keys != self._last_keys:
-            slots = [self._lookup(k) for k in keys]
-            self._last_keys = keys
-            self._last_slots = np.array(slots, dtype=np.int64)
-            self._last_ok = not slots or min(slots) >= 0
-            n = len(slots)
-            self._last_range = (slice(slots[0], slots[0] + n) if n and self._last_ok and
-                                slots == list(range(slots[0], slots[0] + n)) else None)
+        plans = self._key_plans
+        for plan in plans:
+            if plan[0] == keys:
+                if plan is not plans[0]:
+                    plans.reverse()
+                return plan
+        slots = [self._lookup(k) for k in keys]
+        ok = not slots or min(slots) >= 0
+        n = len(slots)
+        rng = (slice(slots[0], slots[0] + n) if n and ok and
+               slots == list(range(slots[0], slots[0] + n)) else None)
+        plan = (keys, np.array(slots, dtype=np.int64), ok, rng)
+        self._key_plans = [plan] + plans[:1]
+        return plan
+
+    def _fill(self, metrics: Mapping[Any, Any], skipped: list[str]) -> None:
+        keys, slots, ok, rng = self._key_plan(metrics)
         vals, present = self._vals, self._present
-        if self._last_ok:
+        values = list(metrics.values())
+        if ok:
             try:  # fast path: every value converts like float() (strings/None/arrays do not)
-                buf = np.frombuffer(array("d", metrics.values()), dtype=np.float64)
+                buf = np.frombuffer(array("d", values), dtype=np.float64)
             except (TypeError, ValueError, OverflowError):
                 pass
             else:
-                idx = self._last_range if self._last_range is not None else self._last_slots
+                idx = rng if rng is not None else slots
                 vals[idx] = buf
                 present[idx] = True
                 return
-        for k, v, s in zip(keys, list(metrics.values()), self._last_slots.tolist(),
-                             strict=True):
+        for k, v, s in zip(keys, values, slots.tolist(), strict=True):
             if s == _SCRATCH or v is None:
                 continue
             if s < 0:
@@ -395,7 +431,43 @@ class Monitor:
             vals[s] = x
             present[s] = True
 
+    def _fam_plan(self, names: tuple[str, ...]) -> tuple[int, int, list[tuple[int]]] | None:
+        """``(lo, hi, shapes)`` when the families ``names`` fill one contiguous slot block."""
+        lo = hi = -1
+        shapes = []
+        for name in names:
+            fam = self._families.get(name)
+            if fam is None or fam[2] is None or (hi >= 0 and fam[2].start != hi):
+                return None
+            if lo < 0:
+                lo = fam[2].start
+            hi = fam[2].stop
+            shapes.append((len(fam[0]),))
+        return (lo, hi, shapes) if lo >= 0 else None
+
+    def _fill_families_fast(self, families: Mapping[str, Any]) -> bool:
+        """All given families at once (one ``concatenate`` into the slot vector) if possible."""
+        names = tuple(families)
+        if names in self._fam_plans:
+            plan = self._fam_plans[names]
+        else:
+            plan = self._fam_plans[names] = self._fam_plan(names)
+        if plan is None:
+            return False
+        lo, hi, shapes = plan
+        arrs = tuple(families.values())
+        try:
+            if [a.shape for a in arrs] != shapes:
+                return False
+            np.concatenate(arrs, out=self._vals[lo:hi], casting="same_kind")
+        except Exception:  # noqa: BLE001 -- anything unusual goes through the checked path
+            return False
+        self._present[lo:hi] = True
+        return True
+
     def _fill_families(self, families: Mapping[str, Any], skipped: list[str]) -> None:
+        if self._fill_families_fast(families):
+            return
         vals, present = self._vals, self._present
         for name, arr in families.items():
             fam = self._families.get(name)
@@ -443,13 +515,18 @@ class Monitor:
             Declared family name -> array of per-layer values (fast path).
         """
         skipped: list[str] = []
-        ctrl = self.control
-        ctrl.reset_step()
-        s = self._check_step(step, skipped)
-        if s is None:
-            self.counters["skipped_steps"] += 1
-            st = int(step) if isinstance(step, (int, np.integer)) else -1
-            return _decision(st, (), (), _new_control(ctrl), tuple(skipped))
+        if self._ctrl_dirty:
+            self.control.reset_step()
+            self._ctrl_dirty = False
+            self._snap = None
+        if type(step) is int and step > self.last_step:
+            s = step
+        else:
+            s = self._check_step(step, skipped)  # type: ignore[assignment]
+            if s is None:
+                self.counters["skipped_steps"] += 1
+                st = int(step) if isinstance(step, (int, np.integer)) else -1
+                return _decision(st, (), (), self._snapshot(), tuple(skipped))
         if metrics:
             if isinstance(metrics, Mapping):
                 self._fill(metrics, skipped)
@@ -464,32 +541,42 @@ class Monitor:
         gidx, boff, soff, x_all, m_all, s_all, a_all, active = self._gather
         gather_step(self._vals, self._present, gidx, boff, soff, x_all, m_all, s_all, a_all,
                     active)
-        for (update, x, m), on in zip(self._calls, active.tolist(), strict=True):
-            if on:
-                update(x, m)
+        for update, x, m in self._active_calls(active):
+            update(x, m)
         self.last_step = s
         self.counters["steps"] += 1
-        if any_true(a_all):
+        if np.count_nonzero(a_all):
             alarms = self._make_alarms(s, [(b, b.S[0], b.A[0]) for b in self._bindings])
+            ivs = self._policy_step(s, alarms, gnow)
         else:
-            alarms = ()
-        ivs = self._policy_step(s, alarms, gnow)
+            alarms = ivs = ()
+            if self._policy_dirty:
+                self._policy_step(s, alarms, gnow)
         if gnow is not None and math.isfinite(gnow):
             self._grad_hist.append(gnow)
             self._grad_last = gnow
-        d = _decision(s, alarms, ivs, _new_control(ctrl), tuple(skipped))
+        d = _decision(s, alarms, ivs, self._snapshot(), tuple(skipped) if skipped else ())
         if alarms or ivs:
             self._emit(d)
         return d
 
+    def _snapshot(self) -> Control:
+        """Copy of :attr:`control` for a Decision, shared while the control does not change."""
+        snap = self._snap
+        if snap is None:
+            snap = self._snap = _new_control(self.control)
+        return snap
+
     def _policy_step(self, s: int, alarms: tuple[Alarm, ...], gnow: float | None
                      ) -> tuple[Intervention, ...]:
         pc = self._policy_control
+        self._snap = None
         if alarms:
             if pc is not self.control:
                 pc.reset_step()
             ivs = tuple(self.policy.step(s, alarms, pc, self._context(gnow)))
             self._policy_dirty = True
+            self._ctrl_dirty = True
             if not self.log_only:
                 for iv in ivs:
                     if isinstance(iv, Rollback):
@@ -559,8 +646,22 @@ class Monitor:
                 log.intervention(iv, log_only=self.log_only)
             if isinstance(iv, Alert):
                 for sink in self.alert_sinks:
-                    sink.send(iv)
+                    self._send_alert(sink, iv)
             self.handlers.intervention(iv)
+
+    def _send_alert(self, sink: Any, alert: Alert) -> None:
+        """``sink.send(alert)``; a failure is logged once per sink and contained unless strict."""
+        try:
+            sink.send(alert)
+        except Exception as e:
+            self.counters["sink_errors"] += 1
+            if self.strict:
+                raise
+            if id(sink) not in self._sink_failed:
+                self._sink_failed.add(id(sink))
+                logger.warning("alert sink %r failed (%s: %s); contained (strict=False). Further "
+                               "failures of this sink are counted, not logged.", sink,
+                               type(e).__name__, e, exc_info=e)
 
     # ------------------------------------------------------------------ batch replay
     def replay(self, data: Any) -> list[Decision]:
@@ -614,11 +715,13 @@ class Monitor:
             any_alarm |= al.any(axis=1)
             outs.append((sc, al))
         g = self._grad_slot
-        ctrl = self.control
         decisions = []
         for t in range(t_len):
             s = int(steps[t])
-            ctrl.reset_step()
+            if self._ctrl_dirty:
+                self.control.reset_step()
+                self._ctrl_dirty = False
+                self._snap = None
             gnow = float(vals[t, g]) if g and pres[t, g] else None
             self.last_step = s
             if any_alarm[t]:
@@ -631,7 +734,7 @@ class Monitor:
             if gnow is not None and math.isfinite(gnow):
                 self._grad_hist.append(gnow)
                 self._grad_last = gnow
-            d = _decision(s, alarms, ivs, _new_control(ctrl), ())
+            d = _decision(s, alarms, ivs, self._snapshot(), ())
             if alarms or ivs:
                 self._emit(d)
             decisions.append(d)
@@ -688,6 +791,8 @@ class Monitor:
         self.policy.load_state_dict(sd.get("policy", {}))
         self._policy_dirty = bool(sd.get("policy_dirty", False))
         self.control = Control.from_dict(sd.get("control", {}))
+        self._ctrl_dirty = True  # per-step requests of the snapshot's step end with it
+        self._snap = None
         self._policy_control = (Control.from_dict(sd.get("policy_control", {})) if self.log_only
                                 else self.control)
         if sd.get("checkpoints") is not None and hasattr(self.checkpoints, "load_state_dict"):
