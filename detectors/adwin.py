@@ -29,6 +29,15 @@ on the last axis).  The window covers at most about ``max_buckets * 2**max_rows`
 top row is full its oldest bucket is dropped (never reached with the default ``max_rows = 48``).
 With ``max_buckets = 1`` river's Rust code can panic after a drift (an empty trailing row); here
 empty trailing rows are dropped instead.
+
+**Extreme values.**  A finite value that would take the window total out of the float64 range,
+or whose squared deviation from the window mean overflows the variance (e.g. ``+-1e308`` among
+ordinary values), never enters the window: it scores ``+inf``, alarms, and the series restarts
+from an empty window (even with ``reset_on_drift=False``; river's window would hold ``inf``/``nan``
+from then on).  A variance that overflows only through rounding noise (a steady stream near
+``1e300``, where river's variance becomes ``inf``) saturates at the largest float64, which reads as
+infinite (no cut can be significant), like river's.  Ordinary streams never get near these
+limits, so the drift indices stay identical to river's.
 """
 
 from __future__ import annotations
@@ -40,6 +49,10 @@ from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
 
 #: relative safety margin of the division-free cut screen (>> the few ulps it must cover)
 SCREEN_MARGIN = 1e-12
+#: a variance too large for float64 saturates here and reads as infinite (see "Extreme values")
+SATURATED = np.finfo(np.float64).max
+#: a deviation below this fraction of ``|x|`` is rounding noise of a huge but steady stream
+ROUNDING = 1e-12
 
 # state rows
 _TOTAL, _VARIANCE, _WIDTH, _TICK, _NROWS, _NDRIFT = 0, 1, 2, 3, 4, 5
@@ -61,7 +74,10 @@ def _delete_oldest(b, cap, rows, n_rows, width, total, variance):  # type: ignor
     width -= n
     total -= u
     mu_window = total / width
-    variance -= v + n * width * (mu - mu_window) * (mu - mu_window) / (n + width)
+    if variance < SATURATED:
+        variance -= v + n * width * (mu - mu_window) * (mu - mu_window) / (n + width)
+        if not np.isfinite(variance):
+            variance = SATURATED
     k = int(b[cnt0 + last])
     for j in range(k - 1):
         b[base + j] = b[base + j + 1]
@@ -100,7 +116,7 @@ def _compress(b, cap, rows, n_rows, width, total, variance):  # type: ignore[no-
         kn = int(b[cnt0 + idx + 1])
         nb = base + cap + kn
         b[nb] = t0 + t1
-        b[vo + nb] = v0 + v1 + temp
+        b[vo + nb] = min(v0 + v1 + temp, SATURATED)
         b[cnt0 + idx + 1] = kn + 1
         for j in range(cap - 2):
             b[base + j] = b[base + j + 2]
@@ -151,7 +167,7 @@ def _detect(b, cap, rows, n_rows, width, total, variance, delta, mwl):  # type: 
         u0 = 0.0
         u1 = total
         d_prime = np.log(2.0 * np.log(width) / delta)
-        var_w = variance / width
+        var_w = variance / width if variance < SATURATED else np.inf
         c_lin = two_thirds * d_prime
         # Division-free screen (see _screen_fails): valid where nothing under- or overflows.
         screen = (
@@ -230,16 +246,32 @@ def _run_series(X, miss, i, b, st, params, scores, alarms):  # type: ignore[no-u
             scores[t, i] = np.inf
             alarms[t, i] = True
             continue
+        inc = 0.0
+        d = 0.0
+        if width > 0.0:
+            d = x - total / width
+            inc = width * d * d / (width + 1.0)
+        if not np.isfinite(total + x) or (
+            not np.isfinite(variance + inc) and not abs(d) <= ROUNDING * abs(x)
+        ):
+            # x would take the window out of the float64 range: alarm and restart
+            scores[t, i] = np.inf
+            alarms[t, i] = True
+            for r in range(n_rows):
+                b[cnt0 + r] = 0.0
+            n_rows = 1
+            c0 = 0
+            total = 0.0
+            variance = 0.0
+            width = 0.0
+            tick = 0.0
+            continue
         # append x to row 0 (river's insert_element)
         b[c0] = x
         b[vo + c0] = 0.0
         c0 += 1
         width += 1.0
-        inc = 0.0
-        if width > 1.0:
-            d = x - total / (width - 1.0)
-            inc = (width - 1.0) * d * d / width
-        variance += inc
+        variance = min(variance + inc, SATURATED)
         total += x
         if c0 == cap:
             b[cnt0] = c0

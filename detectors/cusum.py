@@ -15,6 +15,11 @@ The reference is the plain mean / sample variance of the first ``warmup`` finite
 rate ``alpha`` (``alpha = 0`` freezes it: the classical chart).  With ``reset_on_alarm`` an alarm
 clears both sums and restarts the warm-up, so the new level becomes the reference and every
 shift alarms once; ``freeze_on_alarm`` keeps the reference still while a series is in alarm.
+
+**Overflow.**  A finite value whose update would leave the float64 range (e.g. ``+-1e308``, or
+``1e10`` against a warm-up of exact zeros, where the std is floored at ``1e-300``) never enters
+the statistics: it scores ``+inf``, alarms, and the series restarts its warm-up (even without
+``reset_on_alarm``: a reference dominated by such values would overflow again).
 """
 
 from __future__ import annotations
@@ -66,10 +71,20 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             y = math.log(max(x, LOG_FLOOR)) if log_space else x
             if count < warmup:
                 # Welford on the warm-up window; var holds M2 until the warm-up ends
-                count += 1.0
+                count1 = count + 1.0
                 d = y - mean
-                mean += d / count
-                var += d * (y - mean)
+                mean1 = mean + d / count1
+                var1 = var + d * (y - mean1)
+                if not (np.isfinite(mean1) and np.isfinite(var1)):
+                    scores[t, i] = np.inf  # overflow: alarm and restart (module docstring)
+                    alarms[t, i] = True
+                    mean = 0.0
+                    var = 0.0
+                    count = 0.0
+                    continue
+                count = count1
+                mean = mean1
+                var = var1
                 if count == warmup:
                     var = var / (count - 1.0)
                     std = max(math.sqrt(var), min_std * abs(mean), 1e-300)
@@ -77,26 +92,44 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 alarms[t, i] = False
                 continue
             z = (y - mean) / std
-            s_up = max(0.0, s_up + (z - k))
-            s_down = max(0.0, s_down - (z + k))
+            s_up1 = max(0.0, s_up + (z - k))
+            s_down1 = max(0.0, s_down - (z + k))
             if direction > 0.0:
-                s = s_up
+                s = s_up1
             elif direction < 0.0:
-                s = s_down
+                s = s_down1
             else:
-                s = max(s_up, s_down)
+                s = max(s_up1, s_down1)
             alarm = s > threshold
+            learn = alpha > 0.0 and not (alarm and (reset or freeze))
+            mean1 = mean
+            var1 = var
+            if learn:
+                mean1, var1 = ew_update(mean, var, y, alpha)
+            overflow = not (
+                np.isfinite(s_up1)
+                and np.isfinite(s_down1)
+                and np.isfinite(mean1)
+                and np.isfinite(var1)
+            )
+            if overflow:
+                s = np.inf  # x leaves the float64 range: alarm as for a non-finite value
+                alarm = True
             scores[t, i] = s
             alarms[t, i] = alarm
-            if alarm and reset:
+            if overflow or (alarm and reset):
                 mean = 0.0
                 var = 0.0
                 count = 0.0
                 s_up = 0.0
                 s_down = 0.0
-            elif alpha > 0.0 and not (alarm and freeze):
-                mean, var = ew_update(mean, var, y, alpha)
-                std = max(math.sqrt(var), min_std * abs(mean), 1e-300)
+            else:
+                s_up = s_up1
+                s_down = s_down1
+                if learn:
+                    mean = mean1
+                    var = var1
+                    std = max(math.sqrt(var), min_std * abs(mean), 1e-300)
         state[_MEAN, i] = mean
         state[_VAR, i] = var
         state[_COUNT, i] = count

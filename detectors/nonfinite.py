@@ -6,10 +6,12 @@ keeps a per-series count of non-finite observations (a NaN streak length is in t
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray
+from ._base import BankDetector, FloatArray, check_bool, check_float
 
 # state rows: total non-finite count, current streak, last kind (1 nan, 2 +inf, 3 -inf)
 _TOTAL, _STREAK, _LAST = 0, 1, 2
@@ -48,7 +50,18 @@ class NonFiniteGuard(BankDetector):
     """Alarm on every NaN / +inf / -inf element.
 
     The score is ``0`` for a finite value, ``1`` for NaN, ``2`` for +inf and ``3`` for -inf
-    (``nan`` when the value was not logged); the threshold is fixed at ``0.5``.
+    (``nan`` when the value was not logged).
+
+    Parameters
+    ----------
+    n_series
+        Number of series in the bank.
+    threshold
+        ``alarm = score > threshold``; must lie in ``[0, 1)`` so that every non-finite value
+        alarms and no finite one does (``0.5`` by default).  Accepted so that
+        ``NonFiniteGuard(**g.get_params())`` rebuilds a guard.
+    freeze_on_alarm
+        Must be ``False``: the guard has no statistics to freeze.
 
     Examples
     --------
@@ -60,13 +73,29 @@ class NonFiniteGuard(BankDetector):
     [0.0, 1.0, 3.0]
     >>> g.streak.tolist()
     [0.0, 1.0, 1.0]
+    >>> NonFiniteGuard(**g.get_params()).get_params() == g.get_params()
+    True
     """
 
     kind = "nonfinite"
+    #: the threshold is not a tuning knob (any value in [0, 1) gives the same alarms)
+    fixed_threshold: ClassVar[bool] = True
 
-    def __init__(self, n_series: int = 1):
-        super().__init__(n_series, threshold=0.5, freeze_on_alarm=False)
+    def __init__(self, n_series: int = 1, threshold: float = 0.5, freeze_on_alarm: bool = False):
+        name = type(self).__name__
+        threshold = check_float(name, "threshold", threshold, 0.0, 1.0, high_open=True)
+        if check_bool(name, "freeze_on_alarm", freeze_on_alarm):
+            raise ValueError(
+                f"The 'freeze_on_alarm' parameter of {name} must be False: the guard has no "
+                "statistics to freeze. Got True instead."
+            )
+        super().__init__(n_series, threshold=threshold, freeze_on_alarm=False)
         self._setup()
+
+    def set_threshold(self, threshold: float) -> None:
+        """Change the alarm threshold (in ``[0, 1)``: every non-finite value alarms)."""
+        name = type(self).__name__
+        super().set_threshold(check_float(name, "threshold", threshold, 0.0, 1.0, high_open=True))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((3, n))

@@ -12,8 +12,12 @@ and, once ``n >= min_instances``, the Page-Hinkley statistics ``up = s_up - min_
 (river compares with ``>`` too).  Like river, the series restarts from scratch after a drift
 (``reset_on_drift=True``).  Before ``min_instances`` observations the score is ``0.0``.
 
-Note that with ``reset_on_drift`` the threshold also decides *when* the statistics restart, so
-scores after the first alarm depend on it; ``reset_on_drift=False`` gives threshold-free scores.
+**Overflow.**  A finite value whose update would leave the float64 range (e.g. ``+-1e308``)
+never enters the statistics: it scores ``+inf``, alarms, and the series restarts from scratch as
+after a drift (even with ``reset_on_drift=False``: statistics dominated by such a value would
+overflow again on the next ordinary values).  river's mean and sums would become ``inf``/``nan``
+and never alarm again.  Ordinary streams never get near the range, so the drift indices stay
+identical to river's.
 """
 
 from __future__ import annotations
@@ -56,36 +60,46 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 scores[t, i] = np.inf
                 alarms[t, i] = True
                 continue
-            n += 1.0
-            mean += (1.0 / n) * (x - mean)
-            dev = x - mean
-            s_up = alpha * s_up + dev - delta
-            s_down = alpha * s_down + dev + delta
-            if s_up < min_up:
-                min_up = s_up
-            if s_down > max_down:
-                max_down = s_down
-            if n >= min_instances:
-                up = s_up - min_up
-                down = max_down - s_down
+            n1 = n + 1.0
+            mean1 = mean + (1.0 / n1) * (x - mean)
+            dev = x - mean1
+            s_up1 = alpha * s_up + dev - delta
+            s_down1 = alpha * s_down + dev + delta
+            min_up1 = min(min_up, s_up1)
+            max_down1 = max(max_down, s_down1)
+            s = 0.0
+            if n1 >= min_instances:
+                up = s_up1 - min_up1
+                down = max_down1 - s_down1
                 if mode > 0.0:
                     s = up
                 elif mode < 0.0:
                     s = down
                 else:
                     s = max(up, down)
-            else:
-                s = 0.0
+            overflow = not (
+                np.isfinite(mean1) and np.isfinite(s_up1) and np.isfinite(s_down1)
+                and np.isfinite(s)
+            )
+            if overflow:
+                s = np.inf  # x leaves the float64 range: alarm as for a non-finite value
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            if alarm and reset:
+            if overflow or (alarm and reset):
                 n = 0.0
                 mean = 0.0
                 s_up = 0.0
                 s_down = 0.0
                 min_up = np.inf
                 max_down = -1.0
+            else:
+                n = n1
+                mean = mean1
+                s_up = s_up1
+                s_down = s_down1
+                min_up = min_up1
+                max_down = max_down1
         state[_N, i] = n
         state[_MEAN, i] = mean
         state[_S_UP, i] = s_up

@@ -176,9 +176,12 @@ def _open(src: _Source, stream: bool = False) -> pq.ParquetFile:
     except (pa.ArrowException, OSError) as exc:
         raise RunFormatError(src.display, f"cannot open ({exc})") from None
     try:
+        # pages written with checksums (the recorder's) are verified: a flipped byte is an error
         if stream:
-            return pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
-        return pq.ParquetFile(f)
+            return pq.ParquetFile(
+                f, pre_buffer=False, buffer_size=1 << 20, page_checksum_verification=True
+            )
+        return pq.ParquetFile(f, page_checksum_verification=True)
     except (pa.ArrowException, OSError, ValueError) as exc:
         f.close()
         raise RunFormatError(
@@ -220,7 +223,7 @@ def _plan(
     """Read every file's footer (one file open at a time); return (file, raw columns to read,
     is long format) per file and the unified output schema."""
     plan = []
-    skipped: list[str] = []
+    skipped: dict[str, list[str]] = {}  # file -> non-numeric columns dropped from it
     resolve = alias_resolver(aliases)
     names: dict[str, None] = {}
     metadata: dict[bytes, bytes] | None = None
@@ -250,19 +253,15 @@ def _plan(
                 if columns is not None and canon not in columns:
                     continue
                 if not _numeric_like(schema.field(n).type):
-                    if n not in skipped:
-                        skipped.append(n)
+                    skipped.setdefault(src.display, []).append(n)
                     continue
                 raw.append(n)
                 names.setdefault(canon, None)
             raw = [STEP, *raw]
         plan.append((src, raw, is_long_format(schema)))
     if skipped:
-        warnings.warn(
-            f"{sources[0].display}: dropped non-numeric column(s) {skipped}",
-            UserWarning,
-            stacklevel=3,
-        )
+        msg = "; ".join(f"{f}: dropped non-numeric column(s) {c}" for f, c in skipped.items())
+        warnings.warn(msg, UserWarning, stacklevel=3)
     if columns is not None:
         ordered = [c for c in columns if c in names and c != STEP]
     else:

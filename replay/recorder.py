@@ -7,6 +7,11 @@ file and moved into place with :func:`os.replace`, so a reader never sees half a
 therefore loses at most the rows logged since the last part; a normal exit, an exception
 propagating through ``with``, or interpreter shutdown (``atexit``) flushes the rest.
 
+A part that cannot be written (a full disk) never stops training: ``log`` keeps the rows in
+memory, logs one warning per outage and retries ``part_steps`` rows later; ``close`` raises if
+the last rows still cannot be written.  Parts carry Parquet page checksums, which the reader
+verifies, so a corrupted byte is an error naming the file rather than silently wrong data.
+
 Every part carries the full schema known when it was written (new metric names may appear at any
 step; earlier parts simply lack them and the reader fills nulls) and the ``b"stability"`` metadata.
 
@@ -37,6 +42,7 @@ Examples
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import re
 import time
@@ -55,6 +61,8 @@ __all__ = ["PART_PATTERN", "RunRecorder", "part_name"]
 
 #: file names of closed parts
 PART_PATTERN = re.compile(r"^part-(\d+)\.parquet$")
+
+_log = logging.getLogger(__name__)
 
 
 def part_name(index: int) -> str:
@@ -135,8 +143,12 @@ class RunRecorder:
         self._last_step: int | None = None
         self._warned: set[str] = set()
         self._last_flush = time.monotonic()
+        self._write_at = part_steps  # buffered rows that trigger the next part write
+        self._failing = False  # the last part write failed (reported once per outage)
         self._closed = False
         self.parts_written = 0
+        #: the last part-write error while it persists (``None`` once a part is written again)
+        self.write_error: BaseException | None = None
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ public API
@@ -157,8 +169,8 @@ class RunRecorder:
         if step == self._last_step:
             row = self._rows[-1]
         else:
-            if len(self._rows) >= self.part_steps:
-                self._write_part()
+            if len(self._rows) >= self._write_at:
+                self._try_write_part()
             row = {}
             self._rows.append(row)
             self._steps.append(step)
@@ -182,20 +194,40 @@ class RunRecorder:
             self.flush_seconds is not None
             and time.monotonic() - self._last_flush >= self.flush_seconds
         ):
-            self._write_part()
+            self._try_write_part()
 
     def flush(self) -> None:
-        """Write the buffered rows as a closed part now (no-op when the buffer is empty)."""
+        """Write the buffered rows as a closed part now (no-op when the buffer is empty).
+
+        Raises
+        ------
+        OSError
+            The part could not be written (e.g. a full disk); the rows stay buffered.
+        """
         if self._rows:
             self._write_part()
 
     def close(self) -> None:
-        """Flush and stop recording. Idempotent; also called at interpreter exit."""
+        """Flush and stop recording. Idempotent; also called at interpreter exit.
+
+        Raises
+        ------
+        OSError
+            The buffered rows could not be written; they are lost (the message says how many).
+        """
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
-        self.flush()
+        try:
+            self.flush()
+        except OSError as exc:
+            lost, self._rows, self._steps = len(self._rows), [], []
+            raise OSError(
+                exc.errno,
+                f"RunRecorder({str(self.directory)!r}): could not write the last {lost} buffered "
+                f"row(s) on close: {exc}",
+            ) from exc
 
     @property
     def closed(self) -> bool:
@@ -238,10 +270,30 @@ class RunRecorder:
             )
         return None
 
+    def _try_write_part(self) -> None:
+        """Write a part from ``log()``: a failure never reaches the training loop.
+
+        On an ``OSError`` (full disk, permissions, ...) the rows stay buffered, the failure is
+        logged once (until a part is written again) and the write is retried when another
+        ``part_steps`` rows have been buffered (or ``flush_seconds`` have passed).
+        """
+        try:
+            self._write_part()
+        except OSError as exc:  # pyarrow's IO errors are OSErrors too
+            self.write_error = exc
+            self._write_at = len(self._rows) + self.part_steps
+            self._last_flush = time.monotonic()
+            if not self._failing:
+                self._failing = True
+                _log.warning(
+                    "RunRecorder(%r): cannot write a part (%s); keeping %d row(s) in memory and "
+                    "retrying every %d steps (reported once)",
+                    str(self.directory), exc, len(self._rows), self.part_steps,
+                )
+
     def _write_part(self) -> None:
+        """Write every buffered row as the next part; on error the rows stay buffered."""
         rows, steps = self._rows, self._steps
-        # a logged step stays mergeable only while it is buffered
-        self._rows, self._steps, self._last_step = [], [], None
         self._last_flush = time.monotonic()
         if not rows:
             return
@@ -255,13 +307,26 @@ class RunRecorder:
         final = self.directory / part_name(self._next_part)
         tmp = self.directory / f".{final.name}.{os.getpid()}.tmp"
         try:
-            pq.write_table(table, tmp, compression=self.compression)
+            pq.write_table(table, tmp, compression=self.compression, write_page_checksum=True)
             os.replace(tmp, final)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the write error below is the one to report
             raise
+        # a logged step stays mergeable only while it is buffered
+        self._rows, self._steps, self._last_step = [], [], None
         self._next_part += 1
         self.parts_written += 1
+        self._write_at = self.part_steps
+        if self._failing:
+            self._failing = False
+            self.write_error = None
+            _log.info(
+                "RunRecorder(%r): writing parts again (%d row(s) written to %s)",
+                str(self.directory), len(rows), final.name,
+            )
 
 
 def _as_step(step: Any) -> int:

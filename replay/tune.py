@@ -16,7 +16,7 @@
    scenario; each fold is tuned on the others and evaluated on itself.  The pooled held-out
    figures are reported; the written config is tuned on all runs.
 
-Detectors without a threshold argument (``nonfinite``) are kept as they are.  Tuned bindings are
+Detectors without a tunable threshold (``nonfinite``) are kept as they are.  Tuned bindings are
 written with ``freeze_on_alarm = false`` where the detector has that parameter (the scores the
 thresholds were tuned on assume it).
 """
@@ -106,9 +106,10 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
         det = d["detector"]
         if not is_available(det):
             continue
-        args = _init_args(detector_class(det))
+        cls = detector_class(det)
+        args = _init_args(cls)
         base = {k: v for k, v in dict(d.get("params", {})).items() if k != "threshold"}
-        tunable = "threshold" in args
+        tunable = "threshold" in args and not getattr(cls, "fixed_threshold", False)
         grid = dict(grids.get(det, {})) if tunable else {}
         grid = {k: v for k, v in grid.items() if k in args}
         keys = sorted(grid)

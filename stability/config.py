@@ -336,6 +336,13 @@ class MonitorConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, check_params: bool = True) -> MonitorConfig:
         """Build from plain data (the parsed TOML/JSON document)."""
+        try:
+            return cls._from_dict(d, check_params)
+        except RecursionError:
+            raise ConfigError("config: nested too deeply.") from None
+
+    @classmethod
+    def _from_dict(cls, d: Mapping[str, Any], check_params: bool) -> MonitorConfig:
         d = _table(d, "config")
         _check_keys(d, _TOP_KEYS, "config")
         preset = d.get("preset")
@@ -396,7 +403,9 @@ class MonitorConfig:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{where}: invalid TOML: {exc}") from None
-        return cls.from_dict(data)
+        except RecursionError:
+            raise ConfigError(f"{where}: invalid TOML: nested too deeply.") from None
+        return cls._from_document(data, where)
 
     @classmethod
     def from_json(cls, source: str | Path) -> MonitorConfig:
@@ -406,7 +415,19 @@ class MonitorConfig:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where}: invalid JSON: {exc}") from None
-        return cls.from_dict(data)
+        except RecursionError:
+            raise ConfigError(f"{where}: invalid JSON: nested too deeply.") from None
+        return cls._from_document(data, where)
+
+    @classmethod
+    def _from_document(cls, data: Any, where: str) -> MonitorConfig:
+        """:meth:`from_dict` on a parsed file; errors name the file (``where``) first."""
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            if where == "config":  # TOML/JSON text, not a file
+                raise
+            raise type(exc)(f"{where}: {exc}") from None
 
     @classmethod
     def from_preset(cls, name: str) -> MonitorConfig:

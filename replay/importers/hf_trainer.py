@@ -61,13 +61,17 @@ SUMMARY_KEYS = frozenset(
 )
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def read_trainer_state(path: str | os.PathLike[str]) -> pa.Table:
     """Read ``trainer_state.json`` (or a checkpoint directory holding one).
 
     Raises
     ------
     RunFormatError
-        Invalid JSON, no ``log_history`` list, an entry without an integer ``step``, or no metrics.
+        Invalid (or too deeply nested) JSON, no ``log_history`` list, an entry without an integer
+        ``step`` in the int64 range, or no metrics.
     """
     text_path = os.fspath(path)
     if os.path.isdir(text_path):
@@ -77,6 +81,8 @@ def read_trainer_state(path: str | os.PathLike[str]) -> pa.Table:
         state = json.loads(raw)
     except ValueError as exc:
         raise RunFormatError(text_path, f"invalid JSON ({exc})") from None
+    except RecursionError:
+        raise RunFormatError(text_path, "invalid JSON (nested too deeply)") from None
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
         raise RunFormatError(text_path, "not a trainer_state.json: no 'log_history' list")
     run: dict[str, Any] = {"source": text_path, "format": "hf_trainer"}
@@ -94,6 +100,10 @@ def read_trainer_state(path: str | os.PathLike[str]) -> pa.Table:
                 step = int(step)
             if not isinstance(step, int) or isinstance(step, bool):
                 raise RunFormatError(text_path, f"log_history[{i}] has no integer 'step': {step!r}")
+            if not -_INT64_MAX - 1 <= step <= _INT64_MAX:
+                raise RunFormatError(
+                    text_path, f"log_history[{i}]: 'step' {str(step)[:30]} is beyond int64"
+                )
             row: dict[str, float | None] = {}
             is_summary = any(k in SUMMARY_KEYS for k in entry)
             for key, value in entry.items():
@@ -106,8 +116,13 @@ def read_trainer_state(path: str | os.PathLike[str]) -> pa.Table:
                 name = RENAMES.get(str(key), str(key))
                 if value is None:
                     row[name] = None
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    row[name] = float(value)
+                elif isinstance(value, float):
+                    row[name] = value
+                elif isinstance(value, int) and not isinstance(value, bool):
+                    try:
+                        row[name] = float(value)
+                    except OverflowError:  # an integer beyond the float range
+                        skipped.add(key)
                 else:
                     skipped.add(key)
             if row:

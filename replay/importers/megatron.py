@@ -100,6 +100,9 @@ def _number(text: str) -> float:
     return float(tok[0].rstrip(","))
 
 
+_INT64_MAX = 2**63 - 1
+
+
 class _Parser:
     def __init__(self, source: str, strict: bool) -> None:
         self.source = source
@@ -118,6 +121,15 @@ class _Parser:
                 yield label, _number(value)
             except ValueError:
                 self._bad(lineno, piece.strip())
+
+    def _step(self, text: str, lineno: int) -> int:
+        """An iteration number; beyond int64 (a corrupted line) is an error naming the line."""
+        step = int(text)
+        if step > _INT64_MAX:
+            raise RunFormatError(
+                self.source, f"line {lineno}: iteration {text[:30]} is beyond the int64 range"
+            )
+        return step
 
     def _bad(self, lineno: int, piece: str) -> None:
         if self.strict:
@@ -143,7 +155,7 @@ class _Parser:
                     for label, value in self._fields(m.group(3), lineno):
                         row[_column(label)] = value
                     self._take_overflow(row)
-                    yield int(m.group(1)), row
+                    yield self._step(m.group(1), lineno), row
                     continue
                 m = _VALID.search(line)
                 if m is not None:
@@ -162,7 +174,7 @@ class _Parser:
                         else:
                             kind = _column(lab)
                         row[f"{prefix}_{kind}"] = value
-                    yield int(m.group(1)), row
+                    yield self._step(m.group(1), lineno), row
                     continue
             if "OVERFLOW" in line:
                 m = _OVERFLOW.search(line)
@@ -185,7 +197,7 @@ class _Parser:
                     except ValueError:
                         self._bad(lineno, m.group(0))
                 self._take_overflow(row)
-                yield int(m.group(1)), row
+                yield self._step(m.group(1), lineno), row
                 continue
             m = _DS_STEPS.search(line)
             if m is not None:
@@ -201,7 +213,7 @@ class _Parser:
                     except ValueError:
                         self._bad(lineno, f"{name}: {text}")
                 self._take_overflow(row)
-                yield int(m.group(1)), row
+                yield self._step(m.group(1), lineno), row
 
 
 def parse_megatron_lines(

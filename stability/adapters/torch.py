@@ -169,6 +169,8 @@ class TorchGuard:
         self.rollbacks = 0
         self.steps_lost = 0
         self.checkpoints_taken = 0
+        self.checkpoint_failures = 0
+        self._recorder_flush_failed = False
         self.interventions: list[Any] = []
         self.collector.begin_step(self.step_count)
 
@@ -276,8 +278,8 @@ class TorchGuard:
         if control.save_checkpoint:
             # with a rollback in the same decision the ledger was already rewound: the emergency
             # checkpoint (kept for forensics) belongs to the abandoned timeline, so not registered
-            self.save_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency",
-                                 register=control.rollback_to is None)
+            self._auto_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency",
+                                  register=control.rollback_to is None)
         if control.stop:
             self.stopped = TrainingStopped(
                 control.stop_reason or "stop requested", step,
@@ -292,7 +294,7 @@ class TorchGuard:
             self.collector.begin_step(self.step_count)
             return
         if self.checkpoint_every and step % self.checkpoint_every == 0 and self.healthy:
-            self.save_checkpoint(healthy=True, reason="periodic", step=step)
+            self._auto_checkpoint(healthy=True, reason="periodic", step=step)
         self.step_count += 1
         self.data_position = self._pos_of_step.get(step, self.data_position) + 1
         self.collector.begin_step(self.step_count)
@@ -328,6 +330,7 @@ class TorchGuard:
         """
         step = self.step_count if step is None else step
         pos = self._pos_of_step.get(step, self.data_position) + 1
+        self._flush_recorder()
         entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
                                 data_position=pos, healthy=healthy, reason=reason,
                                 monitor_state=self._monitor_state())
@@ -340,6 +343,48 @@ class TorchGuard:
             except Exception:  # bookkeeping must never kill the run
                 log.exception("could not register checkpoint %s in the ledger", step)
         return entry
+
+    def _auto_checkpoint(self, healthy: bool, reason: str, step: int | None = None,
+                         register: bool = True) -> SavedCheckpoint | None:
+        """:meth:`save_checkpoint` from :meth:`finish`: a failure never stops training.
+
+        The first failure is logged (once per guard; later ones at debug level), every failure
+        is counted in :attr:`checkpoint_failures` and recorded in the monitor's event log.
+        """
+        try:
+            return self.save_checkpoint(healthy=healthy, reason=reason, step=step,
+                                        register=register)
+        except Exception as exc:  # a full disk, a failing store: training goes on
+            self.checkpoint_failures += 1
+            at = self.step_count if step is None else step
+            if self.checkpoint_failures == 1:
+                log.warning("%s checkpoint at step %s failed (%s: %s); training continues "
+                            "(further checkpoint failures are logged at debug level)",
+                            reason or "a", at, type(exc).__name__, exc)
+            else:
+                log.debug("%s checkpoint at step %s failed: %r", reason, at, exc)
+            events = getattr(self.monitor, "event_log", None)
+            if events is not None:
+                try:
+                    events.append({"type": "checkpoint_failed", "step": at, "reason": reason,
+                                   "healthy": healthy, "error": f"{type(exc).__name__}: {exc}"},
+                                  critical=True)
+                except Exception:  # bookkeeping must never kill the run
+                    log.debug("could not record the checkpoint failure", exc_info=True)
+            return None
+
+    def _flush_recorder(self) -> None:
+        """Write the recorder's buffered rows, so none logged before a checkpoint can be lost."""
+        flush = getattr(self.recorder, "flush", None)
+        if flush is None:
+            return
+        try:
+            flush()
+        except Exception as exc:  # the recorder keeps its rows and retries; never kill the run
+            if not self._recorder_flush_failed:
+                self._recorder_flush_failed = True
+                log.warning("recorder flush failed (%s: %s); its rows stay buffered (reported "
+                            "once)", type(exc).__name__, exc)
 
     def rollback(self, to_step: int, skip: tuple[int, int] | None = None) -> bool:
         """Restore the checkpoint of ``to_step`` (or the latest healthy one before it).
@@ -407,7 +452,8 @@ class TorchGuard:
         self.collector.remove()
 
 
-_COUNTERS = ("steps_skipped", "batches_skipped", "rollbacks", "steps_lost", "checkpoints_taken")
+_COUNTERS = ("steps_skipped", "batches_skipped", "rollbacks", "steps_lost", "checkpoints_taken",
+             "checkpoint_failures")
 
 
 def _tightest(a: float | None, b: float | None) -> float | None:

@@ -429,3 +429,33 @@ def test_property_reference_stream_batch(values, split, max_buckets):
     rs, ra = reference(x[:, 0], **cfg)
     np.testing.assert_array_equal(s[:, 0], rs)
     np.testing.assert_array_equal(a[:, 0], ra)
+
+
+@pytest.mark.parametrize("reset_on_drift", [True, False])
+def test_overflowing_value_alarms_and_restarts(reset_on_drift):
+    rng = np.random.default_rng(3)
+    x = rng.normal(1.0, 0.1, 600)
+    x[[100, 101, 300, 301]] = [1.7e308, -1.7e308, -1e308, 1e308]
+    det = ADWIN(reset_on_drift=reset_on_drift)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s, a = det.update_many(x)
+    fresh = ADWIN()
+    assert np.all(np.isfinite(det._state) | ~np.isfinite(fresh._state))
+    over = np.flatnonzero(s[:, 0] == np.inf)
+    assert over.size and a[over, 0].all() and over.max() < 310
+    # after an overflow the series restarts: the rest is a fresh detector's output
+    last = over.max() + 1
+    s2, a2 = ADWIN(reset_on_drift=reset_on_drift).update_many(x[last:])
+    np.testing.assert_array_equal(s[last:], s2)
+    np.testing.assert_array_equal(a[last:], a2)
+
+
+
+def test_huge_steady_stream_saturates_quietly():
+    # river's variance becomes inf from rounding noise here; ours saturates, no alarm
+    det = ADWIN()
+    s, a = det.update_many(np.full(2000, 1e300))
+    assert not a.any() and np.isfinite(det._state).all() and np.isfinite(det._buf).all()
+    assert (det.width == 2000).all()
+    s, a = det.update_many(np.ones(5))  # back to ordinary values: alarm and restart
+    assert a[0, 0] and s[0, 0] == np.inf and det.width[0] == 4.0

@@ -231,3 +231,31 @@ def test_property_reference_stream_batch(values, split, alpha):
     s, a = f(1).update_many(x)
     rs, ra = reference(x[:, 0], **cfg)
     np.testing.assert_allclose(s[:, 0], rs, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("reset_on_alarm", [True, False])
+def test_overflowing_value_alarms_and_restarts(reset_on_alarm):
+    rng = np.random.default_rng(3)
+    x = rng.normal(1.0, 0.1, 600)
+    x[[100, 101, 300, 301]] = [1.7e308, -1.7e308, -1e308, 1e308]
+    det = CUSUM(reset_on_alarm=reset_on_alarm)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s, a = det.update_many(x)
+    fresh = CUSUM()
+    assert np.all(np.isfinite(det._state) | ~np.isfinite(fresh._state))
+    over = np.flatnonzero(s[:, 0] == np.inf)
+    assert over.size and a[over, 0].all() and over.max() < 310
+    # after an overflow the series restarts: the rest is a fresh detector's output
+    last = over.max() + 1
+    s2, a2 = CUSUM(reset_on_alarm=reset_on_alarm).update_many(x[last:])
+    np.testing.assert_array_equal(s[last:], s2)
+    np.testing.assert_array_equal(a[last:], a2)
+
+
+
+def test_value_beyond_the_range_of_z_restarts():
+    # an ordinary value against an all-zero warm-up (std floored at 1e-300): z overflows
+    det = CUSUM(warmup=5)
+    s, a = det.update_many(np.r_[np.zeros(5), 1e10, np.zeros(10)])
+    assert s[5, 0] == np.inf and a[5, 0] and np.isfinite(det._state).all()
+    assert not a[6:, 0].any() and (s[6:11, 0] == 0.0).all()  # warm-up again

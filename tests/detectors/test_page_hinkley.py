@@ -292,3 +292,23 @@ def test_property_river_reference_stream_batch(values, split, mode):
     finite = x[np.isfinite(x[:, 0]), 0]
     expected = np.flatnonzero(a[np.isfinite(x[:, 0]), 0]).tolist()
     assert river_drifts(finite, **cfg) == expected
+
+
+@pytest.mark.parametrize("reset_on_drift", [True, False])
+def test_overflowing_value_alarms_and_restarts(reset_on_drift):
+    rng = np.random.default_rng(3)
+    x = rng.normal(1.0, 0.1, 600)
+    x[[100, 101, 300, 301]] = [1.7e308, -1.7e308, -1e308, 1e308]
+    det = PageHinkley(reset_on_drift=reset_on_drift)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s, a = det.update_many(x)
+    fresh = PageHinkley()
+    assert np.all(np.isfinite(det._state) | ~np.isfinite(fresh._state))
+    over = np.flatnonzero(s[:, 0] == np.inf)
+    assert over.size and a[over, 0].all() and over.max() < 310
+    # after an overflow the series restarts: the rest is a fresh detector's output
+    last = over.max() + 1
+    s2, a2 = PageHinkley(reset_on_drift=reset_on_drift).update_many(x[last:])
+    np.testing.assert_array_equal(s[last:], s2)
+    np.testing.assert_array_equal(a[last:], a2)
+

@@ -117,18 +117,7 @@ EXTREMES = np.array([1e308, -1e308, 1.7976931348623157e308, 5e-324, -5e-324, 0.0
                      1e-308, 1e300, -1e300])
 
 
-_OVERFLOW = {  # detectors/*.py still being written; see the reliability report
-    "ADWIN": "adwin.py: bucket sums/variances overflow to inf on +-1e308 inputs",
-    "CUSUM": "cusum.py: warm-up Welford M2 (state[1]) overflows to inf on +-1e308 inputs",
-    "PageHinkley": "page_hinkley.py: mean/sums become inf/nan on +-1e308 inputs; every later "
-                   "score is nan, so the detector never alarms again",
-}
-EXTREME_PARAMS = [
-    pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=_OVERFLOW[c.__name__]))
-    if c.__name__ in _OVERFLOW else c for c in CLASSES]
-
-
-@pytest.mark.parametrize("cls", EXTREME_PARAMS, ids=IDS)
+@pytest.mark.parametrize("cls", CLASSES, ids=IDS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_extreme_finite_values_keep_state_finite(cls, seed: int) -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(seed)
@@ -203,3 +192,11 @@ def test_empty_and_growing_banks(cls) -> None:  # type: ignore[no-untyped-def]
     x3 = _stream(4, 50, k, 3)
     s, _ = det.update_many(*[x3[:, j] for j in range(k)])
     assert np.isfinite(s).all()
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=IDS)
+def test_get_params_rebuilds_the_detector(cls) -> None:  # type: ignore[no-untyped-def]
+    det = cls(n_series=2)
+    again = cls(**det.get_params())
+    assert again.get_params() == det.get_params()
+    np.testing.assert_array_equal(again.params, det.params)

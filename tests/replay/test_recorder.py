@@ -227,3 +227,41 @@ def test_log_overhead_is_small(tmp_path):
     rec.close()
     print(f"RunRecorder.log: {dt:.1f} us per 40-metric step (incl. part writes)")
     assert read_run(tmp_path).num_rows == n
+
+
+def test_full_disk_keeps_rows_and_close_reports(tmp_path, monkeypatch, caplog):
+    import errno
+    import logging
+
+    import replay.recorder as recorder_mod
+
+    def write(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    rec = recorder_mod.RunRecorder(tmp_path / "run", part_steps=2)
+    monkeypatch.setattr(recorder_mod.pq, "write_table", write)
+    with caplog.at_level(logging.WARNING, logger="replay.recorder"):
+        for s in range(7):
+            rec.log(s, {"loss": float(s)})  # never raises
+    assert len(caplog.records) == 1 and "No space left" in caplog.records[0].getMessage()
+    assert rec.write_error is not None and len(rec._rows) == 7
+    assert not list((tmp_path / "run").iterdir())  # no temporary files left behind
+    with pytest.raises(OSError, match="could not write the last 7 buffered row"):
+        rec.close()
+    rec.close()  # idempotent
+
+
+def test_parts_carry_page_checksums(tmp_path):
+    from replay.schema import RunFormatError
+
+    with RunRecorder(tmp_path, part_steps=10, compression="none") as rec:
+        for s in range(5):
+            rec.log(s, {"loss": 1000.0 + s})
+    part = next(tmp_path.glob("part-*.parquet"))
+    raw = bytearray(part.read_bytes())
+    i = bytes(raw).find(np.float64(1003.0).tobytes())  # the value in the (uncompressed) page
+    assert i > 0
+    raw[i] ^= 0x01  # 1003.0 -> a slightly different float: only the page checksum can tell
+    part.write_bytes(bytes(raw))
+    with pytest.raises(RunFormatError, match=part.name):
+        read_run(tmp_path)
