@@ -37,6 +37,7 @@ from numpy.typing import ArrayLike, NDArray
 
 STATE_VERSION = 1
 
+
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 

@@ -37,20 +37,140 @@ def ew_update(mean: float, var: float, y: float, alpha: float) -> tuple[float, f
     return mean + incr, (1.0 - alpha) * (var + d * incr)
 
 
+#: banks with fewer series than this are processed series by series, each series' statistics
+#: held in registers across time steps; larger banks step by step, so that the independent
+#: series overlap in the CPU's pipeline.  Both orders apply the same steps to every series.
+SERIES_OUTER_BELOW = 8
+#: steps per tile in the series-by-series order (the log values of one tile are computed first)
+TILE = 256
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _step(y, mean, var, count, p, debias):  # type: ignore[no-untyped-def]
+    """Score the finite value ``y`` against ``(mean, var, count)``, then update them.
+
+    ``p`` is the tuple made by :func:`_unpack`.  ``debias`` is a compile-time constant: the
+    callers use ``False`` once ``count >= p[9]``, where ``max(alpha, 1 / (count + 1))`` is
+    exactly ``alpha``, so the division disappears from the steady state.
+    Returns ``(score, alarm, mean, var, count)``.
+    """
+    threshold, freeze, alpha, warmup, log_space, min_std, direction, clip, do_clip = p[:9]
+    if count == 0.0:
+        return 0.0, False, y, 0.0, 1.0
+    floor = min_std if log_space else min_std * abs(mean)
+    std = max(math.sqrt(var), floor, 1e-300)
+    z = (y - mean) / std
+    if count < warmup:
+        s = 0.0
+    elif direction > 0.0:
+        s = z
+    elif direction < 0.0:
+        s = -z
+    else:
+        s = abs(z)
+    alarm = s > threshold
+    if alarm and freeze:
+        return s, alarm, mean, var, count
+    a = max(alpha, 1.0 / (count + 1.0)) if debias else alpha
+    if do_clip and count >= warmup:
+        # a branch, not min/max: the bounds depend on sqrt(var), and a select would put the
+        # square root on the loop-carried dependency chain.
+        lo = mean - clip * std
+        hi = mean + clip * std
+        if lo > y or hi < y:
+            y = min(max(y, lo), hi)
+    m2, v2 = ew_update(mean, var, y, a)
+    return s, alarm, m2, v2, count + 1.0
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _unpack(params):  # type: ignore[no-untyped-def]
+    alpha = params[2]
+    # From this count on max(alpha, 1 / (count + 1)) == alpha exactly: 1 / (count + 1) < alpha
+    # in real arithmetic, and rounding is monotone (inf where 2 / alpha would overflow).
+    debias_until = 0.0
+    if params[8] != 0.0:
+        debias_until = 2.0 / alpha + 2.0 if alpha > 1e-300 else np.inf
+    return (
+        params[0],
+        params[1] != 0.0,
+        alpha,
+        params[3],
+        params[4] != 0.0,
+        params[5],
+        params[6],
+        params[7],
+        params[7] < np.inf,
+        debias_until,
+    )
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _series_steps(X, miss, ys, t_lo, scores, alarms, i, t, t_hi, mean, var, count, p, debias):  # type: ignore[no-untyped-def]
+    """Steps ``[t, t_hi)`` of series ``i``; ``ys[t - t_lo]`` holds ``log(x)`` in log space.
+
+    While ``debias`` it stops early once the count reaches ``p[9]``.
+    Returns ``(t, mean, var, count)`` with ``t`` the first step not processed.
+    """
+    log_space = p[4]
+    while t < t_hi:
+        if debias and count >= p[9]:
+            break
+        if miss[t, 0, i]:
+            scores[t, i] = np.nan
+            alarms[t, i] = False
+        else:
+            x = X[t, 0, i]
+            if not np.isfinite(x):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+            else:
+                y = ys[t - t_lo] if log_space else x
+                s, a, mean, var, count = _step(y, mean, var, count, p, debias)
+                scores[t, i] = s
+                alarms[t, i] = a
+        t += 1
+    return t, mean, var, count
+
+
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    alpha = params[2]
-    warmup = params[3]
-    log_space = params[4] != 0.0
-    min_std = params[5]
-    direction = params[6]
-    clip = params[7]
-    debias = params[8] != 0.0
+    p = _unpack(params)
+    log_space = p[4]
+    debias_until = p[9]
     t_steps = X.shape[0]
     n = X.shape[2]
+    if n < SERIES_OUTER_BELOW:
+        # log values of a tile of steps first, in a loop of their own: a libm call inside the
+        # update loop would push every live value through the stack on each step.
+        ys = np.empty(min(TILE, t_steps) if log_space else 0)
+        for i in range(n):
+            mean = state[_MEAN, i]
+            var = state[_VAR, i]
+            count = state[_COUNT, i]
+            for t_lo in range(0, t_steps, TILE):
+                t_hi = min(t_lo + TILE, t_steps)
+                if log_space:
+                    for t in range(t_lo, t_hi):
+                        ys[t - t_lo] = math.log(max(X[t, 0, i], LOG_FLOOR))
+                t = t_lo
+                if count < debias_until:  # warm-up: the division in max(alpha, 1/(count + 1))
+                    t, mean, var, count = _series_steps(
+                        X, miss, ys, t_lo, scores, alarms, i, t, t_hi, mean, var, count, p, True
+                    )
+                _, mean, var, count = _series_steps(
+                    X, miss, ys, t_lo, scores, alarms, i, t, t_hi, mean, var, count, p, False
+                )
+            state[_MEAN, i] = mean
+            state[_VAR, i] = var
+            state[_COUNT, i] = count
+        return
+    # the log values of a row first, in a loop of their own (see above)
+    ys = np.empty(n if log_space else 0)
     for t in range(t_steps):
+        if log_space:
+            for i in range(n):
+                ys[i] = math.log(max(X[t, 0, i], LOG_FLOOR))
         for i in range(n):
             if miss[t, 0, i]:
                 scores[t, i] = np.nan
@@ -61,42 +181,17 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 scores[t, i] = np.inf
                 alarms[t, i] = True
                 continue
-            y = math.log(max(x, LOG_FLOOR)) if log_space else x
-            mean = state[_MEAN, i]
-            var = state[_VAR, i]
+            y = ys[i] if log_space else x
             count = state[_COUNT, i]
-            if count == 0.0:
-                state[_MEAN, i] = y
-                state[_VAR, i] = 0.0
-                state[_COUNT, i] = 1.0
-                scores[t, i] = 0.0
-                alarms[t, i] = False
-                continue
-            floor = min_std if log_space else min_std * abs(mean)
-            std = max(math.sqrt(var), floor, 1e-300)
-            z = (y - mean) / std
-            if count < warmup:
-                s = 0.0
-            elif direction > 0.0:
-                s = z
-            elif direction < 0.0:
-                s = -z
+            if count < debias_until:
+                s, a, mean, var, count = _step(y, state[_MEAN, i], state[_VAR, i], count, p, True)
             else:
-                s = abs(z)
-            alarm = s > threshold
+                s, a, mean, var, count = _step(y, state[_MEAN, i], state[_VAR, i], count, p, False)
             scores[t, i] = s
-            alarms[t, i] = alarm
-            if alarm and freeze:
-                continue
-            a = max(alpha, 1.0 / (count + 1.0)) if debias else alpha
-            if count >= warmup and clip < np.inf:
-                lo = mean - clip * std
-                hi = mean + clip * std
-                y = min(max(y, lo), hi)
-            m2, v2 = ew_update(mean, var, y, a)
-            state[_MEAN, i] = m2
-            state[_VAR, i] = v2
-            state[_COUNT, i] = count + 1.0
+            alarms[t, i] = a
+            state[_MEAN, i] = mean
+            state[_VAR, i] = var
+            state[_COUNT, i] = count
 
 
 class EWMAZScore(BankDetector):
