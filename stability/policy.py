@@ -13,6 +13,14 @@ response is the set of actions of the current level in the kind's ladder; the de
    ``[onset, now]``;
 4. ``alert`` + ``stop``.
 
+LR jumps (``[policy.lr_jump]``): a critical alarm of an ``lr_jump`` detector means the scheduler's
+LR itself jumped by a ratio ``r``.  Whatever the level or cooldown, the response is a cut sized to
+the jump -- the LR factor in force times ``min(1/r, lr.factor)``, floored at ``lr.min_factor`` --
+held until ``lr_jump.hold`` steps after the latest jump alarm (further alarms of the same jump
+re-arm the hold without compounding), then ramped back; if damage alarms (loss spike, gradient
+explosion, ...) came first, also a checkpoint + rollback.  ``r`` is ``context["lr"] /
+context["lr_prev"]`` when the monitor passes them, else ``exp(score * lr_jump.log_unit)``.
+
 Independently of the level, the optimizer step is skipped on every alarm step whose kind's
 ``skip`` rule matches (``nonfinite``: always; most kinds: on critical alarms).
 
@@ -103,6 +111,8 @@ class Policy:
         self._clip: tuple[float, int, int] | None = None      # norm, start, duration
         self._neutral_from = -_INF
         self._rewound_to: int | None = None
+        self._jump: tuple[float, int, float] | None = None  # held ratio, last alarm, factor
+        self._damage_last: int | None = None
         self.n_rollbacks = 0
         self.n_responses = 0
         self.n_merged = 0
@@ -119,6 +129,8 @@ class Policy:
             "hist": {k: list(v) for k, v in self._hist.items()},
             "lr": None if self._lr is None else list(self._lr),
             "clip": None if self._clip is None else list(self._clip),
+            "jump": None if self._jump is None else list(self._jump),
+            "damage_last": self._damage_last,
             "n_rollbacks": self.n_rollbacks,
             "n_responses": self.n_responses,
             "n_merged": self.n_merged,
@@ -142,6 +154,9 @@ class Policy:
         self._lr = None if lr is None else (int(lr[0]), float(lr[1]), int(lr[2]), int(lr[3]))
         clip = sd.get("clip")
         self._clip = None if clip is None else (float(clip[0]), int(clip[1]), int(clip[2]))
+        jump = sd.get("jump")
+        self._jump = None if jump is None else (float(jump[0]), int(jump[1]), float(jump[2]))
+        self._damage_last = opt(sd.get("damage_last"))
         self.n_rollbacks = int(sd.get("n_rollbacks", 0))
         self.n_responses = int(sd.get("n_responses", 0))
         self.n_merged = int(sd.get("n_merged", 0))
@@ -222,10 +237,11 @@ class Policy:
             Per-step fields are set on alarm steps (never cleared: the monitor resets them);
             persistent ``lr_factor`` / ``clip_norm`` are written every call.
         context : mapping, optional
-            ``grad_norm``, ``grad_norm_recent_median``, ``clip_norm`` (the trainer's own clip) and
-            ``healthy_checkpoints`` (a :class:`~stability.checkpoints.CheckpointLedger`); all
-            optional.  The policy notes alarm steps in the ledger, and rewinds it on a rollback
-            when ``rewind_on_rollback``.
+            ``grad_norm``, ``grad_norm_recent_median``, ``clip_norm`` (the trainer's own clip),
+            ``healthy_checkpoints`` (a :class:`~stability.checkpoints.CheckpointLedger`), ``lr``
+            and ``lr_prev`` (the raw scheduler LR of this step and of the previous observed step,
+            read on LR-jump alarm steps to size the cut exactly); all optional.  The policy notes
+            alarm steps in the ledger, and rewinds it on a rollback when ``rewind_on_rollback``.
 
         Returns
         -------
@@ -240,6 +256,24 @@ class Policy:
             return []
         ctx: Mapping[str, Any] = context or {}
         cfg = self.config
+        jcfg = cfg.lr_jump
+        damaged = False
+        if jcfg.enabled:
+            if any(a.kind in jcfg.damage_kinds for a in acts):
+                self._damage_last = step
+            damaged = (self._damage_last is not None
+                       and 0 <= step - self._damage_last <= jcfg.damage_window)
+        jump = self._jump_ratio(acts, ctx) if jcfg.enabled else None
+        if jump is not None and self._rearm(step, jump):
+            # the same LR jump still in force: the hold is extended; no new response
+            acts = [a for a in acts if not self._is_jump(a)]
+            jump = None
+            if not acts:
+                self.n_merged += 1
+                self._update_neutral()
+                if not self.log_only:
+                    self._apply_persistent(step, control)
+                return []
         by_kind: dict[str, list[Alarm]] = {}
         for a in acts:
             by_kind.setdefault(a.kind, []).append(a)
@@ -305,6 +339,12 @@ class Policy:
                 lvl = max(level_now, rules[k].critical_start_level if crit[k]
                           else rules[k].start_level)
                 actions.update(lad[min(lvl, len(lad)) - 1])
+        if jump is not None:
+            # a new LR jump: a cut sized to it replaces the ladder's generic LR cut
+            actions.update(("alert", "reduce_lr"))
+            responded = True
+            if damaged and jcfg.rollback_on_damage:
+                actions.update(("checkpoint", "rollback"))
         if skip:
             actions.add("skip")
         if responded:
@@ -312,7 +352,7 @@ class Policy:
         else:
             self.n_merged += 1
         self._rewound_to = None
-        ivs = self._build(step, actions, by_kind, max(level_now, 1), ctx, control)
+        ivs = self._build(step, actions, by_kind, max(level_now, 1), ctx, control, jump)
         self._update_neutral()
         if not self.log_only:
             # after a rewinding rollback the trainer continues from the restored step
@@ -322,7 +362,8 @@ class Policy:
 
     # ------------------------------------------------------------------ building the response
     def _build(self, step: int, actions: set[str], by_kind: Mapping[str, list[Alarm]],
-               level: int, ctx: Mapping[str, Any], control: Control) -> list[Intervention]:
+               level: int, ctx: Mapping[str, Any], control: Control,
+               jump: float | None = None) -> list[Intervention]:
         cfg = self.config
         act = not self.log_only
         reason = f"L{level}: " + "; ".join(
@@ -348,7 +389,19 @@ class Policy:
             else:
                 self._clip = (norm, step, cfg.clip.duration)
                 out.append(SetClip(step, reason, max_norm=norm, duration=cfg.clip.duration))
-        if "reduce_lr" in actions:
+        if "reduce_lr" in actions and jump is not None:
+            j = cfg.lr_jump
+            cur = self.lr_factor_at(step)
+            held = self._jump_active(step)
+            total = jump * (held[0] if held is not None else 1.0)
+            f = max(cfg.lr.min_factor, min(1.0, cur) * min(1.0 / jump, cfg.lr.factor))
+            self._jump = (total, step, f)
+            self._lr = (step, f, j.hold, j.restore_steps)
+            out.append(ReduceLR(step, reason, factor=f, duration=j.hold,
+                                restore_steps=j.restore_steps))
+            notes.append(f"LR jumped x{jump:.3g}: LR factor {f:.3g}, held until {j.hold} steps "
+                         f"after the last jump alarm")
+        elif "reduce_lr" in actions:
             f = compound_factor(self.lr_factor_at(step), cfg.lr.factor, cfg.lr.min_factor)
             self._lr = (step, f, cfg.lr.duration, cfg.lr.restore_steps)
             out.append(ReduceLR(step, reason, factor=f, duration=cfg.lr.duration,
@@ -390,6 +443,44 @@ class Policy:
             out.insert(0, Alert(step, reason, severity=sev, message=msg))
         return out
 
+    # ------------------------------------------------------------------ LR jumps
+    def _is_jump(self, a: Alarm) -> bool:
+        j = self.config.lr_jump
+        return a.detector in j.detectors and _SEV.get(a.severity, 1) >= _SEV[j.min_severity]
+
+    def _jump_ratio(self, alarms: Sequence[Alarm], ctx: Mapping[str, Any]) -> float | None:
+        """Ratio of the LR jump behind this step's LR-jump alarms (``None``: no such alarm).
+
+        ``context["lr"] / context["lr_prev"]`` when both are known, else the lower bound
+        ``exp(score * log_unit)`` from the largest alarm score.
+        """
+        scores = [a.score for a in alarms if self._is_jump(a)]
+        if not scores:
+            return None
+        lr, prev = _finite_or_none(ctx.get("lr")), _finite_or_none(ctx.get("lr_prev"))
+        if lr is not None and prev is not None and lr > 0.0 and prev > 0.0 and lr > prev:
+            return lr / prev
+        x = max(scores) * self.config.lr_jump.log_unit
+        return math.exp(min(x, 700.0)) if not math.isnan(x) else math.inf
+
+    def _jump_active(self, step: int) -> tuple[float, int, float] | None:
+        """The jump hold in force at ``step`` (still held or ramping back), else ``None``."""
+        j = self.config.lr_jump
+        if self._jump is None or not 0 <= step - self._jump[1] < j.hold + j.restore_steps:
+            return None
+        return self._jump
+
+    def _rearm(self, step: int, ratio: float) -> bool:
+        """Extend the hold when ``ratio`` is the jump already held (e.g. a frozen detector)."""
+        held = self._jump_active(step)
+        j = self.config.lr_jump
+        if held is None or ratio > j.rearm_tolerance * held[0]:
+            return False
+        f = min(held[2], self.lr_factor_at(step))
+        self._jump = (held[0], step, held[2])
+        self._lr = (step, f, j.hold, j.restore_steps)
+        return True
+
     def _rewind(self, step: int, to: int, ledger: Any) -> None:
         """The trainer restarts counting at ``to + 1``: shift every timestamp by ``to - step``."""
         d = to - step
@@ -405,6 +496,9 @@ class Policy:
             self._lr = (self._lr[0] + d,) + self._lr[1:]
         if self._clip is not None:
             self._clip = (self._clip[0], self._clip[1] + d, self._clip[2])
+        if self._jump is not None:
+            self._jump = (self._jump[0], self._jump[1] + d, self._jump[2])
+        self._damage_last = sh(self._damage_last)
         if ledger is not None and hasattr(ledger, "rewind"):
             ledger.rewind(to)
 

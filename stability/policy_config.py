@@ -80,6 +80,17 @@ def _bool(path: str, v: Any) -> bool:
     return v
 
 
+def _names(path: str, v: Any, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not all(
+            isinstance(x, str) for x in v):
+        raise ValueError(f"{path}: must be a list of names; got {v!r}.")
+    if allowed is not None:
+        for x in v:
+            if x not in allowed:
+                raise ValueError(f"{path}: unknown name {x!r}; allowed: {', '.join(allowed)}.")
+    return tuple(v)
+
+
 def _ladder(path: str, v: Any) -> Ladder:
     if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not v:
         raise ValueError(f"{path}: must be a non-empty list of levels (lists of actions); "
@@ -151,6 +162,64 @@ class LRConfig:
 
 
 @dataclass(frozen=True)
+class LRJumpConfig:
+    """``[policy.lr_jump]``: a response sized to an abrupt jump of the scheduler's LR.
+
+    An alarm of one of ``detectors`` (binding names of ``lr_jump`` detectors) at ``min_severity``
+    or above means the raw LR just jumped by a ratio ``r``: ``context["lr"] / context["lr_prev"]``
+    when the monitor passes both, else the lower bound ``exp(score * log_unit)`` (``LRJump``'s
+    score is ``dlog(lr) / max(typical, min_delta)``; ``log_unit`` = the detector's ``min_delta``).
+    The policy then multiplies the LR factor in force by ``min(1 / r, lr.factor)`` (floored at
+    ``lr.min_factor``), holds it until ``hold`` steps after the latest such alarm (each further
+    alarm of the same jump re-arms the hold without compounding), then ramps back to 1.0 over
+    ``restore_steps`` steps.  When one of ``damage_kinds`` alarmed within ``damage_window`` steps
+    (the jump already hurt the model), it also checkpoints and rolls back (``rollback_on_damage``).
+    """
+
+    enabled: bool = True
+    detectors: tuple[str, ...] = ("lr_jump",)  #: binding names of the LR-jump detectors
+    min_severity: str = "critical"  #: weaker jump alarms get the ordinary ladder response
+    log_unit: float = 0.01          #: ratio = exp(score * log_unit) without context["lr"]
+    hold: int = 50                  #: steps held after the latest jump alarm
+    restore_steps: int = 20         #: ramp back to 1.0 after the hold
+    rearm_tolerance: float = 1.5    #: a jump <= tolerance * the held ratio re-arms, not compounds
+    rollback_on_damage: bool = True
+    damage_kinds: tuple[str, ...] = ("nonfinite", "loss_spike", "grad_explosion",
+                                     "activation_shift")
+    damage_window: int = 20         #: damage alarms this recent (steps) count
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "policy.lr_jump") -> LRJumpConfig:
+        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        c = cls()
+        return cls(
+            enabled=_bool(f"{path}.enabled", d.get("enabled", c.enabled)),
+            detectors=_names(f"{path}.detectors", d.get("detectors", c.detectors)),
+            min_severity=_choice(f"{path}.min_severity", d.get("min_severity", c.min_severity),
+                                 SEVERITIES),
+            log_unit=_float(f"{path}.log_unit", d.get("log_unit", c.log_unit), 0.0, 1e3,
+                            low_open=True),
+            hold=_int(f"{path}.hold", d.get("hold", c.hold), 1),
+            restore_steps=_int(f"{path}.restore_steps", d.get("restore_steps", c.restore_steps),
+                               0),
+            rearm_tolerance=_float(f"{path}.rearm_tolerance",
+                                   d.get("rearm_tolerance", c.rearm_tolerance), 1.0, 1e12),
+            rollback_on_damage=_bool(f"{path}.rollback_on_damage",
+                                     d.get("rollback_on_damage", c.rollback_on_damage)),
+            damage_kinds=_names(f"{path}.damage_kinds", d.get("damage_kinds", c.damage_kinds),
+                                ALARM_KINDS),
+            damage_window=_int(f"{path}.damage_window", d.get("damage_window", c.damage_window),
+                               0),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["detectors"] = list(self.detectors)
+        d["damage_kinds"] = list(self.damage_kinds)
+        return d
+
+
+@dataclass(frozen=True)
 class KindRule:
     """``[policy.kinds.<kind>]``: how one alarm kind maps onto the ladder.
 
@@ -216,6 +285,7 @@ class PolicyConfig:
     max_rollbacks: int = 3
     clip: ClipConfig = field(default_factory=ClipConfig)
     lr: LRConfig = field(default_factory=LRConfig)
+    lr_jump: LRJumpConfig = field(default_factory=LRJumpConfig)
     kinds: Mapping[str, KindRule] = field(default_factory=lambda: dict(DEFAULT_KINDS))
 
     @classmethod
@@ -245,6 +315,7 @@ class PolicyConfig:
             max_rollbacks=_int("policy.max_rollbacks", d.get("max_rollbacks", c.max_rollbacks), 0),
             clip=ClipConfig.from_dict(d.get("clip", {})),
             lr=LRConfig.from_dict(d.get("lr", {})),
+            lr_jump=LRJumpConfig.from_dict(d.get("lr_jump", {})),
             kinds=kinds,
         )
         for name, given in kd.items():  # levels beyond the ladder are clamped; flag explicit ones
@@ -269,6 +340,7 @@ class PolicyConfig:
             "max_rollbacks": self.max_rollbacks,
             "clip": dataclasses.asdict(self.clip),
             "lr": dataclasses.asdict(self.lr),
+            "lr_jump": self.lr_jump.to_dict(),
             "kinds": {k: v.to_dict() for k, v in sorted(self.kinds.items())},
         }
 

@@ -472,3 +472,164 @@ def test_config_round_trip_and_no_input_mutation() -> None:
     assert raw == before
     assert PolicyConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert Policy(cfg).config is cfg
+
+
+# --------------------------------------------------------------------------- LR jumps
+def jalarm(step: int, score: float = 460.0, severity: str = "critical") -> Alarm:
+    """An alarm of the ``lr_jump`` binding (LRJump: score = dlog(lr) / 0.01 on a flat LR)."""
+    return Alarm(step, "lr_loss_anomaly", "lr", score, 10.0, severity, "lr_jump")
+
+
+JUMP = {**BASE, "lr_jump": {"hold": 5, "restore_steps": 4}}
+
+
+def test_lr_jump_cut_is_sized_to_the_jump_and_held() -> None:
+    pol = Policy(JUMP)
+    ctl = Control()
+    ivs = pol.step(100, [jalarm(100)], ctl)
+    assert types_(ivs) == ["alert", "reduce_lr"]
+    cut = ivs[1]
+    assert isinstance(cut, ReduceLR)
+    assert cut.factor == pytest.approx(math.exp(-4.6)) and (cut.duration, cut.restore_steps) == (
+        5, 4)
+    assert "LR jumped x99.5" in ivs[0].message
+    got = [round(pol.control_at(s).lr_factor, 4) for s in range(99, 110)]
+    f = round(math.exp(-4.6), 4)
+    assert got[:6] == [1.0] + [f] * 5 and got[-2:] == [1.0, 1.0]
+    assert got[6:9] == sorted(got[6:9]) and f < got[6] < 1.0
+
+
+def test_lr_jump_ratio_from_context_and_min_factor() -> None:
+    pol = Policy(JUMP)
+    ivs = pol.step(10, [jalarm(10, score=80.0)], Control(), {"lr": 3e-2, "lr_prev": 1e-3})
+    assert next(i for i in ivs if isinstance(i, ReduceLR)).factor == pytest.approx(1 / 30)
+    # a jump beyond 1 / min_factor is floored; a small critical jump still gets lr.factor
+    pol = Policy(JUMP)
+    ivs = pol.step(10, [jalarm(10, score=1e4)], Control())
+    assert next(i for i in ivs if isinstance(i, ReduceLR)).factor == pytest.approx(0.01)
+    pol = Policy(JUMP)
+    ivs = pol.step(10, [jalarm(10, score=40.0)], Control())
+    assert next(i for i in ivs if isinstance(i, ReduceLR)).factor == pytest.approx(0.5)
+
+
+def test_lr_jump_warning_gets_the_ordinary_ladder() -> None:
+    pol = Policy(JUMP)
+    ivs = pol.step(10, [jalarm(10, score=20.0, severity="warning")], Control())
+    cut = next(i for i in ivs if isinstance(i, ReduceLR))
+    assert (cut.factor, cut.duration) == (0.5, 100)
+    pol = Policy({**JUMP, "lr_jump": {"enabled": False}})
+    cut = next(i for i in pol.step(10, [jalarm(10)], Control()) if isinstance(i, ReduceLR))
+    assert (cut.factor, cut.duration) == (0.5, 100)
+
+
+def test_lr_jump_acts_inside_a_cooldown() -> None:
+    pol = Policy(JUMP)
+    ctl = Control()
+    assert types_(pol.step(100, [alarm(100)], ctl, {"grad_norm_recent_median": 1.0})) == [
+        "alert", "set_clip"]
+    ivs = pol.step(103, [jalarm(103)], ctl)
+    assert "reduce_lr" in types_(ivs) and ctl.lr_factor == pytest.approx(math.exp(-4.6))
+
+
+def test_lr_jump_realarms_rearm_the_hold_without_compounding() -> None:
+    pol = Policy(JUMP)
+    ctl = Control()
+    pol.step(100, [jalarm(100)], ctl)
+    f = ctl.lr_factor
+    for s in range(101, 120):          # a frozen LRJump alarms on every step of the jump
+        ctl.reset_step()
+        assert pol.step(s, [jalarm(s, score=455.0)], ctl) == [], s
+        assert ctl.lr_factor == f
+    assert pol.n_merged == 19 and pol.level_at(119) == 1
+    assert [pol.control_at(s).lr_factor == f for s in (123, 124)] == [True, False]
+    assert pol.control_at(128).lr_factor == 1.0
+    # a much larger jump on top of the held one compounds
+    ivs = pol.step(121, [jalarm(121, score=230.0 + 460.0)], ctl)
+    assert next(i for i in ivs if isinstance(i, ReduceLR)).factor == pytest.approx(0.01)
+
+
+def test_lr_jump_after_damage_rolls_back() -> None:
+    pol = Policy(JUMP)
+    led = ledger_with(50, 90)
+    ctl = Control()
+    pol.step(95, [alarm(95)], ctl, {"grad_norm_recent_median": 1.0, "healthy_checkpoints": led})
+    ivs = pol.step(100, [jalarm(100)], ctl, {"healthy_checkpoints": led})
+    assert types_(ivs) == ["alert", "reduce_lr", "checkpoint", "rollback"]
+    rb = next(i for i in ivs if isinstance(i, Rollback))
+    assert (rb.to_step, rb.skip_from, rb.skip_to) == (90, 95, 100)
+    assert ctl.rollback_to == 90 and ctl.lr_factor == pytest.approx(math.exp(-4.6))
+    # without damage: no rollback
+    pol = Policy(JUMP)
+    assert types_(pol.step(100, [jalarm(100)], Control(), {"healthy_checkpoints": led})) == [
+        "alert", "reduce_lr"]
+
+
+def test_lr_jump_rollback_rewinds_the_hold() -> None:
+    pol = Policy({**JUMP, "rewind_on_rollback": True})
+    led = ledger_with(50, 90)
+    ctl = Control()
+    pol.step(99, [alarm(99, "grad_explosion")], ctl, {"healthy_checkpoints": led})
+    pol.step(100, [jalarm(100)], ctl, {"healthy_checkpoints": led})
+    # the trainer goes back to step 90 and continues at 91: the hold is rebased onto 90
+    f = math.exp(-4.6)
+    assert ctl.rollback_to == 90 and ctl.lr_factor == pytest.approx(f)
+    assert [pol.control_at(s).lr_factor for s in (89, 90, 94)] == pytest.approx([1.0, f, f])
+    assert f < pol.control_at(95).lr_factor < 1.0
+
+
+def _jump_events(seed: int, n: int = 1500) -> dict[int, list[Alarm]]:
+    ev = _events(seed, n, p=0.02)
+    rng = np.random.default_rng(seed + 100)
+    for s in range(n):
+        if rng.random() < 0.02:
+            ev.setdefault(s, []).append(jalarm(s, float(rng.uniform(20, 800)),
+                                               ["warning", "critical"][int(rng.integers(2))]))
+    return ev
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lr_jump_quiet_step_purity_round_trip_and_log_only(seed: int) -> None:
+    ev = _jump_events(seed)
+    cfg = {"cooldown": 5, "escalation_window": 60, "quiet_steps": 150, "max_rollbacks": 100,
+           "lr": {"duration": 30, "restore_steps": 20},
+           "lr_jump": {"hold": 15, "restore_steps": 6}}
+    dense = _run(Policy(cfg), ev, range(1500), True, ledger_with(0, 100, 700))
+    sparse = _run(Policy(cfg), ev, range(1500), False, ledger_with(0, 100, 700))
+    assert dense == sparse
+    assert any(t["type"] == "reduce_lr" and t["duration"] == 15
+               for _, ivs in dense[0] for t in ivs)
+    # state round trip mid-sequence
+    a = Policy(cfg)
+    led_a = ledger_with(0, 100, 700)
+    first, _ = _run(a, ev, range(777), ledger=led_a)
+    b = Policy(cfg)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    led_b = CheckpointLedger.from_state_dict(json.loads(json.dumps(led_a.state_dict())))
+    rest, _ = _run(b, ev, range(777, 1500), ledger=led_b)
+    assert first + rest == dense[0]
+    # log_only: same decisions, neutral control
+    cfg["rewind_on_rollback"] = False  # a log_only policy never rewinds
+    acted, _ = _run(Policy(cfg), ev, range(1500), True, ledger_with(0, 100, 700))
+    dry, controls = _run(Policy({**cfg, "mode": "log_only"}), ev, range(1500), True,
+                         ledger_with(0, 100, 700))
+    assert dry == acted
+    assert all(c[1:] == (1.0, None) for c in controls)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"lr_jump": {"hold": 0}}, r"policy.lr_jump.hold"),
+    ({"lr_jump": {"detectors": "lr_jump"}}, r"policy.lr_jump.detectors: must be a list"),
+    ({"lr_jump": {"damage_kinds": ["loss_spikes"]}}, r"policy.lr_jump.damage_kinds: unknown"),
+    ({"lr_jump": {"log_unit": 0}}, r"policy.lr_jump.log_unit"),
+    ({"lr_jump": {"min_severity": "loud"}}, r"policy.lr_jump.min_severity"),
+    ({"lr_jump": {"holdd": 3}}, r"policy.lr_jump: unknown key 'holdd'"),
+])
+def test_bad_lr_jump_config(cfg: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Policy(cfg)
+
+
+def test_lr_jump_config_round_trip() -> None:
+    cfg = PolicyConfig.from_dict({"lr_jump": {"hold": 7, "detectors": ["a", "b"]}})
+    assert PolicyConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg.lr_jump.detectors == ("a", "b")
