@@ -73,3 +73,17 @@ def check_threshold_monotone(factory_thr: Callable[[float], BankDetector], *inpu
     """Without freeze_on_alarm, a lower threshold never yields fewer alarms."""
     counts = [int(factory_thr(t).update_many(*inputs)[1].sum()) for t in sorted(thresholds)]
     assert all(c1 >= c2 for c1, c2 in zip(counts[:-1], counts[1:], strict=True)), counts
+
+
+def check_streaming_contract(
+    factory: Factory, x: np.ndarray, splits: tuple[int, ...], json_split: int = 123
+) -> None:
+    """The checks every single-input detector shares: stream == batch (with every 7th value of
+    series 1 missing), split batches, and state round trips at ``splits`` and via JSON."""
+    miss = np.zeros_like(x, dtype=bool)
+    miss[::7, 1] = True
+    check_stream_equals_batch(factory, x, missing=miss)
+    check_split_batches(factory, x)
+    for split in splits:
+        check_state_roundtrip(factory, x, split=split)
+    check_state_roundtrip(factory, x, split=json_split, via_json=True)

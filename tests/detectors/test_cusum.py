@@ -11,16 +11,27 @@ from detectors.cusum import CUSUM
 from detectors.ewma import LOG_FLOOR
 
 from .generic import (
-    check_split_batches,
     check_state_roundtrip,
     check_stream_equals_batch,
+    check_streaming_contract,
     check_threshold_monotone,
     stream,
 )
 
 
-def reference(x, miss=None, k=0.5, threshold=8.0, warmup=100, alpha=0.0, min_std=1e-6,
-              direction="both", log_space=False, reset_on_alarm=True, freeze_on_alarm=False):
+def reference(
+    x,
+    miss=None,
+    k=0.5,
+    threshold=8.0,
+    warmup=100,
+    alpha=0.0,
+    min_std=1e-6,
+    direction="both",
+    log_space=False,
+    reset_on_alarm=True,
+    freeze_on_alarm=False,
+):
     """Plain-Python two-sided tabular CUSUM for one series."""
     warm: list[float] = []
     mean = var = 0.0
@@ -76,8 +87,14 @@ CONFIGS = [
     {},
     {"warmup": 20, "threshold": 4.0, "k": 0.25, "alpha": 0.05},
     {"warmup": 10, "direction": "up", "log_space": True, "reset_on_alarm": False},
-    {"warmup": 10, "direction": "down", "alpha": 0.1, "reset_on_alarm": False,
-     "freeze_on_alarm": True, "threshold": 3.0},
+    {
+        "warmup": 10,
+        "direction": "down",
+        "alpha": 0.1,
+        "reset_on_alarm": False,
+        "freeze_on_alarm": True,
+        "threshold": 3.0,
+    },
     {"warmup": 2, "min_std": 0.0, "k": 0.0, "threshold": 2.0},
 ]
 
@@ -109,15 +126,8 @@ def test_matches_reference_on_every_prefix(cfg, seed):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_stream_equals_batch_and_roundtrip(cfg):
-    x = noisy_stream(3)
-    miss = np.zeros_like(x, dtype=bool)
-    miss[::7, 1] = True
     f = lambda n: CUSUM(n_series=n, **cfg)  # noqa: E731
-    check_stream_equals_batch(f, x, missing=miss)
-    check_split_batches(f, x)
-    for split in (1, 17, 250, 499):
-        check_state_roundtrip(f, x, split=split)
-    check_state_roundtrip(f, x, split=123, via_json=True)
+    check_streaming_contract(f, noisy_stream(3), splits=(1, 17, 250, 499))
 
 
 def test_missing_and_nonfinite_never_enter_state():
@@ -169,7 +179,8 @@ GOLDEN = [1505]
 def test_threshold_monotone():
     x = noisy_stream(9, t=1500)
     check_threshold_monotone(
-        lambda t: CUSUM(n_series=3, threshold=t, reset_on_alarm=False, alpha=0.01), x,
+        lambda t: CUSUM(n_series=3, threshold=t, reset_on_alarm=False, alpha=0.01),
+        x,
         thresholds=[0.5, 1, 2, 4, 8, 16],
     )
 
@@ -250,7 +261,6 @@ def test_overflowing_value_alarms_and_restarts(reset_on_alarm):
     s2, a2 = CUSUM(reset_on_alarm=reset_on_alarm).update_many(x[last:])
     np.testing.assert_array_equal(s[last:], s2)
     np.testing.assert_array_equal(a[last:], a2)
-
 
 
 def test_value_beyond_the_range_of_z_restarts():

@@ -11,16 +11,24 @@ from river import drift
 from detectors.page_hinkley import PageHinkley
 
 from .generic import (
-    check_split_batches,
     check_state_roundtrip,
     check_stream_equals_batch,
+    check_streaming_contract,
     check_threshold_monotone,
     stream,
 )
 
 
-def reference(x, miss=None, min_instances=30, delta=0.005, threshold=50.0, alpha=1 - 0.0001,
-              mode="both", reset_on_drift=True):
+def reference(
+    x,
+    miss=None,
+    min_instances=30,
+    delta=0.005,
+    threshold=50.0,
+    alpha=1 - 0.0001,
+    mode="both",
+    reset_on_drift=True,
+):
     """Plain-Python Page-Hinkley for one series (river's recurrence, written out)."""
 
     def fresh():
@@ -154,15 +162,9 @@ def test_matches_reference_on_every_prefix(cfg, seed):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_stream_equals_batch_and_roundtrip(cfg):
-    x = noisy_stream(3)
-    miss = np.zeros_like(x, dtype=bool)
-    miss[::7, 1] = True
     f = lambda n: PageHinkley(n_series=n, **cfg)  # noqa: E731
-    check_stream_equals_batch(f, x, missing=miss)
-    check_split_batches(f, x)
-    for split in (1, 17, 250, 499):
-        check_state_roundtrip(f, x, split=split)
-    check_state_roundtrip(f, x, split=123, via_json=True)
+    x = noisy_stream(3)
+    check_streaming_contract(f, x, splits=(1, 17, 250, 499))
     check_state_roundtrip(f, x, split=0, via_json=True)  # inf / -1 initial values survive JSON
 
 
@@ -212,7 +214,8 @@ GOLDEN = [1155, 2023, 3993, 4083, 4335, 4601, 5164, 5555, 5744]
 def test_threshold_monotone_without_restart():
     x = noisy_stream(9, t=1500)
     check_threshold_monotone(
-        lambda t: PageHinkley(n_series=3, threshold=t, reset_on_drift=False), x,
+        lambda t: PageHinkley(n_series=3, threshold=t, reset_on_drift=False),
+        x,
         thresholds=[0.5, 2, 5, 20, 50, 200],
     )
 
@@ -311,4 +314,3 @@ def test_overflowing_value_alarms_and_restarts(reset_on_drift):
     s2, a2 = PageHinkley(reset_on_drift=reset_on_drift).update_many(x[last:])
     np.testing.assert_array_equal(s[last:], s2)
     np.testing.assert_array_equal(a[last:], a2)
-

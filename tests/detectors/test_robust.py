@@ -12,9 +12,9 @@ from detectors.ewma import LOG_FLOOR
 from detectors.robust import MAD_SCALE, RobustZScore
 
 from .generic import (
-    check_split_batches,
     check_state_roundtrip,
     check_stream_equals_batch,
+    check_streaming_contract,
     check_threshold_monotone,
     stream,
 )
@@ -123,15 +123,8 @@ def test_matches_reference_on_every_prefix(cfg, seed):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_stream_equals_batch_and_roundtrip(cfg):
-    x = noisy_stream(3)
-    miss = np.zeros_like(x, dtype=bool)
-    miss[::7, 1] = True
     f = lambda n: RobustZScore(n_series=n, **cfg)  # noqa: E731
-    check_stream_equals_batch(f, x, missing=miss)
-    check_split_batches(f, x)
-    for split in (1, 17, 200, 399):
-        check_state_roundtrip(f, x, split=split)
-    check_state_roundtrip(f, x, split=123, via_json=True)
+    check_streaming_contract(f, noisy_stream(3), splits=(1, 17, 200, 399))
 
 
 def test_missing_values_do_not_touch_state():
