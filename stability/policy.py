@@ -567,7 +567,7 @@ class Policy:
             if ledger is None or ledger.latest_healthy_before(onset, cfg.checkpoint_margin) is None:
                 actions = actions - {"rollback"}
                 notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
-                if level >= len(cfg.ladder) - 1 or self.cause == "corruption":
+                if self.cause == "corruption":  # a broken state with nothing to restore
                     actions = actions | {"stop"}
         if "stop" in actions:
             worse = self.worse()
@@ -631,7 +631,7 @@ class Policy:
                                     skip_to=step if skip_data else onset - 1))
                 self.n_rollbacks += 1
                 self._onset = None
-                self._rolled_back = act
+                self._rolled_back = True  # log_only decides as if it had acted
                 if act:
                     control.rollback_to = target.step
                     control.skip_batches = (onset, step) if skip_data else None
