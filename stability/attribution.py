@@ -5,9 +5,10 @@ The policy attributes every step it responds to one of :data:`CAUSES`:
 ==============  =============================================================================
 ``lr``          the LR itself left its healthy band (:class:`~stability.lr_guard.LRGuard`), or
                 an LR/loss anomaly detector fired -- the fix is the LR, not the data
-``corruption``  the model state is bad: a weight-norm jump (``weight_corruption`` alarm) or a
-                non-finite loss that persists on fresh batches after the previous step was
-                skipped -- the fix is a rollback (the batches were not the problem)
+``corruption``  the model state is bad: a weight-norm jump (``weight_corruption`` alarm),
+                non-finite weights (``param_norm``, ``update_ratio/*``) or a non-finite loss
+                that persists on fresh batches after the previous step was skipped -- the fix
+                is a rollback (the batches were not the problem)
 ``overflow``    non-finite gradients (or other signals) while the loss is finite: a numerical
                 overflow -- skip the step, never roll back for it alone
 ``outlier``     a transient bad batch: spike alarms on the first few consecutive steps -- skip
@@ -55,6 +56,16 @@ def is_loss_signal(signal: str) -> bool:
         "train_loss", "lm_loss", "lm loss")
 
 
+def is_weight_signal(signal: str) -> bool:
+    """Whether ``signal`` measures the weights themselves (``param_norm``, ``update_ratio/*``).
+
+    >>> is_weight_signal("param_norm"), is_weight_signal("update_ratio/fc1"), is_weight_signal("loss")
+    (True, True, False)
+    """
+    s = signal.lower()
+    return s.startswith(("param_norm", "weight_norm", "update_ratio"))
+
+
 def attribute(alarms: Iterable[Alarm], *, lr_fault: bool, nonfinite_loss_run: int,
               consecutive: int, persistent_after: int) -> str:
     """Cause of the alarms of one step.
@@ -80,7 +91,8 @@ def attribute(alarms: Iterable[Alarm], *, lr_fault: bool, nonfinite_loss_run: in
             nonfinite_signals.append(a.signal)
     if lr_fault or "lr_loss_anomaly" in kinds:
         return "lr"
-    if "weight_corruption" in kinds or nonfinite_loss_run >= 2:
+    if ("weight_corruption" in kinds or nonfinite_loss_run >= 2
+            or any(is_weight_signal(s) for s in nonfinite_signals)):
         return "corruption"
     loss_bad = nonfinite_loss_run >= 1 or any(is_loss_signal(s) for s in nonfinite_signals)
     if nonfinite_signals and not loss_bad:

@@ -216,10 +216,14 @@ class Policy:
     def lr_factor_at(self, step: int) -> float:
         """LR multiplier the policy wants at ``step`` (ignores ``log_only``)."""
         g = self.guard.factor if self.guard.active else 1.0
+        return min(g, self._ladder_lr_factor_at(step))
+
+    def _ladder_lr_factor_at(self, step: int) -> float:
+        """The ladder's own LR cut at ``step`` (without the LR guard's)."""
         if self._lr is None:
-            return g
+            return 1.0
         s, f, d, r = self._lr
-        return min(g, lr_factor_at(step, s, f, d, r, self.config.lr.shape))
+        return lr_factor_at(step, s, f, d, r, self.config.lr.shape)
 
     def clip_norm_at(self, step: int) -> float | None:
         """Clip norm the policy wants at ``step`` (``None``: trainer default; ignores log_only)."""
@@ -301,9 +305,9 @@ class Policy:
         return out
 
     @property
-    def needs_track(self) -> bool:
-        """Whether :meth:`track` must see every step (always true: it is cheap)."""
-        return True
+    def episode_onset(self) -> int | None:
+        """First alarm step of the open episode (``None`` when none is open)."""
+        return self._onset
 
     def _track_loss(self, step: int, loss: float) -> None:
         try:
@@ -395,6 +399,9 @@ class Policy:
             # the LR guard judges the requested LR itself, every step: LR-jump alarms are
             # recorded but do not act (a rewound scheduler, a benign restart, a step decay)
             acts = [a for a in acts if a.detector not in jcfg.detectors]
+            if self.guard.active:
+                # LR/loss anomalies while the guard holds an LR fault are that fault's echo
+                acts = [a for a in acts if a.kind != "lr_loss_anomaly"]
             if not acts:
                 if not self.log_only:
                     self._apply_persistent(step, control)
@@ -609,7 +616,8 @@ class Policy:
             notes.append(f"LR jumped x{jump:.3g}: LR factor {f:.3g}, held until {j.hold} steps "
                          f"after the last jump alarm")
         elif "reduce_lr" in actions:
-            f = compound_factor(self.lr_factor_at(step), cfg.lr.factor, cfg.lr.min_factor)
+            f = compound_factor(self._ladder_lr_factor_at(step), cfg.lr.factor,
+                                cfg.lr.min_factor)
             self._lr = (step, f, cfg.lr.duration, cfg.lr.restore_steps)
             out.append(ReduceLR(step, reason, factor=f, duration=cfg.lr.duration,
                                 restore_steps=cfg.lr.restore_steps))

@@ -211,6 +211,12 @@ class SignalCollector:
         layer = self._group_norms(grads, mask, device)  # type: ignore[arg-type]
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
+        if self.params:
+            # global weight norm (weight-corruption evidence: an abrupt jump between two steps)
+            pn = torch._foreach_norm([p.detach() for p in self.params])
+            parts.append(torch.stack([n.to(device, torch.float32) for n in pn])
+                         .square().sum().sqrt().reshape(1))
+            names.append("param_norm")
         scalars_in = dict(extra or {})
         if loss is not None:
             scalars_in = {"loss": loss, **scalars_in}
