@@ -59,8 +59,8 @@ def is_loss_signal(signal: str) -> bool:
 def is_weight_signal(signal: str) -> bool:
     """Whether ``signal`` measures the weights themselves (``param_norm``, ``update_ratio/*``).
 
-    >>> is_weight_signal("param_norm"), is_weight_signal("update_ratio/fc1"), is_weight_signal("loss")
-    (True, True, False)
+    >>> [is_weight_signal(s) for s in ("param_norm", "update_ratio/fc1", "loss")]
+    [True, True, False]
     """
     s = signal.lower()
     return s.startswith(("param_norm", "weight_norm", "update_ratio"))
