@@ -102,7 +102,7 @@ class SignalCollector:
     >>> loss = m(torch.randn(8, 3)).pow(2).mean(); loss.backward()
     >>> s = col.collect(loss)
     >>> sorted(s.scalars), col.layers["grad_norm"], s.families["act_mean"].shape
-    (['grad_norm', 'loss'], ['0', '2'], (1,))
+    (['grad_norm', 'loss', 'param_norm'], ['0', '2'], (1,))
     """
 
     def __init__(

@@ -113,7 +113,7 @@ def test_windowed_schedule_bug_is_released_when_the_lr_returns() -> None:
 def test_persistent_input_shift_bounded_skips_and_no_stop() -> None:
     guard, eff, healthy, stopped = run(input_scale=8.0)
     assert stopped is None
-    n = guard.monitor.config.policy.recovery.max_consecutive_skips
+    n = guard.monitor.policy.config.recovery.max_consecutive_skips
     skips = sorted(i.step for i in guard.interventions if i.type == "skip_step")
     longest = run_len = 0
     for a, b in zip([None] + skips, skips, strict=False):
