@@ -41,6 +41,7 @@ position (the monitor's own state is *not* rolled back: it must remember what ha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -354,6 +355,23 @@ class TorchGuard:
         self.data_position = self._pos_of_step.get(step, self.data_position) + 1
         self.collector.begin_step(self.step_count)
         self.multiplier.show()  # between steps param_groups show the LR really applied
+
+    @contextlib.contextmanager
+    def base_lr(self) -> Iterator[None]:
+        """Show the scheduler's own LR in ``param_groups`` inside the block.
+
+        For a scheduler stepped outside the guard (e.g. once per epoch) while an LR cut is
+        active, so that a recursive scheduler (``StepLR``, ``ExponentialLR``) computes from its
+        own values::
+
+            with guard.base_lr():
+                epoch_scheduler.step()
+        """
+        self.multiplier.restore()
+        try:
+            yield
+        finally:
+            self.multiplier.show()
 
     # ------------------------------------------------------------------ feedback
     def metrics(self, scores: bool = True) -> dict[str, float]:
