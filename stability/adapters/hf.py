@@ -199,6 +199,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self._hook: Any = None
         self._losses: list[torch.Tensor] = []
         self._pending_val: float | None = None
+        self._last_lr = float("nan")
+        self._last_factor = 1.0
         self._checked = False
         self._started = False
         self._global_step = 0
@@ -290,6 +292,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self._pending_val = None
         self.guard.check(loss, metrics or None)
         self._checked = True
+        self._last_lr = self.guard.multiplier.base_lrs()[0]
+        self._last_factor = float(self.guard.multiplier.factor)
         self.overhead_s += time.perf_counter() - t0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
@@ -304,10 +308,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         emergency = ctl.save_checkpoint
         if emergency:  # written by HF below, never as a copy of possibly bad weights
             guard.control = dataclasses.replace(ctl, save_checkpoint=False)
+        log_interventions(log, decision, trainer_step=state.global_step)
         rollbacks = guard.rollbacks
         guard.finish()
         rolled = guard.rollbacks > rollbacks
-        log_interventions(log, decision, trainer_step=state.global_step)
         if guard.stopped is not None and self.stopped is None:
             self.stopped = guard.stopped
         if self.stopped is not None:
@@ -366,11 +370,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         g = self.guard
         if g is None:
             return {}
-        lr = g.multiplier.base_lrs()[0] if g.optimizer.param_groups else float("nan")
         clip = g.control.clip_norm if g.control.clip_norm is not None else g.clip_norm
-        return {
-            "stability/lr_factor": float(g.multiplier.factor),
-            "stability/lr_effective": float(lr * g.multiplier.factor),
+        return {  # LR and factor of the last optimizer step
+            "stability/lr_factor": self._last_factor,
+            "stability/lr_effective": float(self._last_lr * self._last_factor),
             "stability/clip_norm": float(clip) if clip is not None else 0.0,
             "stability/step": float(g.step_count),
             "stability/interventions": float(sum(
@@ -388,8 +391,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         if self.guard is None or "learning_rate" not in logs:
             return  # evaluation / summary logs
         extra = self.feedback()
-        factor = float(self.guard.multiplier.factor)
-        extra["learning_rate"] = float(logs["learning_rate"]) * factor
+        extra["learning_rate"] = float(logs["learning_rate"]) * self._last_factor
         logs.update(extra)
         hist = state.log_history[-1] if state.log_history else None
         if hist is not None and hist is not logs and hist.get("step") == state.global_step:
