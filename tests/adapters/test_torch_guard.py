@@ -103,7 +103,10 @@ def test_clip_and_lr_factor_applied() -> None:
     guard.step(loss)
     delta = (m.weight.detach() - w0).norm().item()
     assert delta == pytest.approx(0.5 * 0.01, rel=1e-3)  # clipped to 0.01, LR halved
-    assert opt.param_groups[0]["lr"] == 1.0  # the scheduler's value is untouched
+    # between steps the groups show the LR really applied; the scheduler's value is kept aside
+    assert opt.param_groups[0]["lr"] == 0.5
+    assert guard.multiplier.base_lrs() == [1.0]
+    assert sched.get_last_lr() == [1.0]
 
 
 def test_guard_state_dict_roundtrip() -> None:
