@@ -67,7 +67,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 
 from .interventions import TrainingStopped
 from .torch import TorchGuard, find_ledger
-from .trainer_support import TrainerCheckpointStore, log_interventions, params_finite
+from .trainer_support import TrainerCheckpointStore, params_finite
 
 __all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
 
@@ -234,7 +234,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         inner = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer
         clip = self._user_clip if self.take_over_clipping and self._user_clip > 0 else None
         kwargs: dict[str, Any] = {"raise_on_stop": False, "clip_norm": clip,
-                                  "checkpoint_every": self.memory_checkpoint_every}
+                                  "checkpoint_every": self.memory_checkpoint_every,
+                                  "scaler": getattr(opt, "scaler", None)}  # fp16 GradScaler
         kwargs.update(self.guard_kwargs)
         self.guard = TorchGuard(model, inner, sched, self.monitor, **kwargs)
         self.guard.store = self.store  # rollbacks restore HF's own checkpoints
@@ -304,11 +305,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             return control
         t0 = time.perf_counter()
         self._checked = False
-        ctl, decision = guard.control, guard.decision
+        ctl = guard.control
         emergency = ctl.save_checkpoint
         if emergency:  # written by HF below, never as a copy of possibly bad weights
             guard.control = dataclasses.replace(ctl, save_checkpoint=False)
-        log_interventions(log, decision, trainer_step=state.global_step)
         rollbacks = guard.rollbacks
         guard.finish()
         rolled = guard.rollbacks > rollbacks
@@ -337,6 +337,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             control.should_save = False
             return
         control.should_save = True
+        guard.multiplier.restore()  # optimizer.pt holds the scheduler's LR; shown again on_save
         healthy = guard.healthy and not emergency
         reason = f"emergency: {why}" if emergency else "trainer"
         self._register(state, healthy, reason)
@@ -358,6 +359,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         # saves this callback did not foresee (save_strategy="best", end of training)
         if self.guard is not None and state.global_step not in self._registered:
             self._register(state, self.guard.healthy, "trainer")
+        if self.guard is not None:
+            self.guard.multiplier.show()  # between steps the groups show the LR applied
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None,
                     **kw: Any) -> None:
@@ -366,22 +369,22 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
 
     # ------------------------------------------------------------------ feedback
     def feedback(self) -> dict[str, float]:
-        """The ``stability/*`` metrics added to HF's training logs."""
+        """The ``stability/*`` metrics added to HF's training logs.
+
+        :meth:`TorchGuard.metrics` (:mod:`stability.feedback` keys: LR factor, clip, level,
+        alarms, detector scores, interventions by type, goodput counters, AMP overflows), with
+        ``lr_effective`` / ``lr_base`` / ``lr_factor`` of the *last* optimizer step (what HF's
+        ``learning_rate`` refers to) and ``stability/step``, the guard's step.
+        """
         g = self.guard
         if g is None:
             return {}
-        clip = g.control.clip_norm if g.control.clip_norm is not None else g.clip_norm
-        return {  # LR and factor of the last optimizer step
-            "stability/lr_factor": self._last_factor,
-            "stability/lr_effective": float(self._last_lr * self._last_factor),
-            "stability/clip_norm": float(clip) if clip is not None else 0.0,
-            "stability/step": float(g.step_count),
-            "stability/interventions": float(sum(
-                1 for i in g.interventions if getattr(i, "type", "") != "alert")),
-            "stability/steps_skipped": float(g.steps_skipped),
-            "stability/rollbacks": float(g.rollbacks),
-            "stability/steps_lost": float(g.steps_lost),
-        }
+        out = g.metrics()
+        out["stability/lr_factor"] = self._last_factor
+        out["stability/lr_base"] = float(self._last_lr)
+        out["stability/lr_effective"] = float(self._last_lr * self._last_factor)
+        out["stability/step"] = float(g.step_count)
+        return out
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         if not logs:

@@ -9,15 +9,10 @@
   ``drop``).
 * :func:`params_finite` -- one fused check that no weight is NaN/inf (no checkpoint of bad
   weights is ever written).
-* :func:`log_interventions` -- the log line on every acting intervention (Keras'
-  ``ReduceLROnPlateau(verbose=1)`` habit).
-* :func:`trainer_feedback` -- the ``stability/*`` metrics both callbacks hand to their trainer's
-  logger.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -26,9 +21,7 @@ import torch
 
 from .interventions import SavedCheckpoint, load_checkpoint, save_checkpoint
 
-__all__ = ["TrainerCheckpointStore", "log_interventions", "params_finite", "state_bytes"]
-
-log = logging.getLogger("stability.adapters")
+__all__ = ["TrainerCheckpointStore", "params_finite", "state_bytes"]
 
 #: ``loader(path, model, optimizer, scheduler)`` restores a trainer checkpoint in place.
 Loader = Callable[[str, Any, Any, Any], None]
@@ -54,31 +47,6 @@ def params_finite(params: Iterable[torch.Tensor]) -> bool:
         return True
     norms = torch._foreach_norm(ps)
     return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
-
-
-def log_interventions(logger: logging.Logger, decision: Any, *, trainer_step: int | None = None
-                      ) -> list[str]:
-    """Log one line per acting (non-alert) intervention of a decision; returns the lines."""
-    if decision is None:
-        return []
-    lines = []
-    where = "" if trainer_step is None else f" (trainer step {trainer_step})"
-    for iv in decision.interventions:
-        kind = getattr(iv, "type", "")
-        if kind == "alert":
-            continue
-        detail = ""
-        if kind == "reduce_lr":
-            detail = f": LR x{iv.factor:.3g} for {iv.duration} steps"
-        elif kind == "set_clip":
-            detail = f": clip at {iv.max_norm:.3g}"
-        elif kind == "rollback":
-            detail = f": to step {iv.to_step}, skipping steps {iv.skip_from}..{iv.skip_to}"
-        line = (f"stability: {kind} at step {decision.step}{where}{detail}"
-                f" ({iv.reason or 'no reason given'})")
-        logger.warning(line)
-        lines.append(line)
-    return lines
 
 
 class TrainerCheckpointStore:
