@@ -168,7 +168,7 @@ def make_args(out_dir: str, precision: str, seed: int) -> Any:
 
 
 def _trainer(out_dir: str, precision: str, fault: str, seed: int, stop_at: int | None,
-             monitor: Any = None) -> Phase:
+             monitor: Any = None, init_scale: float = 2.0**16) -> Phase:
     model = Net(seed)
     args = make_args(out_dir, precision, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -181,7 +181,7 @@ def _trainer(out_dir: str, precision: str, fault: str, seed: int, stop_at: int |
                               optimizers=(opt, sched), callbacks=cbs)
     tr.remove_callback(transformers.trainer_callback.PrinterCallback)
     if precision == "fp16":  # what accelerate does on a GPU (see the module docstring)
-        tr.accelerator.scaler = torch.amp.GradScaler("cpu")
+        tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         tr.accelerator.native_amp = True
     return Phase(tr, cb, model)
 
@@ -196,8 +196,12 @@ def held_out_loss(model: Net, seed: int) -> float:
 
 
 def run(precision: str, fault: str, resume: bool, seed: int = 0,
-        out_dir: str | None = None) -> FieldRun:
-    """Train one cell; returns the :class:`FieldRun`."""
+        out_dir: str | None = None, init_scale: float = 2.0**16) -> FieldRun:
+    """Train one cell; returns the :class:`FieldRun`.
+
+    ``init_scale`` is the fp16 GradScaler's start scale (``2**22`` makes the first steps
+    overflow, as the default ``2**16`` does on larger GPU models).
+    """
     if precision not in PRECISIONS or fault not in FAULTS:
         raise ValueError(f"precision must be one of {PRECISIONS} and fault one of {FAULTS}; "
                          f"got {precision!r}, {fault!r}.")
@@ -208,12 +212,13 @@ def run(precision: str, fault: str, resume: bool, seed: int = 0,
     res = FieldRun(out_dir=d)
     t0 = time.perf_counter()
     try:
-        ph = _trainer(d, precision, fault, seed, RESUME_AT if resume else None)
+        ph = _trainer(d, precision, fault, seed, RESUME_AT if resume else None,
+                      init_scale=init_scale)
         res.user_args = copy.deepcopy(ph.trainer.args.to_dict())
         ph.trainer.train()
         res.phases.append(ph)
         if resume and ph.callback.stopped is None:
-            ph2 = _trainer(d, precision, fault, seed, None)
+            ph2 = _trainer(d, precision, fault, seed, None, init_scale=init_scale)
             ph2.trainer.train(resume_from_checkpoint=os.path.join(d, f"checkpoint-{RESUME_AT}"))
             res.phases.append(ph2)
         res.final_loss = held_out_loss(res.phases[-1].model, seed)
