@@ -38,27 +38,33 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from field_task import (  # noqa: E402
+    BATCH,
+    FAULT_AT,
+    FAULTS,
+    PRECISIONS,
+    PRESET,
+    RESUME_AT,
+    STEPS,
+    explode_hooks,
+    held_out_loss,
+    lr_lambda,
+    make_net,
+    poison,
+    teacher_data,
+)
+
 from stability.adapters.hf import StabilityTrainerCallback  # noqa: E402
 from stability.monitor import Monitor  # noqa: E402
 
-PRECISIONS = ("fp32", "fp16", "bf16")
-FAULTS = ("clean", "lr50", "nan_weight", "grad_explosion")
-STEPS = 90
-FAULT_AT = 60
-RESUME_AT = 50
 SAVE_STEPS = 10
-PRESET = "small"
-DIM, HIDDEN, CLASSES = 16, 64, 4
 
 
 class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """A fixed random teacher: ``y = argmax(W x)``."""
-
     def __init__(self, n: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(1000 + seed)
-        teacher = torch.randn(DIM, CLASSES, generator=torch.Generator().manual_seed(7))
-        self.x = torch.randn(n, DIM, generator=g)
-        self.y = (self.x @ teacher).argmax(1)
+        self.x, self.y = teacher_data(n, seed)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -70,10 +76,7 @@ class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
 class Net(torch.nn.Module):
     def __init__(self, seed: int) -> None:
         super().__init__()
-        torch.manual_seed(seed)
-        self.net = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(),
-                                       torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
-                                       torch.nn.Linear(HIDDEN, CLASSES))
+        self.net = make_net(seed)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
         logits = self.net(x)
@@ -91,14 +94,12 @@ class Fault(transformers.TrainerCallback):  # type: ignore[misc]
         self.model = model
         self.explode = False
         if kind == "grad_explosion":
-            for p in model.parameters():
-                p.register_hook(lambda g: g * 1e4 if self.explode else g)
+            explode_hooks(model, lambda: self.explode)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         s = state.global_step
         if self.kind == "nan_weight" and s == FAULT_AT:
-            with torch.no_grad():
-                self.model.net[0].weight[0, 0] = float("nan")
+            poison(self.model.net)
         self.explode = self.kind == "grad_explosion" and FAULT_AT <= s < FAULT_AT + 3
 
 
@@ -109,16 +110,6 @@ class StopAt(transformers.TrainerCallback):  # type: ignore[misc]
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == self.step:
             control.should_training_stop = True
-
-
-def lr_lambda(kind: str) -> Any:
-    warm = 10
-
-    def f(s: int) -> float:
-        base = min(1.0, (s + 1) / warm) * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * s / STEPS)))
-        return base * (50.0 if kind == "lr50" and s >= FAULT_AT else 1.0)
-
-    return f
 
 
 @dataclass
@@ -161,7 +152,7 @@ def make_args(out_dir: str, precision: str, seed: int) -> Any:
     elif precision == "fp16":
         kw["fp16"] = True
     return transformers.TrainingArguments(
-        out_dir, max_steps=STEPS, per_device_train_batch_size=16, learning_rate=3e-3,
+        out_dir, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=3e-3,
         weight_decay=0.0, max_grad_norm=1.0, logging_steps=5, save_strategy="steps",
         save_steps=SAVE_STEPS, save_total_limit=3, report_to=[], use_cpu=True, disable_tqdm=True,
         seed=seed, data_seed=seed, eval_strategy="no", dataloader_num_workers=0, **kw)
@@ -177,22 +168,13 @@ def _trainer(out_dir: str, precision: str, fault: str, seed: int, stop_at: int |
     cbs: list[Any] = [Fault(fault, model), cb]
     if stop_at is not None:
         cbs.append(StopAt(stop_at))
-    tr = transformers.Trainer(model=model, args=args, train_dataset=Data(STEPS * 16, seed),
+    tr = transformers.Trainer(model=model, args=args, train_dataset=Data(STEPS * BATCH, seed),
                               optimizers=(opt, sched), callbacks=cbs)
     tr.remove_callback(transformers.trainer_callback.PrinterCallback)
     if precision == "fp16":  # what accelerate does on a GPU (see the module docstring)
         tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         tr.accelerator.native_amp = True
     return Phase(tr, cb, model)
-
-
-@torch.no_grad()
-def held_out_loss(model: Net, seed: int) -> float:
-    d = Data(512, seed + 99)
-    model.eval()
-    v = float(torch.nn.functional.cross_entropy(model.net(d.x).float(), d.y))
-    model.train()
-    return v if math.isfinite(v) else math.nan
 
 
 def run(precision: str, fault: str, resume: bool, seed: int = 0,
@@ -221,7 +203,7 @@ def run(precision: str, fault: str, resume: bool, seed: int = 0,
             ph2 = _trainer(d, precision, fault, seed, None, init_scale=init_scale)
             ph2.trainer.train(resume_from_checkpoint=os.path.join(d, f"checkpoint-{RESUME_AT}"))
             res.phases.append(ph2)
-        res.final_loss = held_out_loss(res.phases[-1].model, seed)
+        res.final_loss = held_out_loss(res.phases[-1].model.net, seed)
         res.wall_s = time.perf_counter() - t0
         res.user_args["_saved_equal"] = _saved_args_equal(d, res.user_args)
         res.user_args["_live_equal"] = all(

@@ -99,10 +99,18 @@ class TrainerCheckpointStore:
             self._owned.discard(s)
         return dict(self._entries)
 
-    def add(self, step: int, path: str, *, healthy: bool, reason: str = "") -> SavedCheckpoint:
-        """Register a checkpoint the trainer wrote (covering guard step ``step``)."""
+    def add(self, step: int, path: str, *, healthy: bool, reason: str = "",
+            owned: bool = False) -> SavedCheckpoint:
+        """Register a checkpoint the trainer wrote (covering guard step ``step``).
+
+        ``owned`` ones were written for the guard: only ``keep`` of them are kept (older files
+        are deleted); the others belong to the trainer's own schedule and rotation.
+        """
         entry = SavedCheckpoint(int(step), 0, bool(healthy), reason, str(path))
         self._entries[int(step)] = entry
+        if owned:
+            self._owned.add(int(step))
+            self._prune()
         return entry
 
     def memory_bytes(self) -> int:
