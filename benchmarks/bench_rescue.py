@@ -273,6 +273,9 @@ class Outcome:
     ratio_without: float
     ratio_with: float
     error: str | None
+    onset: int | None = None
+    stop_reason: str | None = None
+    rollbacks: int = 0
 
     @property
     def saved(self) -> bool:
@@ -305,7 +308,9 @@ def score(rows: Iterable[dict[str, Any]]) -> dict[str, list[Outcome]]:
             failed_without=rw > FAIL_RATIO, failed_with=rm > FAIL_RATIO or r["error"] is not None,
             stopped=r["stopped"] is not None, lost_pct=100.0 * r["steps_lost"] / r["steps"],
             rolled_back=r["rollbacks"] > 0, acting=r["acting"], acting_types=r["acting_types"],
-            ratio_without=rw, ratio_with=rm, error=r["error"]))
+            ratio_without=rw, ratio_with=rm, error=r["error"],
+            onset=r.get("fault", {}).get("step"), stop_reason=r["stopped"],
+            rollbacks=r["rollbacks"]))
     return out
 
 
@@ -438,6 +443,23 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
     return summary
 
 
+def print_runs(outs: Sequence[Outcome]) -> None:
+    """One line per monitored run (``--runs``)."""
+    print(f"{'model':5} {'seed':>4} {'class':20} {'onset':>5} {'w/o':>8} {'w/':>8} {'verdict':8} "
+          f"{'rb':>2} {'lost%':>5}  acting / stop reason")
+    for o in sorted(outs, key=lambda o: (o.cls, o.model, o.seed)):
+        verdict = ("saved" if o.saved else "HARMED" if o.harmed else "lost"
+                   if o.failed_without else "ok")
+        what = ",".join(f"{k}:{v}" for k, v in sorted(o.acting_types.items()))
+        if o.stop_reason:
+            what += f" | stopped: {o.stop_reason}"
+        if o.error:
+            what += f" | ERROR {o.error}"
+        print(f"{o.model:5} {o.seed:>4} {o.cls:20} {o.onset if o.onset is not None else '-':>5} "
+              f"{o.ratio_without:>8.3f} {o.ratio_with:>8.3f} {verdict:8} {o.rollbacks:>2} "
+              f"{o.lost_pct:>5.1f}  {what}")
+
+
 def cross_validate(by_cand: Mapping[str, Sequence[Outcome]], classes: Sequence[str]) -> None:
     """Leave-one-fault-class-out and leave-one-seed-out selection of the candidate."""
     names = list(by_cand)
@@ -513,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=None, help="TOML/JSON override merged into the preset")
     ap.add_argument("--cv", default=None, help="JSON list of named policy overrides")
     ap.add_argument("--json", default=None, help="write every per-run row here")
+    ap.add_argument("--runs", action="store_true", help="also print one line per monitored run")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     size_steps, size_seeds, size_clean = SIZES["quick" if a.quick else "full"]
@@ -562,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {}
     for name in cands:
         ov = json.dumps(cands[name], sort_keys=True) if cands[name] else "(preset policy)"
+        if a.runs:
+            print(f"\nruns of candidate {name} (ratios: final loss / counterfactual's)")
+            print_runs(by_cand[name])
         summaries[name] = print_table(by_cand[name], classes,
                                       f"candidate {name}: override {ov}")
     if len(cands) > 1:
