@@ -152,10 +152,12 @@ class Monitor:
         Preset name, ``.toml`` / ``.json`` path, dict or :class:`MonitorConfig`; ``None`` uses
         the ``default`` preset.
     event_log
-        Optional :class:`~stability.events.EventLog`: every alarm and intervention is appended.
+        Optional :class:`~stability.events.EventLog`: every alarm and intervention is appended
+        (default: the config's ``[event_log]``, none without a path).
     alert_sinks
-        Optional alert sinks (or an :class:`~stability.alerts.AlertRouter`): every
-        :class:`~stability.types.Alert` intervention is sent to them.
+        Alert sinks (or an :class:`~stability.alerts.AlertRouter`): every
+        :class:`~stability.types.Alert` intervention is sent to them (default: the config's
+        ``[alerts]`` -- a Python-logging sink unless ``log = false``; ``[]`` for none).
     on_alarm, on_intervention
         Optional handlers (one callable or a list); failures are contained unless strict.
     handler_timeout
@@ -179,9 +181,15 @@ class Monitor:
             _Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
         ]
         self.policy = _make_policy(self.config.policy)
-        self.event_log = event_log
-        self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else (
-            [] if alert_sinks is None else [alert_sinks])
+        from .alerts import event_log_from_config, sinks_from_config  # noqa: PLC0415
+        # config-driven by default: a logging sink unless ``[alerts] log = false``, and the
+        # ``[event_log]`` file when one is configured; explicit arguments win
+        self.event_log = event_log if event_log is not None else event_log_from_config(
+            self.config)
+        if alert_sinks is None:
+            alert_sinks = sinks_from_config(self.config)
+        self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else [
+            alert_sinks]
         from .handlers import HandlerRegistry  # noqa: PLC0415
         self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
         self._sink_failed: set[int] = set()
