@@ -164,7 +164,8 @@ class TorchGuard:
         if self.sync is not None and not self.sync.active:
             self.sync = None
         rank = self.sync.rank if self.sync is not None else -1
-        self.store = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
+        # a CheckpointStore, or an adapter's store of the trainer's own checkpoints
+        self.store: Any = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
                                      on_drop=self._forget_checkpoint)
         self.recorder = recorder if rank <= 0 else None
         self.step_count = int(start_step)
