@@ -266,12 +266,18 @@ class Monitor:
     def rewind(self, step: int) -> None:
         """Accept steps after ``step`` again (the trainer resumed from an earlier checkpoint).
 
-        Detector statistics are kept (load a saved :meth:`state_dict` to restore them too).
+        Detector statistics are kept (load a saved :meth:`state_dict` to restore them too),
+        except those of step-to-step *jump* detectors (``lr_jump`` on the LR or the weight
+        norm): a restore legitimately moves the LR and the weights back, which is not a jump.
         """
         self.last_step = int(step)
         guard = getattr(self.policy, "guard", None)
         if guard is not None:
             guard.rewind()  # the scheduler went back too: not an LR jump
+        for b in self._bindings:
+            if b.spec.detector == "lr_jump":
+                b.det.reset()
+                self._dirty = True  # reset() reallocates the arrays the fast path is bound to
 
     # ------------------------------------------------------------------ name resolution
     def _lookup(self, raw: Any) -> int:
