@@ -164,7 +164,9 @@ class TorchGuard:
         if self.sync is not None and not self.sync.active:
             self.sync = None
         rank = self.sync.rank if self.sync is not None else -1
-        self.store = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank)
+        # a CheckpointStore, or an adapter's store of the trainer's own checkpoints
+        self.store: Any = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
+                                     on_drop=self._forget_checkpoint)
         self.recorder = recorder if rank <= 0 else None
         self.step_count = int(start_step)
         self.data_position = 0
@@ -453,7 +455,8 @@ class TorchGuard:
         self._flush_recorder()
         entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
                                 data_position=pos, healthy=healthy, reason=reason,
-                                monitor_state=self._monitor_state())
+                                monitor_state=self._monitor_state(),
+                                protect=self._rollback_targets())
         self.checkpoints_taken += 1
         led = find_ledger(self.monitor) if register else None
         if led is not None:
@@ -463,6 +466,34 @@ class TorchGuard:
             except Exception:  # bookkeeping must never kill the run
                 log.exception("could not register checkpoint %s in the ledger", step)
         return entry
+
+    def _rollback_targets(self) -> set[int]:
+        """Checkpoints a rollback may still need: retention keeps them.
+
+        The ledger's latest healthy checkpoint before the open episode's onset (and before now).
+        """
+        led = find_ledger(self.monitor)
+        if led is None:
+            return set()
+        onset = getattr(getattr(self.monitor, "policy", None), "episode_onset", None)
+        out = set()
+        for at in (onset, self.step_count):
+            if at is None:
+                continue
+            try:
+                rec = led.latest_healthy_before(int(at))
+            except Exception:  # bookkeeping must never kill the run
+                log.debug("ledger query failed", exc_info=True)
+                continue
+            if rec is not None:
+                out.add(int(rec.step))
+        return out
+
+    def _forget_checkpoint(self, step: int) -> None:
+        """Retention deleted the checkpoint of ``step``: the ledger must not offer it again."""
+        led = find_ledger(self.monitor)
+        if led is not None and hasattr(led, "forget"):
+            led.forget(step)
 
     def _auto_checkpoint(self, healthy: bool, reason: str, step: int | None = None,
                          register: bool = True) -> SavedCheckpoint | None:
@@ -514,7 +545,11 @@ class TorchGuard:
         """
         entry = self.store.entries.get(to_step) or self.store.latest_healthy(to_step)
         if entry is None:
-            log.warning("rollback to step %s requested but no checkpoint is available", to_step)
+            log.warning("rollback to step %s requested but no checkpoint is available: refused "
+                        "(not counted)", to_step)
+            if self.monitor is not None and hasattr(self.monitor, "rollback_failed"):
+                self.monitor.rollback_failed(self.step_count, f"no checkpoint at or before "
+                                                              f"step {to_step}")
             return False
         if skip is not None:
             for s in range(int(skip[0]), int(skip[1]) + 1):
