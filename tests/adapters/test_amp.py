@@ -186,3 +186,25 @@ def test_monitor_skip_on_overflow_step_keeps_the_scaler_consistent() -> None:
     assert torch.equal(model[0].weight, w0)
     assert scaler.get_scale() == 2.0**37  # three overflows, three halvings
     assert guard.steps_skipped == 3 and guard.amp_overflows == 3
+
+
+def test_scaler_without_found_inf_record_falls_back_to_the_grad_norm() -> None:
+    class _Opaque(torch.amp.GradScaler):
+        def _found_inf_per_device(self, optimizer):  # noqa: ANN001, ANN202
+            raise AttributeError("no record here")
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = _Opaque("cpu", init_scale=2.0**40)
+    rec = _Rec()
+    guard = TorchGuard(model, opt, None, Monitor("small"), scaler=scaler, recorder=rec,
+                       checkpoint_every=0)
+    x, y = _data(64)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        d = guard.step(loss)
+        assert not d.alarms
+    assert [r["amp_overflow"] for r in rec.rows.values()] == [1.0, 1.0, 1.0]
+    assert all("grad_norm" not in r for r in rec.rows.values())
