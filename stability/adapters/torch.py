@@ -152,6 +152,8 @@ class TorchGuard:
         self.step_scheduler_on_skip = step_scheduler_on_skip
         self.checkpoint_every = int(checkpoint_every)
         self.raise_on_stop = raise_on_stop
+        if monitor is not None and hasattr(monitor, "trainer_clip_norm"):
+            monitor.trainer_clip_norm = clip_norm  # the policy never loosens the loop's clip
         self.collector = SignalCollector(
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
             activations=_activation_names(model, activations), activation_every=activation_every)

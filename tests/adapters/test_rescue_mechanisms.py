@@ -205,3 +205,17 @@ def test_one_warning_after_a_rollback_does_not_stop() -> None:
     ivs = pol.step(61, [Alarm(61, "loss_spike", "loss", 7.0, 6.0, "warning", "d")], ctl,
                    {"healthy_checkpoints": led, "grad_norm_recent_median": 1.0})
     assert [i.type for i in ivs] == ["alert", "set_clip"] and not ctl.stop
+
+
+def test_bit_flip_rolls_back_once_without_skipping_batches_or_an_lr_echo() -> None:
+    from stability.testing.tinytrain import FaultSpec, train_run
+
+    clean = train_run("mlp", 200, seed=1)
+    res = train_run("mlp", 200, seed=1, fault=FaultSpec("bit_flip", 120), monitor=Monitor("small"))
+    assert res.stopped is None and res.rollbacks == 1
+    assert res.batches_skipped == 0            # the weights were the problem, not the data
+    rb = [i for i in res.interventions if i.type == "rollback"]
+    assert [i.cause for i in rb] == ["corruption"]
+    # the rewound scheduler is not mistaken for an LR fault after the rollback
+    assert not [i for i in res.interventions if i.type == "reduce_lr" and i.step >= rb[0].step]
+    assert res.final_loss <= 1.05 * clean.final_loss
