@@ -263,6 +263,9 @@ class TorchGuard:
         if metrics:
             extra.update(metrics)
         sig = self.collector.collect(loss, extra)
+        if self.scaler is not None and AMP_OVERFLOW not in sig.scalars:
+            # a scaler without a found-inf record: non-finite unscaled grads are what it skips
+            sig.scalars[AMP_OVERFLOW] = float(not math.isfinite(sig.scalars.get("grad_norm", 0.0)))
         self.amp_overflow = bool(sig.scalars.get(AMP_OVERFLOW, 0.0) > 0.0)
         if self.amp_overflow:  # non-finite by construction: missing, not NaN
             sig.scalars.pop("grad_norm", None)
