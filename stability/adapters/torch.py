@@ -458,10 +458,11 @@ class TorchGuard:
         step = self.step_count if step is None else step
         pos = self._pos_of_step.get(step, self.data_position) + 1
         self._flush_recorder()
-        entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
-                                data_position=pos, healthy=healthy, reason=reason,
-                                monitor_state=self._monitor_state(),
-                                protect=self._rollback_targets())
+        with self.base_lr():  # the optimizer state holds the scheduler's own LR, not the cut
+            entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
+                                    data_position=pos, healthy=healthy, reason=reason,
+                                    monitor_state=self._monitor_state(),
+                                    protect=self._rollback_targets())
         self.checkpoints_taken += 1
         led = find_ledger(self.monitor) if register else None
         if led is not None:
