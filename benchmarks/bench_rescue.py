@@ -18,8 +18,8 @@ runs, nothing hard-coded):
 * *saved*: it failed without the monitor and did not fail with it (final within 5%; a stopped
   run counts when the model it stopped with is that good);
 * *stopped*: the monitor stopped the run;
-* *worse*: it failed without the monitor, and with it the run was stopped or ended > 5% worse
-  still (harm where ``harmed`` cannot see it);
+* *worse*: it failed without the monitor and was not saved: with it the run was stopped or ended
+  > 5% worse still (harm where ``harmed`` cannot see it);
 * *harmed*: it did not fail without the monitor (clean runs included), but with the monitor it
   failed or was stopped;
 * *steps lost*: steps rolled back, in % of the run's steps (median over the monitored runs that
@@ -286,7 +286,7 @@ class Outcome:
 
     @property
     def worse(self) -> bool:
-        return self.failed_without and (
+        return self.failed_without and not self.saved and (
             self.stopped or self.error is not None
             or self.ratio_with > FAIL_RATIO * self.ratio_without)
 
