@@ -401,8 +401,9 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
         med_w = _median([o.ratio_without for o in g])
         med_m = _median([o.ratio_with for o in g])
         err = f" ERRORS {t.errors}" if t.errors else ""
+        lost = f"{_median(rb):.1f}" if rb else "-"
         print(f"{name:20} {t.runs:>4} {t.failed:>6} {t.saved:>3}/{t.failed:<3} {t.stopped:>7} "
-              f"{t.harmed:>6} {t.worse:>5} {len(rb):>3} {_median(rb):>6.1f} {med_w:>9.3f} "
+              f"{t.harmed:>6} {t.worse:>5} {len(rb):>3} {lost:>6} {med_w:>9.3f} "
               f"{med_m:>8.3f}  "
               f"{','.join(f'{k}:{v}' for k, v in sorted(types.items()))}{err}")
 
@@ -529,6 +530,23 @@ def cross_validate(by_cand: Mapping[str, Sequence[Outcome]], classes: Sequence[s
 
 
 # ---------------------------------------------------------------------------- main
+def report(rows: Sequence[dict[str, Any]], cands: Mapping[str, Any], classes: Sequence[str],
+           show_runs: bool) -> dict[str, Any]:
+    """Tables per candidate (and cross-validation when there are several); the summaries."""
+    by_cand = score(rows)
+    summaries = {}
+    for name in cands:
+        shown = json.dumps(cands[name], sort_keys=True) if cands[name] else "(preset policy)"
+        if show_runs:
+            print(f"\nruns of candidate {name} (ratios: final loss / counterfactual's)")
+            print_runs(by_cand[name])
+        summaries[name] = print_table(by_cand[name], classes,
+                                      f"candidate {name}: override {shown}")
+    if len(cands) > 1:
+        cross_validate(by_cand, classes)
+    return summaries
+
+
 def _parse_steps(text: str | None, default: Mapping[str, int]) -> dict[str, int]:
     out = dict(default)
     for part in (text or "").split(","):
@@ -552,7 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cv", default=None, help="JSON list of named policy overrides")
     ap.add_argument("--json", default=None, help="write every per-run row here")
     ap.add_argument("--runs", action="store_true", help="also print one line per monitored run")
+    ap.add_argument("--rescore", default=None, metavar="ROWS.json",
+                    help="print the tables of a --json file again, without training")
     a = ap.parse_args(argv)
+    if a.rescore:
+        saved = json.loads(Path(a.rescore).read_text())
+        report(saved["rows"], saved["candidates"], list(saved["classes"]), a.runs)
+        return 0
     t_start = time.perf_counter()
     size_steps, size_seeds, size_clean = SIZES["quick" if a.quick else "full"]
     steps = _parse_steps(a.steps, size_steps)
@@ -601,17 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     rows = run_all(jobs, a.workers)
     t_runs = time.perf_counter() - t_start
-    by_cand = score(rows)
-    summaries = {}
-    for name in cands:
-        shown = json.dumps(cands[name], sort_keys=True) if cands[name] else "(preset policy)"
-        if a.runs:
-            print(f"\nruns of candidate {name} (ratios: final loss / counterfactual's)")
-            print_runs(by_cand[name])
-        summaries[name] = print_table(by_cand[name], classes,
-                                      f"candidate {name}: override {shown}")
-    if len(cands) > 1:
-        cross_validate(by_cand, classes)
+    summaries = report(rows, cands, classes, a.runs)
     wall = time.perf_counter() - t_start
     print(f"\nruns took {t_runs:.0f} s wall ({sum(r['wall_s'] for r in rows):.0f} s of runs on "
           f"{a.workers} workers); total {wall:.0f} s")
