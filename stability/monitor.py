@@ -152,10 +152,12 @@ class Monitor:
         Preset name, ``.toml`` / ``.json`` path, dict or :class:`MonitorConfig`; ``None`` uses
         the ``default`` preset.
     event_log
-        Optional :class:`~stability.events.EventLog`: every alarm and intervention is appended.
+        Optional :class:`~stability.events.EventLog`: every alarm and intervention is appended
+        (default: the config's ``[event_log]``, none without a path).
     alert_sinks
-        Optional alert sinks (or an :class:`~stability.alerts.AlertRouter`): every
-        :class:`~stability.types.Alert` intervention is sent to them.
+        Alert sinks (or an :class:`~stability.alerts.AlertRouter`): every
+        :class:`~stability.types.Alert` intervention is sent to them (default: the config's
+        ``[alerts]`` -- a Python-logging sink unless ``log = false``; ``[]`` for none).
     on_alarm, on_intervention
         Optional handlers (one callable or a list); failures are contained unless strict.
     handler_timeout
@@ -179,9 +181,15 @@ class Monitor:
             _Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
         ]
         self.policy = _make_policy(self.config.policy)
-        self.event_log = event_log
-        self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else (
-            [] if alert_sinks is None else [alert_sinks])
+        from .alerts import event_log_from_config, sinks_from_config  # noqa: PLC0415
+        # config-driven by default: a logging sink unless ``[alerts] log = false``, and the
+        # ``[event_log]`` file when one is configured; explicit arguments win
+        self.event_log = event_log if event_log is not None else event_log_from_config(
+            self.config)
+        if alert_sinks is None:
+            alert_sinks = sinks_from_config(self.config)
+        self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else [
+            alert_sinks]
         from .handlers import HandlerRegistry  # noqa: PLC0415
         self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
         self._sink_failed: set[int] = set()
@@ -214,6 +222,8 @@ class Monitor:
         self._snap: Control | None = None  # copy of self.control shared by quiet decisions
         self._call_sets: dict[bytes, list[tuple[Any, Any, Any]]] = {}
         self._grad_slot = 0
+        self._lr_slot = 0
+        self._loss_slot = 0
         self._grad_hist: collections.deque[float] = collections.deque(maxlen=GRAD_HISTORY)
         self._grad_last: float | None = None
         self.last_step = -1
@@ -255,6 +265,9 @@ class Monitor:
         Detector statistics are kept (load a saved :meth:`state_dict` to restore them too).
         """
         self.last_step = int(step)
+        guard = getattr(self.policy, "guard", None)
+        if guard is not None:
+            guard.rewind()  # the scheduler went back too: not an LR jump
 
     # ------------------------------------------------------------------ name resolution
     def _lookup(self, raw: Any) -> int:
@@ -297,6 +310,10 @@ class Monitor:
             b.slots[j][i] = s
         if name == "grad_norm":
             self._grad_slot = s
+        elif name == "lr":
+            self._lr_slot = s
+        elif name == "loss":
+            self._loss_slot = s
         self._dirty = True
         return s
 
@@ -538,6 +555,7 @@ class Monitor:
             self._relayout()
         g = self._grad_slot
         gnow = float(self._vals[g]) if g and self._present[g] else None
+        tivs = self._track(s, self._vals, self._present)  # before gather_step clears them
         gidx, boff, soff, x_all, m_all, s_all, a_all, active = self._gather
         gather_step(self._vals, self._present, gidx, boff, soff, x_all, m_all, s_all, a_all,
                     active)
@@ -552,6 +570,8 @@ class Monitor:
             alarms = ivs = ()
             if self._policy_dirty:
                 self._policy_step(s, alarms, gnow)
+        if tivs:
+            ivs = tivs + tuple(ivs)
         if gnow is not None and math.isfinite(gnow):
             self._grad_hist.append(gnow)
             self._grad_last = gnow
@@ -586,6 +606,37 @@ class Monitor:
             self.policy.step(s, (), pc, None)
             self._policy_dirty = pc.lr_factor != 1.0 or pc.clip_norm is not None
         return ()
+
+    def _track(self, s: int, vals: np.ndarray, present: np.ndarray) -> tuple[Intervention, ...]:
+        """Hand the step's requested LR and loss to the policy (LR guard, loss tracker)."""
+        ls, lo = self._lr_slot, self._loss_slot
+        lr = float(vals[ls]) if ls and present[ls] else None
+        loss = float(vals[lo]) if lo and present[lo] else None
+        track = getattr(self.policy, "track", None)
+        if track is None or (lr is None and loss is None):
+            return ()
+        guard = self.policy.guard
+        was = guard.active
+        ivs = tuple(track(s, lr, loss, self._policy_control))
+        if ivs or was or guard.active:
+            self._snap = None
+            self._policy_dirty = True
+        return ivs
+
+    def rollback_failed(self, step: int, reason: str = "") -> None:
+        """The trainer could not carry out the rollback requested at ``step``.
+
+        The policy does not count it; the event log records it.
+        """
+        fn = getattr(self.policy, "rollback_failed", None)
+        if fn is not None:
+            fn(int(step))
+        if self.event_log is not None:
+            try:
+                self.event_log.append({"type": "rollback_refused", "step": int(step),
+                                       "reason": reason}, critical=True)
+            except Exception:  # bookkeeping never kills the run
+                logger.debug("could not record the refused rollback", exc_info=True)
 
     def _context(self, gnow: float | None) -> dict[str, Any]:
         ctx: dict[str, Any] = {"healthy_checkpoints": self.checkpoints}
@@ -724,6 +775,7 @@ class Monitor:
                 self._snap = None
             gnow = float(vals[t, g]) if g and pres[t, g] else None
             self.last_step = s
+            tivs = self._track(s, vals[t], pres[t])
             if any_alarm[t]:
                 alarms = self._make_alarms(s, [(b, o[0][t], o[1][t])
                                                for b, o in zip(self._bindings, outs, strict=True)])
@@ -731,6 +783,8 @@ class Monitor:
             else:
                 alarms = ()
                 ivs = self._policy_step(s, alarms, gnow) if self._policy_dirty else ()
+            if tivs:
+                ivs = tivs + tuple(ivs)
             if gnow is not None and math.isfinite(gnow):
                 self._grad_hist.append(gnow)
                 self._grad_last = gnow
@@ -779,6 +833,8 @@ class Monitor:
         self._slot_names += [str(x) for x in sd.get("slots", [])]
         self._slot_of = {n: i for i, n in enumerate(self._slot_names) if i > _SCRATCH}
         self._grad_slot = self._slot_of.get("grad_norm", 0)
+        self._lr_slot = self._slot_of.get("lr", 0)
+        self._loss_slot = self._slot_of.get("loss", 0)
         self._vals, self._present = empty_buffers(max(64, 2 * len(self._slot_names)))
         self.unbound = set(sd.get("unbound", []))
         for b, bd in zip(self._bindings, sd["bindings"], strict=True):

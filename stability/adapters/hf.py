@@ -6,42 +6,75 @@ Example::
     from stability.adapters.hf import StabilityTrainerCallback
     from stability.monitor import Monitor
 
-    trainer = Trainer(model=model, args=TrainingArguments("out", max_grad_norm=1.0),
-                      train_dataset=train, eval_dataset=val,
+    args = TrainingArguments("out", max_grad_norm=1.0, save_strategy="steps", save_steps=500)
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
                       callbacks=[StabilityTrainerCallback(Monitor("finetune"))])
-    trainer.train()
+    trainer.train()                                   # or train(resume_from_checkpoint=True)
 
 How it hooks in (transformers 4.4x / 5.x):
 
-* The Trainer clips gradients *before* ``on_pre_optimizer_step``, so the callback takes clipping
-  over (``take_over_clipping=True``, default): at ``on_train_begin`` it keeps
-  ``args.max_grad_norm`` and sets it to 0; in ``on_pre_optimizer_step`` it measures the
-  **pre-clip** gradient norms (global and per layer, fused, one host sync), asks the monitor and
-  clips the real gradients at the tighter of ``max_grad_norm`` and the monitor's clip. (With
-  DeepSpeed / FSDP, where the Trainer must clip, pass ``take_over_clipping=False``: norms are
-  then post-clip and ``logs["grad_norm"]`` from ``on_log`` is the pre-clip reference.)
-* The loss of each micro-batch is captured by a forward hook on the model (``outputs.loss``),
-  averaged over gradient accumulation.
-* A skipped step drops the gradients (the optimizer step changes nothing); the scheduler still
-  advances. The LR multiplier survives the scheduler (optimizer step pre/post hooks).
-* ``on_step_end``: checkpoints and rollback (model, optimizer, scheduler restored in place), and
-  the monitor's requests mapped onto ``TrainerControl``: ``should_save`` for an emergency
-  checkpoint, ``should_training_stop`` for a stop (reason in :attr:`stopped`).
-* ``on_evaluate``: ``metrics["eval_loss"]`` joins the next step's signals.
+* **Clipping.** The Trainer clips *before* ``on_pre_optimizer_step``, which would hide the
+  pre-clip gradient norm. With ``take_over_clipping=True`` (default) the callback sets
+  ``args.max_grad_norm`` to 0 only between ``on_step_begin`` and ``on_step_end`` (forward,
+  backward, optimizer step) and puts the user's value back before anything is logged, evaluated
+  or saved, so ``training_args.bin`` and ``trainer.args`` always hold the user's value. In
+  ``on_pre_optimizer_step`` it measures the pre-clip norms (global and per layer, one host sync),
+  asks the monitor and clips at the tighter of ``max_grad_norm`` and the monitor's clip. (With
+  DeepSpeed / FSDP, where the Trainer must clip, pass ``take_over_clipping=False``.)
+* **State.** The callback is an :class:`~transformers.trainer_callback.ExportableState`: its
+  guard and monitor state are written into every checkpoint's ``trainer_state.json`` and read back
+  by ``trainer.train(resume_from_checkpoint=...)`` (warm-ups do not restart; the run goes on with
+  the decisions an uninterrupted run would make).
+* **Checkpoints.** Rollback targets are the Trainer's own checkpoints (``save_strategy`` /
+  ``save_steps``, or every ``checkpoint_every`` steps): each HF save at a healthy step is
+  registered with the monitor's checkpoint ledger, and a rollback restores model, optimizer and
+  scheduler from that ``checkpoint-N`` directory. An emergency checkpoint requested by the
+  monitor is an ordinary HF save (``control.should_save``), so it resumes with HF's tools. No
+  checkpoint is ever written on a step whose weights are non-finite or were just rolled back: a
+  save due then is cancelled (logged). In-memory copies only with ``memory_checkpoint_every``,
+  bounded by ``memory_limit_mb``.
+* **Steps after a rollback.** ``state.global_step`` counts optimizer iterations (HF's budget:
+  ``max_steps``, logging, eval and save cadence, checkpoint names) and never goes back. The
+  guard's step (the monitor's step, and the position of the restored LR scheduler) goes back to
+  the checkpoint's step + 1. Always ``state.global_step == guard.step_count + guard.steps_lost``
+  (:attr:`StabilityTrainerCallback.guard`); the steps lost to a rollback come out of
+  ``max_steps``, so the schedule does not reach its end.
+* **Feedback.** ``on_log`` adds ``stability/*`` keys to HF's training logs (they reach
+  ``log_history``, TensorBoard and W&B: the callback moves itself before the reporting callbacks)
+  and rewrites ``learning_rate`` to the *effective* LR (scheduler LR x the monitor's factor) while
+  a cut is active; ``stability/lr_factor`` says by how much. Every acting intervention is logged
+  (logger ``stability.adapters``, WARNING).
+* The loss of each micro-batch is captured by a forward hook on the model (``outputs.loss``) and
+  averaged over gradient accumulation; ``metrics["eval_loss"]`` from ``on_evaluate`` joins the
+  next step's signals. A skipped step drops the gradients (the optimizer changes nothing; the
+  scheduler still advances).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import sys
+import time
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
 from .interventions import TrainingStopped
-from .torch import TorchGuard
+from .torch import TorchGuard, find_ledger
+from .trainer_support import TrainerCheckpointStore, params_finite
 
-__all__ = ["StabilityTrainerCallback"]
+__all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
+
+log = logging.getLogger("stability.adapters")
+
+STATE_VERSION = 1
+_LIVE: weakref.WeakSet[StabilityTrainerCallback] = weakref.WeakSet()
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -55,47 +88,162 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return None
 
 
-class StabilityTrainerCallback(TrainerCallback):  # type: ignore[misc]
+def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
+                       scheduler: Any = None) -> None:
+    """Restore model, optimizer and scheduler in place from an HF ``checkpoint-N`` directory.
+
+    Weights tied to another parameter (``lm_head`` / ``wte``) are absent from HF's files and come
+    back with their source; any other missing or unexpected key raises ``KeyError``.
+    """
+    st = os.path.join(path, "model.safetensors")
+    if os.path.exists(st):
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        sd = load_file(st)
+    else:
+        sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
+                        weights_only=True)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    named = model.state_dict()
+    loaded = {v.data_ptr() for k, v in named.items() if k in sd}
+    bad = [k for k in missing if named[k].data_ptr() not in loaded]  # tied weights are fine
+    if bad or unexpected:
+        raise KeyError(f"checkpoint {path} does not match the model: missing {bad}, "
+                       f"unexpected {list(unexpected)}")
+    if optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
+        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"),
+                                             map_location="cpu", weights_only=False))
+    if scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
+        scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"),
+                                             map_location="cpu", weights_only=False))
+
+
+def _callback_handler() -> CallbackHandler | None:
+    """The Trainer's :class:`CallbackHandler` that is calling us (found on the call stack)."""
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return None
+        owner = f.f_locals.get("self")
+        if isinstance(owner, CallbackHandler):
+            return owner
+        f = f.f_back
+    return None
+
+
+class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
     """Measure, decide and act on the Trainer's model, optimizer and scheduler.
 
     Parameters
     ----------
-    monitor : Monitor
+    monitor : Monitor, optional
+        The monitor (default: ``Monitor()`` with the default preset).
     take_over_clipping : bool
         Clip in the callback (pre-clip norms measured) instead of the Trainer.
-    checkpoint_dir : path-like, optional
-        Where the guard's own rollback checkpoints go (``None`` = in memory).
+    checkpoint_every : int
+        Ask the Trainer for a checkpoint (``control.should_save``) every this many steps at a
+        healthy step, on top of its own ``save_steps`` (0 = only the Trainer's own schedule).
+    memory_checkpoint_every : int
+        Also keep an in-memory copy every this many healthy steps (0 = never).
+    memory_limit_mb : float
+        Budget for in-memory copies; a copy that does not fit is refused (logged).
     **guard_kwargs
-        More :class:`~stability.adapters.torch.TorchGuard` arguments.
+        More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
+        ``update_ratio_every``, ``layer_depth``, ``recorder``, ...).
+
+    Attributes
+    ----------
+    guard : TorchGuard or None
+        The guard acting on the Trainer's objects (created at ``on_train_begin``).
+    stopped : TrainingStopped or None
+        Why the monitor stopped the run (``control.should_training_stop`` was set).
+    cancelled_saves : list of int
+        ``state.global_step`` of the saves cancelled because the weights were bad.
     """
 
-    def __init__(self, monitor: Any, *, take_over_clipping: bool = True,
-                 checkpoint_dir: str | os.PathLike[str] | None = None,
+    def __new__(cls, *args: Any, **kwargs: Any) -> StabilityTrainerCallback:
+        # ``restore_callback_states_from_checkpoint=True`` makes HF rebuild callbacks from
+        # ``state()["args"]``; give it back the live, not yet started callback instead of a
+        # monitor-less copy (the user's monitor, sinks and handlers are kept).
+        if kwargs.get("restored_by_trainer"):
+            live = [c for c in list(_LIVE) if type(c) is cls and not c._started]
+            if len(live) == 1:
+                return live[0]
+        return super().__new__(cls)  # type: ignore[no-any-return]
+
+    def __init__(self, monitor: Any = None, *, take_over_clipping: bool = True,
+                 checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
+                 memory_limit_mb: float = 256.0, restored_by_trainer: bool = False,
                  **guard_kwargs: Any) -> None:
+        if restored_by_trainer and getattr(self, "_initialised", False):
+            return  # the live instance handed back by __new__
+        if checkpoint_every < 0 or memory_checkpoint_every < 0:
+            raise ValueError("The 'checkpoint_every' and 'memory_checkpoint_every' parameters of "
+                             "StabilityTrainerCallback must be ints in the range [0, inf). Got "
+                             f"{checkpoint_every} and {memory_checkpoint_every} instead.")
         self.monitor = monitor
         self.take_over_clipping = take_over_clipping
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = int(checkpoint_every)
+        self.memory_checkpoint_every = int(memory_checkpoint_every)
         self.guard_kwargs = guard_kwargs
+        self.store = TrainerCheckpointStore(
+            load_hf_checkpoint, memory_limit_bytes=int(memory_limit_mb * 2**20))
         self.guard: TorchGuard | None = None
         self.stopped: TrainingStopped | None = None
+        self.cancelled_saves: list[int] = []
         self.last_logged_grad_norm: float | None = None
+        self.overhead_s = 0.0
+        self.overhead_steps = 0
+        self._args: Any = None
+        self._user_clip = 0.0
         self._hook: Any = None
         self._losses: list[torch.Tensor] = []
+        self._pending_val: float | None = None
+        self._last_lr = float("nan")
+        self._last_factor = 1.0
         self._checked = False
+        self._started = False
+        self._global_step = 0
+        self._save_reason: str | None = None
+        self._save_healthy = True
+        self._registered: set[int] = set()
+        self._initialised = True
+        _LIVE.add(self)
 
+    # ------------------------------------------------------------------ setup / teardown
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._started = True
+        self._args = args
+        self._user_clip = float(args.max_grad_norm or 0.0)
+        self._place_before_loggers()
         model, opt, sched = kw.get("model"), kw.get("optimizer"), kw.get("lr_scheduler")
         if model is None or opt is None:
             return
-        clip = None
-        if self.take_over_clipping and args.max_grad_norm and args.max_grad_norm > 0:
-            clip = float(args.max_grad_norm)
-            args.max_grad_norm = 0.0
+        saved = self._saved_state(state) if state.global_step > 0 else None
+        if self.monitor is None:
+            from ..monitor import Monitor  # noqa: PLC0415
+
+            mon_sd = (saved or {}).get("guard", {}).get("monitor") or {}
+            self.monitor = Monitor(mon_sd.get("config"))
+        carried = None
+        if self.guard is not None:  # a second train() in this process: the run goes on
+            carried = self.guard.state_dict()
+            self.guard.detach()
+        if self._hook is not None:
+            self._hook.remove()
         inner = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer
-        kwargs: dict[str, Any] = {"raise_on_stop": False, "checkpoint_dir": self.checkpoint_dir,
-                  "clip_norm": clip}
+        clip = self._user_clip if self.take_over_clipping and self._user_clip > 0 else None
+        kwargs: dict[str, Any] = {"raise_on_stop": False, "clip_norm": clip,
+                                  "checkpoint_every": self.memory_checkpoint_every,
+                                  "scaler": getattr(opt, "scaler", None)}  # fp16 GradScaler
         kwargs.update(self.guard_kwargs)
         self.guard = TorchGuard(model, inner, sched, self.monitor, **kwargs)
+        self.guard.store = self.store  # rollbacks restore HF's own checkpoints
+        self.store.on_drop = self.guard._forget_checkpoint
+        if saved is not None:
+            self._load(saved, state.global_step)
+        elif carried is not None:
+            self.guard.load_state_dict(carried)
 
         def hook(module: Any, inputs: Any, output: Any) -> None:
             if module.training:
@@ -105,46 +253,196 @@ class StabilityTrainerCallback(TrainerCallback):  # type: ignore[misc]
 
         self._hook = model.register_forward_hook(hook)
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self.guard is None:
+    def _place_before_loggers(self) -> None:
+        """Run right after HF's flow callback, so ``on_log`` edits reach TensorBoard / W&B."""
+        handler = _callback_handler()
+        if handler is None or self not in handler.callbacks:
+            log.info("StabilityTrainerCallback: Trainer callback list not found; stability/* "
+                     "keys reach log_history but only the callbacks after this one")
             return
-        loss = torch.stack(self._losses).mean() if self._losses else None
-        self._losses = []
-        self.guard.check(loss)
-        self._checked = True
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
-        if self.guard is None or not self._checked:
-            return control
-        self._checked = False
-        ctl = self.guard.control
-        self.guard.finish()
-        if ctl.save_checkpoint:
-            control.should_save = True
-        if self.guard.stopped is not None and self.stopped is None:
-            self.stopped = self.guard.stopped
-        if self.stopped is not None:
-            control.should_training_stop = True
-        return control
-
-    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None,
-                    **kw: Any) -> None:
-        if self.guard is not None and metrics and "eval_loss" in metrics:
-            self.guard.validation(float(metrics["eval_loss"]))
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-        if logs and "grad_norm" in logs:
-            self.last_logged_grad_norm = float(logs["grad_norm"])
+        cbs = handler.callbacks  # moving an item to an earlier index keeps iteration intact
+        cbs.remove(self)
+        at = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
+        cbs.insert(at, self)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._restore_args()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         if self.guard is not None:
             self.guard.detach()
 
-    def state_dict(self) -> dict[str, Any]:
-        """Guard and monitor state (``"version"`` key)."""
+    # ------------------------------------------------------------------ per step
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.guard is not None and self.take_over_clipping and self._user_clip > 0:
+            args.max_grad_norm = 0.0  # until on_step_end: nothing is saved in between
+
+    def _restore_args(self) -> None:
+        if self._args is not None and self.take_over_clipping and self._user_clip > 0:
+            self._args.max_grad_norm = self._user_clip
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.guard is None:
+            return
+        t0 = time.perf_counter()
+        loss = torch.stack(self._losses).mean() if self._losses else None
+        self._losses = []
+        metrics: dict[str, float] = {}
+        if self._pending_val is not None:
+            metrics["val_loss"] = self._pending_val
+            self._pending_val = None
+        self.guard.check(loss, metrics or None)
+        self._checked = True
+        self._last_lr = self.guard.multiplier.base_lrs()[0]
+        self._last_factor = float(self.guard.multiplier.factor)
+        self.overhead_s += time.perf_counter() - t0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        self._restore_args()
+        self._global_step = int(state.global_step)
+        guard = self.guard
+        if guard is None or not self._checked:
+            return control
+        t0 = time.perf_counter()
+        self._checked = False
+        ctl = guard.control
+        emergency = ctl.save_checkpoint
+        if emergency:  # written by HF below, never as a copy of possibly bad weights
+            guard.control = dataclasses.replace(ctl, save_checkpoint=False)
+        rollbacks = guard.rollbacks
+        guard.finish()
+        rolled = guard.rollbacks > rollbacks
+        if guard.stopped is not None and self.stopped is None:
+            self.stopped = guard.stopped
+        if self.stopped is not None:
+            control.should_training_stop = True
+        due = bool(self.checkpoint_every) and guard.step_count % self.checkpoint_every == 0
+        if control.should_save or emergency or due:
+            self._decide_save(control, state, rolled, emergency, ctl.checkpoint_reason)
+        self.overhead_s += time.perf_counter() - t0
+        self.overhead_steps += 1
+        return control
+
+    def _decide_save(self, control: Any, state: Any, rolled: bool, emergency: bool,
+                     why: str) -> None:
+        guard = self.guard
+        assert guard is not None
+        bad = "rolled back" if rolled else (
+            "" if params_finite(guard.model.parameters()) else "non-finite weights")
+        if bad:
+            if control.should_save or emergency:
+                log.warning("stability: checkpoint at trainer step %d cancelled (%s)",
+                            state.global_step, bad)
+                self.cancelled_saves.append(int(state.global_step))
+            control.should_save = False
+            return
+        control.should_save = True
+        guard.multiplier.restore()  # optimizer.pt holds the scheduler's LR; shown again on_save
+        healthy = guard.healthy and not emergency
+        reason = f"emergency: {why}" if emergency else "trainer"
+        self._register(state, healthy, reason)
+
+    def _register(self, state: Any, healthy: bool, reason: str) -> None:
+        """Register the checkpoint HF writes for this step (before ``state()`` is taken)."""
+        guard = self.guard
+        if guard is None or self._args is None or state.global_step in self._registered:
+            return
+        self._registered.add(int(state.global_step))
+        path = os.path.join(self._args.output_dir, f"checkpoint-{state.global_step}")
+        step = guard.step_count - 1
+        self.store.add(step, path, healthy=healthy, reason=reason)
+        led = find_ledger(self.monitor)
+        if led is not None:
+            led.add(step, path, healthy=healthy, reason=reason, covers_step=step)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        # saves this callback did not foresee (save_strategy="best", end of training)
+        if self.guard is not None and state.global_step not in self._registered:
+            self._register(state, self.guard.healthy, "trainer")
         if self.guard is not None:
-            return self.guard.state_dict()
-        return {"version": 1, "monitor": self.monitor.state_dict()}
+            self.guard.multiplier.show()  # between steps the groups show the LR applied
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None,
+                    **kw: Any) -> None:
+        if metrics and "eval_loss" in metrics:
+            self._pending_val = float(metrics["eval_loss"])
+
+    # ------------------------------------------------------------------ feedback
+    def feedback(self) -> dict[str, float]:
+        """The ``stability/*`` metrics added to HF's training logs.
+
+        :meth:`TorchGuard.metrics` (:mod:`stability.feedback` keys: LR factor, clip, level,
+        alarms, detector scores, interventions by type, goodput counters, AMP overflows), with
+        ``lr_effective`` / ``lr_base`` / ``lr_factor`` of the *last* optimizer step (what HF's
+        ``learning_rate`` refers to) and ``stability/step``, the guard's step.
+        """
+        g = self.guard
+        if g is None:
+            return {}
+        out = g.metrics()
+        out["stability/lr_factor"] = self._last_factor
+        out["stability/lr_base"] = float(self._last_lr)
+        out["stability/lr_effective"] = float(self._last_lr * self._last_factor)
+        out["stability/step"] = float(g.step_count)
+        return out
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        if not logs:
+            return
+        if "grad_norm" in logs:
+            self.last_logged_grad_norm = float(logs["grad_norm"])
+        if self.guard is None or "learning_rate" not in logs:
+            return  # evaluation / summary logs
+        extra = self.feedback()
+        extra["learning_rate"] = float(logs["learning_rate"]) * self._last_factor
+        logs.update(extra)
+        hist = state.log_history[-1] if state.log_history else None
+        if hist is not None and hist is not logs and hist.get("step") == state.global_step:
+            hist.update(extra)  # HF appended its copy before calling on_log
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Guard, monitor and checkpoint-registry state (JSON data, ``"version"`` key)."""
+        if self.guard is not None:
+            guard_sd: dict[str, Any] = self.guard.state_dict()
+        else:
+            mon = self.monitor
+            guard_sd = {"version": 1, "monitor": mon.state_dict() if mon is not None else None}
+        return {"version": STATE_VERSION, "guard": guard_sd, "store": self.store.state_dict(),
+                "pending_val": self._pending_val, "global_step": self._global_step,
+                "registered": sorted(self._registered)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (before or after ``on_train_begin``)."""
+        self._load(sd, None)
+
+    def _load(self, sd: Mapping[str, Any], global_step: int | None) -> None:
+        saved_gs = int(sd.get("global_step", -1))
+        if global_step is not None and saved_gs >= 0 and saved_gs != global_step:
+            log.warning("stability: callback state is from trainer step %d, resuming at %d",
+                        saved_gs, global_step)
+        g = dict(sd.get("guard", {}))
+        if self.guard is not None:
+            self.guard.load_state_dict(g)
+        elif g.get("monitor") is not None and self.monitor is not None:
+            self.monitor.load_state_dict(g["monitor"])
+        self.store.load_state_dict(sd.get("store", {}))
+        pv = sd.get("pending_val")
+        self._pending_val = None if pv is None else float(pv)
+        self._global_step = max(saved_gs, 0)
+        self._registered = set(int(x) for x in sd.get("registered", []))
+
+    def _saved_state(self, state: Any) -> dict[str, Any] | None:
+        data = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
+        if isinstance(data, list):
+            data = data[0] if data else None
+        if not isinstance(data, Mapping):
+            return None
+        out = dict(data.get("attributes", {})).get("stability_state")
+        return dict(out) if isinstance(out, Mapping) else None
+
+    def state(self) -> dict[str, Any]:
+        """``ExportableState``: written into ``trainer_state.json`` with every checkpoint."""
+        return {"args": {"restored_by_trainer": True},
+                "attributes": {"stability_state": self.state_dict()}}

@@ -22,6 +22,7 @@ torch is imported here at module level: this module is only imported through
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import tempfile
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger("stability.adapters")
 
 __all__ = [
     "CheckpointStore",
@@ -81,12 +84,24 @@ class LRMultiplier:
     """Hold an LR multiplier on top of whatever the scheduler sets.
 
     Writing ``param_groups[i]["lr"]`` once is undone by the next ``LambdaLR.step()`` (and
-    compounds with recursive schedulers such as ``StepLR``). Instead the multiplier is applied
-    inside ``optimizer.step()`` only: a step pre-hook scales each group's LR by ``factor`` and a
-    post-hook writes the scheduler's value back. The scheduler therefore always reads and writes
-    its own, unscaled values, and the update uses ``scheduler LR * factor``.
+    compounds with recursive schedulers such as ``StepLR``). Instead the multiplier keeps the
+    scheduler's own value (the *base*) per group and writes ``base * factor`` only while it
+    matters:
 
-    A value changed between steps by anyone (scheduler, user) is taken as the new base.
+    * an optimizer step pre-hook writes ``base * factor`` (the update uses the effective LR) and a
+      post-hook writes the base back, so a scheduler stepped right after the optimizer reads and
+      writes its own, unscaled values -- no compounding, nothing undone by ``scheduler.step()``;
+    * :meth:`show` (the guard calls it at the end of every step) writes ``base * factor`` again,
+      so *between* steps ``param_groups[i]["lr"]`` shows the LR really applied and the user's own
+      LR logging is right.
+
+    A value changed by anyone else (scheduler, user) is taken as the new base.  When the group
+    showed a cut value and the ``scheduler`` given here stepped once meanwhile (a per-epoch
+    scheduler stepped outside the guard), the new base is what the scheduler computes from the
+    *base* (``get_lr()`` evaluated on the base values), so a recursive scheduler (``StepLR``,
+    ``ExponentialLR``, ``CosineAnnealingLR``) does not compound the cut; closed-form ones
+    (``LambdaLR``, ``OneCycleLR``) give their own value anyway.  ``ReduceLROnPlateau`` (no
+    ``get_lr``) is treated as recursive.
 
     Parameters
     ----------
@@ -94,6 +109,8 @@ class LRMultiplier:
         The optimizer whose groups are scaled.
     factor : float
         Initial multiplier (1.0 = untouched).
+    scheduler : LR scheduler, optional
+        The scheduler of the optimizer, used only to resolve the case above.
 
     Examples
     --------
@@ -106,18 +123,25 @@ class LRMultiplier:
     >>> p.grad = torch.ones(1); opt.step(); sched.step()
     >>> round(p.item(), 6), opt.param_groups[0]["lr"]  # stepped with 0.1; scheduler value kept
     (-0.1, 1.0)
+    >>> mult.show(); opt.param_groups[0]["lr"]  # between steps: the effective LR
+    0.1
     >>> p.grad = torch.ones(1); opt.step(); sched.step()
     >>> round(p.item(), 6)  # LambdaLR.step() did not undo the factor
     -0.2
-    >>> mult.remove()
+    >>> mult.remove(); opt.param_groups[0]["lr"]
+    1.0
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, factor: float = 1.0) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: float = 1.0,
+                 scheduler: Any = None) -> None:
         self.optimizer = optimizer
         self.factor = float(factor)
+        self.scheduler = scheduler
         n = len(optimizer.param_groups)
         self._base: list[float] = [float(g["lr"]) for g in optimizer.param_groups]
         self._written: list[float | None] = [None] * n
+        self._written_factor: list[float] = [1.0] * n
+        self._sched_epoch = self._epoch()
         self._pre = optimizer.register_step_pre_hook(self._on_pre_step)
         self._post = optimizer.register_step_post_hook(self._on_post_step)
 
@@ -128,26 +152,82 @@ class LRMultiplier:
     def _on_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.restore()
 
-    def apply(self) -> None:
-        """Scale every group's LR by ``factor`` (called right before the optimizer step)."""
+    def _epoch(self) -> int | None:
+        e = getattr(self.scheduler, "last_epoch", None)
+        return e if isinstance(e, int) else None
+
+    def _sync(self) -> None:
+        """Take values written by someone else as the new bases (see the class docstring)."""
         groups = self.optimizer.param_groups
         if len(self._base) != len(groups):  # groups added with add_param_group
             self._base = [float(g["lr"]) for g in groups]
             self._written = [None] * len(groups)
-        for i, g in enumerate(groups):
-            lr = g["lr"]
-            if self._written[i] is None or lr != self._written[i]:
-                self._base[i] = float(lr)  # the scheduler (or user) set a new value
-            if self.factor != 1.0:
-                g["lr"] = _set_like(lr, self._base[i] * self.factor)
+            self._written_factor = [1.0] * len(groups)
+        changed = [i for i, g in enumerate(groups)
+                   if self._written[i] is None or g["lr"] != self._written[i]]
+        if not changed:
+            return
+        epoch = self._epoch()
+        scaled = [i for i in changed
+                  if self._written[i] is not None and self._written_factor[i] != 1.0]
+        from_sched: list[float] | None = None
+        if scaled and epoch is not None and self._sched_epoch is not None \
+                and epoch == self._sched_epoch + 1:
+            from_sched = self._scheduler_from_base()
+        for i in changed:
+            lr = float(groups[i]["lr"])
+            if i in scaled and from_sched is not None and i < len(from_sched):
+                self._base[i] = from_sched[i]
+            elif i in scaled and from_sched is None and _is_plateau(self.scheduler) \
+                    and epoch != self._sched_epoch:
+                self._base[i] = lr / self._written_factor[i]
+            else:
+                self._base[i] = lr
+            self._written[i] = None
+
+    def _scheduler_from_base(self) -> list[float] | None:
+        """``scheduler.get_lr()`` evaluated with the groups at their bases (``None``: n/a)."""
+        sched = self.scheduler
+        if sched is None or _is_plateau(sched) or not hasattr(sched, "get_lr"):
+            return None
+        groups = self.optimizer.param_groups
+        now = [g["lr"] for g in groups]
+        flag = getattr(sched, "_get_lr_called_within_step", None)
+        try:
+            for g, b in zip(groups, self._base, strict=False):
+                g["lr"] = _set_like(g["lr"], b)
+            if flag is not None:
+                sched._get_lr_called_within_step = True
+            return [float(v) for v in sched.get_lr()]
+        except Exception:  # noqa: BLE001 - fall back to taking the written value
+            return None
+        finally:
+            if flag is not None:
+                sched._get_lr_called_within_step = flag
+            for g, v in zip(groups, now, strict=False):
+                g["lr"] = v
+
+    def _write(self, factor: float) -> None:
+        for i, g in enumerate(self.optimizer.param_groups):
+            if factor != 1.0 or self._written[i] is None or g["lr"] != self._base[i]:
+                g["lr"] = _set_like(g["lr"], self._base[i] * factor)
             self._written[i] = float(g["lr"])
+            self._written_factor[i] = factor
+        self._sched_epoch = self._epoch()
+
+    def apply(self) -> None:
+        """Write ``base * factor`` into every group (right before the optimizer step)."""
+        self._sync()
+        self._write(self.factor)
+
+    def show(self) -> None:
+        """Write the effective LR for display between steps (same as :meth:`apply`)."""
+        self.apply()
 
     def restore(self) -> None:
         """Write the scheduler's own LR back (called right after the optimizer step)."""
-        for i, g in enumerate(self.optimizer.param_groups[: len(self._base)]):
-            if self._written[i] is not None and g["lr"] == self._written[i]:
-                g["lr"] = _set_like(g["lr"], self._base[i])
-                self._written[i] = self._base[i]
+        self._sync()
+        self._write(1.0)
 
     def base_lrs(self) -> list[float]:
         """The scheduler's LR per group (what it would be without the multiplier)."""
@@ -163,11 +243,33 @@ class LRMultiplier:
         """The LR the next optimizer step will use, per group."""
         return [lr * self.factor for lr in self.base_lrs()]
 
+    def state_dict(self) -> dict[str, Any]:
+        """Factor, bases and the values last written (JSON data, ``"version"`` key)."""
+        return {"version": 1, "factor": self.factor, "base": list(self._base),
+                "written": list(self._written), "written_factor": list(self._written_factor)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`: an optimizer state saved while the groups showed a cut
+        LR (between steps) is recognised, so the cut does not compound on resume."""
+        self.factor = float(sd.get("factor", self.factor))
+        base = [float(x) for x in sd.get("base", [])]
+        if len(base) != len(self.optimizer.param_groups):
+            return
+        written = list(sd.get("written", [None] * len(base)))
+        self._base = base
+        self._written = [None if w is None else float(w) for w in written]
+        self._written_factor = [float(x) for x in sd.get("written_factor", [1.0] * len(base))]
+        self._sched_epoch = self._epoch()
+
     def remove(self) -> None:
         """Detach the hooks (the groups keep the scheduler's values)."""
         self.restore()
         self._pre.remove()
         self._post.remove()
+
+
+def _is_plateau(sched: Any) -> bool:
+    return type(sched).__name__ == "ReduceLROnPlateau"
 
 
 def _set_like(old: Any, value: float) -> Any:
@@ -377,13 +479,20 @@ class CheckpointStore:
     directory : path-like or None
         Where files ``step-<N>[-rank<r>].pt`` go; ``None`` keeps CPU copies in memory.
     keep : int
-        How many checkpoints to retain (older ones are deleted); healthy ones are preferred.
+        How many *healthy* checkpoints to retain (older ones are deleted).  Emergency
+        (unhealthy) checkpoints never evict a healthy one: only the newest of them is kept, on
+        top of ``keep``.  Steps passed as ``protect`` to :meth:`save` (the rollback target of an
+        open episode) are never deleted.
     rank : int
         Suffix for per-rank files in distributed runs (``-1`` = no suffix).
+    on_drop : callable, optional
+        ``on_drop(step)`` after a checkpoint is deleted (e.g. to forget it in the ledger, so a
+        rollback is never planned onto a deleted checkpoint).
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str] | None = None, keep: int = 4, rank: int = -1
+        self, directory: str | os.PathLike[str] | None = None, keep: int = 4, rank: int = -1,
+        on_drop: Any = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"The 'keep' parameter of CheckpointStore must be >= 1. Got {keep}.")
@@ -392,6 +501,7 @@ class CheckpointStore:
         self.rank = int(rank)
         self.entries: dict[int, SavedCheckpoint] = {}
         self._memory: dict[int, dict[str, Any]] = {}
+        self.on_drop = on_drop
 
     def _path(self, step: int) -> Path | None:
         if self.directory is None:
@@ -401,8 +511,12 @@ class CheckpointStore:
 
     def save(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, *, step: int,
              data_position: int, healthy: bool, reason: str = "",
-             monitor_state: Mapping[str, Any] | None = None) -> SavedCheckpoint:
-        """Take a checkpoint and register it; returns its entry."""
+             monitor_state: Mapping[str, Any] | None = None,
+             protect: Iterable[int] = ()) -> SavedCheckpoint:
+        """Take a checkpoint and register it; returns its entry.
+
+        ``protect``: steps whose checkpoints retention must not delete now.
+        """
         path = self._path(step)
         snap = save_checkpoint(path, model, optimizer, scheduler, step=step,
                                data_position=data_position, monitor_state=monitor_state,
@@ -412,18 +526,16 @@ class CheckpointStore:
         entry = SavedCheckpoint(step, data_position, healthy, reason,
                                 None if path is None else str(path))
         self.entries[step] = entry
-        self._prune()
+        self._prune(protect)
         return entry
 
-    def _prune(self) -> None:
-        if len(self.entries) <= self.keep:
-            return
+    def _prune(self, protect: Iterable[int] = ()) -> None:
         steps = sorted(self.entries)
         healthy = [s for s in steps if self.entries[s].healthy]
-        # keep the newest `keep` entries, but never drop the newest healthy one
-        keep = set(steps[-self.keep:])
-        if healthy:
-            keep.add(healthy[-1])
+        unhealthy = [s for s in steps if not self.entries[s].healthy]
+        keep = {s for s in protect if s in self.entries}
+        keep.update(healthy[-self.keep:])
+        keep.update(unhealthy[-1:])
         for s in steps:
             if s not in keep:
                 self.drop(s)
@@ -434,6 +546,11 @@ class CheckpointStore:
         self._memory.pop(step, None)
         if entry is not None and entry.path and os.path.exists(entry.path):
             os.unlink(entry.path)
+        if entry is not None and self.on_drop is not None:
+            try:
+                self.on_drop(step)
+            except Exception:  # bookkeeping must never kill the run
+                log.debug("on_drop(%s) failed", step, exc_info=True)
 
     def latest_healthy(self, at_or_before: int | None = None) -> SavedCheckpoint | None:
         """Newest healthy checkpoint at or before a step (``None`` if there is none)."""

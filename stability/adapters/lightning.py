@@ -9,29 +9,49 @@ Example::
     trainer = L.Trainer(max_steps=10_000, gradient_clip_val=1.0,
                         callbacks=[StabilityCallback(Monitor("llm_pretrain"))])
     trainer.fit(model, train_loader, val_loader)   # log "val_loss" in validation_step
+    trainer.fit(model, train_loader, val_loader, ckpt_path="last.ckpt")   # resume: state kept
 
 Hooks used (Lightning 2.x, automatic optimisation, one optimizer):
 
-* ``on_before_backward`` -- the loss of each micro-batch (averaged over gradient accumulation);
-* ``on_before_optimizer_step`` -- runs *before* Lightning's own gradient clipping: measures the
-  pre-clip gradient norms (global and per layer) and the other signals in one host sync, asks
-  the monitor, then acts: the monitor's clip norm is applied to the real gradients, the LR
-  multiplier is set (it survives the scheduler, see
-  :class:`~stability.adapters.interventions.LRMultiplier`), and a skipped step drops the
-  gradients (``p.grad = None``) so the optimizer step changes nothing;
-* ``on_train_batch_end`` -- checkpoints, rollback (model, optimizer and scheduler restored in
-  place; the dataloader is not rewound, so the batches after the bad ones are simply new data),
-  and a stop request sets ``trainer.should_stop`` (the reason is kept in :attr:`stopped`);
+* ``on_before_backward`` -- the loss of each micro-batch (unscaled again under fp16 AMP, where
+  Lightning passes the scaled loss; the mean over gradient accumulation);
+* ``on_before_optimizer_step`` -- runs *before* Lightning's own gradient clipping (and after its
+  AMP unscale): measures the pre-clip gradient norms (global and per layer) and the other signals
+  in one host sync, asks the monitor, then acts: clip, LR multiplier (it survives the scheduler,
+  see :class:`~stability.adapters.interventions.LRMultiplier`), skipped step (``p.grad = None``:
+  the optimizer step changes nothing). A ``GradScaler`` overflow step is information
+  (``amp_overflow``, ``loss_scale``), never a NaN alarm (see :mod:`stability.adapters.amp`);
+* ``on_train_batch_end`` -- rollback (model, optimizer and scheduler restored in place from one
+  of the callback's checkpoints; the dataloader is not rewound: the batches after the bad ones
+  are simply new data), checkpoints, a stop request sets ``trainer.should_stop`` (the reason is
+  kept in :attr:`StabilityCallback.stopped`), and the ``stability/*`` metrics go to
+  ``pl_module.log_dict`` (every logger: CSV, TensorBoard, W&B);
 * ``on_validation_end`` -- ``trainer.callback_metrics["val_loss"]`` joins the next step's signals;
-* ``state_dict`` / ``load_state_dict`` -- the guard and the monitor state travel in Lightning's
-  checkpoints (``"version"`` key; fields added later fall back to defaults).
+* ``on_exception`` -- removes the guard's LR and activation hooks when ``fit`` raises;
+* ``state_dict`` / ``load_state_dict`` under :attr:`StabilityCallback.state_key` -- the guard and
+  monitor state travel in every Lightning checkpoint, so ``fit(..., ckpt_path=...)`` goes on with
+  the decisions of an uninterrupted run.
 
-The scheduler is stepped by Lightning even on skipped steps.
+Checkpoints are Lightning checkpoints written with ``trainer.save_checkpoint`` (they resume with
+``ckpt_path=``): every ``checkpoint_every`` healthy steps into ``checkpoint_dir`` (default
+``<default_root_dir>/stability-checkpoints``, ``keep_checkpoints`` kept), and an emergency one
+when the monitor asks, never on a step whose weights are non-finite or were just rolled back.
+In-memory copies only with ``in_memory=True``, bounded by ``memory_limit_mb``.
+
+Steps after a rollback: ``trainer.global_step`` counts optimizer iterations (Lightning's budget:
+``max_steps``, logging and checkpoint cadence) and never goes back; the guard's step (the monitor's
+step, and the position of the restored LR scheduler) goes back to the checkpoint's step + 1.
+Always ``trainer.global_step == guard.step_count + guard.steps_lost``; the steps lost to a
+rollback come out of ``max_steps``. The scheduler is stepped by Lightning even on skipped steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,9 +59,27 @@ import lightning.pytorch as pl
 import torch
 
 from .interventions import TrainingStopped
-from .torch import TorchGuard
+from .torch import TorchGuard, find_ledger
+from .trainer_support import TrainerCheckpointStore, params_finite
 
-__all__ = ["StabilityCallback"]
+__all__ = ["StabilityCallback", "load_lightning_checkpoint"]
+
+log = logging.getLogger("stability.adapters")
+
+STATE_VERSION = 2
+
+
+def load_lightning_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
+                              scheduler: Any = None) -> None:
+    """Restore module weights, the (first) optimizer and scheduler from a Lightning ``.ckpt``."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(ckpt["state_dict"])
+    opts = ckpt.get("optimizer_states") or []
+    if optimizer is not None and opts:
+        optimizer.load_state_dict(opts[0])
+    scheds = ckpt.get("lr_schedulers") or []
+    if scheduler is not None and scheds:
+        scheduler.load_state_dict(scheds[0])
 
 
 class StabilityCallback(pl.Callback):
@@ -49,56 +87,123 @@ class StabilityCallback(pl.Callback):
 
     Parameters
     ----------
-    monitor : Monitor
-        The monitor (its state is saved with Lightning checkpoints).
+    monitor : Monitor, optional
+        The monitor (its state is saved with Lightning checkpoints); default ``Monitor()``.
     val_key : str
         ``trainer.callback_metrics`` key of the validation loss.
     checkpoint_dir : path-like, optional
-        Where the guard's own checkpoints go (``None`` = in memory).
+        Where the rollback checkpoints go (default ``<default_root_dir>/stability-checkpoints``).
+    checkpoint_every : int
+        Write a rollback checkpoint every this many healthy steps (0 = never).
+    keep_checkpoints : int
+        How many periodic rollback checkpoints to keep (the newest healthy one always stays).
+    in_memory : bool
+        Keep the rollback checkpoints as in-memory copies instead of files.
+    memory_limit_mb : float
+        Budget for in-memory copies (a copy that does not fit is refused and logged).
+    log_metrics : bool
+        Send the ``stability/*`` metrics to ``pl_module.log_dict`` every step.
     **guard_kwargs
-        More :class:`~stability.adapters.torch.TorchGuard` arguments (``checkpoint_every``,
-        ``activations``, ``update_ratio_every``, ...).
+        More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
+        ``update_ratio_every``, ``layer_depth``, ...).
+
+    Attributes
+    ----------
+    guard : TorchGuard or None
+    stopped : TrainingStopped or None
+        Why the monitor stopped the run (``trainer.should_stop`` was set).
+    cancelled_saves : list of int
+        ``trainer.global_step`` of checkpoints not written because the weights were bad.
     """
 
-    def __init__(self, monitor: Any, *, val_key: str = "val_loss",
+    def __init__(self, monitor: Any = None, *, val_key: str = "val_loss",
                  checkpoint_dir: str | os.PathLike[str] | None = None,
-                 **guard_kwargs: Any) -> None:
+                 checkpoint_every: int = 100, keep_checkpoints: int = 2,
+                 in_memory: bool = False, memory_limit_mb: float = 256.0,
+                 log_metrics: bool = True, **guard_kwargs: Any) -> None:
         super().__init__()
+        if checkpoint_every < 0:
+            raise ValueError("The 'checkpoint_every' parameter of StabilityCallback must be an "
+                             f"int in the range [0, inf). Got {checkpoint_every} instead.")
         self.monitor = monitor
         self.val_key = val_key
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_dir = None if checkpoint_dir is None else str(checkpoint_dir)
+        self.checkpoint_every = int(checkpoint_every)
+        self.in_memory = in_memory
+        self.log_metrics = log_metrics
         self.guard_kwargs = guard_kwargs
+        self.store = TrainerCheckpointStore(
+            load_lightning_checkpoint, keep=keep_checkpoints,
+            memory_limit_bytes=int(memory_limit_mb * 2**20) if in_memory else 0)
         self.guard: TorchGuard | None = None
         self.stopped: TrainingStopped | None = None
+        self.cancelled_saves: list[int] = []
+        self.overhead_s = 0.0
+        self.overhead_steps = 0
+        self._trainer: pl.Trainer | None = None
         self._pending_state: Mapping[str, Any] | None = None
+        self._pending_val: float | None = None
         self._loss_sum: torch.Tensor | None = None
         self._loss_n = 0
         self._checked = False
+        self._last_lr = math.nan
+        self._last_factor = 1.0
 
-    # ------------------------------------------------------------------ setup
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(val_key=self.val_key)
+
+    # ------------------------------------------------------------------ setup / teardown
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.guard is not None:
-            return
         if len(trainer.optimizers) != 1:
             raise ValueError("StabilityCallback supports exactly one optimizer; got "
                              f"{len(trainer.optimizers)}.")
+        self._trainer = trainer
+        if self.monitor is None:
+            from ..monitor import Monitor  # noqa: PLC0415
+
+            mon_sd = dict((self._pending_state or {}).get("guard", {})).get("monitor") or {}
+            self.monitor = Monitor(mon_sd.get("config"))
+        if self.checkpoint_dir is None:
+            self.checkpoint_dir = os.path.join(trainer.default_root_dir, "stability-checkpoints")
+        carried = None
+        if self.guard is not None:  # a second fit() in this process: the run goes on
+            carried = self.state_dict()
+            self.guard.detach()
         cfgs = trainer.lr_scheduler_configs
         sched = cfgs[0].scheduler if cfgs else None
-        kw: dict[str, Any] = {"raise_on_stop": False, "checkpoint_dir": self.checkpoint_dir}
+        kw: dict[str, Any] = {
+            "raise_on_stop": False,
+            "checkpoint_every": self.checkpoint_every if self.in_memory else 0,
+            "scaler": getattr(trainer.precision_plugin, "scaler", None)}
         kw.update(self.guard_kwargs)
         self.guard = TorchGuard(pl_module, trainer.optimizers[0], sched, self.monitor, **kw)
-        if self._pending_state is not None:
-            self.guard.load_state_dict(self._pending_state)
-            self._pending_state = None
+        self.guard.store = self.store
+        self.store.on_drop = self.guard._forget_checkpoint
+        state = self._pending_state if self._pending_state is not None else carried
+        self._pending_state = None
+        if state is not None:
+            self._load(state)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None:
             self.guard.detach()
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """``fit`` raised: remove the LR and activation hooks (nothing of ours stays installed)."""
+        if self.guard is not None:
+            self.guard.detach()
+        self._loss_sum, self._loss_n, self._checked = None, 0, False
+
     # ------------------------------------------------------------------ per step
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
         d = loss.detach()
+        scaler = self.guard.scaler if self.guard is not None else None
+        if scaler is not None:  # Lightning hands the hook the scaled loss under fp16 AMP
+            scale = getattr(scaler, "_scale", None)
+            d = d / (scale if isinstance(scale, torch.Tensor) else scaler.get_scale())
         self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
         self._loss_n += 1
 
@@ -106,39 +211,126 @@ class StabilityCallback(pl.Callback):
                                  optimizer: torch.optim.Optimizer) -> None:
         if self.guard is None:
             return
-        loss = None if self._loss_sum is None else self._loss_sum / max(1, self._loss_n)
+        t0 = time.perf_counter()
+        loss = None
+        if self._loss_sum is not None:  # each micro-batch loss was divided by the accumulation
+            loss = self._loss_sum * (trainer.accumulate_grad_batches / max(1, self._loss_n))
         self._loss_sum, self._loss_n = None, 0
-        self.guard.check(loss)
+        metrics: dict[str, float] = {}
+        if self._pending_val is not None:
+            metrics["val_loss"] = self._pending_val
+            self._pending_val = None
+        self.guard.check(loss, metrics or None)
         self._checked = True
+        self._last_lr = self.guard.multiplier.base_lrs()[0]
+        self._last_factor = float(self.guard.multiplier.factor)
+        self.overhead_s += time.perf_counter() - t0
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.guard is None or not self._checked:
+        guard = self.guard
+        if guard is None or not self._checked:
             return  # an accumulation micro-batch: no optimizer step yet
+        t0 = time.perf_counter()
         self._checked = False
-        self.guard.finish()
-        if self.guard.stopped is not None and self.stopped is None:
-            self.stopped = self.guard.stopped
+        ctl = guard.control
+        emergency = ctl.save_checkpoint
+        if emergency:  # written below through trainer.save_checkpoint, if the weights are fine
+            guard.control = dataclasses.replace(ctl, save_checkpoint=False)
+        rollbacks = guard.rollbacks
+        guard.finish()
+        rolled = guard.rollbacks > rollbacks
+        if guard.stopped is not None and self.stopped is None:
+            self.stopped = guard.stopped
             trainer.should_stop = True
+        step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
+        due = (not self.in_memory and self.checkpoint_every > 0 and guard.healthy
+               and step % self.checkpoint_every == 0 and self.stopped is None)
+        if emergency or due:
+            self._save(trainer, step, rolled, emergency, ctl.checkpoint_reason)
+        if self.log_metrics and trainer.logger is not None:
+            pl_module.log_dict(self.feedback(), on_step=True, on_epoch=False)
+        self.overhead_s += time.perf_counter() - t0
+        self.overhead_steps += 1
+
+    def _save(self, trainer: pl.Trainer, step: int, rolled: bool, emergency: bool,
+              why: str) -> None:
+        guard = self.guard
+        assert guard is not None
+        bad = "rolled back" if rolled else (
+            "" if params_finite(guard.model.parameters()) else "non-finite weights")
+        if bad:
+            log.warning("stability: checkpoint at trainer step %d not written (%s)",
+                        trainer.global_step, bad)
+            self.cancelled_saves.append(int(trainer.global_step))
+            return
+        assert self.checkpoint_dir is not None
+        name = f"emergency-step={step}.ckpt" if emergency else f"step={step}.ckpt"
+        path = os.path.join(self.checkpoint_dir, name)
+        healthy = guard.healthy and not emergency
+        reason = f"emergency: {why}" if emergency else "periodic"
+        guard.multiplier.restore()  # the file holds the scheduler's own LR
+        try:
+            trainer.save_checkpoint(path)
+        except Exception as exc:  # a full disk must not kill the run
+            guard.checkpoint_failures += 1
+            log.warning("stability: checkpoint %s failed (%s: %s); training continues", path,
+                        type(exc).__name__, exc)
+            return
+        finally:
+            guard.multiplier.show()
+        guard.checkpoints_taken += 1
+        self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
+        led = find_ledger(self.monitor)
+        if led is not None:
+            led.add(step, path, healthy=healthy, reason=reason, covers_step=step)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is None or trainer.sanity_checking:
             return
         v = trainer.callback_metrics.get(self.val_key)
         if v is not None:
-            self.guard.validation(float(v))
+            self._pending_val = float(v)
+
+    # ------------------------------------------------------------------ feedback
+    def feedback(self) -> dict[str, float]:
+        """The ``stability/*`` metrics logged every step (:meth:`TorchGuard.metrics`), with the
+        LR and factor of the last optimizer step and ``stability/step`` (the guard's step)."""
+        g = self.guard
+        if g is None:
+            return {}
+        out = g.metrics()
+        out["stability/lr_factor"] = self._last_factor
+        out["stability/lr_base"] = float(self._last_lr)
+        out["stability/lr_effective"] = float(self._last_lr * self._last_factor)
+        out["stability/step"] = float(g.step_count)
+        return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
+        """Guard, monitor and checkpoint-registry state (``"version"`` key)."""
         if self.guard is not None:
-            return self.guard.state_dict()
-        if self._pending_state is not None:
+            guard_sd: dict[str, Any] = self.guard.state_dict()
+        elif self._pending_state is not None:
             return dict(self._pending_state)
-        return {"version": 1, "monitor": (self.monitor.state_dict()
-                                          if hasattr(self.monitor, "state_dict") else None)}
+        else:
+            mon = self.monitor
+            guard_sd = {"version": 1, "monitor": (mon.state_dict()
+                                                  if hasattr(mon, "state_dict") else None)}
+        return {"version": STATE_VERSION, "guard": guard_sd, "store": self.store.state_dict(),
+                "pending_val": self._pending_val}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.guard is not None:
-            self.guard.load_state_dict(state_dict)
+            self._load(state_dict)
         else:
             self._pending_state = dict(state_dict)
+
+    def _load(self, sd: Mapping[str, Any]) -> None:
+        assert self.guard is not None
+        if "guard" not in sd:  # version 1: the guard's own state dict
+            sd = {"guard": sd}
+        self.guard.load_state_dict(dict(sd["guard"]))
+        self.store.load_state_dict(sd.get("store", {}))
+        pv = sd.get("pending_val")
+        self._pending_val = None if pv is None else float(pv)

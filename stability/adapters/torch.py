@@ -41,6 +41,7 @@ position (the monitor's own state is *not* rolled back: it must remember what ha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -50,7 +51,9 @@ from typing import Any
 
 import torch
 
+from ..feedback import InterventionTally, feedback_metrics, log_interventions
 from ..types import Control, Decision
+from .amp import AMP_OVERFLOW, LOSS_SCALE, ensure_unscaled, scaler_enabled
 from .distributed import ControlSync
 from .interventions import (
     CheckpointStore,
@@ -106,6 +109,13 @@ class TorchGuard:
         Reduce decisions across ranks (default: when torch.distributed is initialised).
     raise_on_stop : bool
         Raise :class:`TrainingStopped` from :meth:`finish` when asked to stop.
+    scaler : torch.amp.GradScaler, optional
+        The loss scaler of an fp16 run.  The loop calls ``scaler.scale(loss).backward()``;
+        :meth:`step` then unscales, measures, decides, clips, ``scaler.step(optimizer)``,
+        ``scaler.update()``.  A scaler overflow step is reported as ``amp_overflow = 1`` with
+        ``loss_scale`` and *without* gradient norms (see :mod:`stability.adapters.amp`).
+    log_interventions : bool
+        Log one INFO line per acting intervention on the ``stability.adapters`` logger.
     """
 
     def __init__(
@@ -128,6 +138,8 @@ class TorchGuard:
         distributed: bool | None = None,
         raise_on_stop: bool = True,
         start_step: int = 0,
+        scaler: Any = None,
+        log_interventions: bool = True,
     ) -> None:
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
@@ -142,13 +154,19 @@ class TorchGuard:
         self.raise_on_stop = raise_on_stop
         self.collector = SignalCollector(
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
-            activations=activations, activation_every=activation_every)
-        self.multiplier = LRMultiplier(optimizer)
+            activations=_activation_names(model, activations), activation_every=activation_every)
+        self.multiplier = LRMultiplier(optimizer, scheduler=scheduler)
+        self.scaler = scaler if scaler_enabled(scaler) else None
+        self.log_interventions = log_interventions
+        self.tally = InterventionTally()
+        self.amp_overflow = False  # the current step overflowed in the scaler
         self.sync = ControlSync() if distributed in (None, True) else None
         if self.sync is not None and not self.sync.active:
             self.sync = None
         rank = self.sync.rank if self.sync is not None else -1
-        self.store = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank)
+        # a CheckpointStore, or an adapter's store of the trainer's own checkpoints
+        self.store: Any = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
+                                     on_drop=self._forget_checkpoint)
         self.recorder = recorder if rank <= 0 else None
         self.step_count = int(start_step)
         self.data_position = 0
@@ -170,6 +188,7 @@ class TorchGuard:
         self.steps_lost = 0
         self.checkpoints_taken = 0
         self.checkpoint_failures = 0
+        self.amp_overflows = 0
         self._recorder_flush_failed = False
         self.interventions: list[Any] = []
         self.collector.begin_step(self.step_count)
@@ -217,23 +236,53 @@ class TorchGuard:
         """
         decision = self.check(loss, metrics)
         try:
-            if self.should_step:
+            if self.scaler is not None:
+                if self.should_step:
+                    self.scaler.step(self.optimizer)  # itself skips an overflow step
+                self.scaler.update()
+            elif self.should_step:
                 self.optimizer.step()
+            self.multiplier.restore()  # the scheduler reads and writes its own values
             if self.scheduler is not None and (self.should_step or self.step_scheduler_on_skip):
                 self.scheduler.step()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.finish()
+        self.multiplier.show()  # between steps param_groups show the LR really applied
         return decision
 
     def collect(self, loss: Any, metrics: Mapping[str, Any] | None = None) -> Signals:
         """Measure this step's signals (one host sync); adds ``lr`` and pending validation."""
         extra: dict[str, Any] = {"lr": self.multiplier.base_lrs()[0]}
+        if self.scaler is not None:
+            extra.update(self._amp_extra())
         extra.update(self._pending)
         self._pending = {}
         if metrics:
             extra.update(metrics)
-        return self.collector.collect(loss, extra)
+        sig = self.collector.collect(loss, extra)
+        self.amp_overflow = bool(sig.scalars.get(AMP_OVERFLOW, 0.0) > 0.0)
+        if self.amp_overflow:  # non-finite by construction: missing, not NaN
+            sig.scalars.pop("grad_norm", None)
+            sig.families.pop("grad_norm", None)
+        return sig
+
+    def _amp_extra(self) -> dict[str, Any]:
+        """Unscale the gradients; ``amp_overflow`` and ``loss_scale`` as device tensors."""
+        scaler = self.scaler
+        out: dict[str, Any] = {}
+        ensure_unscaled(scaler, self.optimizer)
+        try:
+            infs = list(scaler._found_inf_per_device(self.optimizer).values())  # type: ignore
+            if infs:
+                dev = infs[0].device
+                out[AMP_OVERFLOW] = (torch.stack([t.to(dev).reshape(()) for t in infs]).sum()
+                                     > 0).float()
+        except Exception:  # noqa: BLE001 - a scaler-like object without the record
+            log.debug("no found-inf record on the scaler", exc_info=True)
+        scale = getattr(scaler, "_scale", None)
+        out[LOSS_SCALE] = scale if isinstance(scale, torch.Tensor) else scaler.get_scale()  # type: ignore
+        return out
 
     def check(self, loss: Any, metrics: Mapping[str, Any] | None = None,
               signals: Signals | None = None) -> Decision:
@@ -253,13 +302,22 @@ class TorchGuard:
             control, alarmed = self.sync.reduce(control, step, alarmed)
         self.decision, self.control, self.healthy = decision, control, not alarmed
         self.interventions.extend(decision.interventions)
+        if decision.interventions:
+            self.tally.add(decision)
+            if self.log_interventions:
+                log_interventions(decision, log)
         if self.recorder is not None:
             self.recorder.log(step, sig.flat(self.collector.layers))
         # act before the optimizer step
         self.multiplier.factor = float(control.lr_factor)
         self.should_step = not (control.skip_step or control.rollback_to is not None
                                 or control.stop)
-        if self.should_step:
+        if self.amp_overflow:
+            self.amp_overflows += 1
+        if self.should_step and self.amp_overflow:
+            # the scaler skips this step itself: nothing to clip, no update to measure
+            self.multiplier.restore()
+        elif self.should_step:
             norm = _tightest(self.clip_norm, control.clip_norm)
             if norm is not None:
                 clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"))
@@ -298,6 +356,70 @@ class TorchGuard:
         self.step_count += 1
         self.data_position = self._pos_of_step.get(step, self.data_position) + 1
         self.collector.begin_step(self.step_count)
+        self.multiplier.show()  # between steps param_groups show the LR really applied
+
+    @contextlib.contextmanager
+    def base_lr(self) -> Iterator[None]:
+        """Show the scheduler's own LR in ``param_groups`` inside the block.
+
+        For a scheduler stepped outside the guard (e.g. once per epoch) while an LR cut is
+        active, so that a recursive scheduler (``StepLR``, ``ExponentialLR``) computes from its
+        own values::
+
+            with guard.base_lr():
+                epoch_scheduler.step()
+        """
+        self.multiplier.restore()
+        try:
+            yield
+        finally:
+            self.multiplier.show()
+
+    # ------------------------------------------------------------------ feedback
+    def metrics(self, scores: bool = True) -> dict[str, float]:
+        """This step's ``stability/*`` metrics, for TensorBoard / W&B / any logger.
+
+        :func:`stability.feedback.feedback_metrics` of the latest decision, plus the LR actually
+        applied (``stability/lr_effective``), the scheduler's LR (``stability/lr_base``),
+        intervention counts by type and the goodput counters (``steps_skipped``, ``rollbacks``,
+        ``steps_lost``, ``checkpoints``, ...); with a scaler also ``amp_overflow`` /
+        ``loss_scale`` / ``amp_overflows``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from stability.monitor import Monitor
+        >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> guard = TorchGuard(model, opt, monitor=Monitor("small"), log_interventions=False)
+        >>> loss = model(torch.ones(4, 2)).pow(2).mean(); loss.backward(); _ = guard.step(loss)
+        >>> m = guard.metrics()
+        >>> m["stability/lr_effective"], m["stability/lr_factor"], m["stability/steps_skipped"]
+        (0.1, 1.0, 0.0)
+        """
+        lrs = self.multiplier.base_lrs()
+        extra: dict[str, float] = {
+            "lr_effective": lrs[0] * self.multiplier.factor if lrs else float("nan"),
+            "lr_base": lrs[0] if lrs else float("nan"),
+            "steps_skipped": self.steps_skipped,
+            "batches_skipped": self.batches_skipped,
+            "rollbacks": self.rollbacks,
+            "steps_lost": self.steps_lost,
+            "checkpoints": self.checkpoints_taken,
+            "checkpoint_failures": self.checkpoint_failures,
+        }
+        extra.update(self.tally.metrics())
+        if self.scaler is not None:
+            extra["amp_overflow"] = float(self.amp_overflow)
+            extra["amp_overflows"] = float(self.amp_overflows)
+            try:
+                extra["loss_scale"] = float(self.scaler.get_scale())
+            except Exception:  # noqa: BLE001
+                log.debug("could not read the loss scale", exc_info=True)
+        try:
+            return feedback_metrics(self.monitor, self.decision, extra, scores=scores)
+        except Exception:  # noqa: BLE001 - feedback must never kill the run
+            log.debug("feedback metrics failed", exc_info=True)
+            return {f"stability/{k}": float(v) for k, v in extra.items()}
 
     # ------------------------------------------------------------------ monitor
     def _observe(self, step: int, sig: Signals) -> Decision:
@@ -333,7 +455,8 @@ class TorchGuard:
         self._flush_recorder()
         entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
                                 data_position=pos, healthy=healthy, reason=reason,
-                                monitor_state=self._monitor_state())
+                                monitor_state=self._monitor_state(),
+                                protect=self._rollback_targets())
         self.checkpoints_taken += 1
         led = find_ledger(self.monitor) if register else None
         if led is not None:
@@ -343,6 +466,34 @@ class TorchGuard:
             except Exception:  # bookkeeping must never kill the run
                 log.exception("could not register checkpoint %s in the ledger", step)
         return entry
+
+    def _rollback_targets(self) -> set[int]:
+        """Checkpoints a rollback may still need: retention keeps them.
+
+        The ledger's latest healthy checkpoint before the open episode's onset (and before now).
+        """
+        led = find_ledger(self.monitor)
+        if led is None:
+            return set()
+        onset = getattr(getattr(self.monitor, "policy", None), "episode_onset", None)
+        out = set()
+        for at in (onset, self.step_count):
+            if at is None:
+                continue
+            try:
+                rec = led.latest_healthy_before(int(at))
+            except Exception:  # bookkeeping must never kill the run
+                log.debug("ledger query failed", exc_info=True)
+                continue
+            if rec is not None:
+                out.add(int(rec.step))
+        return out
+
+    def _forget_checkpoint(self, step: int) -> None:
+        """Retention deleted the checkpoint of ``step``: the ledger must not offer it again."""
+        led = find_ledger(self.monitor)
+        if led is not None and hasattr(led, "forget"):
+            led.forget(step)
 
     def _auto_checkpoint(self, healthy: bool, reason: str, step: int | None = None,
                          register: bool = True) -> SavedCheckpoint | None:
@@ -394,7 +545,11 @@ class TorchGuard:
         """
         entry = self.store.entries.get(to_step) or self.store.latest_healthy(to_step)
         if entry is None:
-            log.warning("rollback to step %s requested but no checkpoint is available", to_step)
+            log.warning("rollback to step %s requested but no checkpoint is available: refused "
+                        "(not counted)", to_step)
+            if self.monitor is not None and hasattr(self.monitor, "rollback_failed"):
+                self.monitor.rollback_failed(self.step_count, f"no checkpoint at or before "
+                                                              f"step {to_step}")
             return False
         if skip is not None:
             for s in range(int(skip[0]), int(skip[1]) + 1):
@@ -429,6 +584,8 @@ class TorchGuard:
             "data_position": self.data_position,
             "skip_positions": sorted(self.skip_positions),
             "lr_factor": self.multiplier.factor,
+            "lr_multiplier": self.multiplier.state_dict(),
+            "interventions": self.tally.state_dict(),
             "monitor": self._monitor_state(),
             "counters": {k: getattr(self, k) for k in _COUNTERS},
         }
@@ -439,6 +596,10 @@ class TorchGuard:
         self.data_position = int(sd.get("data_position", self.data_position))
         self.skip_positions = set(int(x) for x in sd.get("skip_positions", ()))
         self.multiplier.factor = float(sd.get("lr_factor", 1.0))
+        if sd.get("lr_multiplier") is not None:
+            self.multiplier.load_state_dict(sd["lr_multiplier"])
+        if sd.get("interventions") is not None:
+            self.tally.load_state_dict(sd["interventions"])
         if sd.get("monitor") is not None and self.monitor is not None:
             self.monitor.load_state_dict(sd["monitor"])
         for k, v in dict(sd.get("counters", {})).items():
@@ -453,7 +614,35 @@ class TorchGuard:
 
 
 _COUNTERS = ("steps_skipped", "batches_skipped", "rollbacks", "steps_lost", "checkpoints_taken",
-             "checkpoint_failures")
+             "checkpoint_failures", "amp_overflows")
+
+
+def _activation_names(model: torch.nn.Module, activations: Any) -> Any:
+    """``activations`` as a ``{name: module}`` mapping (names from ``model.named_modules()``).
+
+    Accepts module names, module objects (``[model.blocks[0], model.blocks[-1]]``), a mix, or a
+    mapping (passed through).  Anything not part of ``model`` raises a ``ValueError`` naming it.
+    """
+    if activations is None or isinstance(activations, Mapping):
+        return activations
+    if isinstance(activations, (str, torch.nn.Module)):
+        activations = [activations]
+    mods = dict(model.named_modules())
+    names = {id(m): n for n, m in mods.items()}
+    out: dict[str, torch.nn.Module] = {}
+    for a in activations:
+        if isinstance(a, torch.nn.Module):
+            name = names.get(id(a))
+            if name is None:
+                raise ValueError("The 'activations' parameter of TorchGuard got a module that "
+                                 f"is not part of the model: {type(a).__name__}.")
+            out[name or "model"] = a
+        else:
+            if str(a) not in mods:
+                raise ValueError(f"The 'activations' parameter of TorchGuard names {a!r}, which "
+                                 "is not a module of the model (see model.named_modules()).")
+            out[str(a) or "model"] = mods[str(a)]
+    return out
 
 
 def _tightest(a: float | None, b: float | None) -> float | None:
