@@ -85,6 +85,8 @@ __all__ = [
     "TinyGPT",
     "flip_bit",
     "make_task",
+    "prose_text",
+    "spike_module",
     "stdlib_text",
     "train_run",
 ]
