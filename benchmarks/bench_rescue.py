@@ -15,8 +15,11 @@ Clean runs (no fault) are also trained with the monitor.  Definitions (all compu
 runs, nothing hard-coded):
 
 * a run *failed* when its final held-out loss is non-finite or > 1.05 x the counterfactual's;
-* *saved*: it failed without the monitor, and with the monitor it was not stopped and did not fail;
+* *saved*: it failed without the monitor and did not fail with it (final within 5%; a stopped
+  run counts when the model it stopped with is that good);
 * *stopped*: the monitor stopped the run;
+* *worse*: it failed without the monitor and was not saved: with it the run was stopped or ended
+  > 5% worse still (harm where ``harmed`` cannot see it);
 * *harmed*: it did not fail without the monitor (clean runs included), but with the monitor it
   failed or was stopped;
 * *steps lost*: steps rolled back, in % of the run's steps (median over the monitored runs that
@@ -279,7 +282,13 @@ class Outcome:
 
     @property
     def saved(self) -> bool:
-        return self.failed_without and not self.stopped and not self.failed_with
+        return self.failed_without and not self.failed_with
+
+    @property
+    def worse(self) -> bool:
+        return self.failed_without and not self.saved and (
+            self.stopped or self.error is not None
+            or self.ratio_with > FAIL_RATIO * self.ratio_without)
 
     @property
     def harmed(self) -> bool:
@@ -321,6 +330,7 @@ class Tally:
     saved: int = 0
     stopped: int = 0
     harmed: int = 0
+    worse: int = 0
     not_failed: int = 0
     acting_runs: int = 0
     acting: int = 0
@@ -332,6 +342,7 @@ class Tally:
         self.saved += o.saved
         self.stopped += o.stopped
         self.harmed += o.harmed
+        self.worse += o.worse
         self.not_failed += not o.failed_without
         self.acting_runs += o.acting > 0
         self.acting += o.acting
@@ -376,7 +387,8 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
         by[o.cls].append(o)
     print(f"\n{title}")
     hdr = (f"{'class':20} {'runs':>4} {'failed':>6} {'saved':>7} {'stopped':>7} {'harmed':>6} "
-           f"{'rb':>3} {'lost%':>6} {'ratio w/o':>9} {'ratio w/':>8}  acting interventions")
+           f"{'worse':>5} {'rb':>3} {'lost%':>6} {'ratio w/o':>9} {'ratio w/':>8}  "
+           "acting interventions")
     print(hdr)
     print("-" * len(hdr))
 
@@ -389,8 +401,10 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
         med_w = _median([o.ratio_without for o in g])
         med_m = _median([o.ratio_with for o in g])
         err = f" ERRORS {t.errors}" if t.errors else ""
+        lost = f"{_median(rb):.1f}" if rb else "-"
         print(f"{name:20} {t.runs:>4} {t.failed:>6} {t.saved:>3}/{t.failed:<3} {t.stopped:>7} "
-              f"{t.harmed:>6} {len(rb):>3} {_median(rb):>6.1f} {med_w:>9.3f} {med_m:>8.3f}  "
+              f"{t.harmed:>6} {t.worse:>5} {len(rb):>3} {lost:>6} {med_w:>9.3f} "
+              f"{med_m:>8.3f}  "
               f"{','.join(f'{k}:{v}' for k, v in sorted(types.items()))}{err}")
 
     for c in classes:
@@ -408,11 +422,11 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
     tf, tc, ta = tally(faulty), tally(clean), tally(outs)
     rb = [o.lost_pct for o in outs if o.rolled_back]
     all_lost = [o.lost_pct for o in faulty]
-    summary = {
+    summary: dict[str, Any] = {
         "failed_without": tf.failed, "saved": tf.saved, "saved_frac": _frac(tf.saved, tf.failed),
         "stopped": ta.stopped, "stopped_failing": sum(o.stopped for o in faulty
                                                       if o.failed_without),
-        "harmed": ta.harmed, "not_failed": ta.not_failed,
+        "harmed": ta.harmed, "not_failed": ta.not_failed, "worse": tf.worse,
         "harmed_frac": _frac(ta.harmed, ta.not_failed),
         "clean_runs": tc.runs, "clean_acting": tc.acting, "clean_acting_runs": tc.acting_runs,
         "rollback_runs": len(rb), "median_lost_pct_rollback_runs": _median(rb),
@@ -434,9 +448,12 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
           f"{'PASS' if ok['harmed <= 2%'] else 'FAIL'}")
     print(f"clean   {tc.runs} runs, {tc.acting} acting interventions in {tc.acting_runs} runs "
           f"(target 0)  {'PASS' if ok['0 acting on clean'] else 'FAIL'}")
-    print(f"lost    median {_median(rb):.1f}% of the run over the {len(rb)} runs that rolled "
+    med_rb = f"{_median(rb):.1f}%" if rb else "-"
+    print(f"lost    median {med_rb} of the run over the {len(rb)} runs that rolled "
           f"back (target <= 2%; over all faulty runs {_median(all_lost):.1f}%)  "
           f"{'PASS' if ok['median lost <= 2%'] else 'FAIL'}")
+    print(f"worse   {tf.worse}/{tf.failed} failing runs stopped or made > 5% worse by the monitor "
+          f"(no target)")
     if ta.errors:
         print(f"ERRORS  {ta.errors} monitored runs raised (counted as failed with the monitor)")
     summary["targets"] = ok
@@ -448,8 +465,8 @@ def print_runs(outs: Sequence[Outcome]) -> None:
     print(f"{'model':5} {'seed':>4} {'class':20} {'onset':>5} {'w/o':>8} {'w/':>8} {'verdict':8} "
           f"{'rb':>2} {'lost%':>5}  acting / stop reason")
     for o in sorted(outs, key=lambda o: (o.cls, o.model, o.seed)):
-        verdict = ("saved" if o.saved else "HARMED" if o.harmed else "lost"
-                   if o.failed_without else "ok")
+        verdict = ("saved" if o.saved else "HARMED" if o.harmed else "WORSE" if o.worse
+                   else "lost" if o.failed_without else "ok")
         what = ",".join(f"{k}:{v}" for k, v in sorted(o.acting_types.items()))
         if o.stop_reason:
             what += f" | stopped: {o.stop_reason}"
@@ -513,6 +530,23 @@ def cross_validate(by_cand: Mapping[str, Sequence[Outcome]], classes: Sequence[s
 
 
 # ---------------------------------------------------------------------------- main
+def report(rows: Sequence[dict[str, Any]], cands: Mapping[str, Any], classes: Sequence[str],
+           show_runs: bool) -> dict[str, Any]:
+    """Tables per candidate (and cross-validation when there are several); the summaries."""
+    by_cand = score(rows)
+    summaries = {}
+    for name in cands:
+        shown = json.dumps(cands[name], sort_keys=True) if cands[name] else "(preset policy)"
+        if show_runs:
+            print(f"\nruns of candidate {name} (ratios: final loss / counterfactual's)")
+            print_runs(by_cand[name])
+        summaries[name] = print_table(by_cand[name], classes,
+                                      f"candidate {name}: override {shown}")
+    if len(cands) > 1:
+        cross_validate(by_cand, classes)
+    return summaries
+
+
 def _parse_steps(text: str | None, default: Mapping[str, int]) -> dict[str, int]:
     out = dict(default)
     for part in (text or "").split(","):
@@ -536,7 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cv", default=None, help="JSON list of named policy overrides")
     ap.add_argument("--json", default=None, help="write every per-run row here")
     ap.add_argument("--runs", action="store_true", help="also print one line per monitored run")
+    ap.add_argument("--rescore", default=None, metavar="ROWS.json",
+                    help="print the tables of a --json file again, without training")
     a = ap.parse_args(argv)
+    if a.rescore:
+        saved = json.loads(Path(a.rescore).read_text())
+        report(saved["rows"], saved["candidates"], list(saved["classes"]), a.runs)
+        return 0
     t_start = time.perf_counter()
     size_steps, size_seeds, size_clean = SIZES["quick" if a.quick else "full"]
     steps = _parse_steps(a.steps, size_steps)
@@ -579,19 +619,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{n_seeds} seeds, {n_clean} clean seeds per model, {len(cands)} candidate(s)); "
           f"steps {', '.join(f'{m}={steps[m]}' for m in models)}; preset={a.preset}; "
           f"workers={a.workers}", flush=True)
+    for c in classes:
+        fc = CLASSES[c]
+        print(f"  {c:20} {fc.kind:17} {fc.about}")
+    sys.stdout.flush()
     rows = run_all(jobs, a.workers)
     t_runs = time.perf_counter() - t_start
-    by_cand = score(rows)
-    summaries = {}
-    for name in cands:
-        ov = json.dumps(cands[name], sort_keys=True) if cands[name] else "(preset policy)"
-        if a.runs:
-            print(f"\nruns of candidate {name} (ratios: final loss / counterfactual's)")
-            print_runs(by_cand[name])
-        summaries[name] = print_table(by_cand[name], classes,
-                                      f"candidate {name}: override {ov}")
-    if len(cands) > 1:
-        cross_validate(by_cand, classes)
+    summaries = report(rows, cands, classes, a.runs)
     wall = time.perf_counter() - t_start
     print(f"\nruns took {t_runs:.0f} s wall ({sum(r['wall_s'] for r in rows):.0f} s of runs on "
           f"{a.workers} workers); total {wall:.0f} s")

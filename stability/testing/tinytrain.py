@@ -52,7 +52,7 @@ Entry point::
 
     res = train_run("gpt", steps=300, seed=0, fault=FaultSpec("bit_flip", step=150),
                     monitor=Monitor("small"))
-    res.final_loss, res.diverged, res.rollbacks
+    res.final_loss, res.nonfinite, res.rollbacks, res.lrs[-1]
 
 Data positions are addressable (batch ``i`` is a pure function of ``(seed, i)``), so a rollback
 rewinds the data and the batches the monitor asks to skip are really skipped.
@@ -85,6 +85,8 @@ __all__ = [
     "TinyGPT",
     "flip_bit",
     "make_task",
+    "prose_text",
+    "spike_module",
     "stdlib_text",
     "train_run",
 ]
