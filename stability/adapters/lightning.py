@@ -109,7 +109,8 @@ class StabilityCallback(pl.Callback):
     checkpoint_dir : path-like, optional
         Where the rollback checkpoints go (default ``<default_root_dir>/stability-checkpoints``).
     checkpoint_every : int
-        Write a rollback checkpoint every this many healthy steps (0 = never).
+        Write a rollback checkpoint after every this many steps (steps ``N-1, 2N-1, ...``, as
+        ``every_n_train_steps``), if the step is healthy (0 = never).
     keep_checkpoints : int
         How many periodic rollback checkpoints to keep (the newest healthy one always stays).
     in_memory : bool
@@ -263,7 +264,7 @@ class StabilityCallback(pl.Callback):
             trainer.should_stop = True
         step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
         due = (not self.in_memory and self.checkpoint_every > 0 and guard.healthy
-               and step % self.checkpoint_every == 0 and self.stopped is None)
+               and (step + 1) % self.checkpoint_every == 0 and self.stopped is None)
         self.overhead_s += time.perf_counter() - t0
         self.overhead_steps += 1
         t0 = time.perf_counter()

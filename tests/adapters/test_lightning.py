@@ -125,8 +125,8 @@ def test_state_key_and_resume_with_ckpt_path(tmp_path) -> None:
     _trainer(tmp_path, cb2, steps=40).fit(Tiny(), _loader(), ckpt_path=path)
     assert seen == list(range(30, 40))  # warm-ups did not restart
     assert loaded["monitor"] == saved["guard"]["monitor"]  # the state came back as saved
-    assert [e["step"] for e in saved["store"]["entries"]] == [10, 20]  # keep_checkpoints=2
-    assert sorted(cb2.store.entries) == [20, 30]  # the registry came back and went on
+    assert [e["step"] for e in saved["store"]["entries"]] == [19, 29]  # keep_checkpoints=2
+    assert sorted(cb2.store.entries) == [29, 39]  # the registry came back and went on
 
 
 def test_resume_gives_the_decisions_of_an_uninterrupted_run(tmp_path) -> None:
@@ -198,21 +198,21 @@ def test_no_checkpoint_of_nonfinite_weights(tmp_path) -> None:
     tr = _trainer(tmp_path, cb, steps=6)
     tr.fit(Tiny(poison_at=3), _loader())
     files = sorted(os.listdir(tmp_path / "stability-checkpoints"))
-    assert files == ["step=0.ckpt", "step=2.ckpt"]  # nothing after the weights went NaN
-    assert cb.cancelled_saves == [4, 5]
+    assert files == ["step=1.ckpt"]  # nothing after the weights went NaN at step 3
+    assert cb.cancelled_saves == [4, 6]  # the emergency one (step 3) and the periodic step 5
 
 
 def test_step_counters_after_rollback(tmp_path) -> None:
-    mon = _Scripted({7: Control(rollback_to=4, skip_batches=(6, 7))})
+    mon = _Scripted({7: Control(rollback_to=3, skip_batches=(6, 7))})
     model = Tiny()
     cb = StabilityCallback(mon, checkpoint_every=2)
     tr = _trainer(tmp_path, cb, steps=12)
     tr.fit(model, _loader())
     g = cb.guard
-    assert g.rollbacks == 1 and g.steps_lost == 3
-    assert torch.equal(model.weights[5], model.weights[8])  # weights of step 4 restored
+    assert g.rollbacks == 1 and g.steps_lost == 4
+    assert torch.equal(model.weights[4], model.weights[8])  # weights after step 3 restored
     assert tr.global_step == 12 == g.step_count + g.steps_lost
-    assert mon.seen == list(range(8)) + list(range(5, 9))
+    assert mon.seen == list(range(8)) + list(range(4, 8))  # the guard's step went back
 
 
 def test_fp16_scaler_overflows_are_information(tmp_path) -> None:
