@@ -255,7 +255,7 @@ def main(argv: list[str]) -> None:
         print(run_cell(argv[0], argv[1], argv[2] not in ("0", "false", "False")))
         return
     print(f"{'precision':9} {'fault':15} {'resume':6} {'final':>7} {'clean':>7} {'acts':>4} "
-          f"{'stop':24} {'ms/step':>7} keys args")
+          f"{'stop':24} {'ms/step':>7} {'io_ms':>6} keys args")
     for prec in PRECISIONS:
         for fault in FAULTS:
             for resume in (False, True):
@@ -263,7 +263,8 @@ def main(argv: list[str]) -> None:
                 print(f"{prec:9} {fault:15} {resume!s:6} {r['final_loss']:7.3f} "
                       f"{r['clean_final_loss']:7.3f} {r['acting_interventions']:4d} "
                       f"{(r['stop_reason'] or '-')[:24]:24} {r['overhead_ms']:7.2f} "
-                      f"{r['log_has_stability_keys']!s:4} {r['args_unchanged']}", flush=True)
+                      f"{r['io_ms']:6.2f} {r['log_has_stability_keys']!s:4} "
+                      f"{r['args_unchanged']}", flush=True)
 
 
 if __name__ == "__main__":
