@@ -366,11 +366,16 @@ def format_summary(res: ReplayResult) -> str:
         for k, v in s["alarms_by_kind"].items():
             lines.append(f"    {k:<22} {v}")
     if res.interventions:
+        causes = Counter(i.cause for i in res.interventions if getattr(i, "cause", ""))
+        if causes:
+            lines.append("  attributed causes: " + ", ".join(
+                f"{c} x{n}" for c, n in causes.most_common()))
         lines.append("  interventions that would have been requested:")
         for k, v in s["interventions_by_type"].items():
             first = next(i for i in res.interventions if i.type == k)
             lines.append(f"    {k:<14} x{v:<5} first at step {first.step}"
-                         + (f" ({first.reason})" if first.reason else ""))
+                         + (f" ({first.reason})" if first.reason else "")
+                         + (f" [cause: {first.cause}]" if getattr(first, "cause", "") else ""))
     else:
         lines.append("  no interventions")
     g = s["goodput"]

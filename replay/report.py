@@ -160,7 +160,8 @@ def _markers(
         )
     for iv in interventions:
         out.append(
-            Marker(float(iv["step"]), "#555", f"step {iv['step']}: {iv.get('type')}", dashed=True)
+            Marker(float(iv["step"]), "#555", f"step {iv['step']}: {iv.get('type')}"
+                   + (f" (cause: {iv['cause']})" if iv.get("cause") else ""), dashed=True)
         )
     return out
 

@@ -6,6 +6,10 @@ posts from a background thread through a bounded queue, with a timeout, rate lim
 rides on the next message) and escalation (critical alerts always go, ahead of warnings).
 Failures are reported once through :mod:`logging` and counted in ``stats``.
 
+From configuration data: :func:`sinks_from_config` builds the sinks of an ``[alerts]`` table
+(the logging sink is on by default) and :func:`event_log_from_config` the
+:class:`~stability.events.EventLog` of an ``[event_log]`` table (see :mod:`stability.config`).
+
 Examples
 --------
 >>> from stability.types import Alert
@@ -33,6 +37,35 @@ from .types import Alert
 logger = logging.getLogger("stability.alerts")
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
+_ORDER = ("info", "warning", "critical")
+
+
+def _rank(severity: str) -> int:
+    return _ORDER.index(severity) if severity in _ORDER else 1
+
+
+def format_slack(alert: Alert, suppressed: int = 0, mention: str = "") -> dict[str, Any]:
+    """Slack incoming-webhook payload: ``text`` (notification fallback) + one mrkdwn block.
+
+    >>> a = Alert(7, "L3", severity="critical", message="nonfinite(loss) -> skip")
+    >>> p = format_slack(a, 0, "<!here>")
+    >>> p["text"]
+    '<!here> :rotating_light: [stability] CRITICAL step 7: nonfinite(loss) -> skip'
+    >>> p["blocks"][0]["text"]["text"].splitlines()[0]
+    '<!here> :rotating_light: *stability* CRITICAL at step 7'
+    """
+    icon = {"critical": ":rotating_light:", "warning": ":warning:"}.get(alert.severity,
+                                                                        ":information_source:")
+    lead = f"{mention} " if mention and alert.severity == "critical" else ""
+    text = f"{lead}{icon} {format_alert(alert)}"
+    body = alert.message or alert.reason
+    lines = [f"{lead}{icon} *stability* {alert.severity.upper()} at step {alert.step}",
+             f"```{body}```"]
+    if suppressed:
+        text += f" (+{suppressed} more alerts suppressed by rate limit)"
+        lines.append(f"_+{suppressed} more alerts suppressed by the rate limit_")
+    return {"text": text,
+            "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(lines)}}]}
 
 
 def format_alert(alert: Alert, prefix: str = "[stability]") -> str:
@@ -40,8 +73,15 @@ def format_alert(alert: Alert, prefix: str = "[stability]") -> str:
 
     >>> format_alert(Alert(7, "r", severity="critical", message="rollback to 5"))
     '[stability] CRITICAL step 7: rollback to 5'
+    >>> format_alert(Alert(7, "r", cause="lr", message="step 7: LR capped"))
+    '[stability] WARNING step 7 (cause: lr): LR capped'
     """
-    return f"{prefix} {alert.severity.upper()} step {alert.step}: {alert.message or alert.reason}"
+    text = alert.message or alert.reason
+    head = f"step {alert.step}: "
+    if text.startswith(head):
+        text = text[len(head):]
+    cause = f" (cause: {alert.cause})" if getattr(alert, "cause", "") else ""
+    return f"{prefix} {alert.severity.upper()} step {alert.step}{cause}: {text}"
 
 
 class AlertSink:
@@ -80,11 +120,14 @@ class LoggingSink(AlertSink):
 
     name = "logging"
 
-    def __init__(self, logger_name: str = "stability.alerts") -> None:
+    def __init__(self, logger_name: str = "stability.alerts", min_severity: str = "info") -> None:
         super().__init__()
         self.logger = logging.getLogger(logger_name)
+        self.min_severity = min_severity
 
     def _send(self, alert: Alert) -> None:
+        if _rank(alert.severity) < _rank(self.min_severity):
+            return
         self.logger.log(_LEVELS.get(alert.severity, logging.WARNING), format_alert(alert))
 
 
@@ -93,11 +136,14 @@ class FileSink(AlertSink):
 
     name = "file"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], min_severity: str = "info") -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.min_severity = min_severity
 
     def _send(self, alert: Alert) -> None:
+        if _rank(alert.severity) < _rank(self.min_severity):
+            return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {format_alert(alert)}\n")
 
@@ -150,6 +196,14 @@ class WebhookSink(AlertSink):
         mentioned ("+N more alerts suppressed") in the next message that goes out.
     min_severity : str
         Alerts below this severity are ignored.
+    format : {"plain", "slack"}
+        ``"plain"`` posts ``{"text": ...}`` (what Slack, Mattermost, Teams-compatible and most
+        chat webhooks accept); ``"slack"`` adds an icon and a mrkdwn block (:func:`format_slack`).
+    escalate : bool
+        Critical alerts bypass the rate limit and go ahead of queued warnings (default); with
+        ``False`` they are rate limited like warnings.
+    mention : str
+        Prefixed to critical alerts, e.g. ``"<!here>"`` or ``"<@U123>"`` (escalation to people).
     """
 
     name = "webhook"
@@ -157,13 +211,20 @@ class WebhookSink(AlertSink):
     def __init__(self, url: str, *, timeout: float = 5.0, max_queue: int = 100,
                  max_per_window: int = 5, window_s: float = 60.0,
                  min_severity: str = "warning", clock: Callable[[], float] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, format: str = "plain",
+                 escalate: bool = True, mention: str = "") -> None:
         super().__init__()
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"The 'url' parameter of WebhookSink must be http(s). Got {url!r}.")
         if timeout <= 0 or max_queue < 1:
             raise ValueError("WebhookSink needs timeout > 0 and max_queue >= 1.")
+        if format not in ("plain", "slack"):
+            raise ValueError("The 'format' parameter of WebhookSink must be 'plain' or 'slack'. "
+                             f"Got {format!r} instead.")
         self.url = url
+        self.format = format
+        self.escalate = bool(escalate)
+        self.mention = mention
         self.timeout = float(timeout)
         self.max_queue = int(max_queue)
         self.min_severity = min_severity
@@ -185,7 +246,7 @@ class WebhookSink(AlertSink):
                     self.min_severity):
                 self.stats["ignored"] += 1
                 return
-            critical = alert.severity == "critical"
+            critical = alert.severity == "critical" and self.escalate
             with self._cond:
                 if self._stop:
                     self.stats["dropped"] += 1
@@ -233,10 +294,16 @@ class WebhookSink(AlertSink):
                     self._cond.notify_all()
 
     def _post(self, alert: Alert, suppressed: int) -> None:
-        text = format_alert(alert)
-        if suppressed:
-            text += f" (+{suppressed} more alerts suppressed by rate limit)"
-        body = json.dumps({"text": text}).encode()
+        if self.format == "slack":
+            payload = format_slack(alert, suppressed, self.mention)
+        else:
+            text = format_alert(alert)
+            if self.mention and alert.severity == "critical":
+                text = f"{self.mention} {text}"
+            if suppressed:
+                text += f" (+{suppressed} more alerts suppressed by rate limit)"
+            payload = {"text": text}
+        body = json.dumps(payload).encode()
         req = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310
             if resp.status >= 300:
@@ -314,3 +381,70 @@ def make_sink(spec: dict[str, Any]) -> AlertSink:
     if kind == "webhook":
         return WebhookSink(**spec)
     raise ValueError(f"Unknown alert sink type {kind!r}; known: logging, file, webhook.")
+
+
+def sinks_from_config(cfg: Any = None) -> list[AlertSink]:
+    """The alert sinks of an ``[alerts]`` table (default: one :class:`LoggingSink`).
+
+    ``cfg`` is an :class:`~stability.config.AlertsConfig`, a
+    :class:`~stability.config.MonitorConfig` (its ``alerts``), a mapping (validated) or ``None``.
+    A webhook whose ``url_env`` variable is unset is left out with one warning: a missing secret
+    must not stop a training run.
+
+    >>> [type(s).__name__ for s in sinks_from_config()]
+    ['LoggingSink']
+    >>> sinks_from_config({"log": False})
+    []
+    """
+    from .config import AlertsConfig  # noqa: PLC0415
+
+    if cfg is None:
+        cfg = AlertsConfig()
+    elif hasattr(cfg, "alerts") and not isinstance(cfg, AlertsConfig):
+        cfg = cfg.alerts
+    elif not isinstance(cfg, AlertsConfig):
+        cfg = AlertsConfig.from_dict(cfg)
+    sinks: list[AlertSink] = []
+    if cfg.log:
+        sinks.append(LoggingSink(min_severity=cfg.min_severity))
+    if cfg.file is not None:
+        sinks.append(FileSink(cfg.file, min_severity=cfg.min_severity))
+    hook = cfg.webhook
+    if hook is not None:
+        url = hook.url
+        if hook.url_env is not None:
+            url = os.environ.get(hook.url_env) or url
+        if not url:
+            logger.warning("[alerts.webhook]: environment variable %s is not set; no webhook "
+                           "alerts for this run.", hook.url_env)
+        else:
+            sinks.append(WebhookSink(url, timeout=hook.timeout, max_queue=hook.max_queue,
+                                     max_per_window=hook.max_per_window, window_s=hook.window_s,
+                                     min_severity=hook.min_severity, format=hook.format,
+                                     escalate=hook.escalate, mention=hook.mention))
+    return sinks
+
+
+def event_log_from_config(cfg: Any = None) -> Any:
+    """The :class:`~stability.events.EventLog` of an ``[event_log]`` table, or ``None``.
+
+    ``cfg`` is an :class:`~stability.config.EventLogConfig`, a
+    :class:`~stability.config.MonitorConfig` (its ``event_log``), a mapping or ``None``
+    (no ``path``: no event log).
+
+    >>> event_log_from_config() is None
+    True
+    """
+    from .config import EventLogConfig  # noqa: PLC0415
+
+    if cfg is None:
+        return None
+    if hasattr(cfg, "event_log") and not isinstance(cfg, EventLogConfig):
+        cfg = cfg.event_log
+    elif not isinstance(cfg, EventLogConfig):
+        cfg = EventLogConfig.from_dict(cfg)
+    if cfg.path is None:
+        return None
+    from .events import EventLog  # noqa: PLC0415
+
+    return EventLog(cfg.path, fsync=cfg.fsync)

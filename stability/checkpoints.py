@@ -134,6 +134,10 @@ class CheckpointLedger:
             j += 1
         iv[i:j] = [[lo, hi]]
 
+    def forget(self, step: int) -> None:
+        """Drop the records of the checkpoint of ``step`` (it was deleted by retention)."""
+        self.records = [r for r in self.records if r.step != int(step)]
+
     def rewind(self, to_step: int) -> list[CheckpointRecord]:
         """Forget everything after ``to_step`` (a rollback restarted the step count there).
 

@@ -19,9 +19,28 @@ The schema (``docs/CONTRACTS.md``)::
 
     [policy]                         # passed to stability.policy.Policy as a dict
 
+    [alerts]                         # alert sinks (stability.alerts.sinks_from_config)
+    log = true                       # Python logging, logger "stability.alerts" (default on)
+    file = "alerts.log"              # optional: one line per alert
+    min_severity = "warning"         # for the log and file sinks
+    [alerts.webhook]                 # optional: Slack-compatible incoming webhook
+    url_env = "STABILITY_WEBHOOK_URL"   # or url = "https://hooks.slack.com/..."
+    format = "slack"                 # "slack" (mrkdwn blocks) or "plain" ({"text": ...})
+    max_per_window = 5               # rate limit: warnings per window, the rest coalesced
+    window_s = 60.0
+    escalate = true                  # critical alerts bypass the rate limit, jump the queue
+    mention = "<!here>"              # escalation: prefixed to critical alerts
+    min_severity = "warning"
+    timeout = 5.0
+
+    [event_log]                      # durable JSONL log of alarms and interventions
+    path = "runs/stability-events.jsonl"   # none (default): no event log
+    fsync = "critical"               # "critical" | "always" | "never"
+
 Overriding a preset: ``[monitor]`` keys replace the preset's (``aliases`` are merged); a
 ``[[detectors]]`` entry whose ``name`` exists in the preset updates that entry (its ``params``
-are merged key by key), other entries are appended; ``[policy]`` is merged recursively.
+are merged key by key), other entries are appended; ``[policy]``, ``[alerts]`` and
+``[event_log]`` are merged recursively.
 
 Configs are data: TOML is read with :mod:`tomllib` (``tomli`` on 3.10), JSON with :mod:`json`;
 nothing is evaluated or unpickled.  Every error names the offending key path.
@@ -69,7 +88,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = [
+    "AlertsConfig",
     "ConfigError",
+    "EventLogConfig",
+    "WebhookConfig",
     "DetectorSpec",
     "MonitorSettings",
     "MonitorConfig",
@@ -78,7 +100,13 @@ __all__ = [
     "infer_kind",
 ]
 
-_TOP_KEYS = ("preset", "monitor", "detectors", "policy")
+_TOP_KEYS = ("preset", "monitor", "detectors", "policy", "alerts", "event_log")
+_ALERT_KEYS = ("log", "file", "min_severity", "webhook")
+_WEBHOOK_KEYS = ("url", "url_env", "format", "max_per_window", "window_s", "escalate", "mention",
+                 "min_severity", "timeout", "max_queue")
+_EVENT_LOG_KEYS = ("path", "fsync")
+WEBHOOK_FORMATS = ("slack", "plain")
+FSYNC_MODES = ("critical", "always", "never")
 _MONITOR_KEYS = ("aliases", "log_only", "strict")
 _DETECTOR_KEYS = ("name", "detector", "inputs", "kind", "severity", "critical_factor", "params")
 
@@ -172,6 +200,146 @@ class MonitorSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {"aliases": dict(self.aliases), "log_only": self.log_only, "strict": self.strict}
+
+
+def _number(v: Any, where: str, low: float, low_open: bool = False) -> float:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v < low or (low_open and v == low):
+        rel = ">" if low_open else ">="
+        raise ConfigError(f"{where}: must be a finite number {rel} {low}; got {v!r}.")
+    return float(v)
+
+
+def _severity(v: Any, where: str) -> str:
+    if v not in SEVERITIES:
+        raise ConfigError(f"{where}: must be one of {', '.join(SEVERITIES)}; got {v!r}.")
+    return str(v)
+
+
+def _pos_int(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{where}: must be an int >= 1; got {v!r}.")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    """The ``[alerts.webhook]`` table (see :class:`stability.alerts.WebhookSink`)."""
+
+    url: str | None = None
+    url_env: str | None = None
+    format: str = "slack"
+    max_per_window: int = 5
+    window_s: float = 60.0
+    escalate: bool = True
+    mention: str = ""
+    min_severity: str = "warning"
+    timeout: float = 5.0
+    max_queue: int = 100
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "alerts.webhook") -> WebhookConfig:
+        d = _table(d, where)
+        _check_keys(d, _WEBHOOK_KEYS, where)
+        url = d.get("url")
+        url_env = d.get("url_env")
+        if url is None and url_env is None:
+            raise ConfigError(f"{where}: needs 'url' or 'url_env' (the name of an environment "
+                              "variable holding the URL, which keeps secrets out of the file).")
+        if url is not None and not (isinstance(url, str)
+                                    and url.startswith(("http://", "https://"))):
+            raise ConfigError(f"{where}.url: must be an http(s) URL; got {url!r}.")
+        if url_env is not None:
+            _str(url_env, f"{where}.url_env")
+        fmt = d.get("format", "slack")
+        if fmt not in WEBHOOK_FORMATS:
+            raise ConfigError(f"{where}.format: must be one of {', '.join(WEBHOOK_FORMATS)}; "
+                              f"got {fmt!r}.")
+        mention = d.get("mention", "")
+        if not isinstance(mention, str):
+            raise ConfigError(f"{where}.mention: must be a string; got {mention!r}.")
+        return cls(url=url, url_env=url_env, format=str(fmt),
+                   max_per_window=_pos_int(d.get("max_per_window", 5), f"{where}.max_per_window"),
+                   window_s=_number(d.get("window_s", 60.0), f"{where}.window_s", 0.0, True),
+                   escalate=_bool(d.get("escalate", True), f"{where}.escalate"),
+                   mention=mention,
+                   min_severity=_severity(d.get("min_severity", "warning"),
+                                          f"{where}.min_severity"),
+                   timeout=_number(d.get("timeout", 5.0), f"{where}.timeout", 0.0, True),
+                   max_queue=_pos_int(d.get("max_queue", 100), f"{where}.max_queue"))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in _WEBHOOK_KEYS}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class AlertsConfig:
+    """The ``[alerts]`` table: where :class:`~stability.types.Alert` interventions go.
+
+    >>> AlertsConfig.from_dict({"file": "a.log", "webhook": {"url_env": "HOOK"}}).webhook.format
+    'slack'
+    >>> AlertsConfig().log  # the logging sink is on by default
+    True
+    """
+
+    log: bool = True
+    file: str | None = None
+    min_severity: str = "warning"
+    webhook: WebhookConfig | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "alerts") -> AlertsConfig:
+        d = _table(d, where)
+        _check_keys(d, _ALERT_KEYS, where)
+        file = d.get("file")
+        if file is not None:
+            _str(file, f"{where}.file")
+        hook = d.get("webhook")
+        return cls(log=_bool(d.get("log", True), f"{where}.log"), file=file,
+                   min_severity=_severity(d.get("min_severity", "warning"),
+                                          f"{where}.min_severity"),
+                   webhook=None if hook is None else WebhookConfig.from_dict(
+                       hook, f"{where}.webhook"))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"log": self.log, "min_severity": self.min_severity}
+        if self.file is not None:
+            out["file"] = self.file
+        if self.webhook is not None:
+            out["webhook"] = self.webhook.to_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class EventLogConfig:
+    """The ``[event_log]`` table (see :class:`stability.events.EventLog`); no path: no log.
+
+    >>> EventLogConfig.from_dict({"path": "ev.jsonl", "fsync": "always"}).fsync
+    'always'
+    """
+
+    path: str | None = None
+    fsync: str = "critical"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "event_log") -> EventLogConfig:
+        d = _table(d, where)
+        _check_keys(d, _EVENT_LOG_KEYS, where)
+        path = d.get("path")
+        if path is not None:
+            _str(path, f"{where}.path")
+        fsync = d.get("fsync", "critical")
+        if fsync not in FSYNC_MODES:
+            raise ConfigError(f"{where}.fsync: must be one of {', '.join(FSYNC_MODES)}; "
+                              f"got {fsync!r}.")
+        return cls(path=path, fsync=str(fsync))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"fsync": self.fsync}
+        if self.path is not None:
+            out["path"] = self.path
+        return out
 
 
 @dataclass(frozen=True)
@@ -303,6 +471,8 @@ def _resolve_presets(d: Mapping[str, Any], depth: int = 0) -> dict[str, Any]:
     own: dict[str, Any] = {
         "monitor": dict(_table(d.get("monitor", {}), "monitor")),
         "policy": dict(_table(d.get("policy", {}), "policy")),
+        "alerts": dict(_table(d.get("alerts", {}), "alerts")),
+        "event_log": dict(_table(d.get("event_log", {}), "event_log")),
         "detectors": [dict(e) for e in d.get("detectors", [])],
     }
     name = d.get("preset")
@@ -312,6 +482,8 @@ def _resolve_presets(d: Mapping[str, Any], depth: int = 0) -> dict[str, Any]:
     return {
         "monitor": _merge_dicts(base["monitor"], own["monitor"]),
         "policy": _merge_dicts(base["policy"], own["policy"]),
+        "alerts": _merge_dicts(base["alerts"], own["alerts"]),
+        "event_log": _merge_dicts(base["event_log"], own["event_log"]),
         "detectors": _merge_detector_lists(base["detectors"], own["detectors"]),
     }
 
@@ -331,6 +503,8 @@ class MonitorConfig:
     detectors: tuple[DetectorSpec, ...] = ()
     policy: dict[str, Any] = field(default_factory=dict)
     preset: str | None = field(default=None, compare=False)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    event_log: EventLogConfig = field(default_factory=EventLogConfig)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -378,7 +552,9 @@ class MonitorConfig:
                 raise ConfigError(f"{where}.name: duplicate binding name {spec.name!r}.")
             seen.add(spec.name)
             specs.append(spec)
-        cfg = cls(MonitorSettings.from_dict(mon), tuple(specs), pol, preset)
+        alerts = AlertsConfig.from_dict(_plain(flat.get("alerts", {}), "alerts"))
+        event_log = EventLogConfig.from_dict(_plain(flat.get("event_log", {}), "event_log"))
+        cfg = cls(MonitorSettings.from_dict(mon), tuple(specs), pol, preset, alerts, event_log)
         if check_params:
             cfg.validate_policy()
         return cfg
@@ -441,12 +617,20 @@ class MonitorConfig:
 
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict[str, Any]:
-        """Fully resolved plain data; ``MonitorConfig.from_dict(cfg.to_dict()) == cfg``."""
-        return {
+        """Fully resolved plain data; ``MonitorConfig.from_dict(cfg.to_dict()) == cfg``.
+
+        ``alerts`` / ``event_log`` appear only when they differ from the defaults.
+        """
+        out: dict[str, Any] = {
             "monitor": self.monitor.to_dict(),
             "detectors": [s.to_dict() for s in self.detectors],
             "policy": copy.deepcopy(self.policy),
         }
+        if self.alerts != AlertsConfig():
+            out["alerts"] = self.alerts.to_dict()
+        if self.event_log != EventLogConfig():
+            out["event_log"] = self.event_log.to_dict()
+        return out
 
     def to_json(self, **kwargs: Any) -> str:
         """JSON text of :meth:`to_dict`."""

@@ -152,10 +152,12 @@ class Monitor:
         Preset name, ``.toml`` / ``.json`` path, dict or :class:`MonitorConfig`; ``None`` uses
         the ``default`` preset.
     event_log
-        Optional :class:`~stability.events.EventLog`: every alarm and intervention is appended.
+        Optional :class:`~stability.events.EventLog`: every alarm and intervention is appended
+        (default: the config's ``[event_log]``, none without a path).
     alert_sinks
-        Optional alert sinks (or an :class:`~stability.alerts.AlertRouter`): every
-        :class:`~stability.types.Alert` intervention is sent to them.
+        Alert sinks (or an :class:`~stability.alerts.AlertRouter`): every
+        :class:`~stability.types.Alert` intervention is sent to them (default: the config's
+        ``[alerts]`` -- a Python-logging sink unless ``log = false``; ``[]`` for none).
     on_alarm, on_intervention
         Optional handlers (one callable or a list); failures are contained unless strict.
     handler_timeout
@@ -179,9 +181,15 @@ class Monitor:
             _Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
         ]
         self.policy = _make_policy(self.config.policy)
-        self.event_log = event_log
-        self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else (
-            [] if alert_sinks is None else [alert_sinks])
+        from .alerts import event_log_from_config, sinks_from_config  # noqa: PLC0415
+        # config-driven by default: a logging sink unless ``[alerts] log = false``, and the
+        # ``[event_log]`` file when one is configured; explicit arguments win
+        self.event_log = event_log if event_log is not None else event_log_from_config(
+            self.config)
+        if alert_sinks is None:
+            alert_sinks = sinks_from_config(self.config)
+        self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else [
+            alert_sinks]
         from .handlers import HandlerRegistry  # noqa: PLC0415
         self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
         self._sink_failed: set[int] = set()
@@ -193,6 +201,8 @@ class Monitor:
             from .checkpoints import CheckpointLedger  # noqa: PLC0415
             checkpoints = CheckpointLedger()
         self.checkpoints = checkpoints
+        #: the trainer's own gradient clip (adapters set it); the policy never loosens it
+        self.trainer_clip_norm: float | None = None
         self._reset_runtime()
 
     # ------------------------------------------------------------------ setup helpers
@@ -214,6 +224,10 @@ class Monitor:
         self._snap: Control | None = None  # copy of self.control shared by quiet decisions
         self._call_sets: dict[bytes, list[tuple[Any, Any, Any]]] = {}
         self._grad_slot = 0
+        self._lr_slot = 0
+        self._loss_slot = 0
+        self._lr_now: float | None = None    # requested LR of the latest step that had one
+        self._lr_prev: float | None = None   # ... and of the one before
         self._grad_hist: collections.deque[float] = collections.deque(maxlen=GRAD_HISTORY)
         self._grad_last: float | None = None
         self.last_step = -1
@@ -252,9 +266,18 @@ class Monitor:
     def rewind(self, step: int) -> None:
         """Accept steps after ``step`` again (the trainer resumed from an earlier checkpoint).
 
-        Detector statistics are kept (load a saved :meth:`state_dict` to restore them too).
+        Detector statistics are kept (load a saved :meth:`state_dict` to restore them too),
+        except those of step-to-step *jump* detectors (``lr_jump`` on the LR or the weight
+        norm): a restore legitimately moves the LR and the weights back, which is not a jump.
         """
         self.last_step = int(step)
+        guard = getattr(self.policy, "guard", None)
+        if guard is not None:
+            guard.rewind()  # the scheduler went back too: not an LR jump
+        for b in self._bindings:
+            if b.spec.detector == "lr_jump":
+                b.det.reset()
+                self._dirty = True  # reset() reallocates the arrays the fast path is bound to
 
     # ------------------------------------------------------------------ name resolution
     def _lookup(self, raw: Any) -> int:
@@ -297,6 +320,10 @@ class Monitor:
             b.slots[j][i] = s
         if name == "grad_norm":
             self._grad_slot = s
+        elif name == "lr":
+            self._lr_slot = s
+        elif name == "loss":
+            self._loss_slot = s
         self._dirty = True
         return s
 
@@ -538,6 +565,7 @@ class Monitor:
             self._relayout()
         g = self._grad_slot
         gnow = float(self._vals[g]) if g and self._present[g] else None
+        tivs = self._track(s, self._vals, self._present)  # before gather_step clears them
         gidx, boff, soff, x_all, m_all, s_all, a_all, active = self._gather
         gather_step(self._vals, self._present, gidx, boff, soff, x_all, m_all, s_all, a_all,
                     active)
@@ -552,6 +580,8 @@ class Monitor:
             alarms = ivs = ()
             if self._policy_dirty:
                 self._policy_step(s, alarms, gnow)
+        if tivs:
+            ivs = tivs + tuple(ivs)
         if gnow is not None and math.isfinite(gnow):
             self._grad_hist.append(gnow)
             self._grad_last = gnow
@@ -587,8 +617,47 @@ class Monitor:
             self._policy_dirty = pc.lr_factor != 1.0 or pc.clip_norm is not None
         return ()
 
+    def _track(self, s: int, vals: np.ndarray, present: np.ndarray) -> tuple[Intervention, ...]:
+        """Hand the step's requested LR and loss to the policy (LR guard, loss tracker)."""
+        ls, lo = self._lr_slot, self._loss_slot
+        lr = float(vals[ls]) if ls and present[ls] else None
+        loss = float(vals[lo]) if lo and present[lo] else None
+        if lr is not None:
+            self._lr_prev, self._lr_now = self._lr_now, lr
+        track = getattr(self.policy, "track", None)
+        if track is None or (lr is None and loss is None):
+            return ()
+        guard = self.policy.guard
+        was = guard.active
+        ivs = tuple(track(s, lr, loss, self._policy_control))
+        if ivs or was or guard.active:
+            self._snap = None
+            self._policy_dirty = True
+        return ivs
+
+    def rollback_failed(self, step: int, reason: str = "") -> None:
+        """The trainer could not carry out the rollback requested at ``step``.
+
+        The policy does not count it; the event log records it.
+        """
+        fn = getattr(self.policy, "rollback_failed", None)
+        if fn is not None:
+            fn(int(step))
+        if self.event_log is not None:
+            try:
+                self.event_log.append({"type": "rollback_refused", "step": int(step),
+                                       "reason": reason}, critical=True)
+            except Exception:  # bookkeeping never kills the run
+                logger.debug("could not record the refused rollback", exc_info=True)
+
     def _context(self, gnow: float | None) -> dict[str, Any]:
         ctx: dict[str, Any] = {"healthy_checkpoints": self.checkpoints}
+        if self._lr_now is not None:
+            ctx["lr"] = self._lr_now
+        if self._lr_prev is not None:
+            ctx["lr_prev"] = self._lr_prev
+        if self.trainer_clip_norm is not None:
+            ctx["clip_norm"] = self.trainer_clip_norm
         if gnow is not None and math.isfinite(gnow):
             ctx["grad_norm"] = gnow
         elif self._grad_last is not None:
@@ -724,6 +793,7 @@ class Monitor:
                 self._snap = None
             gnow = float(vals[t, g]) if g and pres[t, g] else None
             self.last_step = s
+            tivs = self._track(s, vals[t], pres[t])
             if any_alarm[t]:
                 alarms = self._make_alarms(s, [(b, o[0][t], o[1][t])
                                                for b, o in zip(self._bindings, outs, strict=True)])
@@ -731,6 +801,8 @@ class Monitor:
             else:
                 alarms = ()
                 ivs = self._policy_step(s, alarms, gnow) if self._policy_dirty else ()
+            if tivs:
+                ivs = tivs + tuple(ivs)
             if gnow is not None and math.isfinite(gnow):
                 self._grad_hist.append(gnow)
                 self._grad_last = gnow
@@ -761,6 +833,8 @@ class Monitor:
             "last_step": self.last_step,
             "grad_history": list(self._grad_hist),
             "grad_last": self._grad_last,
+            "lr_now": self._lr_now,
+            "lr_prev": self._lr_prev,
             "counters": dict(self.counters),
         }
         return encode_state(sd)
@@ -779,6 +853,8 @@ class Monitor:
         self._slot_names += [str(x) for x in sd.get("slots", [])]
         self._slot_of = {n: i for i, n in enumerate(self._slot_names) if i > _SCRATCH}
         self._grad_slot = self._slot_of.get("grad_norm", 0)
+        self._lr_slot = self._slot_of.get("lr", 0)
+        self._loss_slot = self._slot_of.get("loss", 0)
         self._vals, self._present = empty_buffers(max(64, 2 * len(self._slot_names)))
         self.unbound = set(sd.get("unbound", []))
         for b, bd in zip(self._bindings, sd["bindings"], strict=True):
@@ -801,6 +877,8 @@ class Monitor:
         self._grad_hist.extend(float(x) for x in sd.get("grad_history", []))
         gl = sd.get("grad_last")
         self._grad_last = None if gl is None else float(gl)
+        self._lr_now = None if sd.get("lr_now") is None else float(sd["lr_now"])
+        self._lr_prev = None if sd.get("lr_prev") is None else float(sd["lr_prev"])
         self.counters.update({k: int(v) for k, v in sd.get("counters", {}).items()})
         self._dirty = True
 

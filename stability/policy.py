@@ -58,10 +58,13 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .attribution import DATA_CAUSES, attribute
+from .lr_guard import LRGuard
 from .lr_schedule import adaptive_clip, compound_factor, lr_cut_end, lr_factor_at
 from .policy_config import ACTIONS, PolicyConfig
 from .types import (
@@ -78,7 +81,7 @@ from .types import (
     Stop,
 )
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 _SEV = {s: i for i, s in enumerate(SEVERITIES)}
 _INF = 2**62
 
@@ -113,9 +116,25 @@ class Policy:
         self._rewound_to: int | None = None
         self._jump: tuple[float, int, float] | None = None  # held ratio, last alarm, factor
         self._damage_last: int | None = None
+        self._rolled_back = False
         self.n_rollbacks = 0
         self.n_responses = 0
         self.n_merged = 0
+        self.guard = LRGuard(self.config.lr_guard)
+        self._reset_episode()
+        self._fast = math.nan      # EW mean of log(loss), recent (nan: no loss seen)
+        self._base = math.nan      # EW mean of log(loss) over steps outside episodes
+        self._nf_loss_run = 0      # consecutive observed steps with a non-finite loss
+        self._loss_step = -_INF    # step of the last loss seen by :meth:`track`
+
+    def _reset_episode(self) -> None:
+        """Forget the open episode (after a rollback, or when it is over)."""
+        self._consec = 0            # consecutive alarm steps of the episode
+        self._last_seen = -_INF     # last step with acting alarms
+        self._skip_run = 0          # consecutive skipped steps
+        self._adapt_start: int | None = None
+        self._adapt_fast = math.nan
+        self.cause = ""
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-compatible state (``"version"`` key); config is not included."""
@@ -134,6 +153,12 @@ class Policy:
             "n_rollbacks": self.n_rollbacks,
             "n_responses": self.n_responses,
             "n_merged": self.n_merged,
+            "guard": self.guard.state_dict(),
+            "episode": {"consec": self._consec, "last_seen": self._last_seen,
+                        "skip_run": self._skip_run, "adapt_start": self._adapt_start,
+                        "adapt_fast": _enc(self._adapt_fast), "cause": self.cause},
+            "loss": {"fast": _enc(self._fast), "base": _enc(self._base),
+                     "nf_run": self._nf_loss_run, "step": self._loss_step},
         }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -160,6 +185,20 @@ class Policy:
         self.n_rollbacks = int(sd.get("n_rollbacks", 0))
         self.n_responses = int(sd.get("n_responses", 0))
         self.n_merged = int(sd.get("n_merged", 0))
+        if sd.get("guard") is not None:
+            self.guard.load_state_dict(sd["guard"])
+        ep = sd.get("episode") or {}
+        self._consec = int(ep.get("consec", 0))
+        self._last_seen = int(ep.get("last_seen", -_INF))
+        self._skip_run = int(ep.get("skip_run", 0))
+        self._adapt_start = _opt_int(ep.get("adapt_start"))
+        self._adapt_fast = float(ep.get("adapt_fast", math.nan))
+        self.cause = str(ep.get("cause", ""))
+        lo = sd.get("loss") or {}
+        self._fast = float(lo.get("fast", math.nan))
+        self._base = float(lo.get("base", math.nan))
+        self._nf_loss_run = int(lo.get("nf_run", 0))
+        self._loss_step = int(lo.get("step", -_INF))
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
@@ -176,6 +215,11 @@ class Policy:
 
     def lr_factor_at(self, step: int) -> float:
         """LR multiplier the policy wants at ``step`` (ignores ``log_only``)."""
+        g = self.guard.factor if self.guard.active else 1.0
+        return min(g, self._ladder_lr_factor_at(step))
+
+    def _ladder_lr_factor_at(self, step: int) -> float:
+        """The ladder's own LR cut at ``step`` (without the LR guard's)."""
         if self._lr is None:
             return 1.0
         s, f, d, r = self._lr
@@ -203,7 +247,7 @@ class Policy:
         return Control() if self.log_only else self.planned_control_at(step)
 
     def _apply_persistent(self, step: int, control: Control) -> None:
-        if step >= self._neutral_from:
+        if step >= self._neutral_from and not self.guard.active:
             control.lr_factor, control.clip_norm = 1.0, None
         else:
             control.lr_factor = self.lr_factor_at(step)
@@ -216,6 +260,100 @@ class Policy:
         if self._clip is not None:
             ends.append(_INF if self._clip[2] == 0 else self._clip[1] + self._clip[2])
         self._neutral_from = max(ends)
+
+    # ------------------------------------------------------------------ every step
+    def track(self, step: int, lr: float | None = None, loss: float | None = None,
+              control: Control | None = None) -> list[Intervention]:
+        """Follow the requested LR and the training loss of every step, quiet ones included.
+
+        Call before :meth:`step` for the same step (the monitor does).  The LR goes to the
+        :class:`~stability.lr_guard.LRGuard`: when it leaves its healthy band the LR factor
+        divides the fault out for as long as the scheduler keeps asking for it (an ``alert`` and
+        a ``reduce_lr`` with ``duration = 0`` mark the start, an ``alert`` the release).  The
+        loss feeds the "measurably worse" test that gates rollbacks of data-caused episodes and
+        every stop.
+
+        Returns
+        -------
+        list of Intervention
+            Non-empty only when an LR fault starts or ends.
+        """
+        step = int(step)
+        if loss is not None:
+            self._track_loss(step, loss)
+        if lr is None or not self.config.lr_guard.enabled:
+            return []
+        g = self.guard
+        was = g.active
+        f = g.observe(step, lr)
+        out: list[Intervention] = []
+        if g.active and not was:
+            reason = (f"LR {g.last_lr:.3g} left its healthy band (last healthy LR {g.ref:.3g}, "
+                      f"x{g.last_lr / g.ref:.3g})")
+            msg = (f"step {step}: {reason} -> LR factor {f:.3g} for as long as the scheduler "
+                   f"asks for it (cause: lr)")
+            out = [Alert(step, reason, cause="lr", severity="critical", message=msg),
+                   ReduceLR(step, reason, cause="lr", factor=f, duration=0, restore_steps=0)]
+            self.n_responses += 1
+            self.cause = "lr"
+        elif was and not g.active:
+            reason = f"LR {g.last_lr:.3g} back in its healthy band"
+            out = [Alert(step, reason, cause="lr", severity="warning",
+                         message=f"step {step}: {reason}; LR guard released")]
+        if control is not None and not self.log_only and (g.active or was):
+            self._apply_persistent(step, control)
+        return out
+
+    @property
+    def episode_onset(self) -> int | None:
+        """First alarm step of the open episode (``None`` when none is open)."""
+        return self._onset
+
+    def _track_loss(self, step: int, loss: float) -> None:
+        try:
+            v = float(loss)
+        except (TypeError, ValueError):
+            return
+        if math.isnan(v) or math.isinf(v):
+            self._nf_loss_run += 1
+            self._loss_step = step
+            return
+        self._nf_loss_run = 0
+        self._loss_step = step
+        if v <= 0.0:
+            return
+        x = math.log(v)
+        rc = self.config.recovery
+        self._fast = x if math.isnan(self._fast) else self._fast + rc.fast_alpha * (x - self._fast)
+        quiet = step - self._last_seen > self.config.cooldown and not self.guard.active
+        if quiet:
+            self._base = x if math.isnan(self._base) else (
+                self._base + rc.base_alpha * (x - self._base))
+
+    def worse(self) -> bool | None:
+        """Is the run measurably worse than before the episode?  ``None``: cannot tell."""
+        if self._nf_loss_run > 0:
+            return True
+        if math.isnan(self._fast) or math.isnan(self._base):
+            return None
+        return self._fast - self._base > math.log1p(self.config.recovery.worse_margin)
+
+    def _improving(self) -> bool:
+        return (not math.isnan(self._adapt_fast) and not math.isnan(self._fast)
+                and self._fast < self._adapt_fast - 0.02)
+
+    def _exhausted(self, step: int, ctx: Mapping[str, Any]) -> bool:
+        """No rollback left to try: the limit is reached or no healthy checkpoint exists."""
+        if self.n_rollbacks >= self.config.max_rollbacks:
+            return True
+        ledger = ctx.get("healthy_checkpoints")
+        onset = step if self._onset is None else self._onset
+        return ledger is None or ledger.latest_healthy_before(
+            onset, self.config.checkpoint_margin) is None
+
+    def rollback_failed(self, step: int) -> None:
+        """The trainer could not carry out the rollback requested at ``step``: not counted."""
+        self.n_rollbacks = max(0, self.n_rollbacks - 1)
 
     # ------------------------------------------------------------------ the decision
     def step(
@@ -257,6 +395,23 @@ class Policy:
         ctx: Mapping[str, Any] = context or {}
         cfg = self.config
         jcfg = cfg.lr_jump
+        if cfg.lr_guard.enabled and self.guard.n >= cfg.lr_guard.min_steps:
+            # the LR guard judges the requested LR itself, every step: LR-jump alarms are
+            # recorded but do not act (a rewound scheduler, a benign restart, a step decay)
+            acts = [a for a in acts if a.detector not in jcfg.detectors]
+            if self.guard.active:
+                # LR/loss anomalies while the guard holds an LR fault are that fault's echo
+                acts = [a for a in acts if a.kind != "lr_loss_anomaly"]
+            if not acts:
+                if not self.log_only:
+                    self._apply_persistent(step, control)
+                return []
+        self._consec = self._consec + 1 if 0 < step - self._last_seen <= 3 else 1
+        self._last_seen = step
+        rc = cfg.recovery
+        cause = attribute(acts, lr_fault=self.guard.active, nonfinite_loss_run=self._nf_loss_run,
+                          consecutive=self._consec, persistent_after=rc.max_consecutive_skips)
+        self.cause = cause
         damaged = False
         if jcfg.enabled:
             if any(a.kind in jcfg.damage_kinds for a in acts):
@@ -345,6 +500,34 @@ class Policy:
             responded = True
             if damaged and jcfg.rollback_on_damage:
                 actions.update(("checkpoint", "rollback"))
+        nonfinite_now = "nonfinite" in kinds
+        if skip and cause == "shift" and not nonfinite_now:
+            skip = False  # no skip storms: a persistent shift must be learned, not skipped
+        adapting = cause == "shift" or (
+            cause == "overflow" and self._consec > rc.max_consecutive_skips)
+        if adapting and self._adapt_start is None:
+            self._adapt_start = step
+            self._adapt_fast = self._fast
+            actions.update(("alert", "clip", "reduce_lr"))
+            responded = True
+        if cause == "corruption":
+            actions.update(("alert", "checkpoint", "rollback"))
+            skip = True
+            responded = True
+        worse = self.worse()
+        if "stop" in actions and not self._exhausted(step, ctx):
+            # stop only when nothing is left to try: a rollback comes first
+            actions = (actions - {"stop"}) | {"checkpoint", "rollback"}
+        if "rollback" in actions and cause in ("shift", "overflow", "outlier", "divergence"):
+            ok = worse is not False and (cause in ("outlier", "divergence") or (
+                self._adapt_start is not None and step - self._adapt_start >= rc.adapt_steps
+                and not self._improving()))
+            if not ok:
+                actions -= {"rollback", "checkpoint"}
+                if self._adapt_start is None:
+                    self._adapt_start = step
+                    self._adapt_fast = self._fast
+                    actions.update(("alert", "clip", "reduce_lr"))
         if skip:
             actions.add("skip")
         if responded:
@@ -353,6 +536,17 @@ class Policy:
             self.n_merged += 1
         self._rewound_to = None
         ivs = self._build(step, actions, by_kind, max(level_now, 1), ctx, control, jump)
+        if cause:
+            ivs = [dataclasses.replace(iv, cause=cause) for iv in ivs]
+        if self._rolled_back:
+            # a new start from a healthy state: the episode and its escalation are over
+            self._level = 0
+            self._last_alarm = self._last_response = None
+            self._hist = {}
+            self._kind_last = {}
+            self._onset = None
+            self._reset_episode()
+            self.guard.rewind()
         self._update_neutral()
         if not self.log_only:
             # after a rewinding rollback the trainer continues from the restored step
@@ -370,9 +564,29 @@ class Policy:
             f"{k}({_signals(v)})" for k, v in sorted(by_kind.items()))
         notes: list[str] = []
         out: list[Intervention] = []
+        self._rolled_back = False
         if "rollback" in actions and self.n_rollbacks >= cfg.max_rollbacks:
             actions = (actions - {"rollback"}) | {"stop"}
             notes.append(f"rollback limit ({cfg.max_rollbacks}) reached")
+        if "rollback" in actions:
+            onset = step if self._onset is None else self._onset
+            ledger = ctx.get("healthy_checkpoints")
+            if ledger is None or ledger.latest_healthy_before(onset, cfg.checkpoint_margin) is None:
+                actions = actions - {"rollback"}
+                notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
+                if self.cause == "corruption":  # a broken state with nothing to restore
+                    actions = actions | {"stop"}
+        if "stop" in actions:
+            worse = self.worse()
+            if worse is False:
+                actions = actions - {"stop"}
+                notes.append("would stop, but the run is not measurably worse than before the "
+                             "episode: continuing")
+            else:
+                tried = f"{self.n_rollbacks} rollback(s)"
+                if self._adapt_start is not None:
+                    tried += f", adapting since step {self._adapt_start}"
+                notes.append(f"cause: {self.cause or 'unknown'}; tried: {tried}")
         if "skip" in actions:
             out.append(SkipStep(step, reason))
             if act:
@@ -402,7 +616,8 @@ class Policy:
             notes.append(f"LR jumped x{jump:.3g}: LR factor {f:.3g}, held until {j.hold} steps "
                          f"after the last jump alarm")
         elif "reduce_lr" in actions:
-            f = compound_factor(self.lr_factor_at(step), cfg.lr.factor, cfg.lr.min_factor)
+            f = compound_factor(self._ladder_lr_factor_at(step), cfg.lr.factor,
+                                cfg.lr.min_factor)
             self._lr = (step, f, cfg.lr.duration, cfg.lr.restore_steps)
             out.append(ReduceLR(step, reason, factor=f, duration=cfg.lr.duration,
                                 restore_steps=cfg.lr.restore_steps))
@@ -416,16 +631,18 @@ class Policy:
             ledger = ctx.get("healthy_checkpoints")
             target = None if ledger is None else ledger.latest_healthy_before(
                 onset, cfg.checkpoint_margin)
+            skip_data = self.cause in DATA_CAUSES or not self.cause
             if target is None:
                 notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
             else:
                 out.append(Rollback(step, reason, to_step=target.step, skip_from=onset,
-                                    skip_to=step))
+                                    skip_to=step if skip_data else onset - 1))
                 self.n_rollbacks += 1
                 self._onset = None
+                self._rolled_back = True  # log_only decides as if it had acted
                 if act:
                     control.rollback_to = target.step
-                    control.skip_batches = (onset, step)
+                    control.skip_batches = (onset, step) if skip_data else None
                     if cfg.rewind_on_rollback:
                         self._rewind(step, target.covers, ledger)
                         self._rewound_to = target.covers
@@ -522,3 +739,8 @@ def _finite_or_none(v: Any) -> float | None:
 
 def _opt_int(v: Any) -> int | None:
     return None if v is None else int(v)
+
+
+def _enc(v: float) -> float | str:
+    """JSON-safe float (non-finite as a string, read back by ``float``)."""
+    return v if math.isfinite(v) else str(v)

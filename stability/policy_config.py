@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .lr_guard import LRGuardConfig
 from .lr_schedule import RAMP_SHAPES
 from .types import ALARM_KINDS, SEVERITIES
 
@@ -267,7 +268,47 @@ DEFAULT_KINDS: dict[str, KindRule] = {
                                      skip="never"),
     "lr_loss_anomaly": KindRule(ladder=(("alert", "reduce_lr"),), skip="never"),
     "level_shift": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
+    "weight_corruption": KindRule(skip="always", start_level=3, critical_start_level=3),
 }
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """``[policy.recovery]``: when a response has demonstrably failed.
+
+    * ``max_consecutive_skips`` -- after this many consecutive skipped steps on *finite* alarms
+      (a persistent data / input shift, not a bad batch), the policy stops skipping and
+      *adapts* instead: a tighter clip and a temporary LR cut, so the model can learn the new
+      distribution (non-finite losses or gradients are always skipped: they cannot be applied);
+    * ``adapt_steps`` -- a data-caused episode escalates to a rollback only after this many
+      steps of adapting without improvement while the loss is measurably worse;
+    * ``worse_margin`` -- "measurably worse": the recent loss (EW mean of log loss, memory
+      ~``1/fast_alpha`` steps) above the pre-episode baseline (EW mean, ``1/base_alpha``) by
+      more than this relative margin.  A run is stopped only when the ladder is exhausted *and*
+      it is measurably worse (or its loss is not finite).
+    """
+
+    max_consecutive_skips: int = 8
+    adapt_steps: int = 50
+    worse_margin: float = 0.1
+    fast_alpha: float = 0.1
+    base_alpha: float = 0.02
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "policy.recovery") -> RecoveryConfig:
+        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        c = cls()
+        return cls(
+            max_consecutive_skips=_int(f"{path}.max_consecutive_skips",
+                                       d.get("max_consecutive_skips", c.max_consecutive_skips), 1),
+            adapt_steps=_int(f"{path}.adapt_steps", d.get("adapt_steps", c.adapt_steps), 0),
+            worse_margin=_float(f"{path}.worse_margin", d.get("worse_margin", c.worse_margin),
+                                0.0, 1e6),
+            fast_alpha=_float(f"{path}.fast_alpha", d.get("fast_alpha", c.fast_alpha), 0.0, 1.0,
+                              low_open=True),
+            base_alpha=_float(f"{path}.base_alpha", d.get("base_alpha", c.base_alpha), 0.0, 1.0,
+                              low_open=True),
+        )
 
 
 @dataclass(frozen=True)
@@ -286,6 +327,8 @@ class PolicyConfig:
     clip: ClipConfig = field(default_factory=ClipConfig)
     lr: LRConfig = field(default_factory=LRConfig)
     lr_jump: LRJumpConfig = field(default_factory=LRJumpConfig)
+    lr_guard: LRGuardConfig = field(default_factory=LRGuardConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     kinds: Mapping[str, KindRule] = field(default_factory=lambda: dict(DEFAULT_KINDS))
 
     @classmethod
@@ -316,6 +359,8 @@ class PolicyConfig:
             clip=ClipConfig.from_dict(d.get("clip", {})),
             lr=LRConfig.from_dict(d.get("lr", {})),
             lr_jump=LRJumpConfig.from_dict(d.get("lr_jump", {})),
+            lr_guard=LRGuardConfig.from_dict(d.get("lr_guard", {})),
+            recovery=RecoveryConfig.from_dict(d.get("recovery", {})),
             kinds=kinds,
         )
         for name, given in kd.items():  # levels beyond the ladder are clamped; flag explicit ones
@@ -341,6 +386,8 @@ class PolicyConfig:
             "clip": dataclasses.asdict(self.clip),
             "lr": dataclasses.asdict(self.lr),
             "lr_jump": self.lr_jump.to_dict(),
+            "lr_guard": dataclasses.asdict(self.lr_guard),
+            "recovery": dataclasses.asdict(self.recovery),
             "kinds": {k: v.to_dict() for k, v in sorted(self.kinds.items())},
         }
 

@@ -21,6 +21,7 @@ ALARM_KINDS = (
     "train_val_divergence",
     "lr_loss_anomaly",
     "level_shift",
+    "weight_corruption",
 )
 
 #: Severity levels, in increasing order.
@@ -84,11 +85,14 @@ class Intervention:
     """Base class of typed, serialisable intervention requests.
 
     ``step`` is the step at which the request was made; ``reason`` says why (usually the alarm
-    kinds that triggered it).
+    kinds that triggered it); ``cause`` is the attributed cause of the episode (``"lr"``,
+    ``"outlier"``, ``"shift"``, ``"corruption"``, ``"overflow"``, ``"divergence"``; empty when
+    unknown).
     """
 
     step: int
     reason: str = ""
+    cause: str = ""  #: attributed cause of the episode (see ``stability.attribution.CAUSES``)
     type: ClassVar[str] = "intervention"
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from stability.types import (
     ReduceLR,
     Rollback,
     SetClip,
+    Stop,
 )
 
 
@@ -41,30 +42,39 @@ def ledger_with(*steps: int, margin: int = 0) -> CheckpointLedger:
     return led
 
 
+# the ladder mechanics below are tested without the skip-storm limit (tested on its own)
 BASE = {"cooldown": 10, "escalation_window": 100, "quiet_steps": 300,
-        "rewind_on_rollback": False}
+        "rewind_on_rollback": False, "recovery": {"max_consecutive_skips": 10_000}}
 
 
 # --------------------------------------------------------------------------- escalation ladder
 def test_escalation_order_clip_lr_rollback_stop() -> None:
-    pol = Policy(BASE)
+    pol = Policy({**BASE, "max_rollbacks": 1})
     led = ledger_with(200, 400, 600, 800, 950)
     ctx = {"grad_norm_recent_median": 0.4, "healthy_checkpoints": led}
     ctl = Control()
     seen: dict[int, list[str]] = {}
+    stop_reason = ""
     # a loss spike at 1000 that keeps recurring every 30 steps, alarms in between are merged
-    for step in range(990, 1120):
+    for step in range(990, 1150):
         ctl.reset_step()
         al = [alarm(step)] if step >= 1000 and (step - 1000) % 30 in (0, 1, 2) else []
         ivs = pol.step(step, al, ctl, ctx)
         if ivs:
             seen[step] = types_(ivs)
+        stop_reason = stop_reason or ctl.stop_reason
+    # the rollback ends the episode (a fresh one starts at level 1); the run is stopped only
+    # when the ladder is exhausted (rollback limit reached) and the reason says what was tried
     assert seen == {
         1000: ["alert", "set_clip"],
         1030: ["alert", "reduce_lr"],
         1060: ["alert", "checkpoint", "rollback"],
-        1090: ["alert", "stop"],
+        1061: ["alert", "set_clip"],
+        1090: ["alert", "reduce_lr"],
+        1120: ["alert", "checkpoint", "stop"],
     }
+    assert "rollback limit (1) reached" in stop_reason
+    assert "cause: outlier; tried: 1 rollback(s)" in stop_reason
 
 
 def test_rollback_request_fields_and_control() -> None:
@@ -128,8 +138,10 @@ def test_rewind_on_rollback_rebases_timers_and_ledger() -> None:
     # the trainer resumes at 901: the LR cut made 50 steps before the rollback is 50 steps old
     assert pol.control_at(901).lr_factor == pytest.approx(lr_factor_at(51, 0, 0.5, 100, 50))
     ctl.reset_step()
-    assert pol.step(905, [alarm(905)], ctl, ctx) == []          # still in the cooldown
-    assert types_(pol.step(960, [alarm(960)], ctl, ctx)) == ["stop"]
+    # the rollback ended the episode: one alarm afterwards starts a fresh one at level 1 (it
+    # neither stops the run nor inherits the old escalation)
+    assert types_(pol.step(905, [alarm(905)], ctl, ctx)) == ["alert", "reduce_lr"]
+    assert pol.level_at(905) == 1 and not ctl.stop
 
 
 # --------------------------------------------------------------------------- cooldown, storm
@@ -368,7 +380,9 @@ def test_log_only_leaves_control_neutral_and_records_same_decisions() -> None:
         assert ctl == Control(), s
         assert pol.control_at(s) == Control()
     assert dry == act
-    assert {t["type"] for _, ivs in dry for t in ivs} >= {"set_clip", "reduce_lr", "stop"}
+    # 100 rollbacks allowed: the ladder is never exhausted, so the run is never stopped
+    assert {t["type"] for _, ivs in dry for t in ivs} >= {"set_clip", "reduce_lr", "rollback"}
+    assert "stop" not in {t["type"] for _, ivs in dry for t in ivs}
 
 
 # --------------------------------------------------------------------------- purity, round trip
@@ -412,7 +426,7 @@ def test_state_round_trip_mid_sequence(seed: int) -> None:
         led_a = ledger_with(0, 100, 700)
         first, _ = _run(a, ev, range(cut), ledger=led_a)
         sd = json.loads(json.dumps(a.state_dict()))
-        assert sd["version"] == 1
+        assert sd["version"] == 2
         b = Policy(cfg)
         b.load_state_dict(sd)
         led_b = CheckpointLedger.from_state_dict(json.loads(json.dumps(led_a.state_dict())))
@@ -433,7 +447,11 @@ def test_interventions_round_trip_as_json() -> None:
                                       "rollback", "stop"]]})
     ivs = pol.step(9, [alarm(9)], Control(), {"grad_norm_recent_median": 1.0,
                                              "healthy_checkpoints": ledger_with(1)})
-    assert len(ivs) == 7
+    # a stop is turned into the rollback still available (the ladder is not exhausted)
+    assert types_(ivs) == ["alert", "skip_step", "set_clip", "reduce_lr", "checkpoint",
+                           "rollback"]
+    assert all(iv.cause == "outlier" for iv in ivs)
+    ivs.append(Stop(9, "why", cause="corruption"))
     for iv in ivs:
         assert Intervention.from_dict(json.loads(json.dumps(iv.to_dict()))) == iv
 
@@ -556,8 +574,10 @@ def test_lr_jump_after_damage_rolls_back() -> None:
     ivs = pol.step(100, [jalarm(100)], ctl, {"healthy_checkpoints": led})
     assert types_(ivs) == ["alert", "reduce_lr", "checkpoint", "rollback"]
     rb = next(i for i in ivs if isinstance(i, Rollback))
-    assert (rb.to_step, rb.skip_from, rb.skip_to) == (90, 95, 100)
-    assert ctl.rollback_to == 90 and ctl.lr_factor == pytest.approx(math.exp(-4.6))
+    # the cause is the LR, not the data: the batches are not skipped (empty range)
+    assert (rb.to_step, rb.skip_from, rb.skip_to) == (90, 95, 94) and rb.cause == "lr"
+    assert ctl.rollback_to == 90 and ctl.skip_batches is None
+    assert ctl.lr_factor == pytest.approx(math.exp(-4.6))
     # without damage: no rollback
     pol = Policy(JUMP)
     assert types_(pol.step(100, [jalarm(100)], Control(), {"healthy_checkpoints": led})) == [

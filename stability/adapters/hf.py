@@ -243,6 +243,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         kwargs.update(self.guard_kwargs)
         self.guard = TorchGuard(model, inner, sched, self.monitor, **kwargs)
         self.guard.store = self.store  # type: ignore[assignment]  # HF's own checkpoints
+        self.store.on_drop = self.guard._forget_checkpoint
         if saved is not None:
             self._load(saved, state.global_step)
         elif carried is not None:

@@ -22,6 +22,7 @@ torch is imported here at module level: this module is only imported through
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import tempfile
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger("stability.adapters")
 
 __all__ = [
     "CheckpointStore",
@@ -476,13 +479,20 @@ class CheckpointStore:
     directory : path-like or None
         Where files ``step-<N>[-rank<r>].pt`` go; ``None`` keeps CPU copies in memory.
     keep : int
-        How many checkpoints to retain (older ones are deleted); healthy ones are preferred.
+        How many *healthy* checkpoints to retain (older ones are deleted).  Emergency
+        (unhealthy) checkpoints never evict a healthy one: only the newest of them is kept, on
+        top of ``keep``.  Steps passed as ``protect`` to :meth:`save` (the rollback target of an
+        open episode) are never deleted.
     rank : int
         Suffix for per-rank files in distributed runs (``-1`` = no suffix).
+    on_drop : callable, optional
+        ``on_drop(step)`` after a checkpoint is deleted (e.g. to forget it in the ledger, so a
+        rollback is never planned onto a deleted checkpoint).
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str] | None = None, keep: int = 4, rank: int = -1
+        self, directory: str | os.PathLike[str] | None = None, keep: int = 4, rank: int = -1,
+        on_drop: Any = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"The 'keep' parameter of CheckpointStore must be >= 1. Got {keep}.")
@@ -491,6 +501,7 @@ class CheckpointStore:
         self.rank = int(rank)
         self.entries: dict[int, SavedCheckpoint] = {}
         self._memory: dict[int, dict[str, Any]] = {}
+        self.on_drop = on_drop
 
     def _path(self, step: int) -> Path | None:
         if self.directory is None:
@@ -500,8 +511,12 @@ class CheckpointStore:
 
     def save(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, *, step: int,
              data_position: int, healthy: bool, reason: str = "",
-             monitor_state: Mapping[str, Any] | None = None) -> SavedCheckpoint:
-        """Take a checkpoint and register it; returns its entry."""
+             monitor_state: Mapping[str, Any] | None = None,
+             protect: Iterable[int] = ()) -> SavedCheckpoint:
+        """Take a checkpoint and register it; returns its entry.
+
+        ``protect``: steps whose checkpoints retention must not delete now.
+        """
         path = self._path(step)
         snap = save_checkpoint(path, model, optimizer, scheduler, step=step,
                                data_position=data_position, monitor_state=monitor_state,
@@ -511,18 +526,16 @@ class CheckpointStore:
         entry = SavedCheckpoint(step, data_position, healthy, reason,
                                 None if path is None else str(path))
         self.entries[step] = entry
-        self._prune()
+        self._prune(protect)
         return entry
 
-    def _prune(self) -> None:
-        if len(self.entries) <= self.keep:
-            return
+    def _prune(self, protect: Iterable[int] = ()) -> None:
         steps = sorted(self.entries)
         healthy = [s for s in steps if self.entries[s].healthy]
-        # keep the newest `keep` entries, but never drop the newest healthy one
-        keep = set(steps[-self.keep:])
-        if healthy:
-            keep.add(healthy[-1])
+        unhealthy = [s for s in steps if not self.entries[s].healthy]
+        keep = {s for s in protect if s in self.entries}
+        keep.update(healthy[-self.keep:])
+        keep.update(unhealthy[-1:])
         for s in steps:
             if s not in keep:
                 self.drop(s)
@@ -533,6 +546,11 @@ class CheckpointStore:
         self._memory.pop(step, None)
         if entry is not None and entry.path and os.path.exists(entry.path):
             os.unlink(entry.path)
+        if entry is not None and self.on_drop is not None:
+            try:
+                self.on_drop(step)
+            except Exception:  # bookkeeping must never kill the run
+                log.debug("on_drop(%s) failed", step, exc_info=True)
 
     def latest_healthy(self, at_or_before: int | None = None) -> SavedCheckpoint | None:
         """Newest healthy checkpoint at or before a step (``None`` if there is none)."""

@@ -102,7 +102,7 @@ class SignalCollector:
     >>> loss = m(torch.randn(8, 3)).pow(2).mean(); loss.backward()
     >>> s = col.collect(loss)
     >>> sorted(s.scalars), col.layers["grad_norm"], s.families["act_mean"].shape
-    (['grad_norm', 'loss'], ['0', '2'], (1,))
+    (['grad_norm', 'loss', 'param_norm'], ['0', '2'], (1,))
     """
 
     def __init__(
@@ -211,6 +211,12 @@ class SignalCollector:
         layer = self._group_norms(grads, mask, device)  # type: ignore[arg-type]
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
+        if self.params:
+            # global weight norm (weight-corruption evidence: an abrupt jump between two steps)
+            pn = torch._foreach_norm([p.detach() for p in self.params])
+            parts.append(torch.stack([n.to(device, torch.float32) for n in pn])
+                         .square().sum().sqrt().reshape(1))
+            names.append("param_norm")
         scalars_in = dict(extra or {})
         if loss is not None:
             scalars_in = {"loss": loss, **scalars_in}

@@ -41,6 +41,7 @@ position (the monitor's own state is *not* rolled back: it must remember what ha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -151,6 +152,8 @@ class TorchGuard:
         self.step_scheduler_on_skip = step_scheduler_on_skip
         self.checkpoint_every = int(checkpoint_every)
         self.raise_on_stop = raise_on_stop
+        if monitor is not None and hasattr(monitor, "trainer_clip_norm"):
+            monitor.trainer_clip_norm = clip_norm  # the policy never loosens the loop's clip
         self.collector = SignalCollector(
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
             activations=_activation_names(model, activations), activation_every=activation_every)
@@ -163,7 +166,9 @@ class TorchGuard:
         if self.sync is not None and not self.sync.active:
             self.sync = None
         rank = self.sync.rank if self.sync is not None else -1
-        self.store = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank)
+        # a CheckpointStore, or an adapter's store of the trainer's own checkpoints
+        self.store: Any = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
+                                     on_drop=self._forget_checkpoint)
         self.recorder = recorder if rank <= 0 else None
         self.step_count = int(start_step)
         self.data_position = 0
@@ -258,6 +263,9 @@ class TorchGuard:
         if metrics:
             extra.update(metrics)
         sig = self.collector.collect(loss, extra)
+        if self.scaler is not None and AMP_OVERFLOW not in sig.scalars:
+            # a scaler without a found-inf record: non-finite unscaled grads are what it skips
+            sig.scalars[AMP_OVERFLOW] = float(not math.isfinite(sig.scalars.get("grad_norm", 0.0)))
         self.amp_overflow = bool(sig.scalars.get(AMP_OVERFLOW, 0.0) > 0.0)
         if self.amp_overflow:  # non-finite by construction: missing, not NaN
             sig.scalars.pop("grad_norm", None)
@@ -355,6 +363,23 @@ class TorchGuard:
         self.collector.begin_step(self.step_count)
         self.multiplier.show()  # between steps param_groups show the LR really applied
 
+    @contextlib.contextmanager
+    def base_lr(self) -> Iterator[None]:
+        """Show the scheduler's own LR in ``param_groups`` inside the block.
+
+        For a scheduler stepped outside the guard (e.g. once per epoch) while an LR cut is
+        active, so that a recursive scheduler (``StepLR``, ``ExponentialLR``) computes from its
+        own values::
+
+            with guard.base_lr():
+                epoch_scheduler.step()
+        """
+        self.multiplier.restore()
+        try:
+            yield
+        finally:
+            self.multiplier.show()
+
     # ------------------------------------------------------------------ feedback
     def metrics(self, scores: bool = True) -> dict[str, float]:
         """This step's ``stability/*`` metrics, for TensorBoard / W&B / any logger.
@@ -433,9 +458,11 @@ class TorchGuard:
         step = self.step_count if step is None else step
         pos = self._pos_of_step.get(step, self.data_position) + 1
         self._flush_recorder()
-        entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
-                                data_position=pos, healthy=healthy, reason=reason,
-                                monitor_state=self._monitor_state())
+        with self.base_lr():  # the optimizer state holds the scheduler's own LR, not the cut
+            entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
+                                    data_position=pos, healthy=healthy, reason=reason,
+                                    monitor_state=self._monitor_state(),
+                                    protect=self._rollback_targets())
         self.checkpoints_taken += 1
         led = find_ledger(self.monitor) if register else None
         if led is not None:
@@ -445,6 +472,34 @@ class TorchGuard:
             except Exception:  # bookkeeping must never kill the run
                 log.exception("could not register checkpoint %s in the ledger", step)
         return entry
+
+    def _rollback_targets(self) -> set[int]:
+        """Checkpoints a rollback may still need: retention keeps them.
+
+        The ledger's latest healthy checkpoint before the open episode's onset (and before now).
+        """
+        led = find_ledger(self.monitor)
+        if led is None:
+            return set()
+        onset = getattr(getattr(self.monitor, "policy", None), "episode_onset", None)
+        out = set()
+        for at in (onset, self.step_count):
+            if at is None:
+                continue
+            try:
+                rec = led.latest_healthy_before(int(at))
+            except Exception:  # bookkeeping must never kill the run
+                log.debug("ledger query failed", exc_info=True)
+                continue
+            if rec is not None:
+                out.add(int(rec.step))
+        return out
+
+    def _forget_checkpoint(self, step: int) -> None:
+        """Retention deleted the checkpoint of ``step``: the ledger must not offer it again."""
+        led = find_ledger(self.monitor)
+        if led is not None and hasattr(led, "forget"):
+            led.forget(step)
 
     def _auto_checkpoint(self, healthy: bool, reason: str, step: int | None = None,
                          register: bool = True) -> SavedCheckpoint | None:
@@ -496,7 +551,11 @@ class TorchGuard:
         """
         entry = self.store.entries.get(to_step) or self.store.latest_healthy(to_step)
         if entry is None:
-            log.warning("rollback to step %s requested but no checkpoint is available", to_step)
+            log.warning("rollback to step %s requested but no checkpoint is available: refused "
+                        "(not counted)", to_step)
+            if self.monitor is not None and hasattr(self.monitor, "rollback_failed"):
+                self.monitor.rollback_failed(self.step_count, f"no checkpoint at or before "
+                                                              f"step {to_step}")
             return False
         if skip is not None:
             for s in range(int(skip[0]), int(skip[1]) + 1):

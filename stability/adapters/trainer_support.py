@@ -86,6 +86,7 @@ class TrainerCheckpointStore:
         self._owned: set[int] = set()          # written by save(): pruned by keep
         self._memory: dict[int, dict[str, Any]] = {}
         self._memory_bytes: dict[int, int] = {}
+        self.on_drop: Any = None               # on_drop(step) after a checkpoint is forgotten
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -120,14 +121,20 @@ class TrainerCheckpointStore:
     # ------------------------------------------------------------------ the guard's interface
     def save(self, model: Any, optimizer: Any, scheduler: Any, *, step: int,
              data_position: int, healthy: bool, reason: str = "",
-             monitor_state: Mapping[str, Any] | None = None) -> SavedCheckpoint:
-        """Take a checkpoint now: through the trainer's writer, else in memory (if allowed)."""
+             monitor_state: Mapping[str, Any] | None = None,
+             protect: Iterable[int] = ()) -> SavedCheckpoint:
+        """Take a checkpoint now: through the trainer's writer, else in memory (if allowed).
+
+        ``protect``: steps retention must not delete now (the rollback target of an open
+        episode).
+        """
+        protect = set(protect)
         if self.writer is not None:
             path = self.writer(int(step), bool(healthy), reason)
             entry = SavedCheckpoint(int(step), int(data_position), bool(healthy), reason, path)
             self._entries[int(step)] = entry
             self._owned.add(int(step))
-            self._prune()
+            self._prune(protect)
             return entry
         need = state_bytes(model.state_dict()) + (
             0 if optimizer is None else state_bytes(optimizer.state_dict()))
@@ -137,7 +144,8 @@ class TrainerCheckpointStore:
                 f"{self.memory_limit_bytes / 2**20:.1f} MiB allowed (memory_limit_mb); "
                 "use the trainer's checkpoints instead")
         while self._memory and self.memory_bytes() + need > self.memory_limit_bytes:
-            self.drop(min(self._memory))
+            victims = [s for s in sorted(self._memory) if s not in protect] or sorted(self._memory)
+            self.drop(victims[0])
         snap = save_checkpoint(None, model, optimizer, scheduler, step=step,
                                data_position=data_position, healthy=healthy, reason=reason)
         self._memory[int(step)] = snap
@@ -146,14 +154,15 @@ class TrainerCheckpointStore:
         self._entries[int(step)] = entry
         return entry
 
-    def _prune(self) -> None:
+    def _prune(self, protect: Iterable[int] = ()) -> None:
+        # same rule as CheckpointStore: ``keep`` healthy ones, the newest emergency one, and
+        # whatever an open episode may still roll back to
         owned = sorted(s for s in self._owned if s in self._entries)
-        if len(owned) <= self.keep:
-            return
         healthy = [s for s in owned if self._entries[s].healthy]
-        keep = set(owned[-self.keep:])
-        if healthy:
-            keep.add(healthy[-1])
+        unhealthy = [s for s in owned if not self._entries[s].healthy]
+        keep = {s for s in protect if s in self._entries}
+        keep.update(healthy[-self.keep:])
+        keep.update(unhealthy[-1:])
         for s in owned:
             if s not in keep:
                 self.drop(s)
@@ -167,6 +176,11 @@ class TrainerCheckpointStore:
             self._owned.discard(step)
             if entry is not None and entry.path and os.path.isfile(entry.path):
                 os.unlink(entry.path)
+        if entry is not None and self.on_drop is not None:
+            try:
+                self.on_drop(step)
+            except Exception:  # bookkeeping must never kill the run
+                pass
 
     def latest_healthy(self, at_or_before: int | None = None) -> SavedCheckpoint | None:
         """Newest usable healthy checkpoint at or before a step (``None`` if there is none)."""

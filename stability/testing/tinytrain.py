@@ -8,18 +8,45 @@ Two models:
 
 Faults (:class:`FaultSpec`, kinds in :data:`FAULT_KINDS`), each injected the way it happens:
 
-==================  ===========================================================================
-``lr_blowup``       the LR is multiplied by ``magnitude`` for ``duration`` iterations (a
-                    transient bad value from outside; it does not recur after a rollback)
-``schedule_bug``    the LR schedule itself jumps by ``magnitude`` for ``duration`` scheduler
-                    steps (it recurs if the scheduler is rolled back before it)
-``data_corruption`` the batches at data positions ``[step, step + duration)`` are garbage
-                    (GPT: random bytes with shuffled targets; MLP: inputs scaled by
-                    ``magnitude`` with random labels)
-``bit_flip``        one exponent bit of one weight flips at iteration ``step``
-``grad_explosion``  gradients are multiplied by ``magnitude`` for ``duration`` iterations
-``overfit``         from data position ``step`` on, batches come from a tiny pool (val rises)
-==================  ===========================================================================
+Each fault is tied to one of three clocks, which decides whether it comes back after a rollback:
+the *iteration* (every optimizer iteration, never rewound: a rollback does not bring the fault
+back), the *scheduler step* (rewound by a rollback: the fault recurs when training reaches it
+again) or the *data position* (rewound too: the same batches come again unless skipped).
+``duration 0`` means "from ``step`` to the end of the run".
+
+====================  =========================================================================
+``lr_blowup``         the LR is multiplied by ``magnitude`` for ``duration`` iterations (a
+                      transient bad value from outside; it does not recur after a rollback)
+``lr_persistent``     a bad config: from iteration ``step`` to the end the LR is ``magnitude``
+                      times the schedule (default x30; it is still there after any rollback)
+``lr_ramp``           a re-warmup to a too-high peak: from scheduler step ``step`` the LR
+                      multiplier rises linearly over ``duration`` scheduler steps to
+                      ``magnitude`` (default x20) and stays there (recurs after a rollback)
+``schedule_bug``      the LR schedule itself jumps by ``magnitude`` for ``duration`` scheduler
+                      steps, ``0`` = for good (it recurs if the scheduler is rolled back)
+``data_corruption``   the batches at data positions ``[step, step + duration)`` are garbage
+                      (GPT: random bytes with shuffled targets; MLP: inputs scaled by
+                      ``magnitude`` with random labels); ``duration 0`` = every batch from then on
+``input_shift``       from data position ``step`` to the end the inputs shift (the held-out set
+                      does not): MLP: inputs scaled by ``magnitude`` (8 = up, 0.125 = down); GPT
+                      (no input scale): ``magnitude > 1`` the text is case-swapped (same code,
+                      other token ids), ``magnitude < 1`` it switches domain from Python code to
+                      English prose (the stdlib's ``pydoc_data.topics`` help text)
+``bit_flip``          one exponent bit (``magnitude`` = bit index) of one weight flips at
+                      iteration ``step``
+``weight_scale``      one weight matrix (the first hidden one) is multiplied by ``magnitude``
+                      (default 1e3) at iteration ``step``, once
+``activation_spike``  a forward hook multiplies one hidden block's output (MLP: the second
+                      linear layer; GPT: the first block's feed-forward output, before the
+                      residual add) by ``magnitude`` for ``duration`` iterations (training only)
+``grad_explosion``    gradients are multiplied by ``magnitude`` for ``duration`` iterations
+``fp16_overflow``     an fp16 overflow storm without a loss scaler: every gradient is
+                      multiplied by ``magnitude`` (default ``inf``, so entries become +-inf, and
+                      NaN where the gradient was 0) for ``duration`` iterations
+``fp16_underflow``    gradients multiplied by ``magnitude`` (default 1e-8) for ``duration``
+                      iterations: the updates vanish
+``overfit``           from data position ``step`` on, batches come from a tiny pool (val rises)
+====================  =========================================================================
 
 Entry point::
 
@@ -49,7 +76,9 @@ from ..adapters.interventions import TrainingStopped
 from ..adapters.torch import TorchGuard
 
 __all__ = [
+    "FAULT_CLOCK",
     "FAULT_KINDS",
+    "FaultInjector",
     "FaultSpec",
     "MLP",
     "RunResult",
@@ -61,16 +90,33 @@ __all__ = [
 ]
 
 FAULT_KINDS = ("lr_blowup", "schedule_bug", "data_corruption", "bit_flip", "grad_explosion",
-               "overfit")
+               "overfit", "lr_persistent", "lr_ramp", "input_shift", "weight_scale",
+               "activation_spike", "fp16_overflow", "fp16_underflow")
 
-#: default magnitude / duration per fault kind
+#: default magnitude / duration per fault kind (duration 0 = to the end of the run)
 _FAULT_DEFAULTS: dict[str, tuple[float, int]] = {
     "lr_blowup": (100.0, 10),
     "schedule_bug": (30.0, 40),
     "data_corruption": (1e3, 8),
     "bit_flip": (30.0, 1),  # magnitude = bit index (30: exponent MSB of float32)
     "grad_explosion": (1e4, 3),
-    "overfit": (4.0, 0),  # magnitude = pool size in batches; duration 0 = to the end
+    "overfit": (4.0, 0),  # magnitude = pool size in batches
+    "lr_persistent": (30.0, 0),
+    "lr_ramp": (20.0, 50),  # duration = length of the ramp; the peak then holds to the end
+    "input_shift": (8.0, 0),
+    "weight_scale": (1e3, 1),
+    "activation_spike": (100.0, 5),
+    "fp16_overflow": (math.inf, 5),
+    "fp16_underflow": (1e-8, 100),
+}
+
+#: which clock each kind is tied to (see the module docstring)
+FAULT_CLOCK: dict[str, str] = {
+    "lr_blowup": "iteration", "lr_persistent": "iteration", "bit_flip": "iteration",
+    "weight_scale": "iteration", "activation_spike": "iteration",
+    "grad_explosion": "iteration", "fp16_overflow": "iteration", "fp16_underflow": "iteration",
+    "schedule_bug": "scheduler", "lr_ramp": "scheduler",
+    "data_corruption": "data", "input_shift": "data", "overfit": "data",
 }
 
 
@@ -153,6 +199,31 @@ def stdlib_text(max_chars: int = 600_000) -> str:
     return "".join(parts)[:max_chars]
 
 
+def prose_text(max_chars: int = 600_000) -> str:
+    """English prose: the help topics shipped with the standard library (``pydoc_data``).
+
+    The other domain of the GPT's ``input_shift`` fault (the training text is Python code).
+
+    Examples
+    --------
+    >>> t = prose_text(10_000)
+    >>> len(t), "def " in t[:2000]
+    (10000, False)
+    """
+    from pydoc_data.topics import topics
+
+    return "".join(topics[k] for k in sorted(topics))[:max_chars]
+
+
+def _ascii_ids(text: str) -> torch.Tensor:
+    raw = np.frombuffer(text.encode("ascii", errors="replace"), dtype=np.uint8)
+    return torch.from_numpy(np.minimum(raw, 127).astype(np.int64))
+
+
+#: token id -> id of the same character with its case swapped (the GPT's upward input shift)
+_SWAPCASE = torch.tensor([ord(chr(c).swapcase()) if chr(c).isalpha() else c for c in range(128)])
+
+
 @dataclass
 class Task:
     """Data and model factory of one tiny problem; ``batch(i)`` is a pure function of ``i``."""
@@ -167,6 +238,8 @@ class Task:
     lr: float
     corrupt: Callable[[int, tuple[torch.Tensor, torch.Tensor], float],
                       tuple[torch.Tensor, torch.Tensor]]
+    shift: Callable[[int, tuple[torch.Tensor, torch.Tensor], float],
+                    tuple[torch.Tensor, torch.Tensor]]
 
 
 class TinyGPT(nn.Module):
@@ -205,8 +278,7 @@ class MLP(nn.Sequential):
 
 
 def _gpt_task(seed: int, batch_size: int) -> Task:
-    raw = np.frombuffer(stdlib_text().encode("ascii", errors="replace"), dtype=np.uint8)
-    data = torch.from_numpy(np.minimum(raw, 127).astype(np.int64))
+    data = _ascii_ids(stdlib_text())
     n_val = len(data) // 10
     train, val = data[:-n_val], data[-n_val:]
     ctx = 64
@@ -234,11 +306,22 @@ def _gpt_task(seed: int, batch_size: int) -> Task:
         y = torch.full_like(b[1], int(torch.randint(0, 128, (1,), generator=g)))
         return x, y  # garbage input, one constant target: a degenerate shard
 
+    prose: list[torch.Tensor] = []
+
+    def shift(i: int, b: tuple[torch.Tensor, torch.Tensor], mag: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        if mag >= 1.0:  # the same text, case-swapped
+            return _SWAPCASE[b[0]], _SWAPCASE[b[1]]
+        if not prose:  # another domain: English prose instead of code
+            prose.append(_ascii_ids(prose_text()))
+        return sample(prose[0], np.random.default_rng([seed, i]), b[0].shape[0])
+
     def make_model() -> nn.Module:
         torch.manual_seed(seed)
         return TinyGPT()
 
-    return Task("gpt", seed, batch_size, make_model, batch, val_batches, loss_fn, 3e-3, corrupt)
+    return Task("gpt", seed, batch_size, make_model, batch, val_batches, loss_fn, 3e-3, corrupt,
+                shift)
 
 
 def _mlp_task(seed: int, batch_size: int) -> Task:
@@ -266,11 +349,16 @@ def _mlp_task(seed: int, batch_size: int) -> Task:
         gg = torch.Generator().manual_seed(seed * 7919 + i)
         return b[0] * mag, torch.randint(0, classes, b[1].shape, generator=gg)
 
+    def shift(i: int, b: tuple[torch.Tensor, torch.Tensor], mag: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return b[0] * mag, b[1]  # same labels: only the input scale moved
+
     def make_model() -> nn.Module:
         torch.manual_seed(seed)
         return MLP(din, 128, classes)
 
-    return Task("mlp", seed, batch_size, make_model, batch, val_batches, loss_fn, 3e-3, corrupt)
+    return Task("mlp", seed, batch_size, make_model, batch, val_batches, loss_fn, 3e-3, corrupt,
+                shift)
 
 
 def make_task(model: str, seed: int = 0, batch_size: int | None = None) -> Task:
@@ -315,10 +403,131 @@ def flip_bit(t: torch.Tensor, flat_index: int, bit: int = 30) -> float:
         return float(v.item())
 
 
+# ---------------------------------------------------------------------------- faults
+class FaultInjector:
+    """Carries out one :class:`FaultSpec` inside a training loop.
+
+    The loop calls :meth:`lr_factor` from its LR schedule, :meth:`batch` for the batch at a data
+    position, :meth:`before_forward` at the start of an iteration and :meth:`after_backward`
+    between ``backward()`` and the optimizer step. Everything is a pure function of the task's
+    seed, the fault and the clocks, so runs are deterministic per ``(seed, fault)``.
+
+    Parameters
+    ----------
+    fault : FaultSpec or None
+        ``None`` injects nothing.
+    task : Task
+        Supplies the batches (and the corrupt / shifted variants).
+    net : torch.nn.Module
+        The model of ``task`` (weight faults and the activation hook act on it).
+
+    Examples
+    --------
+    >>> task = make_task("mlp", seed=0)
+    >>> inj = FaultInjector(FaultSpec("input_shift", 10, magnitude=8.0), task, task.make_model())
+    >>> float(inj.batch(10)[0].std() / task.batch(10)[0].std())
+    8.0
+    >>> inj.lr_factor(sched_step=50, iteration=50)
+    1.0
+    """
+
+    def __init__(self, fault: FaultSpec | None, task: Task, net: nn.Module) -> None:
+        self.fault = fault
+        self.kind = fault.kind if fault is not None else ""
+        self.task = task
+        self.net = net
+        self.iteration = 0
+        self._hook: Any = None
+        self.target = _flip_target(net, task.seed)
+        if self.kind == "activation_spike":
+            self._hook = spike_module(net).register_forward_hook(self._spike)
+
+    def lr_factor(self, sched_step: int, iteration: int) -> float:
+        """Factor on the scheduled LR for scheduler step ``sched_step`` used at ``iteration``."""
+        f = self.fault
+        if f is None:
+            return 1.0
+        if f.kind == "schedule_bug" and f.active(sched_step):
+            return f.magnitude
+        if f.kind in ("lr_blowup", "lr_persistent") and f.active(iteration):
+            return f.magnitude
+        if f.kind == "lr_ramp" and sched_step >= f.step:
+            done = 1.0 if f.duration == 0 else min(1.0, (sched_step - f.step + 1) / f.duration)
+            return 1.0 + (f.magnitude - 1.0) * done
+        return 1.0
+
+    def batch(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (possibly faulty) batch at data position ``pos``."""
+        f = self.fault
+        if f is not None and f.kind == "overfit" and f.active(pos):
+            pos = f.step + (pos % max(1, int(f.magnitude)))
+        b = self.task.batch(pos)
+        if f is not None and f.active(pos):
+            if f.kind == "data_corruption":
+                b = self.task.corrupt(pos, b, f.magnitude)
+            elif f.kind == "input_shift":
+                b = self.task.shift(pos, b, f.magnitude)
+        return b
+
+    def before_forward(self, iteration: int) -> None:
+        """Start of ``iteration``: one-off weight faults; arms the activation hook."""
+        self.iteration = iteration
+        f = self.fault
+        if f is None or iteration != f.step:
+            return
+        p, k = self.target
+        if f.kind == "bit_flip":
+            flip_bit(p.data, k, int(f.magnitude))
+        elif f.kind == "weight_scale":
+            with torch.no_grad():
+                p.mul_(f.magnitude)
+
+    def after_backward(self, iteration: int) -> None:
+        """Gradient faults of ``iteration`` (explosion, fp16 overflow / underflow)."""
+        f = self.fault
+        if f is None or f.kind not in ("grad_explosion", "fp16_overflow", "fp16_underflow"):
+            return
+        if not f.active(iteration):
+            return
+        with torch.no_grad():
+            for p in self.net.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(f.magnitude)  # inf * 0 = NaN, as in a real overflow storm
+
+    def _spike(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        f = self.fault
+        if f is not None and module.training and f.active(self.iteration):
+            return out * f.magnitude
+        return None
+
+    def remove(self) -> None:
+        """Remove the forward hook (if any)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def spike_module(net: nn.Module) -> nn.Module:
+    """The hidden block whose output ``activation_spike`` scales.
+
+    MLP: the second linear layer (hidden -> hidden); GPT: the first block's feed-forward output
+    projection (before the residual add, so the final LayerNorm cannot simply undo it).
+    """
+    if isinstance(net, TinyGPT):
+        blk: Any = net.blocks[0]
+        return blk.linear2  # type: ignore[no-any-return]
+    mods = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    return mods[1] if len(mods) > 2 else mods[0]
+
+
 # ---------------------------------------------------------------------------- training
 @dataclass
 class RunResult:
-    """What one run did."""
+    """What one run did.
+
+    ``losses`` and ``lrs`` have one entry per iteration: the training loss and the effective LR of
+    that iteration's optimizer step (NaN when the step was skipped).
+    """
 
     model: str
     seed: int
@@ -333,6 +542,7 @@ class RunResult:
     steps_skipped: int = 0
     batches_skipped: int = 0
     interventions: list[Any] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
     alarms: int = 0
     stopped: str | None = None
     step_time_s: float = math.nan
@@ -412,38 +622,27 @@ def train_run(
     net.train()
     base_lr = lr or task.lr
     opt = torch.optim.AdamW(net.parameters(), lr=base_lr, weight_decay=0.01)
-    clock = {"it": 0}
+    clock = {"it": 0, "lr_it": 0}  # lr_it: the iteration the scheduler computes the LR for
     sched_fn = warmup_cosine(steps, max(1, steps // 10))
+    inj = FaultInjector(fault, task, net)
 
     def lam(s: int) -> float:
-        f = sched_fn(s)
-        if fault is not None and fault.kind == "schedule_bug" and fault.active(s):
-            f *= fault.magnitude
-        if fault is not None and fault.kind == "lr_blowup" and fault.active(clock["it"] + 1):
-            f *= fault.magnitude
-        return f
+        return sched_fn(s) * inj.lr_factor(s, clock["lr_it"])
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
-    if fault is not None and fault.kind == "lr_blowup" and fault.active(0):
-        opt.param_groups[0]["lr"] *= fault.magnitude
     res = RunResult(model, seed, steps, fault)
     guard: TorchGuard | None = None
     if monitor is not None or recorder is not None:
         kw = dict(checkpoint_every=checkpoint_every, clip_norm=clip_norm)
         kw.update(guard_kwargs or {})
         guard = TorchGuard(net, opt, sched, monitor, recorder=recorder, **kw)  # type: ignore[arg-type]
-    pool = max(1, int(fault.magnitude)) if fault is not None and fault.kind == "overfit" else 0
     cap = max_iterations or 3 * steps
-    flip_target = _flip_target(net, seed)
+    step_lr = [math.nan]
 
-    def get_batch(pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if fault is not None and fault.kind == "overfit" and fault.active(pos):
-            pos = fault.step + (pos % pool)
-        b = task.batch(pos)
-        if fault is not None and fault.kind == "data_corruption" and fault.active(pos):
-            b = task.corrupt(pos, b, fault.magnitude)
-        return b
+    def seen_lr(optimizer: Any, args: Any, kwargs: Any) -> None:
+        step_lr[0] = float(optimizer.param_groups[0]["lr"])  # after the guard's LR factor
 
+    lr_hook = opt.register_step_pre_hook(seen_lr)
     positions = guard.batches(steps, cap) if guard is not None else iter(range(steps))
     t_steps = 0.0
     n_timed = 0
@@ -452,18 +651,14 @@ def train_run(
     try:
         for pos in positions:
             it = clock["it"]
-            if fault is not None and fault.kind == "bit_flip" and it == fault.step:
-                p, k = flip_target
-                flip_bit(p.data, k, int(fault.magnitude))
-            x, y = get_batch(pos)
+            inj.before_forward(it)
+            x, y = inj.batch(pos)
             ts = time.perf_counter()
             loss = task.loss_fn(net, x, y)
             loss.backward()
-            if fault is not None and fault.kind == "grad_explosion" and fault.active(it):
-                with torch.no_grad():
-                    for p in net.parameters():
-                        if p.grad is not None:
-                            p.grad.mul_(fault.magnitude)
+            inj.after_backward(it)
+            step_lr[0] = math.nan
+            clock["lr_it"] = it + 1
             if guard is not None:
                 guard.step(loss)
             else:
@@ -476,6 +671,7 @@ def train_run(
             n_timed += 1
             lv = float(loss.detach())
             res.losses.append(lv)
+            res.lrs.append(step_lr[0])
             if on_step is not None:
                 on_step(it, lv)
             clock["it"] = it + 1
@@ -492,6 +688,9 @@ def train_run(
                 break
     except TrainingStopped as e:
         res.stopped = e.reason
+    finally:
+        lr_hook.remove()
+        inj.remove()
     res.wall_time_s = time.perf_counter() - t0
     res.step_time_s = t_steps / max(1, n_timed)
     res.iterations = clock["it"]

@@ -35,8 +35,11 @@ def test_grad_norms_match_reference() -> None:
     assert s.scalars["grad_norm"] == pytest.approx(total, rel=1e-5)
     assert s.scalars["loss"] == pytest.approx(loss.item())
     assert s.scalars["lr"] == 0.1
+    weights = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    assert s.scalars["param_norm"] == pytest.approx(float(weights.norm()), rel=1e-5)
     flat = s.flat(col.layers)
-    assert set(flat) == {"loss", "lr", "grad_norm", "grad_norm/0", "grad_norm/2", "grad_norm/4"}
+    assert set(flat) == {"loss", "lr", "grad_norm", "param_norm", "grad_norm/0", "grad_norm/2",
+                         "grad_norm/4"}
 
 
 def test_layer_depth_and_missing_grads() -> None:

@@ -80,7 +80,9 @@ def test_skip_rollback_and_batch_skipping() -> None:
     assert used[:8] == list(range(8)) and used[8] == 8  # batches 5..7 are skipped
     assert guard.batches_skipped == 3 and guard.steps_lost == 3
     recs = find_ledger(mon).records
-    assert [r.step for r in recs if r.healthy][:3] == [0, 2, 4]
+    # the ledger mirrors retention: it lists exactly the healthy checkpoints still stored
+    healthy = sorted(s for s, e in guard.store.entries.items() if e.healthy)
+    assert [r.step for r in recs if r.healthy] == healthy and len(healthy) == 4
 
 
 def test_stop_raises_typed_exception() -> None:
