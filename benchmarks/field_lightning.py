@@ -156,7 +156,7 @@ def opt_settings(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def _trainer(d: str, precision: str, fault: str, seed: int, max_steps: int,
-             init_scale: float = 2.0**16) -> Phase:
+             init_scale: float = 2.0**16, guarded: bool = True) -> Phase:
     module = LitNet(fault, seed)
     cb = StabilityCallback(Monitor(PRESET), checkpoint_every=CHECKPOINT_EVERY,
                            checkpoint_dir=os.path.join(d, "stability"))
@@ -168,7 +168,8 @@ def _trainer(d: str, precision: str, fault: str, seed: int, max_steps: int,
         kw["precision"] = "bf16-mixed"
     ckpt = ModelCheckpoint(dirpath=os.path.join(d, "ckpt"), every_n_epochs=1, save_top_k=-1,
                            save_on_train_epoch_end=True)
-    tr = L.Trainer(max_steps=max_steps, callbacks=[Fault(fault, module), cb, ckpt],
+    cbs: list[Any] = [Fault(fault, module)] + ([cb] if guarded else []) + [ckpt]
+    tr = L.Trainer(max_steps=max_steps, callbacks=cbs,
                    gradient_clip_val=1.0, accelerator="cpu", logger=CSVLogger(d, name="csv"),
                    log_every_n_steps=5, enable_progress_bar=False, enable_model_summary=False,
                    num_sanity_val_steps=0, default_root_dir=d, deterministic=True, **kw)
@@ -242,7 +243,22 @@ def summarize(res: FieldRun, clean: float) -> dict[str, Any]:
         "args_unchanged": res.args_unchanged,
         "rollbacks": g.rollbacks if g else 0,
         "wall_s": res.wall_s,
+        "decisions": [(i.step, i.type) for ph in res.phases
+                      for i in (ph.callback.guard.interventions if ph.callback.guard else [])],
+        "amp_overflows": sum(p.callback.guard.amp_overflows for p in res.phases
+                             if p.callback.guard),
     }
+
+
+def unguarded(precision: str, fault: str, seed: int = 0) -> dict[str, Any]:
+    """The cell without the callback: what the fault does to an unprotected run."""
+    torch.set_num_threads(1)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="field_pl_") as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ph = _trainer(d, precision, fault, seed, STEPS, guarded=False)
+        ph.trainer.fit(ph.module, loader(seed))
+        return {"final_loss": held_out_loss(ph.module.net, seed)}
 
 
 def run_cell(precision: str, fault: str, resume: bool, seed: int = 0) -> dict[str, Any]:
