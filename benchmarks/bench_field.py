@@ -45,6 +45,19 @@ HERE = Path(__file__).resolve().parent
 TRAINERS = {"torch": "field_torch", "hf": "field_hf", "lightning": "field_lightning"}
 PRECISIONS = ("fp32", "fp16", "bf16")
 FAULTS = ("clean", "lr_x50", "nan_weight", "grad_explosion")
+#: names the trainer modules may use for a fault (their ``FAULTS`` tuple decides)
+ALIASES = {"lr_x50": ("lr_x50", "lr50", "lr_blowup_persistent")}
+
+
+def fault_name(mod: ModuleType, fault: str) -> str:
+    """The module's own name for ``fault`` (from its ``FAULTS``, when it has one)."""
+    known = getattr(mod, "FAULTS", None)
+    if not known:
+        return fault
+    for name in ALIASES.get(fault, (fault,)):
+        if name in known:
+            return name
+    return fault
 
 
 def load_trainer(name: str) -> tuple[ModuleType | None, str]:
@@ -108,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows = {}
                 for resume in (False, True):
                     try:
-                        rows[resume] = mod.run_cell(prec, fault, resume, seed=args.seed)
+                        rows[resume] = mod.run_cell(prec, fault_name(mod, fault), resume,
+                                                    seed=args.seed)
                     except Exception as exc:  # noqa: BLE001 - report the cell, go on
                         rows[resume] = {"error": f"{type(exc).__name__}: {exc}"}
                 for resume, row in rows.items():
@@ -130,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                     stop = (row.get("stop_reason") or "")[:18] if row.get("stopped") else "-"
                     bare = f"{'-':>9s}"
                     if not resume and fault != "clean" and hasattr(mod, "unguarded"):
-                        bare = f"{mod.unguarded(prec, fault, args.seed)['final_loss']:9.4g}"
+                        bare = mod.unguarded(prec, fault_name(mod, fault), args.seed)
+                        bare = f"{bare['final_loss']:9.4g}"
                     print(f"{trainer:9s} {prec:5s} {fault:15s} {str(resume):6s} {final:9.4g} "
                           f"{clean:9.4g} {bare} {ratio:6.3f} {row['acting_interventions']:6d} "
                           f"{stop:18s} {row['overhead_ms']:7.3f} {same:>4s} {v}", flush=True)

@@ -159,13 +159,13 @@ def make_args(out_dir: str, precision: str, seed: int) -> Any:
 
 
 def _trainer(out_dir: str, precision: str, fault: str, seed: int, stop_at: int | None,
-             monitor: Any = None, init_scale: float = 2.0**16) -> Phase:
+             monitor: Any = None, init_scale: float = 2.0**16, guarded: bool = True) -> Phase:
     model = Net(seed)
     args = make_args(out_dir, precision, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(fault))
     cb = StabilityTrainerCallback(monitor if monitor is not None else Monitor(PRESET))
-    cbs: list[Any] = [Fault(fault, model), cb]
+    cbs: list[Any] = [Fault(fault, model)] + ([cb] if guarded else [])
     if stop_at is not None:
         cbs.append(StopAt(stop_at))
     tr = transformers.Trainer(model=model, args=args, train_dataset=Data(STEPS * BATCH, seed),
@@ -256,7 +256,20 @@ def summarize(res: FieldRun, clean: float) -> dict[str, Any]:
         and bool(res.user_args.get("_live_equal")),
         "rollbacks": cb.guard.rollbacks if cb.guard else 0,
         "wall_s": res.wall_s,
+        "decisions": [(i.step, i.type) for ph in res.phases
+                      for i in (ph.callback.guard.interventions if ph.callback.guard else [])],
+        "amp_overflows": sum(p.callback.guard.amp_overflows for p in res.phases
+                             if p.callback.guard),
     }
+
+
+def unguarded(precision: str, fault: str, seed: int = 0) -> dict[str, Any]:
+    """The cell without the callback: what the fault does to an unprotected run."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="field_hf_") as d:
+        ph = _trainer(d, precision, fault, seed, None, guarded=False)
+        ph.trainer.train()
+        return {"final_loss": held_out_loss(ph.model.net, seed)}
 
 
 def run_cell(precision: str, fault: str, resume: bool, seed: int = 0) -> dict[str, Any]:

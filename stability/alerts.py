@@ -73,8 +73,15 @@ def format_alert(alert: Alert, prefix: str = "[stability]") -> str:
 
     >>> format_alert(Alert(7, "r", severity="critical", message="rollback to 5"))
     '[stability] CRITICAL step 7: rollback to 5'
+    >>> format_alert(Alert(7, "r", cause="lr", message="step 7: LR capped"))
+    '[stability] WARNING step 7 (cause: lr): LR capped'
     """
-    return f"{prefix} {alert.severity.upper()} step {alert.step}: {alert.message or alert.reason}"
+    text = alert.message or alert.reason
+    head = f"step {alert.step}: "
+    if text.startswith(head):
+        text = text[len(head):]
+    cause = f" (cause: {alert.cause})" if getattr(alert, "cause", "") else ""
+    return f"{prefix} {alert.severity.upper()} step {alert.step}{cause}: {text}"
 
 
 class AlertSink:

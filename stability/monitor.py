@@ -201,6 +201,8 @@ class Monitor:
             from .checkpoints import CheckpointLedger  # noqa: PLC0415
             checkpoints = CheckpointLedger()
         self.checkpoints = checkpoints
+        #: the trainer's own gradient clip (adapters set it); the policy never loosens it
+        self.trainer_clip_norm: float | None = None
         self._reset_runtime()
 
     # ------------------------------------------------------------------ setup helpers
@@ -224,6 +226,8 @@ class Monitor:
         self._grad_slot = 0
         self._lr_slot = 0
         self._loss_slot = 0
+        self._lr_now: float | None = None    # requested LR of the latest step that had one
+        self._lr_prev: float | None = None   # ... and of the one before
         self._grad_hist: collections.deque[float] = collections.deque(maxlen=GRAD_HISTORY)
         self._grad_last: float | None = None
         self.last_step = -1
@@ -262,12 +266,18 @@ class Monitor:
     def rewind(self, step: int) -> None:
         """Accept steps after ``step`` again (the trainer resumed from an earlier checkpoint).
 
-        Detector statistics are kept (load a saved :meth:`state_dict` to restore them too).
+        Detector statistics are kept (load a saved :meth:`state_dict` to restore them too),
+        except those of step-to-step *jump* detectors (``lr_jump`` on the LR or the weight
+        norm): a restore legitimately moves the LR and the weights back, which is not a jump.
         """
         self.last_step = int(step)
         guard = getattr(self.policy, "guard", None)
         if guard is not None:
             guard.rewind()  # the scheduler went back too: not an LR jump
+        for b in self._bindings:
+            if b.spec.detector == "lr_jump":
+                b.det.reset()
+                self._dirty = True  # reset() reallocates the arrays the fast path is bound to
 
     # ------------------------------------------------------------------ name resolution
     def _lookup(self, raw: Any) -> int:
@@ -612,6 +622,8 @@ class Monitor:
         ls, lo = self._lr_slot, self._loss_slot
         lr = float(vals[ls]) if ls and present[ls] else None
         loss = float(vals[lo]) if lo and present[lo] else None
+        if lr is not None:
+            self._lr_prev, self._lr_now = self._lr_now, lr
         track = getattr(self.policy, "track", None)
         if track is None or (lr is None and loss is None):
             return ()
@@ -640,6 +652,12 @@ class Monitor:
 
     def _context(self, gnow: float | None) -> dict[str, Any]:
         ctx: dict[str, Any] = {"healthy_checkpoints": self.checkpoints}
+        if self._lr_now is not None:
+            ctx["lr"] = self._lr_now
+        if self._lr_prev is not None:
+            ctx["lr_prev"] = self._lr_prev
+        if self.trainer_clip_norm is not None:
+            ctx["clip_norm"] = self.trainer_clip_norm
         if gnow is not None and math.isfinite(gnow):
             ctx["grad_norm"] = gnow
         elif self._grad_last is not None:
@@ -815,6 +833,8 @@ class Monitor:
             "last_step": self.last_step,
             "grad_history": list(self._grad_hist),
             "grad_last": self._grad_last,
+            "lr_now": self._lr_now,
+            "lr_prev": self._lr_prev,
             "counters": dict(self.counters),
         }
         return encode_state(sd)
@@ -857,6 +877,8 @@ class Monitor:
         self._grad_hist.extend(float(x) for x in sd.get("grad_history", []))
         gl = sd.get("grad_last")
         self._grad_last = None if gl is None else float(gl)
+        self._lr_now = None if sd.get("lr_now") is None else float(sd["lr_now"])
+        self._lr_prev = None if sd.get("lr_prev") is None else float(sd["lr_prev"])
         self.counters.update({k: int(v) for k, v in sd.get("counters", {}).items()})
         self._dirty = True
 

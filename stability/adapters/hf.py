@@ -42,8 +42,10 @@ How it hooks in (transformers 4.4x / 5.x):
 * **Feedback.** ``on_log`` adds ``stability/*`` keys to HF's training logs (they reach
   ``log_history``, TensorBoard and W&B: the callback moves itself before the reporting callbacks)
   and rewrites ``learning_rate`` to the *effective* LR (scheduler LR x the monitor's factor) while
-  a cut is active; ``stability/lr_factor`` says by how much. Every acting intervention is logged
-  (logger ``stability.adapters``, WARNING).
+  a cut is active; ``stability/lr_factor`` says by how much (``stability/lr_base``: the
+  scheduler's). Under fp16 with a ``GradScaler`` HF's ``grad_norm`` (measured before the callback
+  unscales) is replaced by the callback's unscaled pre-clip norm (``nan`` on an overflow step).
+  Every acting intervention is logged by the guard (logger ``stability.adapters``, INFO).
 * The loss of each micro-batch is captured by a forward hook on the model (``outputs.loss``) and
   averaged over gradient accumulation; ``metrics["eval_loss"]`` from ``on_evaluate`` joins the
   next step's signals. A skipped step drops the gradients (the optimizer changes nothing; the
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -120,7 +123,7 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
 
 def _callback_handler() -> CallbackHandler | None:
     """The Trainer's :class:`CallbackHandler` that is calling us (found on the call stack)."""
-    f = sys._getframe(2)
+    f: Any = sys._getframe(2)
     for _ in range(8):
         if f is None:
             return None
@@ -201,6 +204,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self._pending_val: float | None = None
         self._last_lr = float("nan")
         self._last_factor = 1.0
+        self._last_grad_norm = math.nan
         self._checked = False
         self._started = False
         self._global_step = 0
@@ -238,7 +242,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                                   "scaler": getattr(opt, "scaler", None)}  # fp16 GradScaler
         kwargs.update(self.guard_kwargs)
         self.guard = TorchGuard(model, inner, sched, self.monitor, **kwargs)
-        self.guard.store = self.store  # rollbacks restore HF's own checkpoints
+        self.guard.store = self.store  # type: ignore[assignment]  # HF's own checkpoints
         self.store.on_drop = self.guard._forget_checkpoint
         if saved is not None:
             self._load(saved, state.global_step)
@@ -292,7 +296,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         if self._pending_val is not None:
             metrics["val_loss"] = self._pending_val
             self._pending_val = None
-        self.guard.check(loss, metrics or None)
+        sig = self.guard.collect(loss, metrics or None)
+        self.guard.check(loss, signals=sig)
+        gn = sig.scalars.get("grad_norm")  # pre-clip and unscaled (absent on an AMP overflow)
+        self._last_grad_norm = math.nan if gn is None else float(gn)
         self._checked = True
         self._last_lr = self.guard.multiplier.base_lrs()[0]
         self._last_factor = float(self.guard.multiplier.factor)
@@ -396,6 +403,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             return  # evaluation / summary logs
         extra = self.feedback()
         extra["learning_rate"] = float(logs["learning_rate"]) * self._last_factor
+        if "grad_norm" in logs and self.guard.scaler is not None and self._user_clip > 0 \
+                and self.take_over_clipping:
+            # HF measured it before the callback unscaled the fp16 gradients
+            extra["grad_norm"] = self._last_grad_norm
         logs.update(extra)
         hist = state.log_history[-1] if state.log_history else None
         if hist is not None and hist is not logs and hist.get("step") == state.global_step:

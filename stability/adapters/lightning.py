@@ -25,7 +25,8 @@ Hooks used (Lightning 2.x, automatic optimisation, one optimizer):
   of the callback's checkpoints; the dataloader is not rewound: the batches after the bad ones
   are simply new data), checkpoints, a stop request sets ``trainer.should_stop`` (the reason is
   kept in :attr:`StabilityCallback.stopped`), and the ``stability/*`` metrics go to
-  ``pl_module.log_dict`` (every logger: CSV, TensorBoard, W&B);
+  ``pl_module.log_dict`` / ``trainer.loggers`` on the steps Lightning logs (every logger: CSV,
+  TensorBoard, W&B);
 * ``on_validation_end`` -- ``trainer.callback_metrics["val_loss"]`` joins the next step's signals;
 * ``on_exception`` -- removes the guard's LR and activation hooks when ``fit`` raises;
 * ``state_dict`` / ``load_state_dict`` under :attr:`StabilityCallback.state_key` -- the guard and
@@ -67,6 +68,10 @@ __all__ = ["StabilityCallback", "load_lightning_checkpoint"]
 log = logging.getLogger("stability.adapters")
 
 STATE_VERSION = 2
+#: ``stability/*`` keys sent through ``pl_module.log_dict`` (also in ``callback_metrics``).
+LOG_DICT_KEYS = frozenset(f"stability/{k}" for k in (
+    "lr_factor", "lr_effective", "clip_norm", "level", "alarms", "interventions/acting",
+    "steps_skipped", "rollbacks", "amp_overflow", "loss_scale"))
 
 
 def load_lightning_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
@@ -82,6 +87,16 @@ def load_lightning_checkpoint(path: str, model: torch.nn.Module, optimizer: Any 
         scheduler.load_state_dict(scheds[0])
 
 
+def _logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes this step's logged metrics (``log_every_n_steps``): building and
+    logging ~40 values costs more than the rest of the callback, so only then."""
+    conn = getattr(trainer, "_logger_connector", None)
+    try:
+        return bool(conn.should_update_logs) if conn is not None else True
+    except Exception:  # noqa: BLE001 - a Lightning without it: log every step
+        return True
+
+
 class StabilityCallback(pl.Callback):
     """Lightning callback that measures, decides and acts through a :class:`TorchGuard`.
 
@@ -94,15 +109,19 @@ class StabilityCallback(pl.Callback):
     checkpoint_dir : path-like, optional
         Where the rollback checkpoints go (default ``<default_root_dir>/stability-checkpoints``).
     checkpoint_every : int
-        Write a rollback checkpoint every this many healthy steps (0 = never).
+        Write a rollback checkpoint after every this many steps (steps ``N-1, 2N-1, ...``, as
+        ``every_n_train_steps``), if the step is healthy (0 = never).
     keep_checkpoints : int
         How many periodic rollback checkpoints to keep (the newest healthy one always stays).
     in_memory : bool
         Keep the rollback checkpoints as in-memory copies instead of files.
     memory_limit_mb : float
         Budget for in-memory copies (a copy that does not fit is refused and logged).
-    log_metrics : bool
-        Send the ``stability/*`` metrics to ``pl_module.log_dict`` every step.
+    log_metrics : bool or "all"
+        Send the core ``stability/*`` metrics (:data:`LOG_DICT_KEYS`) to ``pl_module.log_dict``
+        on the steps Lightning logs; ``"all"`` also sends the others (detector scores,
+        interventions by type, goodput counters) straight to ``trainer.loggers`` (Lightning's
+        ``log_dict`` costs O(keys^2) per call).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ...).
@@ -120,7 +139,7 @@ class StabilityCallback(pl.Callback):
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int = 100, keep_checkpoints: int = 2,
                  in_memory: bool = False, memory_limit_mb: float = 256.0,
-                 log_metrics: bool = True, **guard_kwargs: Any) -> None:
+                 log_metrics: bool | str = "all", **guard_kwargs: Any) -> None:
         super().__init__()
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of StabilityCallback must be an "
@@ -138,8 +157,9 @@ class StabilityCallback(pl.Callback):
         self.guard: TorchGuard | None = None
         self.stopped: TrainingStopped | None = None
         self.cancelled_saves: list[int] = []
-        self.overhead_s = 0.0
+        self.overhead_s = 0.0  # measuring and deciding (check + finish)
         self.overhead_steps = 0
+        self.io_s = 0.0  # checkpoint writes and logging through Lightning
         self._trainer: pl.Trainer | None = None
         self._pending_state: Mapping[str, Any] | None = None
         self._pending_val: float | None = None
@@ -178,7 +198,7 @@ class StabilityCallback(pl.Callback):
             "scaler": getattr(trainer.precision_plugin, "scaler", None)}
         kw.update(self.guard_kwargs)
         self.guard = TorchGuard(pl_module, trainer.optimizers[0], sched, self.monitor, **kw)
-        self.guard.store = self.store
+        self.guard.store = self.store  # type: ignore[assignment]  # same interface
         self.store.on_drop = self.guard._forget_checkpoint
         state = self._pending_state if self._pending_state is not None else carried
         self._pending_state = None
@@ -245,13 +265,15 @@ class StabilityCallback(pl.Callback):
             trainer.should_stop = True
         step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
         due = (not self.in_memory and self.checkpoint_every > 0 and guard.healthy
-               and step % self.checkpoint_every == 0 and self.stopped is None)
-        if emergency or due:
-            self._save(trainer, step, rolled, emergency, ctl.checkpoint_reason)
-        if self.log_metrics and trainer.logger is not None:
-            pl_module.log_dict(self.feedback(), on_step=True, on_epoch=False)
+               and (step + 1) % self.checkpoint_every == 0 and self.stopped is None)
         self.overhead_s += time.perf_counter() - t0
         self.overhead_steps += 1
+        t0 = time.perf_counter()
+        if emergency or due:
+            self._save(trainer, step, rolled, emergency, ctl.checkpoint_reason)
+        if self.log_metrics and trainer.logger is not None and _logs_this_step(trainer):
+            self._log(trainer, pl_module)
+        self.io_s += time.perf_counter() - t0
 
     def _save(self, trainer: pl.Trainer, step: int, rolled: bool, emergency: bool,
               why: str) -> None:
@@ -305,6 +327,15 @@ class StabilityCallback(pl.Callback):
         out["stability/lr_effective"] = float(self._last_lr * self._last_factor)
         out["stability/step"] = float(g.step_count)
         return out
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = self.feedback()
+        core = {k: v for k, v in metrics.items() if k in LOG_DICT_KEYS}
+        pl_module.log_dict(core, on_step=True, on_epoch=False)
+        rest = {k: v for k, v in metrics.items() if k not in LOG_DICT_KEYS}
+        if self.log_metrics == "all" and rest:
+            for lg in trainer.loggers:  # straight to the loggers: log_dict is O(keys^2)
+                lg.log_metrics(rest, step=trainer.global_step)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -152,6 +152,8 @@ class TorchGuard:
         self.step_scheduler_on_skip = step_scheduler_on_skip
         self.checkpoint_every = int(checkpoint_every)
         self.raise_on_stop = raise_on_stop
+        if monitor is not None and hasattr(monitor, "trainer_clip_norm"):
+            monitor.trainer_clip_norm = clip_norm  # the policy never loosens the loop's clip
         self.collector = SignalCollector(
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
             activations=_activation_names(model, activations), activation_every=activation_every)
@@ -261,6 +263,9 @@ class TorchGuard:
         if metrics:
             extra.update(metrics)
         sig = self.collector.collect(loss, extra)
+        if self.scaler is not None and AMP_OVERFLOW not in sig.scalars:
+            # a scaler without a found-inf record: non-finite unscaled grads are what it skips
+            sig.scalars[AMP_OVERFLOW] = float(not math.isfinite(sig.scalars.get("grad_norm", 0.0)))
         self.amp_overflow = bool(sig.scalars.get(AMP_OVERFLOW, 0.0) > 0.0)
         if self.amp_overflow:  # non-finite by construction: missing, not NaN
             sig.scalars.pop("grad_norm", None)
@@ -453,10 +458,11 @@ class TorchGuard:
         step = self.step_count if step is None else step
         pos = self._pos_of_step.get(step, self.data_position) + 1
         self._flush_recorder()
-        entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
-                                data_position=pos, healthy=healthy, reason=reason,
-                                monitor_state=self._monitor_state(),
-                                protect=self._rollback_targets())
+        with self.base_lr():  # the optimizer state holds the scheduler's own LR, not the cut
+            entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
+                                    data_position=pos, healthy=healthy, reason=reason,
+                                    monitor_state=self._monitor_state(),
+                                    protect=self._rollback_targets())
         self.checkpoints_taken += 1
         led = find_ledger(self.monitor) if register else None
         if led is not None:

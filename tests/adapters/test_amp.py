@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -186,3 +187,60 @@ def test_monitor_skip_on_overflow_step_keeps_the_scaler_consistent() -> None:
     assert torch.equal(model[0].weight, w0)
     assert scaler.get_scale() == 2.0**37  # three overflows, three halvings
     assert guard.steps_skipped == 3 and guard.amp_overflows == 3
+
+
+def test_scaler_without_found_inf_record_falls_back_to_the_grad_norm() -> None:
+    class _Opaque(torch.amp.GradScaler):
+        def _found_inf_per_device(self, optimizer):  # noqa: ANN001, ANN202
+            raise AttributeError("no record here")
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = _Opaque("cpu", init_scale=2.0**40)
+    rec = _Rec()
+    guard = TorchGuard(model, opt, None, Monitor("small"), scaler=scaler, recorder=rec,
+                       checkpoint_every=0)
+    x, y = _data(64)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        d = guard.step(loss)
+        assert not d.alarms
+    assert [r["amp_overflow"] for r in rec.rows.values()] == [1.0, 1.0, 1.0]
+    assert all("grad_norm" not in r for r in rec.rows.values())
+
+
+def _scaler_stream(n: int, overflow: Any) -> list[dict[str, float]]:
+    """What a GradScaler reports: halve on overflow, double after 200 clean steps."""
+    scale, clean, out = 2.0**16, 0, []
+    for t in range(n):
+        o = bool(overflow(t))
+        out.append({"loss": 1.0, "amp_overflow": float(o), "loss_scale": scale})
+        if o:
+            scale, clean = scale / 2, 0
+        else:
+            clean += 1
+            if clean == 200:
+                scale, clean = scale * 2, 0
+    return out
+
+
+@pytest.mark.parametrize("preset", ["default", "small", "llm_pretrain", "finetune"])
+def test_preset_bindings_tolerate_routine_overflows(preset: str) -> None:
+    # start-up halvings, then the overflow that follows every growth interval
+    stream = _scaler_stream(3000, lambda t: t < 6 or (t > 6 and t % 201 == 0))
+    mon = Monitor(preset, alert_sinks=[])
+    alarms = [a for t, m in enumerate(stream) for a in mon.observe(t, m).alarms]
+    assert alarms == []
+
+
+@pytest.mark.parametrize(("rate", "within"), [(1.0, 15), (0.3, 60)])
+def test_preset_bindings_alarm_on_frequent_overflows(rate: float, within: int) -> None:
+    import random
+
+    rnd = random.Random(0)
+    stream = _scaler_stream(1500, lambda t: t < 4 or (t >= 1000 and rnd.random() < rate))
+    mon = Monitor("default", alert_sinks=[])
+    first = next((t for t, m in enumerate(stream) if mon.observe(t, m).alarms), None)
+    assert first is not None and 1000 <= first < 1000 + within

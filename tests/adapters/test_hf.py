@@ -239,3 +239,21 @@ def test_memory_checkpoints_bounded(tmp_path) -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="checkpoint_every"):
         StabilityTrainerCallback(Monitor("small"), checkpoint_every=-1)
+
+
+def test_checkpoint_every_requests_hf_saves(tmp_path) -> None:
+    cb = StabilityTrainerCallback(Monitor("small"), checkpoint_every=3)
+    _trainer(tmp_path, cb, steps=7, eval_strategy="no").train()  # save_strategy="no"
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-6"]
+    assert sorted(cb.store.entries) == [2, 5] and all(e.healthy for e in cb.store.entries.values())
+    led = cb.monitor.checkpoints
+    assert [r.step for r in led.records] == [2, 5]
+
+
+def test_rotated_checkpoints_are_no_rollback_target(tmp_path) -> None:
+    cb = StabilityTrainerCallback(Monitor("small"))
+    _trainer(tmp_path, cb, steps=8, eval_strategy="no", save_strategy="steps", save_steps=2,
+             save_total_limit=2).train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-6", "checkpoint-8"]
+    assert sorted(cb.store.entries) == [5, 7]  # HF's rotation deleted the others
+    assert cb.store.latest_healthy(4) is None

@@ -74,12 +74,15 @@ def test_field_hf_fp16_overflows_are_information(overflowing) -> None:
     assert not any("nonfinite" in i.reason for i in g.interventions)
     assert not [i for i in g.interventions if i.type in ("skip_step", "rollback", "stop")]
     assert math.isfinite(overflowing.final_loss)
+    # HF's logged grad_norm is the unscaled pre-clip norm, not the one of the scaled gradients
+    logged = [h["grad_norm"] for h in overflowing.trainer.state.log_history if "grad_norm" in h]
+    finite = [v for v in logged if math.isfinite(v)]
+    assert finite and max(finite) < 100.0
 
 
-@pytest.mark.xfail(strict=False, reason="policy: HF does not step the scheduler on scaler-"
-                   "skipped steps, so the warm-up LR is flat for the start-up overflow steps and "
-                   "lr_jump then flags the first ordinary warm-up increase (reduce_lr at step 6)")
 def test_field_hf_fp16_overflows_no_acting_interventions(overflowing) -> None:
+    # HF does not step the scheduler on scaler-skipped steps: the warm-up LR is flat during the
+    # start-up overflows, and its first ordinary increase afterwards must not read as an LR jump
     g = overflowing.callback.guard
     assert not [i for i in g.interventions if i.type != "alert"]
 

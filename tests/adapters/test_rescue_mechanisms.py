@@ -176,14 +176,19 @@ def test_refused_rollback_is_not_counted() -> None:
 def test_scheduler_rewind_is_not_an_lr_jump() -> None:
     mon = Monitor("small")
     f = cosine(400)
+    def metrics(s: int) -> dict[str, float]:
+        # the weight norm grows slowly: restoring step 199 moves it back by ~25 %
+        return {"loss": 1.0 / (1 + s / 100), "lr": 3e-3 * f(s), "param_norm": 1.0 + s / 100}
+
     for s in range(300):
-        mon.observe(s, {"loss": 1.0 / (1 + s / 100), "lr": 3e-3 * f(s)})
+        mon.observe(s, metrics(s))
     mon.rewind(199)  # a rollback to the checkpoint of step 199: the scheduler goes back
-    acting = []
+    acting, alarms = [], []
     for s in range(200, 260):
-        d = mon.observe(s, {"loss": 1.0 / (1 + s / 100), "lr": 3e-3 * f(s)})
+        d = mon.observe(s, metrics(s))
         acting += [i for i in d.interventions if i.type != "alert"]
-    assert acting == []
+        alarms += [a for a in d.alarms if a.kind in ("weight_corruption", "lr_loss_anomaly")]
+    assert acting == [] and alarms == []
     assert not mon.policy.guard.active
 
 
@@ -205,3 +210,17 @@ def test_one_warning_after_a_rollback_does_not_stop() -> None:
     ivs = pol.step(61, [Alarm(61, "loss_spike", "loss", 7.0, 6.0, "warning", "d")], ctl,
                    {"healthy_checkpoints": led, "grad_norm_recent_median": 1.0})
     assert [i.type for i in ivs] == ["alert", "set_clip"] and not ctl.stop
+
+
+def test_bit_flip_rolls_back_once_without_skipping_batches_or_an_lr_echo() -> None:
+    from stability.testing.tinytrain import FaultSpec, train_run
+
+    clean = train_run("mlp", 200, seed=1)
+    res = train_run("mlp", 200, seed=1, fault=FaultSpec("bit_flip", 120), monitor=Monitor("small"))
+    assert res.stopped is None and res.rollbacks == 1
+    assert res.batches_skipped == 0            # the weights were the problem, not the data
+    rb = [i for i in res.interventions if i.type == "rollback"]
+    assert [i.cause for i in rb] == ["corruption"]
+    # the rewound scheduler is not mistaken for an LR fault after the rollback
+    assert not [i for i in res.interventions if i.type == "reduce_lr" and i.step >= rb[0].step]
+    assert res.final_loss <= 1.05 * clean.final_loss
