@@ -39,8 +39,9 @@ The no-monitor and counterfactual runs do not depend on the policy, so they are 
 invocation; each policy candidate only adds its monitored runs.  ``--cv GRID.json`` runs every
 candidate on all jobs and picks one by leave-one-fault-class-out (and leave-one-seed-out)
 cross-validation: in each fold the candidate with the best objective
-``saved - 5 * harmed - 20 * clean_acting`` (fractions) on the other classes is scored on the
-left-out one.
+``saved - 5 * harmed - 20 * clean_acting`` (fractions; ties go to the earlier candidate in the
+grid) on the other classes is scored on the left-out one.  Clean runs stay in every class fold;
+the seed folds hold them out by seed too.
 
 Usage::
 
