@@ -24,7 +24,13 @@ runs, nothing hard-coded):
   failed or was stopped;
 * *steps lost*: steps rolled back, in % of the run's steps (median over the monitored runs that
   rolled back at least once; also over all monitored faulty runs);
-* *acting interventions on clean runs*: interventions other than alerts.
+* *acting interventions on clean runs*: interventions other than alerts;
+* *reachable*: failing runs that a known response could save.  Every fault that can be undone
+  (a transient window, an LR fault capped back to the schedule, a weight fault rolled back) can
+  end at the counterfactual; a fault that spoils all data from the onset to the end
+  (``input_shift``, ``overfit``, permanent ``data_corruption``) can at best be stopped at the
+  onset, so it is reachable only when the clean run's held-out loss at the onset is already
+  within 5% of its final one.  A ceiling for ``saved``, not a target.
 
 Targets (issue 10): saved >= 80% of the runs that fail without the monitor; harmed <= 2% of the
 rest; 0 acting interventions on clean runs; median steps lost to rollbacks <= 2% of the run.
@@ -33,8 +39,9 @@ The no-monitor and counterfactual runs do not depend on the policy, so they are 
 invocation; each policy candidate only adds its monitored runs.  ``--cv GRID.json`` runs every
 candidate on all jobs and picks one by leave-one-fault-class-out (and leave-one-seed-out)
 cross-validation: in each fold the candidate with the best objective
-``saved - 5 * harmed - 20 * clean_acting`` (fractions) on the other classes is scored on the
-left-out one.
+``saved - 5 * harmed - 20 * clean_acting`` (fractions; ties go to the earlier candidate in the
+grid) on the other classes is scored on the left-out one.  Clean runs stay in every class fold;
+the seed folds hold them out by seed too.
 
 Usage::
 
@@ -205,7 +212,7 @@ def run_job(job: Job) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     logging.getLogger("stability").setLevel(logging.ERROR)  # rollbacks are counted, not logged
-    from stability.testing.tinytrain import FaultSpec, train_run
+    from stability.testing.tinytrain import FAULT_CLOCK, FaultSpec, train_run
 
     row: dict[str, Any] = {"model": job.model, "seed": job.seed, "class": job.cls or "clean",
                            "candidate": job.candidate, "steps": job.steps}
@@ -214,7 +221,7 @@ def run_job(job: Job) -> dict[str, Any]:
         fc = CLASSES[job.cls]
         dur, mag = fc.spec_args(job.steps)
         fault = FaultSpec(fc.kind, onset(job.model, job.seed, job.cls, job.steps), dur, mag)
-        row["fault"] = fault.to_dict()
+        row["fault"] = {**fault.to_dict(), "clock": FAULT_CLOCK[fault.kind]}
     t0 = time.perf_counter()
     try:
         mon = None
@@ -232,6 +239,8 @@ def run_job(job: Job) -> dict[str, Any]:
         steps_skipped=r.steps_skipped, batches_skipped=r.batches_skipped, acting=len(acts),
         acting_types=dict(Counter(str(getattr(i, "type", "?")) for i in acts)),
         iterations=r.iterations, wall_s=time.perf_counter() - t0, error=None)
+    if job.cls is None and job.candidate is None:  # a counterfactual: its held-out curve
+        row["val"] = {str(k): v for k, v in sorted(r.val_losses.items())}
     return row
 
 
@@ -267,6 +276,7 @@ class Outcome:
     seed: int
     cls: str  # "clean" for clean runs
     failed_without: bool
+    reachable: bool
     failed_with: bool
     stopped: bool
     lost_pct: float
@@ -305,6 +315,8 @@ def score(rows: Iterable[dict[str, Any]]) -> dict[str, list[Outcome]]:
     cf = {(r["model"], r["seed"]): r["final"] for r in rows
           if r["class"] == "clean" and r["candidate"] is None}
     none = {(r["model"], r["seed"], r["class"]): r for r in rows if r["candidate"] is None}
+    cf_val = {(r["model"], r["seed"]): r.get("val", {}) for r in rows
+              if r["class"] == "clean" and r["candidate"] is None}
     out: dict[str, list[Outcome]] = defaultdict(list)
     for r in rows:
         if r["candidate"] is None:
@@ -312,9 +324,16 @@ def score(rows: Iterable[dict[str, Any]]) -> dict[str, list[Outcome]]:
         key = (r["model"], r["seed"])
         base = none[(r["model"], r["seed"], r["class"])]
         rw, rm = _ratio(base["final"], cf[key]), _ratio(r["final"], cf[key])
+        reachable = True
+        f = r.get("fault")
+        if f and f["duration"] == 0 and f.get("clock") == "data":
+            curve = {int(k): v for k, v in cf_val.get(key, {}).items() if int(k) <= f["step"]}
+            at_onset = curve[max(curve)] if curve else math.inf
+            reachable = _ratio(at_onset, cf[key]) <= FAIL_RATIO
         out[r["candidate"]].append(Outcome(
             model=r["model"], seed=r["seed"], cls=r["class"],
-            failed_without=rw > FAIL_RATIO, failed_with=rm > FAIL_RATIO or r["error"] is not None,
+            failed_without=rw > FAIL_RATIO, reachable=reachable,
+            failed_with=rm > FAIL_RATIO or r["error"] is not None,
             stopped=r["stopped"] is not None, lost_pct=100.0 * r["steps_lost"] / r["steps"],
             rolled_back=r["rollbacks"] > 0, acting=r["acting"], acting_types=r["acting_types"],
             ratio_without=rw, ratio_with=rm, error=r["error"],
@@ -327,6 +346,7 @@ def score(rows: Iterable[dict[str, Any]]) -> dict[str, list[Outcome]]:
 class Tally:
     runs: int = 0
     failed: int = 0
+    reachable: int = 0
     saved: int = 0
     stopped: int = 0
     harmed: int = 0
@@ -339,6 +359,7 @@ class Tally:
     def add(self, o: Outcome) -> None:
         self.runs += 1
         self.failed += o.failed_without
+        self.reachable += o.failed_without and o.reachable
         self.saved += o.saved
         self.stopped += o.stopped
         self.harmed += o.harmed
@@ -386,8 +407,8 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
     for o in outs:
         by[o.cls].append(o)
     print(f"\n{title}")
-    hdr = (f"{'class':20} {'runs':>4} {'failed':>6} {'saved':>7} {'stopped':>7} {'harmed':>6} "
-           f"{'worse':>5} {'rb':>3} {'lost%':>6} {'ratio w/o':>9} {'ratio w/':>8}  "
+    hdr = (f"{'class':20} {'runs':>4} {'failed':>6} {'reach':>5} {'saved':>7} {'stopped':>7} "
+           f"{'harmed':>6} {'worse':>5} {'rb':>3} {'lost%':>6} {'ratio w/o':>9} {'ratio w/':>8}  "
            "acting interventions")
     print(hdr)
     print("-" * len(hdr))
@@ -402,8 +423,8 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
         med_m = _median([o.ratio_with for o in g])
         err = f" ERRORS {t.errors}" if t.errors else ""
         lost = f"{_median(rb):.1f}" if rb else "-"
-        print(f"{name:20} {t.runs:>4} {t.failed:>6} {t.saved:>3}/{t.failed:<3} {t.stopped:>7} "
-              f"{t.harmed:>6} {t.worse:>5} {len(rb):>3} {lost:>6} {med_w:>9.3f} "
+        print(f"{name:20} {t.runs:>4} {t.failed:>6} {t.reachable:>5} {t.saved:>3}/{t.failed:<3} "
+              f"{t.stopped:>7} {t.harmed:>6} {t.worse:>5} {len(rb):>3} {lost:>6} {med_w:>9.3f} "
               f"{med_m:>8.3f}  "
               f"{','.join(f'{k}:{v}' for k, v in sorted(types.items()))}{err}")
 
@@ -423,7 +444,8 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
     rb = [o.lost_pct for o in outs if o.rolled_back]
     all_lost = [o.lost_pct for o in faulty]
     summary: dict[str, Any] = {
-        "failed_without": tf.failed, "saved": tf.saved, "saved_frac": _frac(tf.saved, tf.failed),
+        "failed_without": tf.failed, "reachable": tf.reachable, "saved": tf.saved,
+        "saved_frac": _frac(tf.saved, tf.failed),
         "stopped": ta.stopped, "stopped_failing": sum(o.stopped for o in faulty
                                                       if o.failed_without),
         "harmed": ta.harmed, "not_failed": ta.not_failed, "worse": tf.worse,
@@ -440,7 +462,7 @@ def print_table(outs: Sequence[Outcome], classes: Sequence[str], title: str) -> 
         "median lost <= 2%": not rb or _median(rb) <= 2.0,
     }
     print(f"saved   {tf.saved}/{tf.failed} of the runs that fail without the monitor "
-          f"({_pct(tf.saved, tf.failed)}; target >= 80%)  "
+          f"({_pct(tf.saved, tf.failed)}; target >= 80%; reachable {tf.reachable})  "
           f"[stopped {summary['stopped_failing']} of them]  "
           f"{'PASS' if ok['saved >= 80%'] else 'FAIL'}")
     print(f"harmed  {ta.harmed}/{ta.not_failed} of the runs that do not fail without it, clean "
