@@ -25,6 +25,11 @@ runs, nothing hard-coded):
 * *steps lost*: steps rolled back, in % of the run's steps (median over the monitored runs that
   rolled back at least once; also over all monitored faulty runs);
 * *acting interventions on clean runs*: interventions other than alerts;
+* *harm-only classes* (persistent input shifts, ``FaultClass.harm_only``): the world changed for
+  good and the held-out set keeps the old distribution, so no response -- short of skipping all
+  new data, the skip storm issue 10 forbids -- can match a counterfactual trained on the old
+  one.  Their reference is the same run without the monitor: they never count as failing
+  without it, and count as *harmed* when the monitor stops them or makes them > 5% worse;
 * *reachable*: failing runs that a known response could save.  Every fault that can be undone
   (a transient window, an LR fault capped back to the schedule, a weight fault rolled back) can
   end at the counterfactual; a fault that spoils all data from the onset to the end
@@ -86,6 +91,10 @@ class FaultClass:
     duration: float = -1
     magnitude: float = math.nan
     about: str = ""
+    #: the world changed for good (a persistent input shift): the run must adapt to it, so no
+    #: response can match a counterfactual trained on the old distribution.  Judged on harm
+    #: only: the reference is the same run without the monitor.
+    harm_only: bool = False
 
     def spec_args(self, steps: int) -> tuple[int, float]:
         d = self.duration
@@ -103,9 +112,10 @@ CLASSES: dict[str, FaultClass] = {
     "grad_explosion": FaultClass("grad_explosion", about="grads x1e4 for 3 iterations"),
     "data_corrupt_window": FaultClass("data_corruption", about="8 garbage batches"),
     "data_corrupt_perm": FaultClass("data_corruption", 0, about="garbage batches to the end"),
-    "input_shift_up": FaultClass("input_shift", 0, 8.0, about="MLP x8 inputs; GPT swapcase"),
-    "input_shift_down": FaultClass("input_shift", 0, 0.125,
-                                   about="MLP x1/8 inputs; GPT code -> prose"),
+    "input_shift_up": FaultClass("input_shift", 0, 8.0, harm_only=True,
+                                 about="MLP x8 inputs; GPT swapcase (harm only)"),
+    "input_shift_down": FaultClass("input_shift", 0, 0.125, harm_only=True,
+                                   about="MLP x1/8 inputs; GPT code -> prose (harm only)"),
     "bit_flip": FaultClass("bit_flip", about="exponent MSB of one weight flips"),
     "weight_scale": FaultClass("weight_scale", about="one weight matrix x1e3, once"),
     "activation_spike": FaultClass("activation_spike", about="hidden block output x100, 5 it"),
@@ -324,6 +334,10 @@ def score(rows: Iterable[dict[str, Any]]) -> dict[str, list[Outcome]]:
         key = (r["model"], r["seed"])
         base = none[(r["model"], r["seed"], r["class"])]
         rw, rm = _ratio(base["final"], cf[key]), _ratio(r["final"], cf[key])
+        if r["class"] in CLASSES and CLASSES[r["class"]].harm_only:
+            # the adapting run without the monitor is the reference: it cannot fail against
+            # itself, and the monitor harms it when it ends > 5% worse or stops it
+            rw, rm = 1.0, _ratio(r["final"], base["final"])
         reachable = True
         f = r.get("fault")
         if f and f["duration"] == 0 and f.get("clock") == "data":
