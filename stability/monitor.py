@@ -633,6 +633,8 @@ class Monitor:
         if ivs or was or guard.active:
             self._snap = None
             self._policy_dirty = True
+        if ivs:
+            self._ctrl_dirty = True  # e.g. a stop: per-step requests end with this step
         return ivs
 
     def rollback_failed(self, step: int, reason: str = "") -> None:

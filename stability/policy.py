@@ -117,6 +117,8 @@ class Policy:
         self._jump: tuple[float, int, float] | None = None  # held ratio, last alarm, factor
         self._damage_last: int | None = None
         self._rolled_back = False
+        # after a rollback for a data cause: (resume step, target, steps measurably worse, cause)
+        self._probation: tuple[int, int, int, str] | None = None
         self.n_rollbacks = 0
         self.n_responses = 0
         self.n_merged = 0
@@ -157,6 +159,7 @@ class Policy:
             "episode": {"consec": self._consec, "last_seen": self._last_seen,
                         "skip_run": self._skip_run, "adapt_start": self._adapt_start,
                         "adapt_fast": _enc(self._adapt_fast), "cause": self.cause},
+            "probation": None if self._probation is None else list(self._probation),
             "loss": {"fast": _enc(self._fast), "base": _enc(self._base),
                      "nf_run": self._nf_loss_run, "step": self._loss_step},
         }
@@ -194,6 +197,9 @@ class Policy:
         self._adapt_start = _opt_int(ep.get("adapt_start"))
         self._adapt_fast = float(ep.get("adapt_fast", math.nan))
         self.cause = str(ep.get("cause", ""))
+        pb = sd.get("probation")
+        self._probation = None if pb is None else (int(pb[0]), int(pb[1]), int(pb[2]),
+                                                     str(pb[3]))
         lo = sd.get("loss") or {}
         self._fast = float(lo.get("fast", math.nan))
         self._base = float(lo.get("base", math.nan))
@@ -279,27 +285,29 @@ class Policy:
             Non-empty only when an LR fault starts or ends.
         """
         step = int(step)
+        out: list[Intervention] = []
         if loss is not None:
             self._track_loss(step, loss)
+            if self._probation is not None:
+                out = self._check_probation(step, control)
         if lr is None or not self.config.lr_guard.enabled:
-            return []
+            return out
         g = self.guard
         was = g.active
         f = g.observe(step, lr)
-        out: list[Intervention] = []
         if g.active and not was:
             reason = (f"LR {g.last_lr:.3g} left its healthy band (last healthy LR {g.ref:.3g}, "
                       f"x{g.last_lr / g.ref:.3g})")
             msg = (f"step {step}: {reason} -> LR factor {f:.3g} for as long as the scheduler "
                    f"asks for it (cause: lr)")
-            out = [Alert(step, reason, cause="lr", severity="critical", message=msg),
-                   ReduceLR(step, reason, cause="lr", factor=f, duration=0, restore_steps=0)]
+            out += [Alert(step, reason, cause="lr", severity="critical", message=msg),
+                    ReduceLR(step, reason, cause="lr", factor=f, duration=0, restore_steps=0)]
             self.n_responses += 1
             self.cause = "lr"
         elif was and not g.active:
             reason = f"LR {g.last_lr:.3g} back in its healthy band"
-            out = [Alert(step, reason, cause="lr", severity="warning",
-                         message=f"step {step}: {reason}; LR guard released")]
+            out += [Alert(step, reason, cause="lr", severity="warning",
+                          message=f"step {step}: {reason}; LR guard released")]
         if control is not None and not self.log_only and (g.active or was):
             self._apply_persistent(step, control)
         return out
@@ -308,6 +316,40 @@ class Policy:
     def episode_onset(self) -> int | None:
         """First alarm step of the open episode (``None`` when none is open)."""
         return self._onset
+
+    def _check_probation(self, step: int, control: Control | None) -> list[Intervention]:
+        """After a rollback that skipped bad data: does the data source keep failing?
+
+        If the loss stays measurably worse than before the episode for ``adapt_steps`` steps
+        within ``recur_steps`` of the rollback, the source is broken (a stuck loader, bad shards
+        to the end): nothing left to try, so stop with the healthy checkpoint restored.
+        """
+        assert self._probation is not None
+        start, target, n_worse, cause = self._probation
+        rc = self.config.recovery
+        if step - start > rc.recur_steps:
+            self._probation = None
+            return []
+        n_worse = n_worse + 1 if self.worse() else 0
+        self._probation = (start, target, n_worse, cause)
+        if n_worse < max(1, rc.adapt_steps):
+            return []
+        self._probation = None
+        reason = (f"the loss stayed measurably worse for {n_worse} steps after the rollback at "
+                  f"step {start} skipped the bad data: the data source keeps failing")
+        msg = (f"step {step}: {reason} -> stop with the weights of step {target} restored "
+               f"(cause: {cause}; tried: {self.n_rollbacks} rollback(s))")
+        out: list[Intervention] = [
+            Alert(step, reason, cause=cause, severity="critical", message=msg),
+            Rollback(step, reason, cause=cause, to_step=target, skip_from=step,
+                     skip_to=step - 1),
+            Stop(step, msg, cause=cause)]
+        self.n_responses += 1
+        if control is not None and not self.log_only:
+            control.rollback_to = target
+            control.stop = True
+            control.stop_reason = msg
+        return out
 
     def _track_loss(self, step: int, loss: float) -> None:
         try:
@@ -325,7 +367,8 @@ class Policy:
         x = math.log(v)
         rc = self.config.recovery
         self._fast = x if math.isnan(self._fast) else self._fast + rc.fast_alpha * (x - self._fast)
-        quiet = step - self._last_seen > self.config.cooldown and not self.guard.active
+        quiet = (step - self._last_seen > self.config.cooldown and not self.guard.active
+                 and self._probation is None)
         if quiet:
             self._base = x if math.isnan(self._base) else (
                 self._base + rc.base_alpha * (x - self._base))
@@ -640,6 +683,9 @@ class Policy:
                 self.n_rollbacks += 1
                 self._onset = None
                 self._rolled_back = True  # log_only decides as if it had acted
+                resume = target.covers if act and cfg.rewind_on_rollback else step
+                self._probation = ((resume, target.step, 0, self.cause)
+                                   if skip_data and self.cause else None)
                 if act:
                     control.rollback_to = target.step
                     control.skip_batches = (onset, step) if skip_data else None

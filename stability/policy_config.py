@@ -285,12 +285,18 @@ class RecoveryConfig:
     * ``worse_margin`` -- "measurably worse": the recent loss (EW mean of log loss, memory
       ~``1/fast_alpha`` steps) above the pre-episode baseline (EW mean, ``1/base_alpha``) by
       more than this relative margin.  A run is stopped only when the ladder is exhausted *and*
-      it is measurably worse (or its loss is not finite).
+      it is measurably worse (or its loss is not finite);
+    * ``recur_steps`` -- a data-caused episode that turns persistent again within this many
+      steps after a rollback for the same cause is a data source that keeps failing (a broken
+      pipeline, a loader stuck on bad shards): the ladder is exhausted for it, so the run is
+      stopped -- with the weights of the healthy checkpoint restored -- when it is measurably
+      worse.
     """
 
     max_consecutive_skips: int = 8
     adapt_steps: int = 50
     worse_margin: float = 0.1
+    recur_steps: int = 200
     fast_alpha: float = 0.1
     base_alpha: float = 0.02
 
@@ -302,6 +308,7 @@ class RecoveryConfig:
             max_consecutive_skips=_int(f"{path}.max_consecutive_skips",
                                        d.get("max_consecutive_skips", c.max_consecutive_skips), 1),
             adapt_steps=_int(f"{path}.adapt_steps", d.get("adapt_steps", c.adapt_steps), 0),
+            recur_steps=_int(f"{path}.recur_steps", d.get("recur_steps", c.recur_steps), 0),
             worse_margin=_float(f"{path}.worse_margin", d.get("worse_margin", c.worse_margin),
                                 0.0, 1e6),
             fast_alpha=_float(f"{path}.fast_alpha", d.get("fast_alpha", c.fast_alpha), 0.0, 1.0,

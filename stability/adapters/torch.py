@@ -344,6 +344,9 @@ class TorchGuard:
             self._auto_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency",
                                   register=control.rollback_to is None)
         if control.stop:
+            if control.rollback_to is not None:
+                # stop with the last good weights in place (the run cannot be brought back)
+                self.rollback(control.rollback_to, None)
             self.stopped = TrainingStopped(
                 control.stop_reason or "stop requested", step,
                 self.decision.alarms if self.decision else (), self.decision)

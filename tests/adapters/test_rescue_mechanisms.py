@@ -224,3 +224,22 @@ def test_bit_flip_rolls_back_once_without_skipping_batches_or_an_lr_echo() -> No
     # the rewound scheduler is not mistaken for an LR fault after the rollback
     assert not [i for i in res.interventions if i.type == "reduce_lr" and i.step >= rb[0].step]
     assert res.final_loss <= 1.05 * clean.final_loss
+
+
+def test_data_source_that_keeps_failing_stops_with_the_good_weights_restored() -> None:
+    from stability.testing.tinytrain import FaultSpec, train_run
+
+    clean = train_run("mlp", 400, seed=0)
+    fault = FaultSpec("data_corruption", 200, 0)            # garbage batches to the end
+    bare = train_run("mlp", 400, seed=0, fault=fault)
+    res = train_run("mlp", 400, seed=0, fault=fault, monitor=Monitor("small"))
+    assert res.stopped is not None and "data source keeps failing" in res.stopped
+    stop = next(i for i in res.interventions if i.type == "stop")
+    assert stop.cause in ("outlier", "shift")
+    # stopped with the pre-fault weights, far better than training on garbage to the end
+    assert res.final_loss < bare.final_loss
+    assert res.final_loss <= 1.1 * clean.final_loss
+    # a bad window (the data recovers) never stops the run
+    win = train_run("mlp", 400, seed=0, fault=FaultSpec("data_corruption", 200),
+                    monitor=Monitor("small"))
+    assert win.stopped is None
