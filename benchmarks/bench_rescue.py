@@ -201,6 +201,7 @@ class Job:
     candidate: str | None
     override: str = "{}"  # JSON of the config override (a string keeps the job hashable)
     preset: str = "small"
+    checkpoint_every: int = 25  # the guard's checkpoint cadence (monitored runs)
 
     @property
     def cost(self) -> float:  # rough seconds, for scheduling the longest first
@@ -237,7 +238,8 @@ def run_job(job: Job) -> dict[str, Any]:
         mon = None
         if job.candidate is not None:
             mon = make_monitor(job.preset, json.loads(job.override))
-        r = train_run(job.model, job.steps, seed=job.seed, fault=fault, monitor=mon)
+        r = train_run(job.model, job.steps, seed=job.seed, fault=fault, monitor=mon,
+                      checkpoint_every=job.checkpoint_every)
     except Exception as exc:  # a crashing monitor is a result, not the end of the benchmark
         row.update(error=f"{type(exc).__name__}: {exc}", final=math.nan, stopped=None,
                    rollbacks=0, steps_lost=0, steps_skipped=0, batches_skipped=0, acting=0,
@@ -602,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default=None, help="steps per model, e.g. mlp=300,gpt=120")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--preset", default="small")
+    ap.add_argument("--checkpoint-every", type=int, default=25,
+                    help="the guard's checkpoint cadence in steps (steps lost to a rollback "
+                         "scale with it)")
     ap.add_argument("--policy", default=None, help="TOML/JSON override merged into the preset")
     ap.add_argument("--cv", default=None, help="JSON list of named policy overrides")
     ap.add_argument("--json", default=None, help="write every per-run row here")
@@ -647,13 +652,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, ov in cands.items():
             js = json.dumps(ov, sort_keys=True)
             for s in range(n_clean):
-                jobs.append(Job(m, n, s, None, name, js, a.preset))
+                jobs.append(Job(m, n, s, None, name, js, a.preset, a.checkpoint_every))
             for s in range(n_seeds):
                 for c in classes:
-                    jobs.append(Job(m, n, s, c, name, js, a.preset))
+                    jobs.append(Job(m, n, s, c, name, js, a.preset, a.checkpoint_every))
     print(f"bench_rescue: {len(jobs)} runs ({len(classes)} classes x {len(models)} models x "
           f"{n_seeds} seeds, {n_clean} clean seeds per model, {len(cands)} candidate(s)); "
-          f"steps {', '.join(f'{m}={steps[m]}' for m in models)}; preset={a.preset}; "
+          f"steps {', '.join(f'{m}={steps[m]}' for m in models)}; preset={a.preset}; checkpoint every {a.checkpoint_every} steps; "
           f"workers={a.workers}", flush=True)
     for c in classes:
         fc = CLASSES[c]
