@@ -658,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
                     jobs.append(Job(m, n, s, c, name, js, a.preset, a.checkpoint_every))
     print(f"bench_rescue: {len(jobs)} runs ({len(classes)} classes x {len(models)} models x "
           f"{n_seeds} seeds, {n_clean} clean seeds per model, {len(cands)} candidate(s)); "
-          f"steps {', '.join(f'{m}={steps[m]}' for m in models)}; preset={a.preset}; checkpoint every {a.checkpoint_every} steps; "
-          f"workers={a.workers}", flush=True)
+          f"steps {', '.join(f'{m}={steps[m]}' for m in models)}; preset={a.preset}; "
+          f"checkpoint every {a.checkpoint_every} steps; workers={a.workers}", flush=True)
     for c in classes:
         fc = CLASSES[c]
         print(f"  {c:20} {fc.kind:17} {fc.about}")
