@@ -70,7 +70,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 
 from .interventions import TrainingStopped
 from .torch import TorchGuard, find_ledger
-from .trainer_support import TrainerCheckpointStore, params_finite
+from .trainer_support import TrainerCheckpointStore, last_step_feedback, params_finite
 
 __all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
 
@@ -384,15 +384,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         ``lr_effective`` / ``lr_base`` / ``lr_factor`` of the *last* optimizer step (what HF's
         ``learning_rate`` refers to) and ``stability/step``, the guard's step.
         """
-        g = self.guard
-        if g is None:
-            return {}
-        out = g.metrics()
-        out["stability/lr_factor"] = self._last_factor
-        out["stability/lr_base"] = float(self._last_lr)
-        out["stability/lr_effective"] = float(self._last_lr * self._last_factor)
-        out["stability/step"] = float(g.step_count)
-        return out
+        return last_step_feedback(self.guard, self._last_lr, self._last_factor)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         if not logs:

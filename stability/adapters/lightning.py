@@ -61,7 +61,7 @@ import torch
 
 from .interventions import TrainingStopped
 from .torch import TorchGuard, find_ledger
-from .trainer_support import TrainerCheckpointStore, params_finite
+from .trainer_support import TrainerCheckpointStore, last_step_feedback, params_finite
 
 __all__ = ["StabilityCallback", "load_lightning_checkpoint"]
 
@@ -318,15 +318,7 @@ class StabilityCallback(pl.Callback):
     def feedback(self) -> dict[str, float]:
         """The ``stability/*`` metrics logged every step (:meth:`TorchGuard.metrics`), with the
         LR and factor of the last optimizer step and ``stability/step`` (the guard's step)."""
-        g = self.guard
-        if g is None:
-            return {}
-        out = g.metrics()
-        out["stability/lr_factor"] = self._last_factor
-        out["stability/lr_base"] = float(self._last_lr)
-        out["stability/lr_effective"] = float(self._last_lr * self._last_factor)
-        out["stability/step"] = float(g.step_count)
-        return out
+        return last_step_feedback(self.guard, self._last_lr, self._last_factor)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics = self.feedback()

@@ -216,3 +216,20 @@ class TrainerCheckpointStore:
                                                str(e.get("reason", "")), str(e["path"]))
             if e.get("owned"):
                 self._owned.add(s)
+
+
+def last_step_feedback(guard: Any, last_lr: float, last_factor: float) -> dict[str, float]:
+    """:meth:`TorchGuard.metrics` with the LR and factor of the *last* optimizer step.
+
+    Trainers log after the step: ``stability/lr_base`` / ``lr_factor`` / ``lr_effective`` refer
+    to the step just taken (what the trainer's own ``learning_rate`` refers to), and
+    ``stability/step`` is the guard's step.  Empty before the guard exists.
+    """
+    if guard is None:
+        return {}
+    out: dict[str, float] = guard.metrics()
+    out["stability/lr_factor"] = float(last_factor)
+    out["stability/lr_base"] = float(last_lr)
+    out["stability/lr_effective"] = float(last_lr * last_factor)
+    out["stability/step"] = float(guard.step_count)
+    return out
