@@ -1,4 +1,16 @@
-"""Policy: turn alarms into one coherent, escalating response per incident.
+"""Policy: turn alarms into one coherent response per incident, chosen from its *cause*.
+
+Every step (quiet ones too) :meth:`Policy.track` follows the requested LR (the
+:class:`~stability.lr_guard.LRGuard` divides an LR fault out for as long as the scheduler asks for
+it) and the training loss ("measurably worse" than before the episode).  On alarm steps
+:meth:`Policy.step` attributes the episode (:mod:`stability.attribution`: ``lr``, ``outlier``,
+``shift``, ``corruption``, ``overflow``, ``divergence``) and gates the ladder below with it:
+an outlier is skipped or clipped; a persistent shift gets at most
+``recovery.max_consecutive_skips`` skips, then *adapts* (clip + LR cut) and rolls back only when
+still measurably worse and not improving after ``recovery.adapt_steps``, followed by a probation
+that stops a data source that keeps failing with the healthy weights restored; corruption rolls
+back at once without skipping batches; a rollback ends the episode (escalation resets); a stop
+happens only when no rollback is left and the run is measurably worse.
 
 The policy keeps one *escalation level* shared by the kinds whose rule has ``escalate = true``
 (loss spikes, gradient explosions, activation shifts, non-finite values, LR/loss anomalies).  A
