@@ -22,6 +22,7 @@ torch is imported here at module level: this module is only imported through
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
@@ -488,6 +489,10 @@ class CheckpointStore:
     on_drop : callable, optional
         ``on_drop(step)`` after a checkpoint is deleted (e.g. to forget it in the ledger, so a
         rollback is never planned onto a deleted checkpoint).
+
+    On disk, an index (``index[-rank<r>].json``, JSON data, written atomically after every save
+    and delete) lists the checkpoints with their health flags, so a store created on the same
+    directory after a restart knows them again (entries whose file is gone are left out).
     """
 
     def __init__(
@@ -502,6 +507,47 @@ class CheckpointStore:
         self.entries: dict[int, SavedCheckpoint] = {}
         self._memory: dict[int, dict[str, Any]] = {}
         self.on_drop = on_drop
+        self._read_index()
+
+    # ------------------------------------------------------------------ on-disk index
+    def _index_path(self) -> Path | None:
+        if self.directory is None:
+            return None
+        suffix = "" if self.rank < 0 else f"-rank{self.rank}"
+        return self.directory / f"index{suffix}.json"
+
+    def _read_index(self) -> None:
+        path = self._index_path()
+        if path is None or not path.is_file():
+            return
+        try:
+            rows = json.loads(path.read_text())["entries"]
+            for r in rows:
+                f = self.directory / str(r["file"])  # type: ignore[operator]
+                if f.is_file():
+                    step = int(r["step"])
+                    self.entries[step] = SavedCheckpoint(
+                        step, int(r["data_position"]), bool(r["healthy"]), str(r["reason"]),
+                        str(f))
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a bad index: start empty
+            log.warning("checkpoint index %s unreadable (%s: %s); ignoring it", path,
+                        type(exc).__name__, exc)
+            self.entries = {}
+
+    def _write_index(self) -> None:
+        path = self._index_path()
+        if path is None:
+            return
+        rows = [{"step": e.step, "data_position": e.data_position, "healthy": e.healthy,
+                 "reason": e.reason, "file": Path(e.path).name}
+                for _, e in sorted(self.entries.items()) if e.path is not None]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"version": 1, "entries": rows}))
+            os.replace(tmp, path)
+        except OSError as exc:  # the checkpoints themselves are fine; the next save retries
+            log.debug("could not write the checkpoint index %s: %s", path, exc)
 
     def _path(self, step: int) -> Path | None:
         if self.directory is None:
@@ -527,6 +573,7 @@ class CheckpointStore:
                                 None if path is None else str(path))
         self.entries[step] = entry
         self._prune(protect)
+        self._write_index()
         return entry
 
     def _prune(self, protect: Iterable[int] = ()) -> None:
@@ -546,6 +593,8 @@ class CheckpointStore:
         self._memory.pop(step, None)
         if entry is not None and entry.path and os.path.exists(entry.path):
             os.unlink(entry.path)
+        if entry is not None and entry.path is not None:
+            self._write_index()
         if entry is not None and self.on_drop is not None:
             try:
                 self.on_drop(step)

@@ -614,7 +614,30 @@ class TorchGuard:
         for k, v in dict(sd.get("counters", {})).items():
             if k in _COUNTERS:
                 setattr(self, k, int(v))
+        self._reconcile_ledger()
         self.collector.begin_step(self.step_count)
+
+    def _reconcile_ledger(self) -> None:
+        """After a resume: the ledger lists exactly the checkpoints the store can restore.
+
+        In-memory copies do not survive a restart (their records go); checkpoints on disk that
+        the store found again (its index) are registered if the restored ledger lacks them.
+        """
+        led = find_ledger(self.monitor)
+        if led is None or not hasattr(led, "forget") or not isinstance(self.store,
+                                                                      CheckpointStore):
+            return  # an adapter's trainer store restores its own records
+        try:
+            have = self.store.entries
+            known = {r.step for r in led.records}
+            for step in known - set(have):
+                led.forget(step)
+            for step in sorted(set(have) - known):
+                e = have[step]
+                led.add(step, e.path or f"memory:step-{step}", healthy=e.healthy,
+                        reason=e.reason, covers_step=step)
+        except Exception:  # bookkeeping must never kill the run
+            log.debug("could not reconcile the checkpoint ledger", exc_info=True)
 
     def detach(self) -> None:
         """Remove every hook this guard installed."""

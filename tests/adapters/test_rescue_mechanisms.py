@@ -243,3 +243,45 @@ def test_data_source_that_keeps_failing_stops_with_the_good_weights_restored() -
     win = train_run("mlp", 400, seed=0, fault=FaultSpec("data_corruption", 200),
                     monitor=Monitor("small"))
     assert win.stopped is None
+
+
+def _resumable(tmp_path, guard_state=None, weights=None, nan_at=None, steps=60):
+    model, xs, ys = make_problem()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if weights is not None:                      # the user's own resume: model + optimizer
+        model.load_state_dict(weights[0])
+        opt.load_state_dict(weights[1])
+    mon = Monitor("small")
+    guard = TorchGuard(model, opt, None, mon, checkpoint_dir=tmp_path / "ckpt",
+                       checkpoint_every=10)
+    if guard_state is not None:
+        guard.load_state_dict(guard_state)
+    injected = False
+    for i in guard.batches(steps):
+        if nan_at is not None and guard.step_count == nan_at and not injected:
+            injected = True                      # a one-off corruption (it does not recur)
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = math.nan
+        loss = torch.nn.functional.mse_loss(model(xs[i]), ys[i])
+        loss.backward()
+        guard.step(loss)
+    return guard
+
+
+def test_rollback_after_a_resume_finds_checkpoints_written_before_it(tmp_path) -> None:
+    import copy
+    import json
+
+    first = _resumable(tmp_path, steps=55)
+    saved = json.loads(json.dumps(first.state_dict()))
+    weights = (copy.deepcopy(first.model.state_dict()),
+               copy.deepcopy(first.optimizer.state_dict()))
+    before = sorted(first.store.entries)
+    assert before and (tmp_path / "ckpt" / "index.json").is_file()
+    # a new process: fresh objects on the same checkpoint directory, resumed by the user
+    second = _resumable(tmp_path, guard_state=saved, weights=weights, nan_at=57, steps=70)
+    rb = [i for i in second.interventions if i.type == "rollback"]
+    assert [i.cause for i in rb] == ["corruption"]
+    assert rb[0].to_step in before                # a checkpoint written before the resume
+    assert second.rollbacks == 1 and all(
+        torch.isfinite(p).all() for p in second.model.parameters())
