@@ -76,6 +76,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .attribution import DATA_CAUSES, attribute
+from .loss_tracker import LossTracker
 from .lr_guard import LRGuard
 from .lr_schedule import adaptive_clip, compound_factor, lr_cut_end, lr_factor_at
 from .policy_config import ACTIONS, PolicyConfig
@@ -136,10 +137,8 @@ class Policy:
         self.n_merged = 0
         self.guard = LRGuard(self.config.lr_guard)
         self._reset_episode()
-        self._fast = math.nan      # EW mean of log(loss), recent (nan: no loss seen)
-        self._base = math.nan      # EW mean of log(loss) over steps outside episodes
-        self._nf_loss_run = 0      # consecutive observed steps with a non-finite loss
-        self._loss_step = -_INF    # step of the last loss seen by :meth:`track`
+        rc = self.config.recovery
+        self.loss = LossTracker(rc.fast_alpha, rc.base_alpha)
 
     def _reset_episode(self) -> None:
         """Forget the open episode (after a rollback, or when it is over)."""
@@ -172,8 +171,7 @@ class Policy:
                         "skip_run": self._skip_run, "adapt_start": self._adapt_start,
                         "adapt_fast": _enc(self._adapt_fast), "cause": self.cause},
             "probation": None if self._probation is None else list(self._probation),
-            "loss": {"fast": _enc(self._fast), "base": _enc(self._base),
-                     "nf_run": self._nf_loss_run, "step": self._loss_step},
+            "loss": self.loss.state_dict(),
         }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -213,10 +211,7 @@ class Policy:
         self._probation = None if pb is None else (int(pb[0]), int(pb[1]), int(pb[2]),
                                                      str(pb[3]))
         lo = sd.get("loss") or {}
-        self._fast = float(lo.get("fast", math.nan))
-        self._base = float(lo.get("base", math.nan))
-        self._nf_loss_run = int(lo.get("nf_run", 0))
-        self._loss_step = int(lo.get("step", -_INF))
+        self.loss.load_state_dict(lo)
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
@@ -364,38 +359,18 @@ class Policy:
         return out
 
     def _track_loss(self, step: int, loss: float) -> None:
-        try:
-            v = float(loss)
-        except (TypeError, ValueError):
-            return
-        if math.isnan(v) or math.isinf(v):
-            self._nf_loss_run += 1
-            self._loss_step = step
-            return
-        self._nf_loss_run = 0
-        self._loss_step = step
-        if v <= 0.0:
-            return
-        x = math.log(v)
-        rc = self.config.recovery
-        self._fast = x if math.isnan(self._fast) else self._fast + rc.fast_alpha * (x - self._fast)
         quiet = (step - self._last_seen > self.config.cooldown and not self.guard.active
                  and self._probation is None)
-        if quiet:
-            self._base = x if math.isnan(self._base) else (
-                self._base + rc.base_alpha * (x - self._base))
+        self.loss.update(loss, quiet)
 
     def worse(self) -> bool | None:
         """Is the run measurably worse than before the episode?  ``None``: cannot tell."""
-        if self._nf_loss_run > 0:
-            return True
-        if math.isnan(self._fast) or math.isnan(self._base):
-            return None
-        return self._fast - self._base > math.log1p(self.config.recovery.worse_margin)
+        return self.loss.worse(self.config.recovery.worse_margin)
 
     def _improving(self) -> bool:
-        return (not math.isnan(self._adapt_fast) and not math.isnan(self._fast)
-                and self._fast < self._adapt_fast - 0.02)
+        fast = self.loss.fast
+        return (not math.isnan(self._adapt_fast) and not math.isnan(fast)
+                and fast < self._adapt_fast - 0.02)
 
     def _exhausted(self, step: int, ctx: Mapping[str, Any]) -> bool:
         """No rollback left to try: the limit is reached or no healthy checkpoint exists."""
@@ -464,7 +439,8 @@ class Policy:
         self._consec = self._consec + 1 if 0 < step - self._last_seen <= 3 else 1
         self._last_seen = step
         rc = cfg.recovery
-        cause = attribute(acts, lr_fault=self.guard.active, nonfinite_loss_run=self._nf_loss_run,
+        cause = attribute(acts, lr_fault=self.guard.active,
+                          nonfinite_loss_run=self.loss.nonfinite_run,
                           consecutive=self._consec, persistent_after=rc.max_consecutive_skips)
         self.cause = cause
         damaged = False
@@ -562,7 +538,7 @@ class Policy:
             cause == "overflow" and self._consec > rc.max_consecutive_skips)
         if adapting and self._adapt_start is None:
             self._adapt_start = step
-            self._adapt_fast = self._fast
+            self._adapt_fast = self.loss.fast
             actions.update(("alert", "clip", "reduce_lr"))
             responded = True
         if cause == "corruption":
@@ -581,7 +557,7 @@ class Policy:
                 actions -= {"rollback", "checkpoint"}
                 if self._adapt_start is None:
                     self._adapt_start = step
-                    self._adapt_fast = self._fast
+                    self._adapt_fast = self.loss.fast
                     actions.update(("alert", "clip", "reduce_lr"))
         if skip:
             actions.add("skip")

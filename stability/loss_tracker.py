@@ -1,0 +1,88 @@
+"""Loss tracker: is the run measurably worse than before the episode?
+
+Two exponentially weighted means of ``log(loss)``: a recent one (``fast``, every finite loss)
+and a baseline (``base``) that only learns from steps the caller calls *quiet* -- outside an
+alarm episode -- so an episode cannot drag its own reference up.  Non-finite losses are counted
+(``nonfinite_run``: consecutive observed steps) and never enter either mean.
+
+Examples
+--------
+>>> t = LossTracker(fast_alpha=0.5, base_alpha=0.5)
+>>> for _ in range(20):
+...     t.update(1.0, quiet=True)
+>>> t.worse(0.1)
+False
+>>> for _ in range(5):
+...     t.update(2.0, quiet=False)           # an episode: the baseline stays at 1.0
+>>> t.worse(0.1), t.nonfinite_run
+(True, 0)
+>>> t.update(float("nan"), quiet=False); t.nonfinite_run, t.worse(0.1)
+(1, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+class LossTracker:
+    """Recent vs pre-episode level of the training loss (see the module docstring).
+
+    Parameters
+    ----------
+    fast_alpha, base_alpha : float
+        Weights of the newest ``log(loss)`` in the recent mean and in the baseline.
+    """
+
+    def __init__(self, fast_alpha: float = 0.1, base_alpha: float = 0.02) -> None:
+        self.fast_alpha = float(fast_alpha)
+        self.base_alpha = float(base_alpha)
+        self.fast = math.nan        # EW mean of log(loss), recent (nan: no loss seen)
+        self.base = math.nan        # EW mean of log(loss) over quiet steps
+        self.nonfinite_run = 0      # consecutive observed steps with a non-finite loss
+
+    def update(self, loss: Any, quiet: bool) -> None:
+        """Feed one step's training loss; ``quiet``: the baseline may learn from it."""
+        try:
+            v = float(loss)
+        except (TypeError, ValueError):
+            return
+        if math.isnan(v) or math.isinf(v):
+            self.nonfinite_run += 1
+            return
+        self.nonfinite_run = 0
+        if v <= 0.0:
+            return
+        x = math.log(v)
+        self.fast = x if math.isnan(self.fast) else self.fast + self.fast_alpha * (x - self.fast)
+        if quiet:
+            self.base = x if math.isnan(self.base) else self.base + self.base_alpha * (
+                x - self.base)
+
+    def worse(self, margin: float) -> bool | None:
+        """Recent loss above the baseline by more than ``margin`` (relative), or not finite.
+
+        ``None`` when it cannot tell (no loss seen yet).
+        """
+        if self.nonfinite_run > 0:
+            return True
+        if math.isnan(self.fast) or math.isnan(self.base):
+            return None
+        return self.fast - self.base > math.log1p(margin)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible state (non-finite floats as strings)."""
+        return {"fast": _enc(self.fast), "base": _enc(self.base), "nf_run": self.nonfinite_run}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.fast = float(sd.get("fast", math.nan))
+        self.base = float(sd.get("base", math.nan))
+        self.nonfinite_run = int(sd.get("nf_run", 0))
+
+
+def _enc(v: float) -> float | str:
+    """JSON-safe float (non-finite as a string, read back by ``float``)."""
+    return v if math.isfinite(v) else str(v)
