@@ -238,7 +238,9 @@ def goodput(steps: NDArray[np.int64], interventions: Sequence[Intervention]) -> 
 def _monitor(config: Any) -> Any:
     from stability.monitor import Monitor  # type: ignore[import-not-found]
 
-    return Monitor(config)
+    # a replay of history reports what the monitor would have done; it pages nobody: the
+    # alerts are in the result (and the event log), not sent to the configured sinks
+    return Monitor(config, alert_sinks=[])
 
 
 def decisions_to_records(decisions: Iterable[Decision]) -> Iterator[dict[str, Any]]:
