@@ -54,7 +54,6 @@ How it hooks in (transformers 4.4x / 5.x):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -70,7 +69,12 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 
 from .interventions import TrainingStopped
 from .torch import TorchGuard, find_ledger
-from .trainer_support import TrainerCheckpointStore, last_step_feedback, params_finite
+from .trainer_support import (
+    TrainerCheckpointStore,
+    finish_deferring_emergency,
+    last_step_feedback,
+    params_finite,
+)
 
 __all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
 
@@ -313,13 +317,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             return control
         t0 = time.perf_counter()
         self._checked = False
-        ctl = guard.control
-        emergency = ctl.save_checkpoint
-        if emergency:  # written by HF below, never as a copy of possibly bad weights
-            guard.control = dataclasses.replace(ctl, save_checkpoint=False)
-        rollbacks = guard.rollbacks
-        guard.finish()
-        rolled = guard.rollbacks > rollbacks
+        # the emergency checkpoint is written below through the trainer's own save, and only
+        # if the weights are fine
+        ctl, emergency, rolled = finish_deferring_emergency(guard)
         if guard.stopped is not None and self.stopped is None:
             self.stopped = guard.stopped
         if self.stopped is not None:

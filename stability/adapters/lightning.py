@@ -48,7 +48,6 @@ rollback come out of ``max_steps``. The scheduler is stepped by Lightning even o
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -61,7 +60,12 @@ import torch
 
 from .interventions import TrainingStopped
 from .torch import TorchGuard, find_ledger
-from .trainer_support import TrainerCheckpointStore, last_step_feedback, params_finite
+from .trainer_support import (
+    TrainerCheckpointStore,
+    finish_deferring_emergency,
+    last_step_feedback,
+    params_finite,
+)
 
 __all__ = ["StabilityCallback", "load_lightning_checkpoint"]
 
@@ -253,13 +257,9 @@ class StabilityCallback(pl.Callback):
             return  # an accumulation micro-batch: no optimizer step yet
         t0 = time.perf_counter()
         self._checked = False
-        ctl = guard.control
-        emergency = ctl.save_checkpoint
-        if emergency:  # written below through trainer.save_checkpoint, if the weights are fine
-            guard.control = dataclasses.replace(ctl, save_checkpoint=False)
-        rollbacks = guard.rollbacks
-        guard.finish()
-        rolled = guard.rollbacks > rollbacks
+        # the emergency checkpoint is written below through the trainer's own save, and only
+        # if the weights are fine
+        ctl, emergency, rolled = finish_deferring_emergency(guard)
         if guard.stopped is not None and self.stopped is None:
             self.stopped = guard.stopped
             trainer.should_stop = True

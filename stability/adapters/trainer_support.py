@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -233,3 +234,19 @@ def last_step_feedback(guard: Any, last_lr: float, last_factor: float) -> dict[s
     out["stability/lr_effective"] = float(last_lr * last_factor)
     out["stability/step"] = float(guard.step_count)
     return out
+
+
+def finish_deferring_emergency(guard: Any) -> tuple[Any, bool, bool]:
+    """``guard.finish()`` with the emergency checkpoint left to the trainer's own save.
+
+    Returns ``(control, emergency, rolled_back)``: the step's control as decided, whether it
+    asked for an emergency checkpoint (the caller writes it through the trainer, and only if the
+    weights are fine), and whether ``finish`` rolled back.
+    """
+    ctl = guard.control
+    emergency = bool(ctl.save_checkpoint)
+    if emergency:
+        guard.control = dataclasses.replace(ctl, save_checkpoint=False)
+    before = guard.rollbacks
+    guard.finish()
+    return ctl, emergency, guard.rollbacks > before
