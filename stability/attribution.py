@@ -16,6 +16,8 @@ The policy attributes every step it responds to one of :data:`CAUSES`:
 ``shift``       the same spikes persisting beyond ``recovery.max_consecutive_skips`` steps: a
                 persistent data / input shift -- adapt (tighter clip, lower LR), no skip storm
 ``divergence``  slow trends without spikes (level shift, train/val divergence)
+``overfit``     (set by the policy) a train/validation divergence while validation stays
+                measurably above its best: early stop with the best checkpoint restored
 ==============  =============================================================================
 
 Examples
@@ -37,7 +39,7 @@ from collections.abc import Iterable
 
 from .types import Alarm
 
-CAUSES = ("lr", "corruption", "overflow", "outlier", "shift", "divergence")
+CAUSES = ("lr", "corruption", "overflow", "outlier", "shift", "divergence", "overfit")
 
 #: kinds that are spikes in the data path (loss, gradients, activations)
 SPIKE_KINDS = frozenset({"loss_spike", "grad_explosion", "activation_shift"})

@@ -86,3 +86,57 @@ class LossTracker:
 def _enc(v: float) -> float | str:
     """JSON-safe float (non-finite as a string, read back by ``float``)."""
     return v if math.isfinite(v) else str(v)
+
+
+class ValTracker:
+    """Best validation loss so far and how long the latest points have stayed above it.
+
+    ``worse_points`` counts consecutive validation points more than ``margin`` (relative) above
+    the best one; a non-finite point counts as worse and never becomes the best.
+
+    Examples
+    --------
+    >>> v = ValTracker(margin=0.1)
+    >>> for step, x in [(10, 2.0), (20, 1.5), (30, 1.7), (40, 1.8)]:
+    ...     v.update(step, x)
+    >>> v.best, v.best_step, v.worse_points
+    (1.5, 20, 2)
+    """
+
+    def __init__(self, margin: float = 0.1) -> None:
+        self.margin = float(margin)
+        self.best = math.inf
+        self.best_step = -1
+        self.worse_points = 0
+
+    def update(self, step: int, val: Any) -> None:
+        """Feed one validation point."""
+        try:
+            v = float(val)
+        except (TypeError, ValueError):
+            return
+        if not math.isfinite(v):
+            self.worse_points += 1
+            return
+        if v < self.best:
+            self.best, self.best_step = v, int(step)
+        if v > self.best * (1.0 + self.margin):
+            self.worse_points += 1
+        else:
+            self.worse_points = 0
+
+    def rewind(self, step: int) -> None:
+        """A rollback to ``step``: points after it no longer count."""
+        self.worse_points = 0
+        if self.best_step > step:
+            self.best, self.best_step = math.inf, -1
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible state."""
+        return {"best": _enc(self.best), "best_step": self.best_step, "worse": self.worse_points}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.best = float(sd.get("best", math.inf))
+        self.best_step = int(sd.get("best_step", -1))
+        self.worse_points = int(sd.get("worse", 0))

@@ -226,6 +226,7 @@ class Monitor:
         self._grad_slot = 0
         self._lr_slot = 0
         self._loss_slot = 0
+        self._val_slot = 0
         self._lr_now: float | None = None    # requested LR of the latest step that had one
         self._lr_prev: float | None = None   # ... and of the one before
         self._grad_hist: collections.deque[float] = collections.deque(maxlen=GRAD_HISTORY)
@@ -324,6 +325,8 @@ class Monitor:
             self._lr_slot = s
         elif name == "loss":
             self._loss_slot = s
+        elif name == "val_loss":
+            self._val_slot = s
         self._dirty = True
         return s
 
@@ -619,17 +622,18 @@ class Monitor:
 
     def _track(self, s: int, vals: np.ndarray, present: np.ndarray) -> tuple[Intervention, ...]:
         """Hand the step's requested LR and loss to the policy (LR guard, loss tracker)."""
-        ls, lo = self._lr_slot, self._loss_slot
+        ls, lo, vs = self._lr_slot, self._loss_slot, self._val_slot
         lr = float(vals[ls]) if ls and present[ls] else None
         loss = float(vals[lo]) if lo and present[lo] else None
+        val = float(vals[vs]) if vs and present[vs] else None
         if lr is not None:
             self._lr_prev, self._lr_now = self._lr_now, lr
         track = getattr(self.policy, "track", None)
-        if track is None or (lr is None and loss is None):
+        if track is None or (lr is None and loss is None and val is None):
             return ()
         guard = self.policy.guard
         was = guard.active
-        ivs = tuple(track(s, lr, loss, self._policy_control))
+        ivs = tuple(track(s, lr, loss, self._policy_control, val))
         if ivs or was or guard.active:
             self._snap = None
             self._policy_dirty = True
@@ -857,6 +861,7 @@ class Monitor:
         self._grad_slot = self._slot_of.get("grad_norm", 0)
         self._lr_slot = self._slot_of.get("lr", 0)
         self._loss_slot = self._slot_of.get("loss", 0)
+        self._val_slot = self._slot_of.get("val_loss", 0)
         self._vals, self._present = empty_buffers(max(64, 2 * len(self._slot_names)))
         self.unbound = set(sd.get("unbound", []))
         for b, bd in zip(self._bindings, sd["bindings"], strict=True):

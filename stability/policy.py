@@ -76,7 +76,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .attribution import DATA_CAUSES, attribute
-from .loss_tracker import LossTracker
+from .loss_tracker import LossTracker, ValTracker
 from .lr_guard import LRGuard
 from .lr_schedule import adaptive_clip, compound_factor, lr_cut_end, lr_factor_at
 from .policy_config import ACTIONS, PolicyConfig
@@ -139,6 +139,7 @@ class Policy:
         self._reset_episode()
         rc = self.config.recovery
         self.loss = LossTracker(rc.fast_alpha, rc.base_alpha)
+        self.val = ValTracker(rc.val_margin)
 
     def _reset_episode(self) -> None:
         """Forget the open episode (after a rollback, or when it is over)."""
@@ -172,6 +173,7 @@ class Policy:
                         "adapt_fast": _enc(self._adapt_fast), "cause": self.cause},
             "probation": None if self._probation is None else list(self._probation),
             "loss": self.loss.state_dict(),
+            "val": self.val.state_dict(),
         }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -212,6 +214,7 @@ class Policy:
                                                      str(pb[3]))
         lo = sd.get("loss") or {}
         self.loss.load_state_dict(lo)
+        self.val.load_state_dict(sd.get("val") or {})
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
@@ -276,7 +279,7 @@ class Policy:
 
     # ------------------------------------------------------------------ every step
     def track(self, step: int, lr: float | None = None, loss: float | None = None,
-              control: Control | None = None) -> list[Intervention]:
+              control: Control | None = None, val: float | None = None) -> list[Intervention]:
         """Follow the requested LR and the training loss of every step, quiet ones included.
 
         Call before :meth:`step` for the same step (the monitor does).  The LR goes to the
@@ -293,6 +296,8 @@ class Policy:
         """
         step = int(step)
         out: list[Intervention] = []
+        if val is not None:
+            self.val.update(step, val)
         if loss is not None:
             self._track_loss(step, loss)
             if self._probation is not None:
@@ -324,6 +329,17 @@ class Policy:
         """First alarm step of the open episode (``None`` when none is open)."""
         return self._onset
 
+    def rollback_anchors(self) -> list[int]:
+        """Steps before which a rollback or restore may still be needed.
+
+        The open episode's onset and the step after the best validation point: the latest
+        healthy checkpoint before each must survive checkpoint retention.
+        """
+        out = [] if self._onset is None else [self._onset]
+        if self.val.best_step >= 0:
+            out.append(self.val.best_step + 1)
+        return out
+
     def _check_probation(self, step: int, control: Control | None) -> list[Intervention]:
         """After a rollback that skipped bad data: does the data source keep failing?
 
@@ -344,16 +360,25 @@ class Policy:
         self._probation = None
         reason = (f"the loss stayed measurably worse for {n_worse} steps after the rollback at "
                   f"step {start} skipped the bad data: the data source keeps failing")
-        msg = (f"step {step}: {reason} -> stop with the weights of step {target} restored "
-               f"(cause: {cause}; tried: {self.n_rollbacks} rollback(s))")
+        return self._stop_restoring(step, target, reason, cause, control)
+
+    def _stop_restoring(self, step: int, target: int | None, reason: str, cause: str,
+                        control: Control | None) -> list[Intervention]:
+        """Stop with the checkpoint of ``target`` restored (``None``: nothing to restore)."""
+        kept = "" if target is None else f" with the weights of step {target} restored"
+        msg = (f"step {step}: {reason} -> stop{kept} (cause: {cause}; tried: "
+               f"{self.n_rollbacks} rollback(s))")
         out: list[Intervention] = [
-            Alert(step, reason, cause=cause, severity="critical", message=msg),
-            Rollback(step, reason, cause=cause, to_step=target, skip_from=step,
-                     skip_to=step - 1),
-            Stop(step, msg, cause=cause)]
+            Alert(step, reason, cause=cause, severity="critical", message=msg)]
+        if target is not None:
+            out.append(Rollback(step, reason, cause=cause, to_step=target, skip_from=step,
+                                skip_to=step - 1))
+        out.append(Stop(step, msg, cause=cause))
         self.n_responses += 1
+        self.cause = cause
         if control is not None and not self.log_only:
-            control.rollback_to = target
+            if target is not None:
+                control.rollback_to = target
             control.stop = True
             control.stop_reason = msg
         return out
@@ -442,6 +467,19 @@ class Policy:
         cause = attribute(acts, lr_fault=self.guard.active,
                           nonfinite_loss_run=self.loss.nonfinite_run,
                           consecutive=self._consec, persistent_after=rc.max_consecutive_skips)
+        val = self.val
+        if ("train_val_divergence" in {a.kind for a in acts}
+                and val.worse_points >= rc.val_patience and cause == "divergence"):
+            # overfitting: validation keeps getting worse while training does not -- early stop
+            # with the checkpoint of the best validation point restored
+            ledger = ctx.get("healthy_checkpoints")
+            rec = None if ledger is None else ledger.latest_healthy_before(
+                val.best_step + 1, cfg.checkpoint_margin)
+            reason = (f"validation loss {val.worse_points} points above its best "
+                      f"({val.best:.4g} at step {val.best_step}) by more than "
+                      f"{rc.val_margin:.0%} while training goes on: overfitting")
+            return self._stop_restoring(step, None if rec is None else rec.step, reason,
+                                        "overfit", control)
         self.cause = cause
         damaged = False
         if jcfg.enabled:
@@ -578,6 +616,7 @@ class Policy:
             self._onset = None
             self._reset_episode()
             self.guard.rewind()
+            self.val.rewind(self._rewound_to if self._rewound_to is not None else step)
         self._update_neutral()
         if not self.log_only:
             # after a rewinding rollback the trainer continues from the restored step

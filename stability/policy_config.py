@@ -290,13 +290,18 @@ class RecoveryConfig:
       steps after a rollback for the same cause is a data source that keeps failing (a broken
       pipeline, a loader stuck on bad shards): the ladder is exhausted for it, so the run is
       stopped -- with the weights of the healthy checkpoint restored -- when it is measurably
-      worse.
+      worse;
+    * ``val_margin``, ``val_patience`` -- overfitting: a train/validation divergence alarm while
+      the last ``val_patience`` validation points all lie more than ``val_margin`` (relative)
+      above the best one is early-stopped with the checkpoint of the best point restored.
     """
 
     max_consecutive_skips: int = 8
     adapt_steps: int = 50
     worse_margin: float = 0.1
     recur_steps: int = 200
+    val_margin: float = 0.1
+    val_patience: int = 3
     fast_alpha: float = 0.1
     base_alpha: float = 0.02
 
@@ -309,6 +314,8 @@ class RecoveryConfig:
                                        d.get("max_consecutive_skips", c.max_consecutive_skips), 1),
             adapt_steps=_int(f"{path}.adapt_steps", d.get("adapt_steps", c.adapt_steps), 0),
             recur_steps=_int(f"{path}.recur_steps", d.get("recur_steps", c.recur_steps), 0),
+            val_margin=_float(f"{path}.val_margin", d.get("val_margin", c.val_margin), 0.0, 1e6),
+            val_patience=_int(f"{path}.val_patience", d.get("val_patience", c.val_patience), 1),
             worse_margin=_float(f"{path}.worse_margin", d.get("worse_margin", c.worse_margin),
                                 0.0, 1e6),
             fast_alpha=_float(f"{path}.fast_alpha", d.get("fast_alpha", c.fast_alpha), 0.0, 1.0,

@@ -479,16 +479,15 @@ class TorchGuard:
     def _rollback_targets(self) -> set[int]:
         """Checkpoints a rollback may still need: retention keeps them.
 
-        The ledger's latest healthy checkpoint before the open episode's onset (and before now).
+        The ledger's latest healthy checkpoint before each of the policy's rollback anchors (the
+        open episode's onset, the best validation point) and before now.
         """
         led = find_ledger(self.monitor)
         if led is None:
             return set()
-        onset = getattr(getattr(self.monitor, "policy", None), "episode_onset", None)
+        anchors = getattr(getattr(self.monitor, "policy", None), "rollback_anchors", None)
         out = set()
-        for at in (onset, self.step_count):
-            if at is None:
-                continue
+        for at in [*(anchors() if anchors is not None else ()), self.step_count]:
             try:
                 rec = led.latest_healthy_before(int(at))
             except Exception:  # bookkeeping must never kill the run

@@ -285,3 +285,18 @@ def test_rollback_after_a_resume_finds_checkpoints_written_before_it(tmp_path) -
     assert rb[0].to_step in before                # a checkpoint written before the resume
     assert second.rollbacks == 1 and all(
         torch.isfinite(p).all() for p in second.model.parameters())
+
+
+def test_overfitting_is_early_stopped_with_the_best_checkpoint_restored() -> None:
+    from stability.testing.tinytrain import FaultSpec, train_run
+
+    fault = FaultSpec("overfit", 200)                     # the loader sticks to a tiny pool
+    bare = train_run("mlp", 400, seed=0, fault=fault)
+    res = train_run("mlp", 400, seed=0, fault=fault, monitor=Monitor("small"))
+    assert res.stopped is not None and "overfitting" in res.stopped
+    assert [i.cause for i in res.interventions if i.type == "stop"] == ["overfit"]
+    restore = [i for i in res.interventions if i.type == "rollback"]
+    assert len(restore) == 1 and restore[0].to_step <= 225   # around the best validation point
+    assert res.final_loss < 0.7 * bare.final_loss
+    # a clean run with the same validation cadence is never stopped
+    assert train_run("mlp", 400, seed=0, monitor=Monitor("small")).stopped is None
