@@ -92,7 +92,9 @@ class ValTracker:
     """Best validation loss so far and how long the latest points have stayed above it.
 
     ``worse_points`` counts consecutive validation points more than ``margin`` (relative) above
-    the best one; a non-finite point counts as worse and never becomes the best.
+    the best one; a non-finite point counts as worse and never becomes the best.  ``train_at_best``
+    is the training level (EW mean of log loss) when the best point was seen: overfitting is
+    validation rising *while* training falls well below that level.
 
     Examples
     --------
@@ -108,9 +110,10 @@ class ValTracker:
         self.best = math.inf
         self.best_step = -1
         self.worse_points = 0
+        self.train_at_best = math.nan
 
-    def update(self, step: int, val: Any) -> None:
-        """Feed one validation point."""
+    def update(self, step: int, val: Any, train_level: float = math.nan) -> None:
+        """Feed one validation point (``train_level``: the training loss level now, log units)."""
         try:
             v = float(val)
         except (TypeError, ValueError):
@@ -119,7 +122,7 @@ class ValTracker:
             self.worse_points += 1
             return
         if v < self.best:
-            self.best, self.best_step = v, int(step)
+            self.best, self.best_step, self.train_at_best = v, int(step), float(train_level)
         if v > self.best * (1.0 + self.margin):
             self.worse_points += 1
         else:
@@ -129,14 +132,16 @@ class ValTracker:
         """A rollback to ``step``: points after it no longer count."""
         self.worse_points = 0
         if self.best_step > step:
-            self.best, self.best_step = math.inf, -1
+            self.best, self.best_step, self.train_at_best = math.inf, -1, math.nan
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-compatible state."""
-        return {"best": _enc(self.best), "best_step": self.best_step, "worse": self.worse_points}
+        return {"best": _enc(self.best), "best_step": self.best_step, "worse": self.worse_points,
+                "train_at_best": _enc(self.train_at_best)}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.best = float(sd.get("best", math.inf))
         self.best_step = int(sd.get("best_step", -1))
         self.worse_points = int(sd.get("worse", 0))
+        self.train_at_best = float(sd.get("train_at_best", math.nan))

@@ -297,7 +297,7 @@ class Policy:
         step = int(step)
         out: list[Intervention] = []
         if val is not None:
-            self.val.update(step, val)
+            self.val.update(step, val, self.loss.fast)
         if loss is not None:
             self._track_loss(step, loss)
             if self._probation is not None:
@@ -469,7 +469,8 @@ class Policy:
                           consecutive=self._consec, persistent_after=rc.max_consecutive_skips)
         val = self.val
         if ("train_val_divergence" in {a.kind for a in acts}
-                and val.worse_points >= rc.val_patience and cause == "divergence"):
+                and val.worse_points >= rc.val_patience and cause == "divergence"
+                and self.loss.fast < val.train_at_best + math.log1p(-rc.val_train_drop)):
             # overfitting: validation keeps getting worse while training does not -- early stop
             # with the checkpoint of the best validation point restored
             ledger = ctx.get("healthy_checkpoints")
@@ -477,7 +478,9 @@ class Policy:
                 val.best_step + 1, cfg.checkpoint_margin)
             reason = (f"validation loss {val.worse_points} points above its best "
                       f"({val.best:.4g} at step {val.best_step}) by more than "
-                      f"{rc.val_margin:.0%} while training goes on: overfitting")
+                      f"{rc.val_margin:.0%} while the training loss fell "
+                      f"{1 - math.exp(self.loss.fast - val.train_at_best):.0%} below its level "
+                      f"then: overfitting")
             return self._stop_restoring(step, None if rec is None else rec.step, reason,
                                         "overfit", control)
         self.cause = cause

@@ -291,9 +291,12 @@ class RecoveryConfig:
       pipeline, a loader stuck on bad shards): the ladder is exhausted for it, so the run is
       stopped -- with the weights of the healthy checkpoint restored -- when it is measurably
       worse;
-    * ``val_margin``, ``val_patience`` -- overfitting: a train/validation divergence alarm while
-      the last ``val_patience`` validation points all lie more than ``val_margin`` (relative)
-      above the best one is early-stopped with the checkpoint of the best point restored.
+    * ``val_margin``, ``val_patience``, ``val_train_drop`` -- overfitting: a train/validation
+      divergence alarm while the last ``val_patience`` validation points all lie more than
+      ``val_margin`` (relative) above the best one *and* the training loss has fallen more than
+      ``val_train_drop`` (relative) below its level at the best point (a widening gap from both
+      sides -- a persistent input shift moves validation, not this) is early-stopped with the
+      checkpoint of the best point restored.
     """
 
     max_consecutive_skips: int = 8
@@ -302,6 +305,7 @@ class RecoveryConfig:
     recur_steps: int = 200
     val_margin: float = 0.1
     val_patience: int = 3
+    val_train_drop: float = 0.25
     fast_alpha: float = 0.1
     base_alpha: float = 0.02
 
@@ -316,6 +320,8 @@ class RecoveryConfig:
             recur_steps=_int(f"{path}.recur_steps", d.get("recur_steps", c.recur_steps), 0),
             val_margin=_float(f"{path}.val_margin", d.get("val_margin", c.val_margin), 0.0, 1e6),
             val_patience=_int(f"{path}.val_patience", d.get("val_patience", c.val_patience), 1),
+            val_train_drop=_float(f"{path}.val_train_drop",
+                                  d.get("val_train_drop", c.val_train_drop), 0.0, 0.999),
             worse_margin=_float(f"{path}.worse_margin", d.get("worse_margin", c.worse_margin),
                                 0.0, 1e6),
             fast_alpha=_float(f"{path}.fast_alpha", d.get("fast_alpha", c.fast_alpha), 0.0, 1.0,
