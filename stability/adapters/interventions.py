@@ -472,6 +472,23 @@ class SavedCheckpoint:
     path: str | None
 
 
+def retention_victims(entries: Mapping[int, SavedCheckpoint], keep: int,
+                      protect: Iterable[int] = ()) -> list[int]:
+    """Steps to delete: all but the ``keep`` newest healthy checkpoints, the newest emergency
+    (unhealthy) one and the ``protect`` ones (rollback targets still needed).
+
+    >>> e = {s: SavedCheckpoint(s, s, s != 30, "", None) for s in (10, 20, 30, 40)}
+    >>> retention_victims(e, keep=1), retention_victims(e, keep=1, protect={10})
+    ([10, 20], [20])
+    """
+    steps = sorted(entries)
+    healthy = [s for s in steps if entries[s].healthy]
+    kept = {s for s in protect if s in entries}
+    kept.update(healthy[-keep:])
+    kept.update([s for s in steps if not entries[s].healthy][-1:])
+    return [s for s in steps if s not in kept]
+
+
 class CheckpointStore:
     """Keep the last ``keep`` checkpoints on disk (``directory``) or in memory (``None``).
 
@@ -577,15 +594,8 @@ class CheckpointStore:
         return entry
 
     def _prune(self, protect: Iterable[int] = ()) -> None:
-        steps = sorted(self.entries)
-        healthy = [s for s in steps if self.entries[s].healthy]
-        unhealthy = [s for s in steps if not self.entries[s].healthy]
-        keep = {s for s in protect if s in self.entries}
-        keep.update(healthy[-self.keep:])
-        keep.update(unhealthy[-1:])
-        for s in steps:
-            if s not in keep:
-                self.drop(s)
+        for s in retention_victims(self.entries, self.keep, protect):
+            self.drop(s)
 
     def drop(self, step: int) -> None:
         """Forget (and delete) the checkpoint of ``step``."""

@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
-from .interventions import SavedCheckpoint, load_checkpoint, save_checkpoint
+from .interventions import (
+    SavedCheckpoint,
+    load_checkpoint,
+    retention_victims,
+    save_checkpoint,
+)
 
 __all__ = ["TrainerCheckpointStore", "params_finite", "state_bytes"]
 
@@ -156,17 +161,11 @@ class TrainerCheckpointStore:
         return entry
 
     def _prune(self, protect: Iterable[int] = ()) -> None:
-        # same rule as CheckpointStore: ``keep`` healthy ones, the newest emergency one, and
-        # whatever an open episode may still roll back to
-        owned = sorted(s for s in self._owned if s in self._entries)
-        healthy = [s for s in owned if self._entries[s].healthy]
-        unhealthy = [s for s in owned if not self._entries[s].healthy]
-        keep = {s for s in protect if s in self._entries}
-        keep.update(healthy[-self.keep:])
-        keep.update(unhealthy[-1:])
-        for s in owned:
-            if s not in keep:
-                self.drop(s)
+        # the CheckpointStore rule, over the checkpoints this store wrote (the trainer's own
+        # rotation handles the rest)
+        owned = {s: self._entries[s] for s in self._owned if s in self._entries}
+        for s in retention_victims(owned, self.keep, protect):
+            self.drop(s)
 
     def drop(self, step: int) -> None:
         """Forget the checkpoint of ``step`` (deleting it only if this store wrote it)."""
