@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._state_check import Fields
 from .types import Control
 
 STATE_VERSION = 1
@@ -124,16 +125,16 @@ class GoodputTracker:
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the wall-clock origin restarts at the next update)."""
-        self.steps = int(sd.get("steps", 0))
-        self.skipped = int(sd.get("skipped", 0))
-        self.lost = int(sd.get("lost", 0))
-        self.rollbacks = int(sd.get("rollbacks", 0))
-        self.degraded_steps = int(sd.get("degraded_steps", 0))
-        self.time_total = float(sd.get("time_total", 0.0))
-        self.time_degraded = float(sd.get("time_degraded", 0.0))
-        self.time_skipped = float(sd.get("time_skipped", 0.0))
-        ls = sd.get("last_step")
-        self.last_step = None if ls is None else int(ls)
+        f = Fields("GoodputTracker", sd)
+        f.version(STATE_VERSION)
+        counts = {k: f.integer(k, f.get(k, 0), lo=0)
+                  for k in ("steps", "skipped", "lost", "rollbacks", "degraded_steps")}
+        times = {k: f.number(k, f.get(k, 0.0), lo=0.0)
+                 for k in ("time_total", "time_degraded", "time_skipped")}
+        last_step = f.opt_integer("last_step")
+        for k, v in {**counts, **times}.items():
+            setattr(self, k, v)
+        self.last_step = last_step
         self._last_time = None
 
     def __repr__(self) -> str:
