@@ -501,6 +501,24 @@ class BankDetector:
         self._score1[0] = checked.score
         self._alarm1[0] = checked.alarm
 
+    def select_series(self, checked: CheckedState, index: list[int | None]) -> CheckedState:
+        """Series ``index[k]`` of a validated snapshot as series ``k`` (``None``: fresh).
+
+        Used to keep the statistics of the series two layouts share (e.g. the monitor's
+        ``strict=False`` resume after the set of layers changed).
+        """
+        n = len(index)
+        st, buf = self._init_state(n), self._init_buf(n)
+        score = np.full(n, np.nan)
+        alarm = np.zeros(n, dtype=np.bool_)
+        for k, j in enumerate(index):
+            if j is not None:
+                st[:, k] = checked.state[:, j]
+                buf[:, k] = checked.buf[:, j]
+                score[k] = checked.score[j]
+                alarm[k] = checked.alarm[j]
+        return CheckedState(n, st, buf, score, alarm)
+
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> BankDetector:
         """A detector built with the snapshot's own hyperparameters, then loaded.
