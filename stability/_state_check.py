@@ -136,9 +136,10 @@ class Fields:
             else:
                 ok = (x > lo if low_open else x >= lo) and x <= hi
         if not ok or x is None:
-            rng = f"{'(' if low_open else '['}{lo}, {hi}]"
-            extra = (", or nan" if nan else "") + (" (inf allowed)" if inf else "")
-            self.fail(key, f"a float in {rng}{extra}", v)
+            rng = f" in {'(' if low_open else '['}{lo}, {hi}]" if (lo, hi) != (
+                -math.inf, math.inf) else ""
+            kind = "a float" if inf else "a finite float"
+            self.fail(key, f"{kind}{rng}" + (" or nan" if nan else ""), v)
         return x
 
     def opt_number(self, key: str, value: Any = _REQUIRED, **kw: Any) -> float | None:

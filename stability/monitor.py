@@ -909,8 +909,8 @@ class Monitor:
                 return fn()
             except ValueError as exc:
                 if strict:
-                    raise
-                _rewarm(f"{exc} Re-warming {name}.")
+                    raise ValueError(f"{exc} (in {name})") from None
+                _rewarm(f"{exc} (in {name}) Re-warming it.")
                 return fresh() if callable(fresh) else fresh
 
         layout = part("the signal layout", lambda: _read_layout(f), ([], [], {}))
@@ -964,7 +964,7 @@ class Monitor:
         slots = g.seq("slots", b.n_inputs)
         same = same_names and keys == b.keys and all(
             isinstance(c, list) and c == b.slots[j] for j, c in enumerate(slots))
-        checked = b.det.validate_state_dict(g.get("detector"))
+        checked = b.det.validate_state_dict(g.get("detector"))  # names the detector field
         if checked.n_series != len(keys):
             g.fail("detector", f"state for {len(keys)} series (one per key)",
                    f"{checked.n_series} series")
