@@ -108,7 +108,8 @@ def mutate(sd: dict[str, Any], selector: int, op: int, value: Any) -> None:
     key = path[-1]
     kind = op % 6
     if kind == 0:  # replace by a hostile constant
-        parent[key] = copy.deepcopy(REPLACEMENTS[int(value) % len(REPLACEMENTS)])
+        idx = int(value) if isinstance(value, int) else len(str(value))
+        parent[key] = copy.deepcopy(REPLACEMENTS[idx % len(REPLACEMENTS)])
     elif kind == 1:  # replace by a number from the strategy
         parent[key] = value
     elif kind == 2:  # delete the key / item
