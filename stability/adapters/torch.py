@@ -626,7 +626,10 @@ class TorchGuard:
         counters = {k: f.integer(f"counters.{k}", v, lo=0)
                     for k, v in f.mapping("counters", {}).items() if k in _COUNTERS}
         if f.get("monitor", None) is not None and self.monitor is not None:
-            self.monitor.load_state_dict(f.get("monitor"), strict=strict)
+            if strict:  # (a duck-typed monitor need not know the argument)
+                self.monitor.load_state_dict(f.get("monitor"))
+            else:
+                self.monitor.load_state_dict(f.get("monitor"), strict=False)
         if f.get("interventions", None) is not None:
             self.tally.load_state_dict(f.get("interventions"))
         self.step_count, self.data_position, self.skip_positions = step, position, skips
