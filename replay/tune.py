@@ -1,7 +1,8 @@
 """Tune detector parameters and thresholds offline, under a false-alarm budget.
 
 1. **Score once.**  For every binding of the base config and every point of its parameter grid
-   (:data:`GRIDS`), each run's detector scores are computed once, with ``threshold = +inf`` and
+   (from the detector's registry entry, :func:`stability.registry.tune_grids`), each run's
+   detector scores are computed once, with ``threshold = +inf`` and
    ``freeze_on_alarm = False`` (so the score does not depend on the threshold), and reduced to
    one score per step (max over series).  These *scoring jobs* (one per run) run in local
    processes or on Ray (``backend="ray"``).
@@ -39,6 +40,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from stability.registry import tune_grids
+
 from .evaluate import (
     DEFAULT_GAP,
     DEFAULT_TOLERANCE,
@@ -63,13 +66,6 @@ from .scoring import (
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 
-#: parameter grids per registry name (every combination is scored; thresholds are swept)
-GRIDS: dict[str, dict[str, list[Any]]] = {
-    "ewma_z": {"alpha": [0.02, 0.05], "min_std": [0.01, 0.05, 0.1]},
-    "robust_z": {"window": [32, 128], "min_std": [0.01, 0.05, 0.1]},
-    "ratio": {"window": [20, 100]},
-    "page_hinkley": {"delta": [0.02, 0.05]},
-}
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -100,7 +96,7 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
     """Every (binding, grid point) of a resolved config's ``detectors`` list."""
     from stability.registry import detector_class, is_available
 
-    grids = GRIDS if grids is None else grids
+    grids = tune_grids() if grids is None else grids
     out = []
     for b, d in enumerate(detectors):
         det = d["detector"]
