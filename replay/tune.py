@@ -129,59 +129,36 @@ class RunScores:
     scores: list[FloatArray]
 
 
-def _bind(columns: Sequence[str], patterns: Sequence[str], aliases: Mapping[str, str]
-          ) -> list[list[str]]:
-    """For each series key (in first-seen order), the raw column bound to each input."""
-    from stability.binding import Aliases, Pattern
+def _binder(candidates: Sequence[Candidate], aliases: Mapping[str, str]) -> Any:
+    """A log-only monitor holding one binding per candidate binding: the monitor's own binder
+    (:meth:`stability.monitor.Monitor.bind_table`) is what tuning scores are computed on."""
+    from stability.monitor import Monitor
 
-    al = Aliases(aliases)
-    canon: dict[str, str] = {}
-    for c in columns:
-        if c != "step":
-            canon[al(c)] = c
-    per_input: list[dict[str, str]] = []
-    for pat in patterns:
-        p = Pattern(pat)
-        found: dict[str, str] = {}
-        for name, raw in canon.items():
-            key = p.match(name)
-            if key is not None:
-                found[key] = raw
-        per_input.append(found)
-    keys = [k for k in per_input[0] if all(k in m for m in per_input[1:])]
-    return [[m[k] for m in per_input] for k in keys]
+    dets: dict[str, dict[str, Any]] = {}
+    for c in candidates:
+        dets.setdefault(c.name, {"name": c.name, "detector": c.detector,
+                                 "inputs": list(c.inputs), "params": c.params_dict()})
+    return Monitor({"monitor": {"aliases": dict(aliases), "log_only": True},
+                    "detectors": list(dets.values())}, alert_sinks=[])
 
 
 def score_table(table: Any, candidates: Sequence[Candidate], aliases: Mapping[str, str],
                 run_id: str = "") -> RunScores:
-    """Compute every candidate's per-step score on one run table."""
+    """Compute every candidate's per-step score on one run table.
+
+    The table is bound by the monitor's own binder, so a tuned threshold applies online to
+    exactly the scores it was tuned on.
+    """
     from stability.registry import make_detector
 
-    from .baselines import column
-
-    steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    steps, bound = _binder(candidates, aliases).bind_table(table)
     t = steps.size
-    cache: dict[tuple[str, ...], tuple[FloatArray, BoolArray] | None] = {}
     out: list[FloatArray] = []
     for c in candidates:
-        if c.inputs not in cache:
-            series = _bind(table.column_names, c.inputs, aliases)
-            if not series:
-                cache[c.inputs] = None
-            else:
-                x = np.empty((t, len(c.inputs), len(series)))
-                m = np.empty((t, len(c.inputs), len(series)), dtype=np.bool_)
-                for j, cols in enumerate(series):
-                    for i, col in enumerate(cols):
-                        v, miss = column(table, col)  # type: ignore[misc]
-                        x[:, i, j] = v
-                        m[:, i, j] = miss
-                cache[c.inputs] = (x, m)
-        data = cache[c.inputs]
-        if data is None or t == 0:
+        x, m = bound[c.name]
+        if t == 0 or x.shape[2] == 0:
             out.append(np.full(t, -np.inf))
             continue
-        x, m = data
         params = c.params_dict()
         if c.tunable:
             params["threshold"] = math.inf

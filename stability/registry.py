@@ -35,7 +35,7 @@ from detectors._base import BankDetector
 
 __all__ = [
     "REGISTRY",
-    "DetectorSpec",
+    "RegistryEntry",
     "default_kind",
     "tune_grids",
     "ConfigError",
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 @dataclass(frozen=True)
-class DetectorSpec:
+class RegistryEntry:
     """Everything the project knows about one registered detector, in one place.
 
     Parameters
@@ -75,24 +75,24 @@ class DetectorSpec:
 
 
 #: registry name -> spec (the only table to edit when a detector is added)
-REGISTRY: dict[str, DetectorSpec] = {
-    "nonfinite": DetectorSpec("detectors.nonfinite:NonFiniteGuard", "nonfinite"),
-    "ewma_z": DetectorSpec("detectors.ewma:EWMAZScore", None,
+REGISTRY: dict[str, RegistryEntry] = {
+    "nonfinite": RegistryEntry("detectors.nonfinite:NonFiniteGuard", "nonfinite"),
+    "ewma_z": RegistryEntry("detectors.ewma:EWMAZScore", None,
                            {"alpha": (0.02, 0.05), "min_std": (0.01, 0.05, 0.1)}),
-    "robust_z": DetectorSpec("detectors.robust:RobustZScore", None,
+    "robust_z": RegistryEntry("detectors.robust:RobustZScore", None,
                              {"window": (32, 128), "min_std": (0.01, 0.05, 0.1)}),
-    "ratio": DetectorSpec("detectors.ratio:RatioToMean", None, {"window": (20, 100)}),
-    "page_hinkley": DetectorSpec("detectors.page_hinkley:PageHinkley", "level_shift",
+    "ratio": RegistryEntry("detectors.ratio:RatioToMean", None, {"window": (20, 100)}),
+    "page_hinkley": RegistryEntry("detectors.page_hinkley:PageHinkley", "level_shift",
                                  {"delta": (0.02, 0.05)}),
-    "adwin": DetectorSpec("detectors.adwin:ADWIN", "level_shift"),
-    "cusum": DetectorSpec("detectors.cusum:CUSUM", "level_shift"),
-    "activation_shift": DetectorSpec("detectors.activation:ActivationShift", "activation_shift"),
-    "histogram_drift": DetectorSpec("detectors.activation:HistogramDrift", "activation_shift"),
-    "train_val": DetectorSpec("detectors.divergence:TrainValDivergence", "train_val_divergence"),
-    "val_spike": DetectorSpec("detectors.divergence:ValSpike", "train_val_divergence"),
-    "lr_jump": DetectorSpec("detectors.lr_loss:LRJump", "lr_loss_anomaly"),
-    "lr_loss_corr": DetectorSpec("detectors.lr_loss:LRLossCorrelation", "lr_loss_anomaly"),
-    "lr_level": DetectorSpec("detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly"),
+    "adwin": RegistryEntry("detectors.adwin:ADWIN", "level_shift"),
+    "cusum": RegistryEntry("detectors.cusum:CUSUM", "level_shift"),
+    "activation_shift": RegistryEntry("detectors.activation:ActivationShift", "activation_shift"),
+    "histogram_drift": RegistryEntry("detectors.activation:HistogramDrift", "activation_shift"),
+    "train_val": RegistryEntry("detectors.divergence:TrainValDivergence", "train_val_divergence"),
+    "val_spike": RegistryEntry("detectors.divergence:ValSpike", "train_val_divergence"),
+    "lr_jump": RegistryEntry("detectors.lr_loss:LRJump", "lr_loss_anomaly"),
+    "lr_loss_corr": RegistryEntry("detectors.lr_loss:LRLossCorrelation", "lr_loss_anomaly"),
+    "lr_level": RegistryEntry("detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly"),
 }
 
 
@@ -152,14 +152,14 @@ def register_detector(name: str, target: str, kind: str | None = None,
     """Register a detector under ``name`` (``target`` is ``"module:Class"``).
 
     ``kind`` is its default alarm kind and ``grid`` its offline tuning grid (see
-    :class:`DetectorSpec`).  Python-side only: configs can name registered detectors but never
+    :class:`RegistryEntry`).  Python-side only: configs can name registered detectors but never
     import arbitrary code.
     """
     if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", target):
         raise ValueError(
             f"register_detector: target must look like 'module:Class'; got {target!r}."
         )
-    REGISTRY[name] = DetectorSpec(target, kind,
+    REGISTRY[name] = RegistryEntry(target, kind,
                                   {str(k): tuple(v) for k, v in dict(grid or {}).items()})
     _cache.pop(name, None)
 
