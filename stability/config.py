@@ -560,11 +560,9 @@ class MonitorConfig:
         return cfg
 
     def validate_policy(self) -> None:
-        """Let :class:`stability.policy.Policy` validate ``[policy]`` (when it is available)."""
-        try:
-            from .policy import Policy  # noqa: PLC0415
-        except ImportError:
-            return
+        """Let :class:`stability.policy.Policy` validate ``[policy]``."""
+        from .policy import Policy  # noqa: PLC0415 - policy imports config
+
         try:
             Policy(copy.deepcopy(self.policy))
         except (ValueError, TypeError, KeyError) as exc:

@@ -56,6 +56,7 @@ import numpy as np
 from .binding import Aliases, Pattern, empty_buffers, gather_step
 from .config import ConfigSource, DetectorSpec, MonitorConfig, load_config
 from .monitor_io import decode_state, encode_state, table_columns, to_float
+from .policy import Policy
 from .registry import make_detector
 from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
 
@@ -73,28 +74,7 @@ _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
 _KeyPlan = tuple[list[Any], np.ndarray, bool, "slice | None"]
 
 
-class _NullPolicy:
-    """Stand-in used only when ``stability.policy`` cannot be imported."""
-
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        self.cfg = dict(cfg)
-
-    def step(self, step: int, alarms: Sequence[Alarm], control: Control,
-             context: Mapping[str, Any] | None = None) -> list[Intervention]:
-        return []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        return None
-
-
-def _make_policy(cfg: Mapping[str, Any]) -> Any:
-    try:
-        from .policy import Policy  # noqa: PLC0415
-    except ImportError:
-        return _NullPolicy(cfg)
+def _make_policy(cfg: Mapping[str, Any]) -> Policy:
     return Policy(dict(cfg))
 
 
