@@ -113,3 +113,50 @@ def test_not_main_thread_is_a_logged_no_op(caplog: pytest.LogCaptureFixture) -> 
     t.join()
     assert not out[0].installed and signal.getsignal(signal.SIGTERM) == before
     assert "not the main thread" in caplog.text
+
+
+TORCH_CHILD = textwrap.dedent("""
+    import sys
+    import torch
+    from stability.adapters.torch import TorchGuard
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = TorchGuard(model, opt, checkpoint_dir=sys.argv[1], checkpoint_every=0,
+                       checkpoint_on_sigterm=True)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for i in range(10**7):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.step(loss)
+        if i == 3:
+            print("ready", flush=True)
+""")
+
+
+def test_torch_guard_checkpoints_at_the_step_boundary_on_sigterm(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    import json
+
+    script = tmp_path / "child.py"
+    script.write_text(TORCH_CHILD)
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, str(script), str(ckpt)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == -signal.SIGTERM
+    rows = json.loads((ckpt / "index.json").read_text())["entries"]
+    assert [r["reason"] for r in rows] == ["sigterm"] and rows[0]["step"] >= 3
+    assert (ckpt / rows[0]["file"]).is_file()
