@@ -80,11 +80,11 @@ class StallEvent:
     @property
     def message(self) -> str:
         if self.kind == STALL_KIND:
-            return (f"no step completed for {self.duration_s:.1f}s after step {self.step} "
-                    f"(timeout {self.timeout_s:.1f}s = k x median step {self.median_step_s:.3g}s)"
+            return (f"no step completed for {self.duration_s:.3g}s after step {self.step} "
+                    f"(timeout {self.timeout_s:.3g}s; median step {self.median_step_s:.3g}s)"
                     + (f"; stacks in {self.stacks_path}" if self.stacks_path else ""))
-        return (f"steps resumed after a {self.duration_s:.1f}s stall at step {self.step} "
-                f"({self.excess_s:.1f}s lost)")
+        return (f"steps resumed after a {self.duration_s:.3g}s stall at step {self.step} "
+                f"({self.excess_s:.3g}s lost)")
 
     def to_alarm(self) -> Alarm:
         """The stall as an :class:`~stability.types.Alarm` of kind ``"stall"``."""
@@ -321,11 +321,12 @@ class StallWatchdog:
                 self._recover(now)
             return self.poll_max_s
         last, timeout = self._last, self.timeout_s
-        if last is None or not math.isfinite(timeout):
-            return self.poll_max_s
+        if last is None or not math.isfinite(timeout):   # not armed yet
+            return min(self.poll_max_s, max(self.min_timeout_s / 4, 1e-3))
         elapsed = now - last
         if elapsed < timeout:
-            return min(max(timeout - elapsed, 1e-3) + 1e-3, self.poll_max_s)
+            # sleep to the deadline; at most a quarter timeout (the median may still shrink)
+            return min(max(timeout - elapsed, 1e-3) + 1e-3, timeout / 4, self.poll_max_s)
         with self._lock:  # held while reporting, so a recovery is never reported first
             if self._stalled or self._last != last:
                 return self.poll_max_s
@@ -359,7 +360,7 @@ class StallWatchdog:
             self._report(ev, self.on_recover)
 
     def _dump(self, step: int | None, elapsed: float) -> str | None:
-        header = (f"\n=== stability watchdog: no step for {elapsed:.1f}s after step {step} "
+        header = (f"\n=== stability watchdog: no step for {elapsed:.3g}s after step {step} "
                   f"(pid {os.getpid()}) ===\n")
         if self.dump_path is not None:
             try:
