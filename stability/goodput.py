@@ -344,6 +344,8 @@ class GoodputTracker:
 
 def _hms(s: float) -> str:
     s = float(s)
+    if 0 < s < 1:
+        return f"{1000 * s:.1f}ms"
     if s < 60:
         return f"{s:.1f}s"
     m, sec = divmod(int(round(s)), 60)
