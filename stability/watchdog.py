@@ -213,6 +213,13 @@ class StallWatchdog:
         self._closed = False
         self._failed: set[int] = set()
 
+    @classmethod
+    def for_monitor(cls, monitor: Any, **kwargs: Any) -> StallWatchdog:
+        """A watchdog reporting through ``monitor``'s alert sinks and event log."""
+        kwargs.setdefault("sinks", list(getattr(monitor, "alert_sinks", None) or ()))
+        kwargs.setdefault("event_log", getattr(monitor, "event_log", None))
+        return cls(**kwargs)
+
     # ------------------------------------------------------------------ hot path
     def beat(self, step: int | None = None) -> None:
         """A step completed (call once per optimizer step; starts the thread on first use).

@@ -227,3 +227,27 @@ def test_event_log_records(tmp_path: Path) -> None:
 def test_bad_arguments(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="parameter of StallWatchdog"):
         StallWatchdog(**kw)  # type: ignore[arg-type]
+
+
+def test_for_monitor_reports_through_its_sinks_and_event_log(tmp_path: Path) -> None:
+    from stability import Monitor
+
+    class Sink:
+        def __init__(self) -> None:
+            self.alerts: list[Alert] = []
+
+        def send(self, a: Alert) -> None:
+            self.alerts.append(a)
+
+    sink = Sink()
+    with EventLog(tmp_path / "ev.jsonl") as log:
+        mon = Monitor("small", alert_sinks=[sink], event_log=log)
+        c = FakeClock()
+        wd = StallWatchdog.for_monitor(mon, min_timeout_s=1.0, dump_stacks=False,
+                                       autostart=False, clock=c)
+        nxt = beats(wd, c, 5, 0.1)
+        c.t += 2.0
+        wd.poll()
+        wd.beat(nxt)
+    assert [a.severity for a in sink.alerts] == ["critical", "info"]
+    assert [r["type"] for r in read_events(tmp_path / "ev.jsonl")] == ["stall", "stall_recovered"]
