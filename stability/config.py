@@ -7,6 +7,8 @@ The schema (``docs/CONTRACTS.md``)::
     aliases = { "train/loss" = "loss" }   # merged over stability.binding.DEFAULT_ALIASES
     log_only = false                 # decide and record, but Control stays neutral
     strict = false                   # raise on bad input / handler errors instead of recording
+    max_series = 4096                # distinct series per detector bank; new names past it skipped
+    handler_budget_s = 1.0           # seconds per step for all on_alarm/on_intervention/sink calls
 
     [[detectors]]                    # one binding = one detector bank
     name = "grad_spike_layers"       # unique; appears in Alarm.detector
@@ -107,7 +109,7 @@ _WEBHOOK_KEYS = ("url", "url_env", "format", "max_per_window", "window_s", "esca
 _EVENT_LOG_KEYS = ("path", "fsync")
 WEBHOOK_FORMATS = ("slack", "plain")
 FSYNC_MODES = ("critical", "always", "never")
-_MONITOR_KEYS = ("aliases", "log_only", "strict")
+_MONITOR_KEYS = ("aliases", "log_only", "strict", "max_series", "handler_budget_s")
 _DETECTOR_KEYS = ("name", "detector", "inputs", "kind", "severity", "critical_factor", "params")
 
 
@@ -179,6 +181,10 @@ class MonitorSettings:
     aliases: dict[str, str] = field(default_factory=dict)
     log_only: bool = False
     strict: bool = False
+    #: distinct series one detector bank may hold; names past the cap are skipped and recorded
+    max_series: int = 4096
+    #: seconds per step shared by every handler and alert-sink call (see stability.handlers)
+    handler_budget_s: float = 1.0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "monitor") -> MonitorSettings:
@@ -196,10 +202,14 @@ class MonitorSettings:
             aliases=aliases,
             log_only=_bool(d.get("log_only", False), f"{where}.log_only"),
             strict=_bool(d.get("strict", False), f"{where}.strict"),
+            max_series=_pos_int(d.get("max_series", 4096), f"{where}.max_series"),
+            handler_budget_s=_number(d.get("handler_budget_s", 1.0), f"{where}.handler_budget_s",
+                                     0.0, True),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"aliases": dict(self.aliases), "log_only": self.log_only, "strict": self.strict}
+        return {"aliases": dict(self.aliases), "log_only": self.log_only, "strict": self.strict,
+                "max_series": self.max_series, "handler_budget_s": self.handler_budget_s}
 
 
 def _number(v: Any, where: str, low: float, low_open: bool = False) -> float:

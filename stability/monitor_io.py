@@ -37,7 +37,8 @@ def to_float(v: Any) -> float | str:
 
     Accepted: ``int``/``float`` (booleans as 0/1), NumPy scalars and size-1 arrays, objects
     with ``__float__`` (e.g. 1-element torch tensors, also on GPU) or ``__array__``.  Rejected:
-    strings, bytes, complex numbers, other shapes, other objects.
+    strings, bytes, complex numbers (Python, NumPy or torch), meta tensors, other shapes, other
+    objects, and any object whose conversion raises.  Never raises (``Exception`` subclasses).
     """
     t = type(v)
     if t is float or t is int:
@@ -58,6 +59,11 @@ def to_float(v: Any) -> float | str:
     if isinstance(v, (int, float)):  # subclasses
         return float(v)
     shape = getattr(v, "shape", None)
+    dtype = getattr(v, "dtype", None)
+    if getattr(dtype, "is_complex", False) or getattr(dtype, "kind", "") == "c":
+        return "complex value not accepted"  # float() would drop the imaginary part
+    if getattr(v, "is_meta", False) is True:
+        return f"{type(v).__name__} on the meta device has no value"
     if hasattr(v, "__float__"):
         if shape is not None and math.prod(tuple(shape)) != 1:
             return f"shape {tuple(shape)}; expected a scalar"
