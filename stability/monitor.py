@@ -22,10 +22,11 @@ Input handling (documented policy, all tested):
 * **families** -- a mapping of declared family name -> per-layer array; anything else is
   skipped (recorded).
 * **steps** -- must be ints in ``[0, 2**53)`` (integer-valued floats are accepted) and
-  increase; a step out of that range is skipped (recorded) and never becomes the last step.  A step ``<=`` the last observed one (duplicate
-  or out of order) is not fed to the detectors: the decision only lists the reason in
-  ``skipped``.  After a :class:`~stability.types.Rollback` (or :meth:`Monitor.rewind`) the
-  counter restarts at the rollback target, so the replayed steps are accepted.
+  increase; a step out of that range is skipped (recorded) and never becomes the last step.
+  A step ``<=`` the last observed one (duplicate or out of order) is not fed to the
+  detectors: the decision only lists the reason in ``skipped``.  After a
+  :class:`~stability.types.Rollback` (or :meth:`Monitor.rewind`) the counter restarts at the
+  rollback target, so the replayed steps are accepted.
 
 ``log_only`` (dry run): the policy decides and interventions are recorded, but the returned
 ``Control`` stays neutral.
