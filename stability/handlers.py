@@ -236,8 +236,8 @@ class HandlerRegistry:
         label = label or _name(owner)
         pool = self._pool
         key = id(owner)
-        if key in pool.hung:
-            self._drop(label, "it is still running since an earlier call")
+        if key in pool.hung:  # its hang was reported: "not called again until it returns"
+            self._drop(label, None)
             return False
         now = time.monotonic()
         left = (self._deadline if self._deadline is not None else now + self.timeout) - now
@@ -261,10 +261,10 @@ class HandlerRegistry:
             raise err
         return True
 
-    def _drop(self, label: str, why: str) -> None:
+    def _drop(self, label: str, why: str | None) -> None:
         self.n_dropped += 1
         self.dropped[label] += 1
-        if label not in self._drop_reported:
+        if why is not None and label not in self._drop_reported:
             self._drop_reported.add(label)
             logger.warning("stability handler %s not called: %s. Further dropped calls are "
                            "counted (HandlerRegistry.n_dropped), not logged.", label, why)
