@@ -2,7 +2,7 @@
 
 A sink's :meth:`~AlertSink.send` never raises and never blocks the training loop: the webhook
 posts from a background thread through a bounded queue, with a wall-clock deadline per request
-(connect, send, response headers and body together: a server that trickles bytes cannot hold a
+(connect, send, status line and headers together: a server that trickles bytes cannot hold a
 request past ``timeout``), rate limiting (at most
 ``max_per_window`` warnings per ``window_s`` seconds; the rest are coalesced into a count that
 rides on the next message) and escalation (critical alerts always go, ahead of warnings).
@@ -192,8 +192,8 @@ class WebhookSink(AlertSink):
     url : str
         The webhook URL.
     timeout : float
-        Wall-clock seconds per HTTP request, all of it (connect, send, status line, headers,
-        body): every socket operation gets only the time left before that deadline.  A request
+        Wall-clock seconds per HTTP request, all of it (connect, send, status line, headers):
+        every socket operation gets only the time left before that deadline.  A request
         past it fails (reported once, counted in ``stats["failed"]``).
     max_queue : int
         Bounded queue; when full a warning is dropped (counted) -- a critical alert replaces
@@ -314,7 +314,6 @@ class WebhookSink(AlertSink):
         req = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         opener = deadline_opener(time.monotonic() + self.timeout)
         with opener.open(req, timeout=self.timeout) as resp:
-            resp.read()  # the body too, within the deadline
             if resp.status >= 300:
                 raise urllib.error.HTTPError(self.url, resp.status, "webhook error", resp.headers,
                                              None)

@@ -80,7 +80,7 @@ class _Pool:
     def submit(self, call: _Call) -> _Worker:
         with self.lock:
             w = self.worker
-            if w is None:
+            if w is None or not w.is_alive():  # (threads do not survive a fork)
                 w = self.worker = _Worker(self)
                 w.start()
             w.q.put(call)  # under the lock: an idle worker cannot exit with work queued
@@ -185,6 +185,16 @@ class HandlerRegistry:
 
     def __bool__(self) -> bool:
         return bool(self.alarm_handlers or self.intervention_handlers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (threads and hung calls are not carried over)."""
+        state = self.__dict__.copy()
+        del state["_pool"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool = _Pool()
 
     @property
     def hung(self) -> list[str]:

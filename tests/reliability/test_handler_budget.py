@@ -262,3 +262,15 @@ def test_https_request_to_a_silent_server_meets_the_deadline() -> None:
         assert not t.is_alive() and "error" in box
     finally:
         srv.close()
+
+
+def test_registry_pickles_without_its_threads() -> None:
+    import pickle
+
+    hub = HandlerRegistry(timeout=0.2)
+    seen: list[Any] = []
+    hub.on_alarm(seen.append)
+    a = Alarm(1, "loss_spike", "loss", 9.0, 6.0, "warning", "ewma_z")
+    hub.alarm(a)  # starts the worker
+    clone = pickle.loads(pickle.dumps(hub))
+    assert clone.alarm(a) == 1 and clone.timeout == 0.2
