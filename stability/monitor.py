@@ -781,7 +781,7 @@ class Monitor:
         """``sink.send(alert)`` within the step's handler budget; a failure (or a sink that runs
         out of time) is logged once per sink and contained unless strict."""
         try:
-            self.handlers.call(sink, sink.send, alert, f"alert sink {sink!r}")
+            self.handlers.call(sink, sink.send, alert, f"alert sink {type(sink).__name__}")
         except Exception as e:
             self.counters["sink_errors"] += 1
             if self.strict:
