@@ -21,6 +21,7 @@ import numpy as np
 __all__ = ["to_float", "table_columns", "encode_state", "decode_state"]
 
 _ND = "__ndarray__"
+_STEP_LIMIT = 2**53  # one past the monitor's largest accepted step (stability.monitor.MAX_STEP)
 _FL = "__float__"
 
 
@@ -145,6 +146,11 @@ def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np
     if steps.dtype.kind not in "iu" and steps.size:
         if steps.dtype.kind != "f" or not np.all(np.isfinite(steps)) or np.any(steps % 1):
             raise ValueError("replay: the 'step' column must hold integers.")
+    if steps.dtype.kind in "uf" and steps.size:
+        # out-of-range steps (1e300, uint64 near 2**64) must not wrap around to valid-looking
+        # int64 steps: clip them just past the largest accepted step, where observe() skips them
+        steps = (np.minimum(steps, np.uint64(_STEP_LIMIT)) if steps.dtype.kind == "u"
+                 else np.clip(steps, -_STEP_LIMIT, _STEP_LIMIT))
     return steps.astype(np.int64), cols
 
 

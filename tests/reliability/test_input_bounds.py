@@ -84,6 +84,16 @@ def test_replay_with_absurd_steps_skips_them() -> None:
     assert out[-1].alarms and mon.last_step == 3
 
 
+@pytest.mark.parametrize("steps", [np.array([0, 1, 1e300, 3.0]),
+                                   np.array([0, 1, 2**64 - 1, 3], dtype=np.uint64)], ids=str)
+def test_replay_never_wraps_huge_steps(steps: np.ndarray) -> None:
+    mon = Monitor(NAN_ONLY, handler_timeout=None)
+    out = mon.replay({"step": steps, "loss": np.array([1.0, 1.0, 1.0, math.nan])})
+    assert [d.step for d in out] == [0, 1, 2**53, 3]
+    assert "largest accepted step" in out[2].skipped[0]
+    assert out[-1].alarms and mon.last_step == 3
+
+
 BAD_VALUES = {
     "raising __float__": _RaisingFloat(),
     "raising __float__ and __array__": _RaisingFloatAndArray(),
