@@ -19,7 +19,11 @@ Slots and growth
     value vector).  A name seen for the first time -- e.g. a layer that appears after the
     first step -- is resolved once (then cached) and ``grow()``s every bank it belongs to by
     one fresh series; the new series warms up on its own, existing series are untouched.
-    Names that match no pattern are ignored (listed in ``Monitor.unbound``).
+    A bank holds at most ``[monitor] max_series`` series (default 4096): a new name is not
+    added to a full bank (one warning per bank), and a name no bank takes is skipped and
+    recorded on every step it appears, without being cached (bounded memory under a new name
+    every step).  Names that match no pattern are ignored (listed in ``Monitor.unbound``, up to
+    ``max_series`` of them).
 
 Per step the monitor writes values into the slot vector and :func:`gather_step` copies them
 into every binding's ``(1, n_inputs, n_series)`` input array and missing mask in one Numba call.
