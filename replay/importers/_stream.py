@@ -3,8 +3,8 @@
 * :func:`open_binary` opens a local file or a URI as a binary stream (errors name the file).
 * :func:`iter_lines` yields ``(line number, bytes)`` reading fixed-size blocks, so memory never
   depends on the file size: a line longer than ``max_line`` bytes is not kept (it comes back as
-  ``None``, or as ``b""`` when it holds only whitespace / NUL bytes -- the zero-filled tail some file
-  systems leave after a crash).
+  ``None``, or as ``b""`` when it holds only whitespace / NUL bytes -- the zero-filled tail some
+  file systems leave after a crash).
 * :class:`RowChunks` turns a stream of row dicts into Arrow columns ``chunk_rows`` rows at a time,
   so only one chunk of Python objects is alive at once.
 
@@ -116,10 +116,10 @@ def iter_lines(
         yield lineno + 1, line
 
 
-Converter = Callable[[str, list[Any]], pa.Array | None]
+Converter = Callable[[str, list[Any], list[Any]], "pa.Array | None"]
 
 
-def _float_column(name: str, values: list[Any]) -> pa.Array:
+def _float_column(name: str, values: list[Any], tags: list[Any]) -> pa.Array:
     return pa.array(values, type=pa.int64() if name == STEP else pa.float64())
 
 
@@ -131,9 +131,10 @@ class RowChunks:
     chunk_rows : int
         Rows of Python objects held before conversion.
     convert : callable, optional
-        ``convert(name, values) -> pa.Array | None`` for one column of one chunk (``None``
-        values = missing); ``None`` from it leaves the column out of that chunk. Default: ``step``
-        as int64, everything else float64.
+        ``convert(name, values, tags) -> pa.Array | None`` for one column of one chunk (``None``
+        values = missing; ``tags`` are the rows' tags given to :meth:`add`, e.g. line numbers);
+        ``None`` from it leaves the column out of that chunk. Default: ``step`` as int64,
+        everything else float64.
     """
 
     def __init__(self, chunk_rows: int = 65536, convert: Converter | None = None) -> None:
@@ -142,21 +143,33 @@ class RowChunks:
         self.names: dict[str, None] = {}  # first-appearance order
         self.n_rows = 0
         self._rows: list[dict[str, Any]] = []
+        self._tags: list[Any] = []
         self._chunks: list[pa.Table] = []
 
-    def add(self, row: dict[str, Any]) -> None:
-        """Add one row (missing keys are null)."""
+    def add(self, row: dict[str, Any], tag: Any = None) -> None:
+        """Add one row (missing keys are null); ``tag`` is passed to the converter."""
         for k in row:
             if k not in self.names:
                 self.names[k] = None
         self._rows.append(row)
+        self._tags.append(tag)
         self.n_rows += 1
         if len(self._rows) >= self.chunk_rows:
             self.flush()
 
+    def add_table(self, table: pa.Table) -> None:
+        """Add an already converted chunk (its columns join :attr:`names`)."""
+        self.flush()
+        for k in table.column_names:
+            if k not in self.names and k != "__rows__":
+                self.names[k] = None
+        self.n_rows += table.num_rows
+        self._chunks.append(table)
+
     def flush(self) -> None:
         """Convert the buffered rows to one Arrow chunk."""
         rows, self._rows = self._rows, []
+        tags, self._tags = self._tags, []
         if not rows:
             return
         present: dict[str, None] = {}
@@ -166,7 +179,7 @@ class RowChunks:
                     present[k] = None
         arrays, names = [], []
         for name in present:
-            arr = self.convert(name, [r.get(name) for r in rows])
+            arr = self.convert(name, [r.get(name) for r in rows], tags)
             if arr is not None:
                 arrays.append(arr)
                 names.append(name)
