@@ -34,8 +34,8 @@ Examples
 
 from __future__ import annotations
 
-import fnmatch
 import collections
+import fnmatch
 import os
 import re
 import warnings
