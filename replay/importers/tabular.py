@@ -206,9 +206,10 @@ def _parse_number(v: str) -> float | None:
         return None
 
 
-def _header(source: str, stream: Any, parse: pacsv.ParseOptions) -> list[str]:
+def _header(source: str, stream: Any, parse: pacsv.ParseOptions, block: int) -> list[str]:
     """Column names of a CSV (one block is parsed); duplicates are an error."""
-    reader = pacsv.open_csv(stream, parse_options=parse)
+    reader = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=block),
+                            parse_options=parse)
     try:
         names = list(reader.schema.names)
     finally:
@@ -226,8 +227,9 @@ def read_csv(
 ) -> pa.Table:
     """Read a CSV (or TSV: ``.tsv`` or ``delimiter="\\t"``) export.
 
-    The file is streamed in 1 MiB blocks (pyarrow's streaming CSV reader, every column read as
-    text and converted block by block), so memory grows with the numbers kept, not with the file.
+    The file is streamed in blocks of 1 MiB (or 256 header lengths for wide files, at most 64 MiB)
+    through pyarrow's streaming CSV reader, every column read as text and converted block by
+    block, so memory grows with the numbers kept, not with the file size.
 
     Raises
     ------
@@ -243,11 +245,16 @@ def read_csv(
     chunks = RowChunks()
     try:
         with open_binary(source) as fh:
-            names = _header(source, fh, parse)
+            # blocks of >= 256 rows (a wide table in 1 MiB blocks would cost columns x blocks,
+            # i.e. quadratic in the column count), at most 64 MiB
+            width = len(fh.readline(MAX_LINE_BYTES))
+        block = min(max(BLOCK_BYTES, 256 * width), 64 << 20)
+        with open_binary(source) as fh:
+            names = _header(source, fh, parse, block)
         with open_binary(source) as fh:
             reader = pacsv.open_csv(
                 fh,
-                read_options=pacsv.ReadOptions(block_size=BLOCK_BYTES),
+                read_options=pacsv.ReadOptions(block_size=block),
                 parse_options=parse,
                 convert_options=pacsv.ConvertOptions(
                     column_types={n: pa.string() for n in names},
