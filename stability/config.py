@@ -342,6 +342,23 @@ class EventLogConfig:
         return out
 
 
+#: largest accepted value of a detector's size parameter (window, bins, points, features): state
+#: memory grows linearly with it, per series, and is allocated when the config is validated
+MAX_DETECTOR_SIZE = 1_000_000
+_SIZE_PARAMS = ("window", "n_bins", "n_points", "n_features")
+
+
+def _check_sizes(params: Mapping[str, Any], where: str) -> None:
+    """Reject size parameters too large to allocate (a ``window`` of 1e9 is 15 GB per series)."""
+    for key in _SIZE_PARAMS:
+        v = params.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_DETECTOR_SIZE:
+            raise ConfigError(
+                f"{where}.{key}: must be at most {MAX_DETECTOR_SIZE:,} (detector state grows "
+                f"with it, per series); got {v!r}."
+            )
+
+
 @dataclass(frozen=True)
 class DetectorSpec:
     """One ``[[detectors]]`` entry: a detector bank bound to signal patterns."""
@@ -400,6 +417,7 @@ class DetectorSpec:
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or math.isnan(cf) or cf < 1.0:
             raise ConfigError(f"{where}.critical_factor: must be a number >= 1; got {cf!r}.")
         params = _plain(_table(d.get("params", {}), f"{where}.params"), f"{where}.params")
+        _check_sizes(params, f"{where}.params")
         spec = cls(name, det, inputs, kind, severity, float(cf), params)
         if check_params:
             spec.validate_params(where)
@@ -587,7 +605,7 @@ class MonitorConfig:
         text, where = _read(source)
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
             raise ConfigError(f"{where}: invalid JSON: {exc}") from None
         except RecursionError:
             raise ConfigError(f"{where}: invalid JSON: nested too deeply.") from None
@@ -642,6 +660,8 @@ def _read(source: str | Path) -> tuple[str, str]:
             return path.read_text(encoding="utf-8"), str(path)
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: cannot read config: not UTF-8 text ({exc})") from None
     return source, "config"
 
 
