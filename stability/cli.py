@@ -176,7 +176,7 @@ def _json_default(o: Any) -> Any:
 def _cmd_tune(a: argparse.Namespace) -> int:
     from replay.evaluate import format_table
     from replay.labels import load_labels
-    from replay.tune import EvalSettings, tune, write_config
+    from replay.tuning import EvalSettings, tune, write_config
 
     runs = _runs(a.runs)
     labels = load_labels(a.labels) if a.labels else {}

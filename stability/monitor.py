@@ -740,7 +740,7 @@ class Monitor:
 
         Returns the steps and, per binding name, the ``(T, n_inputs, n_series)`` values and
         missing mask that replay feeds to that binding's detector -- the one binder shared by
-        replay and offline tuning (:func:`replay.tune.score_table`), so tuned thresholds
+        replay and offline tuning (:func:`replay.tuning.score_table`), so tuned thresholds
         reproduce online exactly.  Steps must be strictly increasing.
 
         >>> mon = Monitor({"detectors": [{"name": "g", "detector": "ewma_z",
