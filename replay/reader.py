@@ -34,6 +34,7 @@ Examples
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import os
 import re
@@ -236,6 +237,9 @@ def _plan(
             pf.close()
         if STEP not in schema.names:
             raise RunFormatError(src.display, f"no 'step' column (columns: {schema.names[:20]})")
+        if len(set(schema.names)) != len(schema.names):
+            dup = collections.Counter(schema.names).most_common(1)[0][0]
+            raise RunFormatError(src.display, f"duplicate column {dup!r}")
         if metadata is None and schema.metadata and METADATA_KEY in schema.metadata:
             metadata = {METADATA_KEY: schema.metadata[METADATA_KEY]}
         if is_long_format(schema):
@@ -295,8 +299,9 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """Reorder/extend ``table`` to ``schema`` (missing columns = null)."""
     n = table.num_rows
     cols = []
+    present = set(table.column_names)  # once: column_names builds a new list per call
     for field in schema:
-        if field.name in table.column_names:
+        if field.name in present:
             cols.append(table.column(field.name))
         else:
             cols.append(pa.chunked_array([pa.nulls(n, field.type)]))
@@ -382,7 +387,8 @@ def iter_batches(
 def _select(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
     if columns is None:
         return table
-    keep = [STEP] + [c for c in columns if c in table.column_names and c != STEP]
+    present = set(table.column_names)
+    keep = [STEP] + [c for c in columns if c in present and c != STEP]
     return table.select(keep)
 
 

@@ -41,6 +41,7 @@ Examples
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
@@ -131,6 +132,10 @@ class RunFormatError(ValueError):
         self.source = str(source)
         self.problem = problem
         super().__init__(f"{self.source}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # picklable (errors raised in worker processes reach the parent intact)
+        return (type(self), (self.source, self.problem))
 
 
 # --------------------------------------------------------------------------- metadata
@@ -453,14 +458,15 @@ def apply_aliases(table: pa.Table, aliases: Mapping[str, str]) -> pa.Table:
         return table
     resolve = alias_resolver(aliases)
     groups: dict[str, list[int]] = {}
-    for i, name in enumerate(table.column_names):
+    raw_names = table.column_names  # a fresh list per call: fetch it once (linear, not quadratic)
+    for i, name in enumerate(raw_names):
         target = STEP if name == STEP else resolve(name)
         lst = groups.setdefault(target, [])
         if target == name:
             lst.insert(0, i)
         else:
             lst.append(i)
-    if all(len(v) == 1 and table.column_names[v[0]] == k for k, v in groups.items()):
+    if all(len(v) == 1 and raw_names[v[0]] == k for k, v in groups.items()):
         return table
     names, cols = [], []
     for target, idx in groups.items():
@@ -484,26 +490,75 @@ def _is_canonical(schema: pa.Schema) -> bool:
     return schema.types[0] == pa.int64() and all(t == pa.float64() for t in schema.types[1:])
 
 
+#: largest step accepted from an integer column (int64)
+INT64_MAX = 2**63 - 1
+#: largest step accepted from a float column: beyond 2**53 a float cannot hold every integer
+MAX_FLOAT_STEP = 2**53
+
+_STEP_RULE = "int64 range; as floats, whole numbers up to 2**53"
+
+
+def _bad_step(source: object, row: int, value: object) -> RunFormatError:
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return RunFormatError(
+        source, f"column 'step' must hold integers; row {row} holds {text} ({_STEP_RULE})"
+    )
+
+
 def _step_array(col: pa.ChunkedArray | pa.Array, source: object) -> np.ndarray:
-    """``step`` as an int64 NumPy array, or a clear error."""
+    """``step`` as an int64 NumPy array, or a clear error naming the row and the value.
+
+    Integer columns must fit in int64 (a ``uint64`` above 2**63 - 1 is an error, never wrapped to
+    a negative step); float and decimal columns must hold finite whole numbers of magnitude at
+    most 2**53; string columns are parsed as integers (exactly) or floats (same rule).
+    """
     if col.null_count:
         raise RunFormatError(source, f"column 'step' has {col.null_count} null value(s)")
     typ = col.type
     if pa.types.is_integer(typ):
-        return np.asarray(col.to_numpy(), dtype=np.int64)
+        if pa.types.is_unsigned_integer(typ) and typ.bit_width == 64 and len(col):
+            big = np.asarray(col.to_numpy(), dtype=np.uint64) > np.uint64(INT64_MAX)
+            if big.any():
+                i = int(np.argmax(big))
+                raise _bad_step(source, i, col[i].as_py())
+        return np.asarray(col.cast(pa.int64()).to_numpy(), dtype=np.int64)
     if pa.types.is_floating(typ) or pa.types.is_decimal(typ):
-        f = np.asarray(col.cast(pa.float64()).to_numpy(), dtype=np.float64)
+        f = np.asarray(col.cast(pa.float64(), safe=False).to_numpy(), dtype=np.float64)
     elif pa.types.is_string(typ) or pa.types.is_large_string(typ):
-        f = _parse_strings(col.to_pylist(), STEP, source)
+        return _parse_steps(col.to_pylist(), source)
     else:
         raise RunFormatError(source, f"column 'step' must hold integers, got type {typ}")
-    bad = ~np.isfinite(f) | (f != np.round(f))
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(f) | (f != np.round(f)) | (np.abs(f) > MAX_FLOAT_STEP)
     if bad.any():
         i = int(np.argmax(bad))
-        raise RunFormatError(
-            source, f"column 'step' must hold integers; row {i} holds {col[i].as_py()!r}"
-        )
+        raise _bad_step(source, i, col[i].as_py())
     return f.astype(np.int64)
+
+
+def _parse_steps(values: list[Any], source: object) -> np.ndarray:
+    """Step strings -> int64: ``"12"`` exactly (int64 range), ``"12.0"`` / ``"1e3"`` as floats."""
+    out = np.empty(len(values), dtype=np.int64)
+    for i, v in enumerate(values):
+        text = str(v).strip()
+        try:
+            n = int(text)
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                raise RunFormatError(
+                    source, f"column 'step' holds non-numeric value {v!r} at row {i}"
+                ) from None
+            if not (math.isfinite(f) and f.is_integer() and abs(f) <= MAX_FLOAT_STEP):
+                raise _bad_step(source, i, v) from None
+            n = int(f)
+        if not -INT64_MAX - 1 <= n <= INT64_MAX:
+            raise _bad_step(source, i, v)
+        out[i] = n
+    return out
 
 
 def _parse_strings(values: list[Any], name: str, source: object) -> np.ndarray:
@@ -529,7 +584,9 @@ def _to_float(
         col = pa.chunked_array([col])
     typ = col.type
     if pa.types.is_floating(typ) or pa.types.is_integer(typ) or pa.types.is_decimal(typ):
-        return col.cast(pa.float64())
+        # an integer above 2**53 (or a wide decimal) becomes the nearest float: a metric value,
+        # not an identifier, so rounding is the right reading (a safe cast would raise)
+        return col.cast(pa.float64(), safe=False)
     if pa.types.is_boolean(typ):
         return col.cast(pa.int8()).cast(pa.float64())
     if pa.types.is_null(typ):

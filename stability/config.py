@@ -74,9 +74,9 @@ from typing import Any, Union
 
 from . import presets as _presets
 from .registry import (
-    DEFAULT_KINDS,
     ConfigError,
     DetectorUnavailableError,
+    default_kind,
     detector_class,
     detector_target,
     did_you_mean,
@@ -352,6 +352,23 @@ class EventLogConfig:
         return out
 
 
+#: largest accepted value of a detector's size parameter (window, bins, points, features): state
+#: memory grows linearly with it, per series, and is allocated when the config is validated
+MAX_DETECTOR_SIZE = 1_000_000
+_SIZE_PARAMS = ("window", "n_bins", "n_points", "n_features")
+
+
+def _check_sizes(params: Mapping[str, Any], where: str) -> None:
+    """Reject size parameters too large to allocate (a ``window`` of 1e9 is 15 GB per series)."""
+    for key in _SIZE_PARAMS:
+        v = params.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_DETECTOR_SIZE:
+            raise ConfigError(
+                f"{where}.{key}: must be at most {MAX_DETECTOR_SIZE:,} (detector state grows "
+                f"with it, per series); got {v!r}."
+            )
+
+
 @dataclass(frozen=True)
 class DetectorSpec:
     """One ``[[detectors]]`` entry: a detector bank bound to signal patterns."""
@@ -394,8 +411,8 @@ class DetectorSpec:
                 f"{where}.inputs: patterns of a multi-input detector must all contain a wildcard "
                 f"or none (series keys must match); got {list(inputs)}."
             )
-        default_kind = DEFAULT_KINDS.get(det) or infer_kind(inputs)
-        kind = _str(d.get("kind", default_kind), f"{where}.kind")
+        kind0 = default_kind(det) or infer_kind(inputs)
+        kind = _str(d.get("kind", kind0), f"{where}.kind")
         if kind not in ALARM_KINDS:
             raise ConfigError(
                 f"{where}.kind: unknown alarm kind {kind!r}{did_you_mean(kind, ALARM_KINDS)}; "
@@ -410,6 +427,7 @@ class DetectorSpec:
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or math.isnan(cf) or cf < 1.0:
             raise ConfigError(f"{where}.critical_factor: must be a number >= 1; got {cf!r}.")
         params = _plain(_table(d.get("params", {}), f"{where}.params"), f"{where}.params")
+        _check_sizes(params, f"{where}.params")
         spec = cls(name, det, inputs, kind, severity, float(cf), params)
         if check_params:
             spec.validate_params(where)
@@ -570,11 +588,9 @@ class MonitorConfig:
         return cfg
 
     def validate_policy(self) -> None:
-        """Let :class:`stability.policy.Policy` validate ``[policy]`` (when it is available)."""
-        try:
-            from .policy import Policy  # noqa: PLC0415
-        except ImportError:
-            return
+        """Let :class:`stability.policy.Policy` validate ``[policy]``."""
+        from .policy import Policy  # noqa: PLC0415 - policy imports config
+
         try:
             Policy(copy.deepcopy(self.policy))
         except (ValueError, TypeError, KeyError) as exc:
@@ -599,7 +615,7 @@ class MonitorConfig:
         text, where = _read(source)
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
             raise ConfigError(f"{where}: invalid JSON: {exc}") from None
         except RecursionError:
             raise ConfigError(f"{where}: invalid JSON: nested too deeply.") from None
@@ -654,6 +670,8 @@ def _read(source: str | Path) -> tuple[str, str]:
             return path.read_text(encoding="utf-8"), str(path)
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: cannot read config: not UTF-8 text ({exc})") from None
     return source, "config"
 
 
