@@ -257,9 +257,10 @@ class RunRecorder:
             if s == self._last_step:
                 row = self._rows[-1]
             else:
+                if self._pending:  # a backlog from a failing disk: oldest first
+                    self._drain_some()
                 if len(self._rows) >= self.part_steps:
                     self._cut()
-                if self._pending:
                     self._drain_some()
                 row = {}
                 self._rows.append(row)
