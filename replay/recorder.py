@@ -270,18 +270,20 @@ class RunRecorder:
             try:
                 for name, value in metrics.items():
                     if type(value) is float:
-                        f: float | None = value
+                        f: float = value
                     elif value is None:
                         continue
                     else:
-                        f = self._convert(name, value)
-                        if f is None:
+                        conv = self._convert(name, value)
+                        if conv is None:
                             continue
+                        f = conv
                     if name in names or self._admit(name):
                         row[name] = f
             except Exception as exc:  # a mapping that fails while iterated (changed size, ...)
-                self._skip("bad_metrics", type(exc).__name__, lambda: "iterating the metrics "
-                           f"failed ({type(exc).__name__}: {exc}); the rest of the row was skipped")
+                err = f"{type(exc).__name__}: {_text(exc)}"
+                self._skip("bad_metrics", type(exc).__name__, lambda: f"iterating the metrics "
+                           f"failed ({err}); the rest of the row was skipped")
             if (
                 self.flush_seconds is not None
                 and time.monotonic() - self._last_flush >= self.flush_seconds

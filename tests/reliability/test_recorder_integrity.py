@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,17 @@ class _RaisingFloat:
         raise ZeroDivisionError("boom")
 
 
+class _BrokenMapping(Mapping[str, float]):
+    def __getitem__(self, key: str) -> float:
+        raise RuntimeError("broken")
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError("broken")
+
+    def __len__(self) -> int:
+        return 1
+
+
 BAD_CALLS: dict[str, tuple[Any, Any, tuple[str, str]]] = {
     "step_2**70": (2**70, {"loss": 1.0}, ("bad_step", "int")),
     "step_below_int64": (-(2**63) - 1, {"loss": 1.0}, ("bad_step", "int")),
@@ -189,6 +201,7 @@ BAD_CALLS: dict[str, tuple[Any, Any, tuple[str, str]]] = {
     "value_raising_float": ("STEP", {"x": _RaisingFloat()}, ("bad_value", "x")),
     "metrics_not_mapping": ("STEP", [("loss", 1.0)], ("bad_metrics", "list")),
     "metrics_none": ("STEP", None, ("bad_metrics", "NoneType")),
+    "metrics_raising": ("STEP", _BrokenMapping(), ("bad_metrics", "RuntimeError")),
 }
 
 
@@ -218,6 +231,24 @@ def test_metrics_named_name_and_value_stay_a_wide_run(tmp_path: Path) -> None:
     t = read_run(tmp_path, default_aliases=False).to_pydict()
     assert t == {"step": list(range(5)), "name": [float(s) for s in range(5)],
                  "value": [2.0 * s for s in range(5)]}
+
+
+def test_old_run_with_a_step_metric_is_readable(tmp_path: Path) -> None:
+    """Parts written before ``step`` was reserved hold two ``step`` columns; the first is the
+    step, the second (the user's metric) is dropped with a warning naming the file."""
+    import pyarrow.parquet as pq
+
+    from replay.schema import make_metadata, run_schema
+
+    schema = run_schema(["loss", "step"], make_metadata())
+    old = pa.Table.from_arrays([pa.array([0, 1]), pa.array([1.0, 2.0]), pa.array([9.0, 9.0])],
+                               schema=schema)
+    pq.write_table(old, tmp_path / part_name(0))
+    with RunRecorder(tmp_path) as rec:
+        rec.log(2, {"loss": 3.0})
+    with pytest.warns(UserWarning, match=part_name(0)):
+        t = read_run(tmp_path, default_aliases=False).to_pydict()
+    assert t == {"step": [0, 1, 2], "loss": [1.0, 2.0, 3.0]}
 
 
 def test_too_many_metric_names_are_capped(tmp_path: Path) -> None:
