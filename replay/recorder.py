@@ -245,12 +245,12 @@ class RunRecorder:
                 self._skip("closed", "", lambda: "the recorder is closed; rows logged after "
                            "close() are dropped")
                 return
-            s = _as_step(step)
+            s = step if type(step) is int and _INT64_MIN <= step <= _INT64_MAX else _as_step(step)
             if s is None:
                 self._skip("bad_step", type(step).__name__, lambda: f"step {_short(step)} is "
                            "not an integer in the int64 range; the row was skipped")
                 return
-            if not isinstance(metrics, Mapping):
+            if type(metrics) is not dict and not isinstance(metrics, Mapping):
                 self._skip("bad_metrics", type(metrics).__name__, lambda: "metrics must be a "
                            f"mapping, got {type(metrics).__name__}; the row was skipped")
                 return
@@ -635,25 +635,31 @@ class RunRecorder:
         never sees it unlocked while this writer lives). Failure only disables the lock."""
         if fcntl is None:  # pragma: no cover - Windows
             return
-        final = self.directory / f".writer-{self.writer_id}.lock"
-        new = final.with_name(final.name + ".new")
-        try:
-            fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            _log.warning("RunRecorder(%r): cannot create a writer lock file (%s); recording "
-                         "without one", str(self.directory), exc)
+        for attempt in range(3):
+            if attempt:  # another writer's reaper took our file before we locked it
+                self.writer_id = f"{self._pid}-{secrets.token_hex(4)}"
+            final = self.directory / f".writer-{self.writer_id}.lock"
+            new = final.with_name(final.name + ".new")
+            try:
+                fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except OSError as exc:
+                _log.warning("RunRecorder(%r): cannot create a writer lock file (%s); recording "
+                             "without one", str(self.directory), exc)
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.replace(new, final)
+            except OSError as exc:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    new.unlink()
+                if isinstance(exc, FileNotFoundError) and attempt < 2:
+                    continue
+                _log.warning("RunRecorder(%r): cannot take a writer lock (%s); recording "
+                             "without one", str(self.directory), exc)
+                return
+            self._lock_fd, self._lock_path = fd, final
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.replace(new, final)
-        except OSError as exc:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                new.unlink()
-            _log.warning("RunRecorder(%r): cannot take a writer lock (%s); recording without "
-                         "one", str(self.directory), exc)
-            return
-        self._lock_fd, self._lock_path = fd, final
 
     def _release_writer_lock(self) -> None:
         fd, path = self._lock_fd, self._lock_path
