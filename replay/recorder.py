@@ -204,8 +204,12 @@ class RunRecorder:
         self._lock_path: Path | None = None
         self.other_writers = 0
         self._take_writer_lock()
-        self._reap_stale()
-        self._next_part = self._max_part() + 1  # a hint: claiming a name never overwrites
+        try:
+            listing = os.listdir(self.directory)
+        except OSError:
+            listing = []
+        self._reap_stale(listing)
+        self._next_part = _max_part(listing) + 1  # a hint: claiming a name never overwrites
         self._use_link = hasattr(os, "link")
         self._seq = 0  # temporary-file counter
         self._names: dict[str, None] = {}  # ordered set of accepted metric names
@@ -620,13 +624,9 @@ class RunRecorder:
 
     def _max_part(self) -> int:
         try:
-            names = os.listdir(self.directory)
+            return _max_part(os.listdir(self.directory))
         except OSError:
             return -1
-        return max(
-            (int(m.group(1)) for m in map(PART_PATTERN.match, names) if m is not None),
-            default=-1,
-        )
 
     # ------------------------------------------------------------------ locks and stale files
 
@@ -671,12 +671,12 @@ class RunRecorder:
         with contextlib.suppress(OSError):
             os.close(fd)
 
-    def _reap_stale(self) -> None:
-        """Remove lock and temporary files of writers that are gone; count the live ones."""
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            return
+    def _reap_stale(self, names: list[str]) -> None:
+        """Remove lock and temporary files of writers that are gone; count the live ones.
+
+        ``names`` is one listing of the directory: a temporary file in it was created after its
+        writer's lock file, so that lock file is in the listing too.
+        """
         live = {self.writer_id}
         others = 0
         for name in names:
@@ -732,6 +732,12 @@ class RunRecorder:
             self.close()
         except Exception as exc:
             _log.error("%s", exc)
+
+
+def _max_part(names: list[str]) -> int:
+    return max(
+        (int(m.group(1)) for m in map(PART_PATTERN.match, names) if m is not None), default=-1
+    )
 
 
 def _lock_is_live(path: Path) -> bool | None:
