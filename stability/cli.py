@@ -128,7 +128,7 @@ def _eval_settings(a: argparse.Namespace) -> dict[str, int]:
 def _cmd_eval(a: argparse.Namespace) -> int:
     from replay.evaluate import evaluate_runs, format_scenarios, format_table
     from replay.labels import load_labels
-    from replay.replay import alarms_for_eval, monitor_available
+    from replay.replay import alarms_for_eval
 
     runs = _runs(a.runs)
     labels = load_labels(a.labels) if a.labels else {}
@@ -141,10 +141,9 @@ def _cmd_eval(a: argparse.Namespace) -> int:
                          default=_json_default))
         return 0
     s0 = summaries["ours"]
-    src = "monitor" if monitor_available() else "detectors only (monitor unavailable)"
     print(f"{len(runs)} runs ({s0.n_clean} clean, {s0.n_visible} visible faults, "
           f"{s0.n_invisible} invisible, {s0.n_div} eligible divergences), "
-          f"{s0.clean_steps} clean steps; ours = {a.config or 'default'} via {src}")
+          f"{s0.clean_steps} clean steps; ours = {a.config or 'default'} via the monitor")
     print(format_table(summaries))
     if a.per_scenario:
         for name, s in summaries.items():

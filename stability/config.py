@@ -72,9 +72,9 @@ from typing import Any, Union
 
 from . import presets as _presets
 from .registry import (
-    DEFAULT_KINDS,
     ConfigError,
     DetectorUnavailableError,
+    default_kind,
     detector_class,
     detector_target,
     did_you_mean,
@@ -384,8 +384,8 @@ class DetectorSpec:
                 f"{where}.inputs: patterns of a multi-input detector must all contain a wildcard "
                 f"or none (series keys must match); got {list(inputs)}."
             )
-        default_kind = DEFAULT_KINDS.get(det) or infer_kind(inputs)
-        kind = _str(d.get("kind", default_kind), f"{where}.kind")
+        kind0 = default_kind(det) or infer_kind(inputs)
+        kind = _str(d.get("kind", kind0), f"{where}.kind")
         if kind not in ALARM_KINDS:
             raise ConfigError(
                 f"{where}.kind: unknown alarm kind {kind!r}{did_you_mean(kind, ALARM_KINDS)}; "
@@ -560,11 +560,9 @@ class MonitorConfig:
         return cfg
 
     def validate_policy(self) -> None:
-        """Let :class:`stability.policy.Policy` validate ``[policy]`` (when it is available)."""
-        try:
-            from .policy import Policy  # noqa: PLC0415
-        except ImportError:
-            return
+        """Let :class:`stability.policy.Policy` validate ``[policy]``."""
+        from .policy import Policy  # noqa: PLC0415 - policy imports config
+
         try:
             Policy(copy.deepcopy(self.policy))
         except (ValueError, TypeError, KeyError) as exc:

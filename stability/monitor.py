@@ -56,6 +56,7 @@ import numpy as np
 from .binding import Aliases, Pattern, empty_buffers, gather_step
 from .config import ConfigSource, DetectorSpec, MonitorConfig, load_config
 from .monitor_io import decode_state, encode_state, table_columns, to_float
+from .policy import Policy
 from .registry import make_detector
 from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
 
@@ -73,28 +74,7 @@ _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
 _KeyPlan = tuple[list[Any], np.ndarray, bool, "slice | None"]
 
 
-class _NullPolicy:
-    """Stand-in used only when ``stability.policy`` cannot be imported."""
-
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        self.cfg = dict(cfg)
-
-    def step(self, step: int, alarms: Sequence[Alarm], control: Control,
-             context: Mapping[str, Any] | None = None) -> list[Intervention]:
-        return []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        return None
-
-
-def _make_policy(cfg: Mapping[str, Any]) -> Any:
-    try:
-        from .policy import Policy  # noqa: PLC0415
-    except ImportError:
-        return _NullPolicy(cfg)
+def _make_policy(cfg: Mapping[str, Any]) -> Policy:
     return Policy(dict(cfg))
 
 
@@ -755,14 +735,34 @@ class Monitor:
         for batch in batches:
             yield from self._replay_table(batch)
 
-    def _replay_table(self, data: Any) -> list[Decision]:
-        steps, cols = table_columns(data)
-        t_len = len(steps)
-        if t_len == 0:
-            return []
-        if steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0):
-            return [self.observe(int(steps[t]), {n: float(v[t]) for n, v, p in cols if p[t]})
-                    for t in range(t_len)]
+    def bind_table(self, data: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
+        """Bind a whole table the way :meth:`replay` does, without running any detector.
+
+        Returns the steps and, per binding name, the ``(T, n_inputs, n_series)`` values and
+        missing mask that replay feeds to that binding's detector -- the one binder shared by
+        replay and offline tuning (:func:`replay.tune.score_table`), so tuned thresholds
+        reproduce online exactly.  Steps must be strictly increasing.
+
+        >>> mon = Monitor({"detectors": [{"name": "g", "detector": "ewma_z",
+        ...                               "inputs": ["grad_norm/*"]}]})
+        >>> steps, bound = mon.bind_table({"step": [0, 1], "grad_norm/a": [1.0, 2.0],
+        ...                                "grad_norm/b": [3.0, 4.0]})
+        >>> bound["g"][0].shape, bound["g"][0][1, 0].tolist()
+        ((2, 1, 2), [2.0, 4.0])
+        """
+        steps, vals, pres = self._table_slots(*table_columns(data))
+        if np.any(np.diff(steps) <= 0):
+            raise ValueError("bind_table: steps must be strictly increasing.")
+        out: dict[str, tuple[Any, Any]] = {}
+        for b in self._bindings:
+            idx = np.asarray(b.slots, dtype=np.int64).reshape(b.n_inputs, len(b.keys))
+            out[b.name] = (vals[:, idx], ~pres[:, idx])
+        return np.asarray(steps, dtype=np.int64), out
+
+    def _table_slots(self, steps: Any, cols: list[tuple[str, Any, Any]]
+                     ) -> tuple[Any, Any, Any]:
+        """Steps, slot values ``(T, n_slots)`` and presence of decoded table columns (names
+        bound in the order they first appear, as a live run would)."""
         firsts = []
         for ci, (_, _, p) in enumerate(cols):
             nz = np.flatnonzero(p)
@@ -772,7 +772,7 @@ class Monitor:
             self._lookup(cols[ci][0])
         if self._dirty:
             self._relayout()
-        n_slots = len(self._slot_names)
+        t_len, n_slots = len(steps), len(self._slot_names)
         vals = np.zeros((t_len, n_slots))
         pres = np.zeros((t_len, n_slots), dtype=np.bool_)
         for name, v, p in cols:
@@ -780,6 +780,17 @@ class Monitor:
             if s > _SCRATCH:
                 vals[p, s] = v[p]
                 pres[p, s] |= True
+        return steps, vals, pres
+
+    def _replay_table(self, data: Any) -> list[Decision]:
+        steps, cols = table_columns(data)
+        t_len = len(steps)
+        if t_len == 0:
+            return []
+        if steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0):
+            return [self.observe(int(steps[t]), {n: float(v[t]) for n, v, p in cols if p[t]})
+                    for t in range(t_len)]
+        steps, vals, pres = self._table_slots(steps, cols)
         outs = []
         any_alarm = np.zeros(t_len, dtype=np.bool_)
         for b in self._bindings:

@@ -95,6 +95,11 @@ def _numeric_column(v: Any) -> tuple[np.ndarray, np.ndarray] | None:
     return a.astype(np.float64), np.ones(a.shape[0], dtype=np.bool_)
 
 
+#: Arrow type names of the columns replay reads (floating, integer, boolean)
+_ARROW_NUMERIC = frozenset({"halffloat", "float", "double", "bool", "int8", "int16", "int32",
+                            "int64", "uint8", "uint16", "uint32", "uint64"})
+
+
 def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np.ndarray]]]:
     """``(steps, [(name, values, present), ...])`` of a wide table (pyarrow or dict of arrays).
 
@@ -115,9 +120,7 @@ def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np
                     raise ValueError(f"replay: column {name!r} has shape {nc[0].shape}; "
                                      f"expected {steps.shape}.")
                 cols.append((str(name), nc[0], nc[1]))
-    else:
-        import pyarrow as pa  # noqa: PLC0415
-
+    else:  # an Arrow table, duck-typed: the runtime never imports pyarrow
         names = list(data.column_names)
         if "step" not in names:
             raise ValueError("replay: the table has no 'step' column.")
@@ -129,11 +132,10 @@ def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np
             if name == "step":
                 continue
             col = data.column(k)
-            if not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)
-                    or pa.types.is_boolean(col.type)):
+            if str(col.type) not in _ARROW_NUMERIC:
                 continue
             present = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=np.bool_)
-            vals = np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False),
+            vals = np.asarray(col.cast("float64").to_numpy(zero_copy_only=False),
                               dtype=np.float64)
             cols.append((str(name), np.where(present, vals, 0.0), present))
     if steps.dtype.kind not in "iu" and steps.size:

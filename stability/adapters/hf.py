@@ -67,7 +67,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
-from .interventions import TrainingStopped
+from .interventions import TrainingStopped, safe_torch_load
 from .torch import TorchGuard, find_ledger
 from .trainer_support import (
     TrainerCheckpointStore,
@@ -108,8 +108,7 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
 
         sd = load_file(st)
     else:
-        sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
-                        weights_only=True)
+        sd = safe_torch_load(os.path.join(path, "pytorch_model.bin"))
     missing, unexpected = model.load_state_dict(sd, strict=False)
     named = model.state_dict()
     loaded = {v.data_ptr() for k, v in named.items() if k in sd}
@@ -118,11 +117,9 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
         raise KeyError(f"checkpoint {path} does not match the model: missing {bad}, "
                        f"unexpected {list(unexpected)}")
     if optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
-        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"),
-                                             map_location="cpu", weights_only=False))
+        optimizer.load_state_dict(safe_torch_load(os.path.join(path, "optimizer.pt")))
     if scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
-        scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"),
-                                             map_location="cpu", weights_only=False))
+        scheduler.load_state_dict(safe_torch_load(os.path.join(path, "scheduler.pt")))
 
 
 def _callback_handler() -> CallbackHandler | None:
