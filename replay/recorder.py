@@ -290,6 +290,7 @@ class RunRecorder:
                            f"failed ({err}); the rest of the row was skipped")
             if (
                 self.flush_seconds is not None
+                and not self._failing  # no point in cutting small parts that cannot be written
                 and time.monotonic() - self._last_flush >= self.flush_seconds
             ):
                 self._cut()
@@ -361,7 +362,8 @@ class RunRecorder:
 
     @property
     def buffered_bytes(self) -> int:
-        """Arrow bytes of the queued parts (the rows of the part being filled not included)."""
+        """Estimated memory of the queued parts (Arrow buffers plus per-part objects; the rows
+        of the part being filled are not included)."""
         return self._pending_bytes
 
     @property
@@ -492,7 +494,7 @@ class RunRecorder:
                        "were dropped", str(self.directory), len(rows), type(exc).__name__, exc)
             return
         self._pending.append(table)
-        self._pending_bytes += table.nbytes
+        self._pending_bytes += _cost(table)
         self._pending_rows += table.num_rows
         self._enforce_cap()
 
@@ -513,7 +515,7 @@ class RunRecorder:
 
     def _pop_pending(self) -> pa.Table:
         table = self._pending.popleft()
-        self._pending_bytes -= table.nbytes
+        self._pending_bytes -= _cost(table)
         self._pending_rows -= table.num_rows
         return table
 
@@ -732,6 +734,11 @@ class RunRecorder:
             self.close()
         except Exception as exc:
             _log.error("%s", exc)
+
+
+def _cost(table: pa.Table) -> int:
+    """Memory of a queued part: its Arrow buffers plus the Python/Arrow objects around them."""
+    return int(table.nbytes) + 1024 + 128 * table.num_columns
 
 
 def _max_part(names: list[str]) -> int:

@@ -393,6 +393,23 @@ def test_full_disk_bounded_memory_and_one_part_per_retry(
 _real_write_table = recorder_mod.pq.write_table
 
 
+def test_full_disk_with_flush_seconds_does_not_queue_tiny_parts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(recorder_mod.time, "monotonic", clock.monotonic)
+    rec = RunRecorder(tmp_path, part_steps=100, flush_seconds=1.0)
+    attempts = _failing_writes(monkeypatch, errno.ENOSPC)
+    for s in range(1000):
+        clock.now += 0.5  # flush_seconds would cut a part every other step
+        rec.log(s, {"loss": float(s)})
+    assert attempts and attempts[0] <= 2  # the first timed part, before the outage was known
+    monkeypatch.setattr(recorder_mod.pq, "write_table", _real_write_table)
+    clock.now += 61.0
+    rec.close()
+    assert len(_parts(tmp_path)) <= 1000 // 100 + 2  # parts of part_steps rows, not of two
+    assert _column(tmp_path, "loss") == [float(s) for s in range(1000)]
+
+
 def test_full_disk_at_close_reports_the_loss(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     rec = RunRecorder(tmp_path, part_steps=10)
