@@ -23,7 +23,8 @@ Integrity guarantees (``tests/reliability/test_recorder_integrity.py``):
 * **A full or read-only disk never stops training and never grows memory without bound.** A
   failed part stays queued (as a compact Arrow table) and is retried with exponential backoff
   (1 s to 60 s), one part per retry -- a retry never rewrites what was already queued as one big
-  file. Queued rows are capped at ``max_buffer_bytes`` (plus one part); beyond that the oldest
+  file (nor are small ``flush_seconds`` parts cut while writes fail). Queued rows are capped at
+  ``max_buffer_bytes`` (plus one part); beyond that the oldest
   queued part is dropped and counted in :attr:`RunRecorder.rows_dropped` (reported once per
   outage and at close). ``close`` raises if the last rows cannot be written, but ``__exit__``
   never replaces an exception raised in the ``with`` body: it reports the recorder's failure as a
@@ -354,6 +355,12 @@ class RunRecorder:
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return self._closed
+
+    @property
+    def locked(self) -> bool:
+        """True while this writer holds its ``.writer-<id>.lock`` (False on a directory where no
+        lock file can be created, on Windows, and after :meth:`close`)."""
+        return self._lock_fd is not None
 
     @property
     def buffered_rows(self) -> int:

@@ -52,6 +52,7 @@ def test_two_writers_interleaved_never_overwrite(tmp_path: Path) -> None:
     a = RunRecorder(tmp_path, part_steps=7)
     b = RunRecorder(tmp_path, part_steps=7)
     assert b.other_writers == 1 and a.writer_id != b.writer_id
+    assert a.locked and b.locked
     for s in range(n):
         a.log(s, {"a": float(s), "loss": float(s)} if s % 2 == 0 else {"a": float(s)})
         b.log(s, {"b": -float(s), "loss": float(s)} if s % 2 == 1 else {"b": -float(s)})
@@ -321,6 +322,28 @@ def test_read_only_disk_without_user_exception_still_raises_on_close(
         with RunRecorder(tmp_path, part_steps=10) as rec:
             for s in range(3):
                 rec.log(s, {"loss": float(s)})
+
+
+@LOCKS
+def test_no_lock_file_possible_only_disables_the_lock(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    real_open = os.open
+
+    def ro_open(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if ".writer-" in os.fspath(path) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(recorder_mod.os, "open", ro_open)
+    with caplog.at_level(logging.WARNING, logger="replay.recorder"):
+        rec = RunRecorder(tmp_path, part_steps=2)
+    assert not rec.locked
+    assert "recording without one" in caplog.records[0].getMessage()
+    for s in range(5):
+        rec.log(s, {"loss": float(s)})
+    rec.close()
+    assert _column(tmp_path, "loss") == [float(s) for s in range(5)]
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
