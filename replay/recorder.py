@@ -24,11 +24,11 @@ Integrity guarantees (``tests/reliability/test_recorder_integrity.py``):
   failed part stays queued (as a compact Arrow table) and is retried with exponential backoff
   (1 s to 60 s), one part per retry -- a retry never rewrites what was already queued as one big
   file (nor are small ``flush_seconds`` parts cut while writes fail). Queued rows are capped at
-  ``max_buffer_bytes`` (plus one part); beyond that the oldest
-  queued part is dropped and counted in :attr:`RunRecorder.rows_dropped` (reported once per
-  outage and at close). ``close`` raises if the last rows cannot be written, but ``__exit__``
-  never replaces an exception raised in the ``with`` body: it reports the recorder's failure as a
-  ``RuntimeWarning`` and lets the user's exception propagate.
+  ``max_buffer_bytes`` (plus one part); beyond that the oldest queued part is dropped and counted
+  in :attr:`RunRecorder.rows_dropped` (reported once per outage and at close). ``close`` raises
+  if the last rows cannot be written, but ``__exit__`` never replaces an exception raised in the
+  ``with`` body: it reports the recorder's failure as a ``RuntimeWarning`` and lets the user's
+  exception propagate.
 
 Parts carry Parquet page checksums, which the reader verifies, so a corrupted byte is an error
 naming the file rather than silently wrong data. Every part carries the full schema known when its
