@@ -159,10 +159,10 @@ def test_forked_child_does_not_flush_the_parents_rows(tmp_path: Path) -> None:
         rec.log(s, {"loss": float(s)})
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
-        import atexit
-
-        atexit._run_exitfuncs()  # what a normal interpreter exit of the child does
-        os._exit(0)
+        try:
+            rec._atexit_close()  # what the child's interpreter exit would call (inherited)
+        finally:
+            os._exit(0)
     os.waitpid(pid, 0)
     assert _parts(tmp_path) == []
     rec.close()
