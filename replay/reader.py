@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from replay._paths import is_uri
 from replay.schema import (
     DEFAULT_ALIASES,
     METADATA_KEY,
@@ -87,10 +88,6 @@ class _Source:
     display: str  # what error messages show
 
 
-def _is_uri(path: str) -> bool:
-    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", path))
-
-
 def list_sources(path: str | os.PathLike[str]) -> list[str]:
     """The Parquet files ``path`` resolves to, in read order (for display / parallel work).
 
@@ -106,7 +103,7 @@ def list_sources(path: str | os.PathLike[str]) -> list[str]:
 
 def _resolve(path: str | os.PathLike[str]) -> list[_Source]:
     text = os.fspath(path)
-    if _is_uri(text):
+    if is_uri(text):
         try:
             fs, inner = pafs.FileSystem.from_uri(text)
         except (pa.ArrowException, ValueError, OSError) as exc:
