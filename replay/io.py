@@ -38,7 +38,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from replay.importers import _is_uri
+from replay._paths import is_uri
 from replay.importers._stream import open_binary
 from replay.importers.hf_trainer import read_trainer_state
 from replay.importers.megatron import read_megatron_log
@@ -59,7 +59,7 @@ _MEGATRON = re.compile(
 
 def _listing(path: str) -> tuple[str, list[str]] | None:
     """(kind, file base names) for a directory, None for a file; error when missing."""
-    if _is_uri(path):
+    if is_uri(path):
         try:
             fs, inner = pafs.FileSystem.from_uri(path)
             info = fs.get_file_info(inner)

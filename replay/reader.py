@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from replay._paths import is_uri
 from replay.schema import (
     DEFAULT_ALIASES,
     METADATA_KEY,
@@ -87,10 +88,6 @@ class _Source:
     display: str  # what error messages show
 
 
-def _is_uri(path: str) -> bool:
-    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", path))
-
-
 def list_sources(path: str | os.PathLike[str]) -> list[str]:
     """The Parquet files ``path`` resolves to, in read order (for display / parallel work).
 
@@ -106,7 +103,7 @@ def list_sources(path: str | os.PathLike[str]) -> list[str]:
 
 def _resolve(path: str | os.PathLike[str]) -> list[_Source]:
     text = os.fspath(path)
-    if _is_uri(text):
+    if is_uri(text):
         try:
             fs, inner = pafs.FileSystem.from_uri(text)
         except (pa.ArrowException, ValueError, OSError) as exc:
@@ -237,8 +234,17 @@ def _plan(
             pf.close()
         if STEP not in schema.names:
             raise RunFormatError(src.display, f"no 'step' column (columns: {schema.names[:20]})")
-        if len(set(schema.names)) != len(schema.names):
-            dup = collections.Counter(schema.names).most_common(1)[0][0]
+        legacy = _legacy_step_metric(schema)
+        if legacy:
+            warnings.warn(
+                f"{src.display}: dropped a metric named 'step' (written by an older recorder; "
+                "the first 'step' column is the step)",
+                UserWarning,
+                stacklevel=3,
+            )
+        names_seen = [n for n in schema.names if not (legacy and n == STEP)]
+        if len(set(names_seen)) != len(names_seen):
+            dup = collections.Counter(names_seen).most_common(1)[0][0]
             raise RunFormatError(src.display, f"duplicate column {dup!r}")
         if metadata is None and schema.metadata and METADATA_KEY in schema.metadata:
             metadata = {METADATA_KEY: schema.metadata[METADATA_KEY]}
@@ -272,6 +278,25 @@ def _plan(
         ordered = list(names)
     md = metadata or make_metadata(run={"source": sources[0].display if sources else None})
     return plan, run_schema(ordered, md), md
+
+
+def _legacy_step_metric(schema: pa.Schema) -> bool:
+    """A recorder part from before ``step`` was a reserved metric name: ``step`` int64 first
+    (the step), a second ``step`` column later (the user's metric)."""
+    return (
+        schema.names.count(STEP) > 1
+        and schema.names[0] == STEP
+        and pa.types.is_integer(schema.types[0])
+        and METADATA_KEY in (schema.metadata or {})
+    )
+
+
+def _first_step_only(table: pa.Table) -> pa.Table:
+    """Drop every ``step`` column after the first one of a :func:`_legacy_step_metric` part."""
+    names = table.column_names
+    if names.count(STEP) < 2 or names[0] != STEP or not pa.types.is_integer(table.schema.types[0]):
+        return table
+    return table.select([0] + [i for i, n in enumerate(names) if n != STEP])
 
 
 def _long_names(pf: pq.ParquetFile, src: _Source) -> list[str]:
@@ -370,7 +395,7 @@ def iter_batches(
             else:
                 batches = pf.iter_batches(batch_size=batch_rows, columns=raw)
             for batch in batches:
-                t = pa.Table.from_batches([batch])
+                t = _first_step_only(pa.Table.from_batches([batch]))
                 t = normalize_table(t, src.display, sort=False)
                 t = _conform(apply_aliases(t, amap), schema)
                 yield from t.combine_chunks().to_batches(max_chunksize=batch_rows)
@@ -447,7 +472,7 @@ def read_run(
             ) from None
         finally:
             pf.close()
-        t = normalize_table(t, src.display, sort=False)
+        t = normalize_table(_first_step_only(t), src.display, sort=False)
         tables.append(_select(apply_aliases(t, amap), columns))
     if len(tables) == 1:
         merged = tables[0]

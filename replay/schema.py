@@ -255,7 +255,8 @@ def table_from_records(
 
 
 def is_long_format(schema: pa.Schema) -> bool:
-    """True if ``schema`` is the long layout ``step, name, value``.
+    """True if ``schema`` is the long layout ``step, name, value`` (``name`` not numeric: a
+    wide run whose only metrics are called ``name`` and ``value`` stays wide).
 
     Examples
     --------
@@ -263,7 +264,10 @@ def is_long_format(schema: pa.Schema) -> bool:
     ...                           ("value", pa.float64())]))
     True
     """
-    return set(schema.names) == {STEP, "name", "value"}
+    if set(schema.names) != {STEP, "name", "value"}:
+        return False
+    t = schema.field(schema.names.index("name")).type
+    return not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t))
 
 
 def pivot_long(table: pa.Table, source: object = "<table>") -> pa.Table:

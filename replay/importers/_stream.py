@@ -29,6 +29,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from replay._paths import is_uri
 from replay.schema import STEP, RunFormatError
 
 __all__ = ["BLOCK_BYTES", "MAX_LINE_BYTES", "RowChunks", "iter_lines", "open_binary"]
@@ -41,16 +42,10 @@ MAX_LINE_BYTES = 16 << 20
 BLANK = b" \t\r\n\x00\x0b\x0c"
 
 
-def _is_uri(path: str) -> bool:
-    import re
-
-    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", path))
-
-
 def open_binary(path: str) -> IO[bytes]:
     """A binary input stream on a local file or URI; errors are :class:`RunFormatError`."""
     try:
-        if _is_uri(path):
+        if is_uri(path):
             fs, inner = pafs.FileSystem.from_uri(path)
             return fs.open_input_stream(inner)  # type: ignore[no-any-return]
         if os.path.isdir(path):

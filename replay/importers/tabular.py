@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from replay.importers import read_bytes
+from replay.importers._files import read_bytes
 from replay.importers._stream import (
     BLANK,
     BLOCK_BYTES,
