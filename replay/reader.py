@@ -14,7 +14,7 @@ Sources:
 
 Column names go through an alias table (raw name -> canonical name; keys ending in ``/*`` rewrite
 a prefix), the monitor's rules. By default the table is ``stability.binding.DEFAULT_ALIASES`` (the
-monitor's, falling back to :data:`replay.schema.DEFAULT_ALIASES`); ``aliases`` is merged on top
+monitor's: one table for live runs, replay and tuning); ``aliases`` is merged on top
 (mapping a name to itself disables a default), ``default_aliases=False`` turns the defaults off.
 ``columns`` selects by canonical name (``step`` is always included).
 
@@ -48,7 +48,6 @@ import pyarrow.parquet as pq
 
 from replay._paths import is_uri
 from replay.schema import (
-    DEFAULT_ALIASES,
     METADATA_KEY,
     STEP,
     RunFormatError,
@@ -59,6 +58,7 @@ from replay.schema import (
     normalize_table,
     run_schema,
 )
+from stability.binding import DEFAULT_ALIASES
 
 __all__ = ["default_aliases", "iter_batches", "list_sources", "read_run", "read_schema"]
 
@@ -67,18 +67,14 @@ _GLOB_CHARS = set("*?[")
 
 
 def default_aliases() -> dict[str, str]:
-    """The default alias table (the monitor's, when ``stability.binding`` provides one).
+    """The default alias table: the monitor's (:data:`stability.binding.DEFAULT_ALIASES`).
 
     Examples
     --------
-    >>> default_aliases()["train/loss"]
-    'loss'
+    >>> default_aliases()["train/loss"], default_aliases()["lr-AdamW"]
+    ('loss', 'lr')
     """
-    try:
-        from stability.binding import DEFAULT_ALIASES as monitor_aliases
-    except ImportError:  # pragma: no cover - the monitor package is part of this project
-        return dict(DEFAULT_ALIASES)
-    return dict(monitor_aliases)
+    return dict(DEFAULT_ALIASES)
 
 
 @dataclass(frozen=True)

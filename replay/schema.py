@@ -51,7 +51,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 __all__ = [
-    "DEFAULT_ALIASES",
     "alias_resolver",
     "METADATA_KEY",
     "SCHEMA_VERSION",
@@ -75,47 +74,6 @@ METADATA_KEY = b"stability"
 STEP = "step"
 
 NonNumeric = Literal["drop", "error"]
-
-#: names used by trainers and log formats for the canonical metrics (raw name -> canonical name).
-#: Fallback only: ``replay.reader.default_aliases`` uses ``stability.binding.DEFAULT_ALIASES`` (the
-#: monitor's table, one source of truth) whenever that module imports.
-DEFAULT_ALIASES: dict[str, str] = {
-    # train loss
-    "train/loss": "loss",
-    "train_loss": "loss",
-    "training_loss": "loss",
-    "loss/train": "loss",
-    "lm loss": "loss",
-    "lm_loss": "loss",
-    "train/lm_loss": "loss",
-    # validation loss
-    "eval_loss": "val_loss",
-    "eval/loss": "val_loss",
-    "val/loss": "val_loss",
-    "valid_loss": "val_loss",
-    "validation_loss": "val_loss",
-    "loss/val": "val_loss",
-    "lm loss value": "val_loss",
-    # learning rate
-    "learning_rate": "lr",
-    "learning rate": "lr",
-    "train/learning_rate": "lr",
-    "train/lr": "lr",
-    "lr-Adam": "lr",
-    "lr-AdamW": "lr",
-    "lr-SGD": "lr",
-    # global gradient norm
-    "grad-norm": "grad_norm",
-    "grad norm": "grad_norm",
-    "gradient_norm": "grad_norm",
-    "train/grad_norm": "grad_norm",
-    "grad_2.0_norm_total": "grad_norm",
-    # others
-    "loss scale": "loss_scale",
-    "train/loss_scale": "loss_scale",
-    "train/epoch": "epoch",
-}
-
 
 class RunFormatError(ValueError):
     """A run file (or table) that cannot be read as a recorded run.
@@ -414,10 +372,9 @@ def normalize_table(
 
 
 def alias_resolver(aliases: Mapping[str, str]) -> Callable[[str], str]:
-    """A function mapping a raw column name to its canonical name.
-
-    Same rules as the monitor's ``stability.binding.Aliases``: exact names first, then keys ending
-    in ``/*`` rewrite a prefix (longest prefix first).
+    """A function mapping a raw column name to its canonical name: the monitor's own
+    :class:`stability.binding.Aliases` over ``aliases`` alone (exact names first, then keys ending
+    in ``/*`` rewrite a prefix, longest prefix first).
 
     Examples
     --------
@@ -425,25 +382,9 @@ def alias_resolver(aliases: Mapping[str, str]) -> Callable[[str], str]:
     >>> f("train/loss"), f("grad-norm/blk0"), f("lr")
     ('loss', 'grad_norm/blk0', 'lr')
     """
-    exact: dict[str, str] = {}
-    prefix: list[tuple[str, str]] = []
-    for src, dst in aliases.items():
-        if src.endswith("/*"):
-            prefix.append((src[:-1], dst[:-1] if dst.endswith("/*") else dst + "/"))
-        else:
-            exact[src] = dst
-    prefix.sort(key=lambda p: -len(p[0]))
+    from stability.binding import Aliases
 
-    def resolve(name: str) -> str:
-        out = exact.get(name)
-        if out is not None:
-            return out
-        for src, dst in prefix:
-            if name.startswith(src):
-                return dst + name[len(src) :]
-        return name
-
-    return resolve
+    return Aliases(aliases, defaults=False)
 
 
 def apply_aliases(table: pa.Table, aliases: Mapping[str, str]) -> pa.Table:

@@ -59,6 +59,7 @@ DEFAULT_ALIASES: dict[str, str] = {
     "loss/train": "loss",
     "lm loss": "loss",
     "lm_loss": "loss",
+    "train_loss_step": "loss",  # Lightning self.log("train_loss", on_step=True, on_epoch=True)
     "lm-loss": "loss",
     "train/lm_loss": "loss",
     # validation loss
@@ -69,12 +70,20 @@ DEFAULT_ALIASES: dict[str, str] = {
     "validation_loss": "val_loss",
     "loss/val": "val_loss",
     "lm loss validation": "val_loss",
+    "lm loss value": "val_loss",
+    "valid_loss": "val_loss",
     # learning rate
     "learning_rate": "lr",
     "learning-rate": "lr",
     "learning rate": "lr",
     "train/lr": "lr",
     "train/learning_rate": "lr",
+    # Lightning's LearningRateMonitor ("lr-<Optimizer>")
+    "lr-Adam": "lr",
+    "lr-AdamW": "lr",
+    "lr-SGD": "lr",
+    "lr-RMSprop": "lr",
+    "lr-Adagrad": "lr",
     # global gradient norm
     "grad-norm": "grad_norm",
     "grad norm": "grad_norm",
@@ -82,6 +91,12 @@ DEFAULT_ALIASES: dict[str, str] = {
     "global_grad_norm": "grad_norm",
     "train/grad_norm": "grad_norm",
     "grad_norm/global": "grad_norm",
+    "gradient_norm": "grad_norm",
+    "grad_2.0_norm_total": "grad_norm",  # Lightning's grad_norm(module, 2)
+    # AMP loss scale, epochs
+    "loss scale": "loss_scale",
+    "train/loss_scale": "loss_scale",
+    "train/epoch": "epoch",
     # per-layer families (prefix rewrites)
     "grad-norm/*": "grad_norm/*",
     "train/grad_norm/*": "grad_norm/*",
@@ -96,10 +111,12 @@ class Aliases:
     ----------
     extra
         Aliases merged over :data:`DEFAULT_ALIASES` (mapping a name to itself disables a default).
+    defaults
+        Start from :data:`DEFAULT_ALIASES` (``False``: ``extra`` alone).
     """
 
-    def __init__(self, extra: Mapping[str, str] | None = None):
-        table = dict(DEFAULT_ALIASES)
+    def __init__(self, extra: Mapping[str, str] | None = None, *, defaults: bool = True):
+        table = dict(DEFAULT_ALIASES) if defaults else {}
         table.update(extra or {})
         self.exact: dict[str, str] = {}
         self.prefix: list[tuple[str, str]] = []
