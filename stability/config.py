@@ -67,6 +67,7 @@ import copy
 import json
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -562,6 +563,13 @@ class MonitorConfig:
         flat = _resolve_presets(d)
         mon = _table(flat.get("monitor", {}), "monitor")
         pol = _plain(_table(flat.get("policy", {}), "policy"), "policy")
+        if "mode" in pol:  # the old second log-only switch: one switch, [monitor].log_only
+            mode = pol.pop("mode")
+            if mode not in ("act", "log_only"):
+                raise ConfigError(f"policy.mode: must be one of act, log_only; got {mode!r}.")
+            warnings.warn("[policy].mode is deprecated: use [monitor].log_only = true",
+                          DeprecationWarning, stacklevel=3)
+            mon = {**mon, "log_only": bool(mon.get("log_only", False)) or mode == "log_only"}
         user_index = {e["name"]: i for i, e in enumerate(raw_dets)}
         entries = [
             (
