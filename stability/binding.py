@@ -48,7 +48,7 @@ from numba import njit
 
 from detectors._base import BoolArray, FloatArray
 
-__all__ = ["DEFAULT_ALIASES", "Aliases", "Pattern", "gather_step", "any_true"]
+__all__ = ["DEFAULT_ALIASES", "Aliases", "Pattern", "gather_step"]
 
 #: Aliases applied to every metric name before matching (config aliases are merged on top).
 DEFAULT_ALIASES: dict[str, str] = {
@@ -211,15 +211,6 @@ def gather_step(  # type: ignore[no-untyped-def]
                 A[i] = False
     for s in range(present.shape[0]):
         present[s] = False
-
-
-@njit(cache=True)
-def any_true(a):  # type: ignore[no-untyped-def]
-    """``a.any()`` for a 1-d bool array, without NumPy's reduction overhead."""
-    for i in range(a.shape[0]):
-        if a[i]:
-            return True
-    return False
 
 
 def empty_buffers(n: int) -> tuple[FloatArray, BoolArray]:
