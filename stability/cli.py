@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stability", description="Watch training runs; replay, evaluate and tune offline.")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of an error (also: STABILITY_DEBUG=1)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("replay", help="replay recorded runs through the monitor")
@@ -92,7 +93,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="render a report (replay.report)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("goodput", help="badput breakdown of an event log (time and steps)")
+    p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) written by a monitor")
+    p.add_argument("--json", action="store_true", help="print the last goodput record as JSON")
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("training-stability")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        from stability import __version__
+
+        return __version__
+
+
+def _cmd_goodput(a: argparse.Namespace) -> int:
+    from stability.events import read_events
+    from stability.goodput import format_goodput
+
+    records = read_events(a.events, errors="skip")
+    if a.json:
+        last = [r for r in records if r.get("type") == "goodput"][-1:]
+        print(json.dumps(last[0] if last else None, indent=1, default=_json_default))
+        return 0 if last else 1
+    print(format_goodput(records))
+    return 0
 
 
 def _runs(specs: Sequence[str]) -> list[tuple[str, str]]:
@@ -261,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.command is None:
             parser.print_help()
             return 2
-        handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune}
+        handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune,
+                    "goodput": _cmd_goodput}
         return handlers[a.command](a)
     except USER_ERRORS as exc:
         if debug:

@@ -211,3 +211,26 @@ def test_format_goodput() -> None:
     # an old record (steps only) still prints
     assert format_goodput([{"type": "goodput", "step": 9, "steps": 10, "productive": 8,
                             "goodput": 0.8}]).startswith("goodput at step 9: 80.0%")
+
+
+def test_cli_goodput_prints_the_breakdown_of_an_event_log(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from stability.cli import main
+    from stability.events import EventLog
+
+    g = GoodputTracker(clock=iter([0.0, 10.0, 20.0, 35.0, 40.0]).__next__)
+    g.start()
+    g.update(1)
+    g.note_checkpoint(5.0)
+    g.update(2, skipped=True)
+    g.update(3)
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        log.append(g.record())
+    assert main(["goodput", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "goodput at step 3" in out and "checkpoint" in out and "skipped" in out
+    assert main(["goodput", str(path), "--json"]) == 0
+    assert '"productive": 2' in capsys.readouterr().out
+    empty = tmp_path / "none.jsonl"
+    empty.write_text("")
+    assert main(["goodput", str(empty), "--json"]) == 1
