@@ -94,21 +94,10 @@ def discover_many(specs: Iterable[str]) -> list[tuple[str, str]]:
 
 
 def read_table(path: str, aliases: Mapping[str, str] | None = None) -> pa.Table:
-    """Read a whole run as a wide table (the IO layer's reader, if available)."""
-    try:
-        from replay.io import load_run  # type: ignore[attr-defined]
+    """Read a whole run (any format :func:`replay.io.load_run` reads) as a wide table."""
+    from .io import load_run
 
-        return load_run(path)  # type: ignore[no-any-return]
-    except ImportError:
-        pass
-    try:
-        from replay.reader import read_run
-
-        return read_run(path, aliases=aliases)
-    except ImportError:  # pragma: no cover - reader not there yet
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path)
+    return load_run(path, aliases=aliases)
 
 
 # ---------------------------------------------------------------------------- progress
@@ -236,7 +225,7 @@ def goodput(steps: NDArray[np.int64], interventions: Sequence[Intervention]) -> 
 
 
 def _monitor(config: Any) -> Any:
-    from stability.monitor import Monitor  # type: ignore[import-not-found]
+    from stability.monitor import Monitor
 
     # a replay of history reports what the monitor would have done; it pages nobody: the
     # alerts are in the result (and the event log), not sent to the configured sinks
@@ -389,47 +378,12 @@ def format_summary(res: ReplayResult) -> str:
 
 
 # ---------------------------------------------------------------------------- evaluation runs
-def monitor_available() -> bool:
-    """``True`` when :mod:`stability.monitor` can be imported."""
-    try:
-        import stability.monitor  # noqa: F401  # type: ignore[import-not-found]
-    except ImportError:
-        return False
-    return True
-
-
-def detector_alarm_steps(table: pa.Table, config: Any = None) -> NDArray[np.int64]:
-    """Alarm steps of a config's detectors alone (no monitor, no policy): the union of every
-    binding's ``score > threshold`` with the config's own parameters.
-
-    Used when the monitor is not available; with it, use :func:`replay_table`.
-    """
-    from stability.config import load_config
-
-    from .tune import Candidate, score_table
-
-    cfg = load_config(config).to_dict()
-    cands = []
-    for b, d in enumerate(cfg["detectors"]):
-        cands.append(Candidate(b, d["name"], d["detector"], tuple(d["inputs"]),
-                               tuple(sorted(d.get("params", {}).items())), tunable=False))
-    rs = score_table(table, cands, cfg.get("monitor", {}).get("aliases", {}))
-    hit = np.zeros(rs.steps.size, dtype=np.bool_)
-    for s in rs.scores:
-        hit |= s > 0.0
-    return rs.steps[hit]
-
-
-def _eval_job(args: tuple[str, str, Any, bool, bool]) -> tuple[str, NDArray[np.int64],
-                                                               dict[str, NDArray[np.int64]]]:
-    rid, path, config, with_baselines, use_monitor = args
+def _eval_job(args: tuple[str, str, Any, bool]
+              ) -> tuple[str, NDArray[np.int64], dict[str, NDArray[np.int64]]]:
+    rid, path, config, with_baselines = args
     table = read_table(path)
     steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
-    out: dict[str, NDArray[np.int64]] = {}
-    if use_monitor:
-        out["ours"] = replay_table(table, config, rid, path).alarm_steps
-    else:
-        out["ours"] = detector_alarm_steps(table, config)
+    out: dict[str, NDArray[np.int64]] = {"ours": replay_table(table, config, rid, path).alarm_steps}
     if with_baselines:
         from .baselines import baseline_alarms
 
@@ -450,8 +404,7 @@ def alarms_for_eval(runs: Sequence[tuple[str, str]], config: Any = None, *,
         ``run_id -> logged steps`` and ``name -> run_id -> alarm steps`` (``name`` is ``ours``
         or a baseline name).
     """
-    use_mon = monitor_available()
-    args = [(rid, p, config, baselines, use_mon) for rid, p in runs]
+    args = [(rid, p, config, baselines) for rid, p in runs]
     results = parallel_map(_eval_job, args, jobs, "eval", progress)
     steps: dict[str, NDArray[np.int64]] = {}
     alarms: dict[str, dict[str, NDArray[np.int64]]] = {}

@@ -1,7 +1,21 @@
-"""stability: watch training runs, catch instability within steps, act before the run is lost."""
+"""stability: watch training runs, catch instability within steps, act before the run is lost.
 
-from .config import MonitorConfig
+What users construct and catch is importable from here::
+
+    from stability import Monitor, load_config, ConfigError, EventLog, WebhookSink
+
+The PyTorch adapter is one import away (``import stability.torch``; it imports torch);
+Lightning and HF callbacks live in :mod:`stability.adapters.lightning` and
+:mod:`stability.adapters.hf`.
+"""
+
+from .alerts import AlertSink, FileSink, LoggingSink, WebhookSink
+from .config import MonitorConfig, load_config
+from .events import EventLog, read_events
+from .handlers import HandlerError
 from .monitor import Monitor
+from .presets import list_presets
+from .registry import ConfigError, known_detectors, register_detector
 from .types import (
     ALARM_KINDS,
     Alarm,
@@ -23,10 +37,16 @@ __all__ = [
     "ALARM_KINDS",
     "Alarm",
     "Alert",
+    "AlertSink",
     "Checkpoint",
+    "ConfigError",
     "Control",
     "Decision",
+    "EventLog",
+    "FileSink",
+    "HandlerError",
     "Intervention",
+    "LoggingSink",
     "Monitor",
     "MonitorConfig",
     "ReduceLR",
@@ -34,4 +54,11 @@ __all__ = [
     "SetClip",
     "SkipStep",
     "Stop",
+    "WebhookSink",
+    "__version__",
+    "known_detectors",
+    "list_presets",
+    "load_config",
+    "read_events",
+    "register_detector",
 ]

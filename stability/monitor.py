@@ -11,15 +11,22 @@ Input handling (documented policy, all tested):
 * **values** -- floats, ints, NumPy scalars / size-1 arrays, anything with ``__float__`` or
   ``__array__`` (torch tensors work without importing torch).  ``None`` means *not logged* on this
   step (missing, never NaN).  Strings, booleans, wrong shapes and other objects are recorded in
-  ``Decision.skipped`` (``ValueError`` in strict mode) and never reach a detector.
+  ``Decision.skipped`` (``ValueError`` in strict mode) and never reach a detector, and so are
+  complex numbers (NumPy or torch), meta tensors and objects whose conversion raises.
 * **NaN / inf** -- real observations: the ``nonfinite`` binding alarms (critical) and the other
   detectors' alarms on that same signal are suppressed on that step, so one NaN is one alarm.
 * **names** -- normalised through aliases; names no binding matches are ignored (``unbound``);
-  new layers grow the banks (see :mod:`stability.binding`).
-* **steps** -- must be ints ``>= 0`` and increase.  A step ``<=`` the last observed one (duplicate
-  or out of order) is not fed to the detectors: the decision only lists the reason in
-  ``skipped``.  After a :class:`~stability.types.Rollback` (or :meth:`Monitor.rewind`) the
-  counter restarts at the rollback target, so the replayed steps are accepted.
+  new layers grow the banks (see :mod:`stability.binding`) up to ``[monitor] max_series``
+  series per bank (default 4096): a new name past a full bank is not added to it (one warning
+  per bank); if no bank takes it, each of its observations is skipped (recorded).
+* **families** -- a mapping of declared family name -> per-layer array; anything else is
+  skipped (recorded).
+* **steps** -- must be ints in ``[0, 2**53)`` (integer-valued floats are accepted) and
+  increase; a step out of that range is skipped (recorded) and never becomes the last step.
+  A step ``<=`` the last observed one (duplicate or out of order) is not fed to the
+  detectors: the decision only lists the reason in ``skipped``.  After a
+  :class:`~stability.types.Rollback` (or :meth:`Monitor.rewind`) the counter restarts at the
+  rollback target, so the replayed steps are accepted.
 
 ``log_only`` (dry run): the policy decides and interventions are recorded, but the returned
 ``Control`` stays neutral.
@@ -58,6 +65,7 @@ from ._state_check import Fields
 from .binding import Aliases, Pattern, empty_buffers, gather_step
 from .config import ConfigSource, DetectorSpec, MonitorConfig, load_config
 from .monitor_io import decode_state, encode_state, table_columns, to_float
+from .policy import Policy
 from .registry import make_detector
 from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
 
@@ -67,36 +75,23 @@ logger = logging.getLogger("stability.monitor")
 
 STATE_VERSION = 1
 GRAD_HISTORY = 100
-#: Default seconds a user handler may run before it is abandoned (``handler_timeout``).
+#: Default seconds per step for all handler and sink calls (``[monitor] handler_budget_s``).
 HANDLER_TIMEOUT = 1.0
+#: Steps must be integers in ``[0, MAX_STEP]`` (exactly representable as float64).
+MAX_STEP = 2**53 - 1
+_CAPPED = -2  # _lookup: a name every matching bank refused (series cap)
+_FROM_CONFIG: Any = object()
 _ABSENT, _SCRATCH = 0, 1
 _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
 #: (keys in order, their slots, all keys valid, contiguous slot range or None)
 _KeyPlan = tuple[list[Any], np.ndarray, bool, "slice | None"]
+#: value types the fast path converts with ``array("d", ...)`` (real numbers, no ``__float__``
+#: surprises: NumPy complex would silently lose its imaginary part there)
+_PLAIN = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64, np.int32,
+                    np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8, np.bool_})
 
 
-class _NullPolicy:
-    """Stand-in used only when ``stability.policy`` cannot be imported."""
-
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        self.cfg = dict(cfg)
-
-    def step(self, step: int, alarms: Sequence[Alarm], control: Control,
-             context: Mapping[str, Any] | None = None) -> list[Intervention]:
-        return []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        return None
-
-
-def _make_policy(cfg: Mapping[str, Any]) -> Any:
-    try:
-        from .policy import Policy  # noqa: PLC0415
-    except ImportError:
-        return _NullPolicy(cfg)
+def _make_policy(cfg: Mapping[str, Any]) -> Policy:
     return Policy(dict(cfg))
 
 
@@ -163,9 +158,10 @@ class Monitor:
     on_alarm, on_intervention
         Optional handlers (one callable or a list); failures are contained unless strict.
     handler_timeout
-        Seconds a handler may run before it is abandoned (logged and counted as a failure, so a
-        hanging handler cannot block :meth:`observe`); each call then runs in a daemon thread.
-        ``None`` runs handlers inline without a limit.
+        Seconds per step shared by every handler and alert-sink call of that step (default: the
+        config's ``[monitor] handler_budget_s``, 1.0).  Calls run on one worker thread; a call
+        that runs out of time is reported once and its handler is not called again until it
+        returns (see :mod:`stability.handlers`).  ``None`` runs them inline without a limit.
     checkpoints
         A :class:`~stability.checkpoints.CheckpointLedger` (a fresh one by default), passed to
         the policy as ``context["healthy_checkpoints"]``.
@@ -174,7 +170,7 @@ class Monitor:
     def __init__(self, config: ConfigSource = None, *, event_log: Any = None,
                  alert_sinks: Any = None, on_alarm: Any = None, on_intervention: Any = None,
                  checkpoints: Any = None,
-                 handler_timeout: float | None = HANDLER_TIMEOUT) -> None:
+                 handler_timeout: float | None = _FROM_CONFIG) -> None:
         self.config: MonitorConfig = load_config(config)
         self.log_only = self.config.monitor.log_only
         self.strict = self.config.monitor.strict
@@ -193,6 +189,10 @@ class Monitor:
         self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else [
             alert_sinks]
         from .handlers import HandlerRegistry  # noqa: PLC0415
+        if handler_timeout is _FROM_CONFIG:
+            handler_timeout = self.config.monitor.handler_budget_s
+        self.max_series = self.config.monitor.max_series
+        self._capped_banks: set[str] = set()
         self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
         self._sink_failed: set[int] = set()
         for fn in _as_list(on_alarm):
@@ -294,6 +294,8 @@ class Monitor:
         s = self._slot_of.get(name)
         if s is None:
             s = self._bind(name)
+            if s == _CAPPED or (s == _SCRATCH and len(self.unbound) >= self.max_series):
+                return s  # not cached: memory stays bounded under endless new names
         self._cache[raw] = s
         return s
 
@@ -305,8 +307,21 @@ class Monitor:
                 if key is not None:
                     hits.append((b, j, key))
         if not hits:
-            self.unbound.add(name)
+            if len(self.unbound) < self.max_series:
+                self.unbound.add(name)
             return _SCRATCH
+        cap = self.max_series
+        kept = [h for h in hits if h[2] in h[0].key_index or len(h[0].keys) < cap]
+        if len(kept) < len(hits):
+            for b, _, _ in hits:
+                if b.name not in self._capped_banks and len(b.keys) >= cap:
+                    self._capped_banks.add(b.name)
+                    logger.warning("binding %r holds max_series=%d series; new names it matches "
+                                   "(first: %r) are not added to it. Raise [monitor] max_series "
+                                   "if this is intended.", b.name, cap, name)
+            if not kept:
+                return _CAPPED
+            hits = kept
         s = len(self._slot_names)
         self._slot_names.append(name)
         self._slot_of[name] = s
@@ -341,7 +356,8 @@ class Monitor:
         layers = [str(x) for x in layers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"declare_family({name!r}): layer names must be unique.")
-        slots = np.array([self._lookup(f"{name}/{x}") for x in layers], dtype=np.int64)
+        slots = np.array([max(self._lookup(f"{name}/{x}"), _SCRATCH) for x in layers],
+                         dtype=np.int64)  # a capped layer is written to the scratch slot
         n = len(slots)
         contig = slice(int(slots[0]), int(slots[0]) + n) if n and np.array_equal(
             slots, np.arange(slots[0], slots[0] + n)) else None
@@ -395,8 +411,8 @@ class Monitor:
         return calls
 
     # ------------------------------------------------------------------ input
-    def _bad(self, msg: str, skipped: list[str]) -> None:
-        if self.strict:
+    def _bad(self, msg: str, skipped: list[str], capped: bool = False) -> None:
+        if self.strict and not capped:  # a full bank is a resource limit, not bad input
             raise ValueError(msg)
         skipped.append(msg)
         self.counters["skipped_values"] += 1
@@ -411,6 +427,10 @@ class Monitor:
         s = int(step)
         if s < 0:
             self._bad(f"step {s}: negative step; not fed to detectors", skipped)
+            return None
+        if s > MAX_STEP:
+            self._bad(f"step {s}: above the largest accepted step 2**53 - 1; not fed to "
+                      "detectors", skipped)
             return None
         if s <= self.last_step:
             self._bad(f"step {s}: not after the last observed step {self.last_step} "
@@ -440,8 +460,8 @@ class Monitor:
         keys, slots, ok, rng = self._key_plan(metrics)
         vals, present = self._vals, self._present
         values = list(metrics.values())
-        if ok:
-            try:  # fast path: every value converts like float() (strings/None/arrays do not)
+        if ok and _PLAIN.issuperset(map(type, values)):
+            try:  # fast path: plain Python / NumPy real numbers only
                 buf = np.frombuffer(array("d", values), dtype=np.float64)
             except (TypeError, ValueError, OverflowError):
                 pass
@@ -454,7 +474,9 @@ class Monitor:
             if s == _SCRATCH or v is None:
                 continue
             if s < 0:
-                self._bad(f"metrics[{k!r}]: metric names must be strings; skipped", skipped)
+                self._bad(f"metrics[{k!r}]: metric names must be strings; skipped" if s != _CAPPED
+                          else f"metrics[{k!r}]: every binding it matches holds max_series="
+                          f"{self.max_series} series; skipped", skipped, capped=s == _CAPPED)
                 continue
             x = to_float(v)
             if isinstance(x, str):
@@ -551,7 +573,7 @@ class Monitor:
             self.control.reset_step()
             self._ctrl_dirty = False
             self._snap = None
-        if type(step) is int and step > self.last_step:
+        if type(step) is int and self.last_step < step <= MAX_STEP:
             s = step
         else:
             s = self._check_step(step, skipped)  # type: ignore[assignment]
@@ -559,13 +581,19 @@ class Monitor:
                 self.counters["skipped_steps"] += 1
                 st = int(step) if isinstance(step, (int, np.integer)) else -1
                 return _decision(st, (), (), self._snapshot(), tuple(skipped))
-        if metrics:
+        if metrics is not None:
             if isinstance(metrics, Mapping):
-                self._fill(metrics, skipped)
+                if metrics:
+                    self._fill(metrics, skipped)
             else:
                 self._bad(f"metrics: expected a mapping; got {type(metrics).__name__}", skipped)
-        if families:
-            self._fill_families(families, skipped)
+        if families is not None:
+            if isinstance(families, Mapping):
+                if families:
+                    self._fill_families(families, skipped)
+            else:
+                self._bad(f"families: expected a mapping of family name -> array; got "
+                          f"{type(families).__name__}", skipped)
         if self._dirty:
             self._relayout()
         g = self._grad_slot
@@ -714,22 +742,28 @@ class Monitor:
         self.counters["alarms"] += len(d.alarms)
         self.counters["interventions"] += len(d.interventions)
         log = self.event_log
-        for a in d.alarms:
-            if log is not None:
-                log.alarm(a)
-            self.handlers.alarm(a)
-        for iv in d.interventions:
-            if log is not None:
-                log.intervention(iv, log_only=self.log_only)
-            if isinstance(iv, Alert):
-                for sink in self.alert_sinks:
-                    self._send_alert(sink, iv)
-            self.handlers.intervention(iv)
+        hs = self.handlers
+        hs.begin_step()  # one time budget for every handler and sink call of this step
+        try:
+            for a in d.alarms:
+                if log is not None:
+                    log.alarm(a)
+                hs.alarm(a)
+            for iv in d.interventions:
+                if log is not None:
+                    log.intervention(iv, log_only=self.log_only)
+                if isinstance(iv, Alert):
+                    for sink in self.alert_sinks:
+                        self._send_alert(sink, iv)
+                hs.intervention(iv)
+        finally:
+            hs.end_step()
 
     def _send_alert(self, sink: Any, alert: Alert) -> None:
-        """``sink.send(alert)``; a failure is logged once per sink and contained unless strict."""
+        """``sink.send(alert)`` within the step's handler budget; a failure (or a sink that runs
+        out of time) is logged once per sink and contained unless strict."""
         try:
-            sink.send(alert)
+            self.handlers.call(sink, sink.send, alert, f"alert sink {type(sink).__name__}")
         except Exception as e:
             self.counters["sink_errors"] += 1
             if self.strict:
@@ -757,14 +791,34 @@ class Monitor:
         for batch in batches:
             yield from self._replay_table(batch)
 
-    def _replay_table(self, data: Any) -> list[Decision]:
-        steps, cols = table_columns(data)
-        t_len = len(steps)
-        if t_len == 0:
-            return []
-        if steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0):
-            return [self.observe(int(steps[t]), {n: float(v[t]) for n, v, p in cols if p[t]})
-                    for t in range(t_len)]
+    def bind_table(self, data: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
+        """Bind a whole table the way :meth:`replay` does, without running any detector.
+
+        Returns the steps and, per binding name, the ``(T, n_inputs, n_series)`` values and
+        missing mask that replay feeds to that binding's detector -- the one binder shared by
+        replay and offline tuning (:func:`replay.tuning.score_table`), so tuned thresholds
+        reproduce online exactly.  Steps must be strictly increasing.
+
+        >>> mon = Monitor({"detectors": [{"name": "g", "detector": "ewma_z",
+        ...                               "inputs": ["grad_norm/*"]}]})
+        >>> steps, bound = mon.bind_table({"step": [0, 1], "grad_norm/a": [1.0, 2.0],
+        ...                                "grad_norm/b": [3.0, 4.0]})
+        >>> bound["g"][0].shape, bound["g"][0][1, 0].tolist()
+        ((2, 1, 2), [2.0, 4.0])
+        """
+        steps, vals, pres = self._table_slots(*table_columns(data))
+        if np.any(np.diff(steps) <= 0):
+            raise ValueError("bind_table: steps must be strictly increasing.")
+        out: dict[str, tuple[Any, Any]] = {}
+        for b in self._bindings:
+            idx = np.asarray(b.slots, dtype=np.int64).reshape(b.n_inputs, len(b.keys))
+            out[b.name] = (vals[:, idx], ~pres[:, idx])
+        return np.asarray(steps, dtype=np.int64), out
+
+    def _table_slots(self, steps: Any, cols: list[tuple[str, Any, Any]]
+                     ) -> tuple[Any, Any, Any]:
+        """Steps, slot values ``(T, n_slots)`` and presence of decoded table columns (names
+        bound in the order they first appear, as a live run would)."""
         firsts = []
         for ci, (_, _, p) in enumerate(cols):
             nz = np.flatnonzero(p)
@@ -774,7 +828,7 @@ class Monitor:
             self._lookup(cols[ci][0])
         if self._dirty:
             self._relayout()
-        n_slots = len(self._slot_names)
+        t_len, n_slots = len(steps), len(self._slot_names)
         vals = np.zeros((t_len, n_slots))
         pres = np.zeros((t_len, n_slots), dtype=np.bool_)
         for name, v, p in cols:
@@ -782,6 +836,18 @@ class Monitor:
             if s > _SCRATCH:
                 vals[p, s] = v[p]
                 pres[p, s] |= True
+        return steps, vals, pres
+
+    def _replay_table(self, data: Any) -> list[Decision]:
+        steps, cols = table_columns(data)
+        t_len = len(steps)
+        if t_len == 0:
+            return []
+        if (steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0)
+                or steps[-1] > MAX_STEP):
+            return [self.observe(int(steps[t]), {n: float(v[t]) for n, v, p in cols if p[t]})
+                    for t in range(t_len)]
+        steps, vals, pres = self._table_slots(steps, cols)
         outs = []
         any_alarm = np.zeros(t_len, dtype=np.bool_)
         for b in self._bindings:
@@ -923,7 +989,7 @@ class Monitor:
         for name in names:
             if name not in self._slot_of:
                 self._bind(name)
-        self.unbound |= set(unbound)
+        self.unbound |= set(unbound[: max(self.max_series - len(self.unbound), 0)])
         for fam, layers in families.items():
             part(f"family {fam!r}", lambda fam=fam, layers=layers: self.declare_family(fam, layers))
         same_names = self._slot_names[2:] == names

@@ -28,13 +28,16 @@ import importlib
 import inspect
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from detectors._base import BankDetector
 
 __all__ = [
     "REGISTRY",
-    "DEFAULT_KINDS",
+    "RegistryEntry",
+    "default_kind",
+    "tune_grids",
     "ConfigError",
     "UnknownDetectorError",
     "DetectorUnavailableError",
@@ -47,41 +50,70 @@ __all__ = [
     "did_you_mean",
 ]
 
-#: registry name -> "module:Class"
-REGISTRY: dict[str, str] = {
-    "nonfinite": "detectors.nonfinite:NonFiniteGuard",
-    "ewma_z": "detectors.ewma:EWMAZScore",
-    "robust_z": "detectors.robust:RobustZScore",
-    "ratio": "detectors.ratio:RatioToMean",
-    "page_hinkley": "detectors.page_hinkley:PageHinkley",
-    "adwin": "detectors.adwin:ADWIN",
-    "cusum": "detectors.cusum:CUSUM",
-    "activation_shift": "detectors.activation:ActivationShift",
-    "histogram_drift": "detectors.activation:HistogramDrift",
-    "train_val": "detectors.divergence:TrainValDivergence",
-    "val_spike": "detectors.divergence:ValSpike",
-    "lr_jump": "detectors.lr_loss:LRJump",
-    "lr_loss_corr": "detectors.lr_loss:LRLossCorrelation",
-    "lr_level": "detectors.lr_loss:LRLevelInstability",
+@dataclass(frozen=True)
+class RegistryEntry:
+    """Everything the project knows about one registered detector, in one place.
+
+    Parameters
+    ----------
+    target
+        ``"module:Class"`` of the :class:`~detectors._base.BankDetector` subclass.
+    kind
+        Default alarm kind (``None`` = inferred from the bound signals, see
+        :func:`stability.config.infer_kind`).
+    grid
+        Offline tuning grid (:func:`replay.tuning.tune`): parameter -> values tried besides the
+        threshold; empty = only the threshold is tuned.
+
+    >>> REGISTRY["page_hinkley"].kind, REGISTRY["ewma_z"].grid["alpha"]
+    ('level_shift', (0.02, 0.05))
+    """
+
+    target: str
+    kind: str | None = None
+    grid: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+
+
+#: registry name -> spec (the only table to edit when a detector is added)
+REGISTRY: dict[str, RegistryEntry] = {
+    "nonfinite": RegistryEntry("detectors.nonfinite:NonFiniteGuard", "nonfinite"),
+    "ewma_z": RegistryEntry("detectors.ewma:EWMAZScore", None,
+                           {"alpha": (0.02, 0.05), "min_std": (0.01, 0.05, 0.1)}),
+    "robust_z": RegistryEntry("detectors.robust:RobustZScore", None,
+                             {"window": (32, 128), "min_std": (0.01, 0.05, 0.1)}),
+    "ratio": RegistryEntry("detectors.ratio:RatioToMean", None, {"window": (20, 100)}),
+    "page_hinkley": RegistryEntry("detectors.page_hinkley:PageHinkley", "level_shift",
+                                 {"delta": (0.02, 0.05)}),
+    "adwin": RegistryEntry("detectors.adwin:ADWIN", "level_shift"),
+    "cusum": RegistryEntry("detectors.cusum:CUSUM", "level_shift"),
+    "activation_shift": RegistryEntry("detectors.activation:ActivationShift", "activation_shift"),
+    "histogram_drift": RegistryEntry("detectors.activation:HistogramDrift", "activation_shift"),
+    "train_val": RegistryEntry("detectors.divergence:TrainValDivergence", "train_val_divergence"),
+    "val_spike": RegistryEntry("detectors.divergence:ValSpike", "train_val_divergence"),
+    "lr_jump": RegistryEntry("detectors.lr_loss:LRJump", "lr_loss_anomaly"),
+    "lr_loss_corr": RegistryEntry("detectors.lr_loss:LRLossCorrelation", "lr_loss_anomaly"),
+    "lr_level": RegistryEntry("detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly"),
 }
 
-#: default alarm kind per registry name (``None`` = inferred from the bound signals)
-DEFAULT_KINDS: dict[str, str | None] = {
-    "nonfinite": "nonfinite",
-    "ewma_z": None,
-    "robust_z": None,
-    "ratio": None,
-    "page_hinkley": "level_shift",
-    "adwin": "level_shift",
-    "cusum": "level_shift",
-    "activation_shift": "activation_shift",
-    "histogram_drift": "activation_shift",
-    "train_val": "train_val_divergence",
-    "val_spike": "train_val_divergence",
-    "lr_jump": "lr_loss_anomaly",
-    "lr_loss_corr": "lr_loss_anomaly",
-    "lr_level": "lr_loss_anomaly",
-}
+
+def default_kind(name: str) -> str | None:
+    """The registered default alarm kind of ``name`` (``None``: inferred from the inputs).
+
+    >>> default_kind("adwin"), default_kind("ewma_z"), default_kind("nope")
+    ('level_shift', None, None)
+    """
+    spec = REGISTRY.get(name)
+    return None if spec is None else spec.kind
+
+
+def tune_grids() -> dict[str, dict[str, list[Any]]]:
+    """The offline tuning grid of every registered detector that has one.
+
+    >>> sorted(tune_grids())
+    ['ewma_z', 'page_hinkley', 'ratio', 'robust_z']
+    """
+    return {n: {k: list(v) for k, v in s.grid.items()} for n, s in REGISTRY.items() if s.grid}
+
 
 #: parameters the monitor manages itself (never allowed in ``params``)
 _MANAGED = ("n_series",)
@@ -115,17 +147,20 @@ def did_you_mean(word: str, options: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def register_detector(name: str, target: str, kind: str | None = None) -> None:
+def register_detector(name: str, target: str, kind: str | None = None,
+                      grid: Mapping[str, Any] | None = None) -> None:
     """Register a detector under ``name`` (``target`` is ``"module:Class"``).
 
-    Python-side only: configs can name registered detectors but never import arbitrary code.
+    ``kind`` is its default alarm kind and ``grid`` its offline tuning grid (see
+    :class:`RegistryEntry`).  Python-side only: configs can name registered detectors but never
+    import arbitrary code.
     """
     if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", target):
         raise ValueError(
             f"register_detector: target must look like 'module:Class'; got {target!r}."
         )
-    REGISTRY[name] = target
-    DEFAULT_KINDS[name] = kind
+    REGISTRY[name] = RegistryEntry(target, kind,
+                                  {str(k): tuple(v) for k, v in dict(grid or {}).items()})
     _cache.pop(name, None)
 
 
@@ -137,7 +172,7 @@ def known_detectors() -> list[str]:
 def detector_target(name: str) -> str:
     """``"module:Class"`` for a registry name (raises :class:`UnknownDetectorError`)."""
     try:
-        return REGISTRY[name]
+        return REGISTRY[name].target
     except (KeyError, TypeError):
         raise UnknownDetectorError(
             f"unknown detector {name!r}{did_you_mean(name, REGISTRY)}; known: "

@@ -15,7 +15,7 @@ _REPO = Path(__file__).resolve().parents[1]
 def _locate() -> Path:
     env = os.environ.get("STABILITY_SHARED_DIR")
     candidates = [Path(env)] if env else []
-    candidates += [_REPO.parent / "shared", Path("/work/shared")]
+    candidates.append(_REPO.parent / "shared")
     for c in candidates:
         if (c / "runs").exists() or (c / "realruns").exists():
             return c

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -13,8 +12,6 @@ from stability.monitor_io import table_columns
 from tests.shared_data import PUBLIC_RUNS
 
 RUNS = PUBLIC_RUNS
-if not RUNS.exists():
-    RUNS = Path("/work/shared/runs/public/runs")
 needs_runs = pytest.mark.skipif(not RUNS.exists(), reason="shared runs not available")
 
 SMALL = {"detectors": [

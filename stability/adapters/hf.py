@@ -67,7 +67,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
-from .interventions import TrainingStopped
+from .interventions import TrainingStopped, safe_torch_load
 from .torch import TorchGuard, find_ledger
 from .trainer_support import (
     TrainerCheckpointStore,
@@ -108,8 +108,7 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
 
         sd = load_file(st)
     else:
-        sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
-                        weights_only=True)
+        sd = safe_torch_load(os.path.join(path, "pytorch_model.bin"))
     missing, unexpected = model.load_state_dict(sd, strict=False)
     named = model.state_dict()
     loaded = {v.data_ptr() for k, v in named.items() if k in sd}
@@ -118,11 +117,9 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
         raise KeyError(f"checkpoint {path} does not match the model: missing {bad}, "
                        f"unexpected {list(unexpected)}")
     if optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
-        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"),
-                                             map_location="cpu", weights_only=False))
+        optimizer.load_state_dict(safe_torch_load(os.path.join(path, "optimizer.pt")))
     if scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
-        scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"),
-                                             map_location="cpu", weights_only=False))
+        scheduler.load_state_dict(safe_torch_load(os.path.join(path, "scheduler.pt")))
 
 
 def _callback_handler() -> CallbackHandler | None:
@@ -198,7 +195,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self.guard: TorchGuard | None = None
         self.stopped: TrainingStopped | None = None
         self.cancelled_saves: list[int] = []
-        self.last_logged_grad_norm: float | None = None
         self.overhead_s = 0.0
         self.overhead_steps = 0
         self._args: Any = None
@@ -389,8 +385,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         if not logs:
             return
-        if "grad_norm" in logs:
-            self.last_logged_grad_norm = float(logs["grad_norm"])
         if self.guard is None or "learning_rate" not in logs:
             return  # evaluation / summary logs
         extra = self.feedback()

@@ -45,8 +45,35 @@ __all__ = [
     "clip_gradients",
     "drop_gradients",
     "load_checkpoint",
+    "safe_torch_load",
     "save_checkpoint",
 ]
+
+
+def safe_torch_load(path: str | os.PathLike[str]) -> Any:
+    """``torch.load`` with ``weights_only=True``: a checkpoint directory is not trusted code.
+
+    Tensors, containers, numbers and strings load; a pickled class or function (arbitrary code on
+    unpickling) is refused with a ``ValueError`` naming the file and the global.  To allow a type
+    you trust, register it with :func:`torch.serialization.add_safe_globals` before loading.
+
+    >>> import tempfile, os, torch
+    >>> p = os.path.join(tempfile.mkdtemp(), "x.pt"); torch.save({"w": torch.ones(2)}, p)
+    >>> safe_torch_load(p)["w"].tolist()
+    [1.0, 1.0]
+    """
+    import pickle  # noqa: PLC0415 - only for the exception type
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()
+        detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "Unsupported" in ln),
+                      first[0] if first else "")
+        raise ValueError(
+            f"{os.fspath(path)}: refused to unpickle a non-tensor object ({detail}); checkpoints "
+            "are loaded with weights_only=True. If you trust this type, allow it with "
+            "torch.serialization.add_safe_globals([...]) before loading") from exc
 
 
 class TrainingStopped(RuntimeError):
@@ -452,7 +479,7 @@ def load_checkpoint(
     if isinstance(source, Mapping):
         snap = dict(source)
     else:
-        snap = torch.load(source, map_location="cpu", weights_only=False)
+        snap = safe_torch_load(source)
     model.load_state_dict(snap["model"])
     if optimizer is not None and snap.get("optimizer") is not None:
         optimizer.load_state_dict(_cpu_copy(snap["optimizer"]))

@@ -58,7 +58,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from .interventions import TrainingStopped
+from .interventions import TrainingStopped, safe_torch_load
 from .torch import TorchGuard, find_ledger
 from .trainer_support import (
     TrainerCheckpointStore,
@@ -81,7 +81,7 @@ LOG_DICT_KEYS = frozenset(f"stability/{k}" for k in (
 def load_lightning_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
                               scheduler: Any = None) -> None:
     """Restore module weights, the (first) optimizer and scheduler from a Lightning ``.ckpt``."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = safe_torch_load(path)
     model.load_state_dict(ckpt["state_dict"])
     opts = ckpt.get("optimizer_states") or []
     if optimizer is not None and opts:

@@ -53,6 +53,7 @@ import torch
 
 from .._state_check import Fields
 from ..feedback import InterventionTally, feedback_metrics, log_interventions
+from ..preemption import install_sigterm_checkpoint
 from ..types import Control, Decision
 from .amp import AMP_OVERFLOW, LOSS_SCALE, ensure_unscaled, scaler_enabled
 from .distributed import ControlSync
@@ -117,6 +118,10 @@ class TorchGuard:
         ``loss_scale`` and *without* gradient norms (see :mod:`stability.adapters.amp`).
     log_interventions : bool
         Log one INFO line per acting intervention on the ``stability.adapters`` logger.
+    checkpoint_on_sigterm : bool
+        Preemption: on SIGTERM, checkpoint at the end of the current step (never mid-update),
+        then hand the signal to the previous handler (default: the process exits).  Main
+        thread only (see :mod:`stability.preemption`).
     """
 
     def __init__(
@@ -141,6 +146,7 @@ class TorchGuard:
         start_step: int = 0,
         scaler: Any = None,
         log_interventions: bool = True,
+        checkpoint_on_sigterm: bool = False,
     ) -> None:
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
@@ -195,6 +201,8 @@ class TorchGuard:
         self._recorder_flush_failed = False
         self.interventions: list[Any] = []
         self.collector.begin_step(self.step_count)
+        self._sigterm = (install_sigterm_checkpoint(lambda: None, chain=False)
+                         if checkpoint_on_sigterm else None)
 
     # ------------------------------------------------------------------ data
     def batches(self, n_batches: int, max_iterations: int | None = None) -> Iterator[int]:
@@ -362,6 +370,8 @@ class TorchGuard:
             return
         if self.checkpoint_every and step % self.checkpoint_every == 0 and self.healthy:
             self._auto_checkpoint(healthy=True, reason="periodic", step=step)
+        if self._sigterm is not None and self._sigterm.received is not None:
+            self._preempted(step)
         self.step_count += 1
         self.data_position = self._pos_of_step.get(step, self.data_position) + 1
         self.collector.begin_step(self.step_count)
@@ -476,6 +486,15 @@ class TorchGuard:
             except Exception:  # bookkeeping must never kill the run
                 log.exception("could not register checkpoint %s in the ledger", step)
         return entry
+
+    def _preempted(self, step: int) -> None:
+        """SIGTERM arrived during this step: checkpoint it, then let the signal take its course."""
+        sig, self._sigterm = self._sigterm, None
+        if sig is None or sig.received is None:
+            return
+        self._auto_checkpoint(healthy=self.healthy, reason="sigterm", step=step)
+        sig.uninstall()                           # the previous handler is back ...
+        os.kill(os.getpid(), sig.received)        # ... and gets the signal (default: exit)
 
     def _rollback_targets(self) -> set[int]:
         """Checkpoints a rollback may still need: retention keeps them.

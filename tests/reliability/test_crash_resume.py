@@ -80,7 +80,7 @@ def _strip_time(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    import torch
+    torch = pytest.importorskip("torch")
 
     wd = tmp_path_factory.mktemp("crash-ref")
     threads = torch.get_num_threads()

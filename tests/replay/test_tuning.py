@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from replay.labels import RunLabel, load_labels
-from replay.tune import (
+from replay.tuning import (
     Candidate,
     RunScores,
     make_candidates,
@@ -115,3 +115,35 @@ def test_ray_backend_matches_local() -> None:
         assert a.run_id == b.run_id
         for x, y in zip(a.scores, b.scores, strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+def test_tuned_config_replays_to_the_alarms_the_tuner_predicted(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One binder: the alarms the tuner counted are exactly those the monitor raises online."""
+    from replay.replay import replay_run
+    from replay.tuning import score_table
+    from stability.config import MonitorConfig
+
+    base = MonitorConfig.from_dict(BASE).to_dict()
+    cands = make_candidates(base["detectors"])
+    runs = [(p.split("/")[-1][:-8], p) for p in PUBLIC[:8]]
+    scores = score_runs(runs, cands, {}, jobs=1, progress=False)
+    res = tune_scores(scores, cands, load_labels(LABELS), base, 3.0, folds=0, n_thresholds=100)
+    tuned = res.config["detectors"]
+    thresholds = {d["name"]: d["params"]["threshold"] for d in tuned if "threshold" in
+                  d.get("params", {})}
+    assert thresholds, "nothing was tuned"
+    out = tmp_path / "tuned.toml"
+    write_config(out, res.config)
+    tuned_cands = [c for c in make_candidates(tuned, grids={}) if c.name in thresholds]
+    from replay.replay import read_table
+
+    checked = 0
+    for rid, path in runs:
+        predicted = score_table(read_table(path), tuned_cands, {}, rid)
+        online = replay_run(path, str(out))
+        for c, s in zip(tuned_cands, predicted.scores, strict=True):
+            want = set(predicted.steps[s > thresholds[c.name]].tolist())
+            got = {a.step for a in online.alarms if a.detector == c.name}
+            assert got == want, (rid, c.name, sorted(got ^ want)[:5])
+            checked += len(want)
+    assert checked > 0, "no alarm at all: the comparison would be vacuous"

@@ -1,7 +1,8 @@
 """Tune detector parameters and thresholds offline, under a false-alarm budget.
 
 1. **Score once.**  For every binding of the base config and every point of its parameter grid
-   (:data:`GRIDS`), each run's detector scores are computed once, with ``threshold = +inf`` and
+   (from the detector's registry entry, :func:`stability.registry.tune_grids`), each run's
+   detector scores are computed once, with ``threshold = +inf`` and
    ``freeze_on_alarm = False`` (so the score does not depend on the threshold), and reduced to
    one score per step (max over series).  These *scoring jobs* (one per run) run in local
    processes or on Ray (``backend="ray"``).
@@ -39,6 +40,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from stability.registry import tune_grids
+
 from .evaluate import (
     DEFAULT_GAP,
     DEFAULT_TOLERANCE,
@@ -63,13 +66,6 @@ from .scoring import (
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 
-#: parameter grids per registry name (every combination is scored; thresholds are swept)
-GRIDS: dict[str, dict[str, list[Any]]] = {
-    "ewma_z": {"alpha": [0.02, 0.05], "min_std": [0.01, 0.05, 0.1]},
-    "robust_z": {"window": [32, 128], "min_std": [0.01, 0.05, 0.1]},
-    "ratio": {"window": [20, 100]},
-    "page_hinkley": {"delta": [0.02, 0.05]},
-}
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -100,7 +96,7 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
     """Every (binding, grid point) of a resolved config's ``detectors`` list."""
     from stability.registry import detector_class, is_available
 
-    grids = GRIDS if grids is None else grids
+    grids = tune_grids() if grids is None else grids
     out = []
     for b, d in enumerate(detectors):
         det = d["detector"]
@@ -133,59 +129,36 @@ class RunScores:
     scores: list[FloatArray]
 
 
-def _bind(columns: Sequence[str], patterns: Sequence[str], aliases: Mapping[str, str]
-          ) -> list[list[str]]:
-    """For each series key (in first-seen order), the raw column bound to each input."""
-    from stability.binding import Aliases, Pattern
+def _binder(candidates: Sequence[Candidate], aliases: Mapping[str, str]) -> Any:
+    """A log-only monitor holding one binding per candidate binding: the monitor's own binder
+    (:meth:`stability.monitor.Monitor.bind_table`) is what tuning scores are computed on."""
+    from stability.monitor import Monitor
 
-    al = Aliases(aliases)
-    canon: dict[str, str] = {}
-    for c in columns:
-        if c != "step":
-            canon[al(c)] = c
-    per_input: list[dict[str, str]] = []
-    for pat in patterns:
-        p = Pattern(pat)
-        found: dict[str, str] = {}
-        for name, raw in canon.items():
-            key = p.match(name)
-            if key is not None:
-                found[key] = raw
-        per_input.append(found)
-    keys = [k for k in per_input[0] if all(k in m for m in per_input[1:])]
-    return [[m[k] for m in per_input] for k in keys]
+    dets: dict[str, dict[str, Any]] = {}
+    for c in candidates:
+        dets.setdefault(c.name, {"name": c.name, "detector": c.detector,
+                                 "inputs": list(c.inputs), "params": c.params_dict()})
+    return Monitor({"monitor": {"aliases": dict(aliases), "log_only": True},
+                    "detectors": list(dets.values())}, alert_sinks=[])
 
 
 def score_table(table: Any, candidates: Sequence[Candidate], aliases: Mapping[str, str],
                 run_id: str = "") -> RunScores:
-    """Compute every candidate's per-step score on one run table."""
+    """Compute every candidate's per-step score on one run table.
+
+    The table is bound by the monitor's own binder, so a tuned threshold applies online to
+    exactly the scores it was tuned on.
+    """
     from stability.registry import make_detector
 
-    from .baselines import column
-
-    steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    steps, bound = _binder(candidates, aliases).bind_table(table)
     t = steps.size
-    cache: dict[tuple[str, ...], tuple[FloatArray, BoolArray] | None] = {}
     out: list[FloatArray] = []
     for c in candidates:
-        if c.inputs not in cache:
-            series = _bind(table.column_names, c.inputs, aliases)
-            if not series:
-                cache[c.inputs] = None
-            else:
-                x = np.empty((t, len(c.inputs), len(series)))
-                m = np.empty((t, len(c.inputs), len(series)), dtype=np.bool_)
-                for j, cols in enumerate(series):
-                    for i, col in enumerate(cols):
-                        v, miss = column(table, col)  # type: ignore[misc]
-                        x[:, i, j] = v
-                        m[:, i, j] = miss
-                cache[c.inputs] = (x, m)
-        data = cache[c.inputs]
-        if data is None or t == 0:
+        x, m = bound[c.name]
+        if t == 0 or x.shape[2] == 0:
             out.append(np.full(t, -np.inf))
             continue
-        x, m = data
         params = c.params_dict()
         if c.tunable:
             params["threshold"] = math.inf
