@@ -430,19 +430,22 @@ class BankDetector:
                 f"{where}: 'params.n_series' is {params['n_series']!r:.60} but the state "
                 f"arrays hold {n} series."
             )
-        ref_state, ref_buf = self._init_state(n), self._init_buf(n)
+        # expected shapes from zero-series arrays: a small hostile 'state' must not make us
+        # allocate a huge reference buffer
+        ref_state = (self._init_state(0).shape[0], n)
+        ref_buf = (self._init_buf(0).shape[0], n)
         if "buf" in state:
             buf = as_float_array(name, "buf", state["buf"], None)
-            if buf.size == 0 and ref_buf.size == 0:
-                buf = ref_buf  # (0, n) is [] after a JSON round trip
-        elif ref_buf.size == 0:
-            buf = ref_buf
+            if buf.size == 0 and ref_buf[0] == 0:
+                buf = np.zeros(ref_buf)  # (0, n) is [] after a JSON round trip
+        elif ref_buf[0] == 0:
+            buf = np.zeros(ref_buf)
         else:
             raise ValueError(f"{where}: the snapshot has no 'buf' array.")
-        if st.shape != ref_state.shape or buf.shape != ref_buf.shape:
+        if st.shape != ref_state or buf.shape != ref_buf:
             raise ValueError(
                 f"{where}: state shapes {st.shape}/{buf.shape} do not match "
-                f"this detector's {ref_state.shape}/{ref_buf.shape}; were the hyperparameters "
+                f"this detector's {ref_state}/{ref_buf}; were the hyperparameters "
                 "the same?"
             )
         for h in self.state_hyperparameters:
