@@ -70,7 +70,8 @@ svg .marker{stroke-width:1.2;opacity:.7} svg .empty{font-size:12px;fill:#999}
 .hm{display:flex;align-items:flex-start} .hm img{image-rendering:pixelated;width:760px;
 border:1px solid #ccc} .rows{width:136px;padding-right:4px;font-size:10px;color:#444;
 text-align:right} .rowlab{overflow:hidden;white-space:nowrap;text-overflow:ellipsis}
-svg .episode{opacity:.22} td.num{text-align:right;font-variant-numeric:tabular-nums}
+svg .episode{opacity:.22} table.episodes{width:100%}
+table.episodes td{overflow-wrap:anywhere} td.num{text-align:right;font-variant-numeric:tabular-nums}
 details summary{cursor:pointer;font-size:13px;margin:6px 0}
 pre{background:#f7f7f7;padding:8px;font-size:12px;
 overflow:auto} .kind{display:inline-block;width:10px;height:10px;margin-right:4px}
@@ -170,7 +171,7 @@ def _episode_label(e: Mapping[str, Any]) -> str:
             else f"steps {e['first_step']}-{e['last_step']}")
     sig = list(e["signals"])
     more = f" +{len(sig) - EPISODE_SIGNALS} more" if len(sig) > EPISODE_SIGNALS else ""
-    text = (f"{span}: {_counts(e['kinds'])} on {', '.join(sig[:EPISODE_SIGNALS])}{more}; "
+    text = (f"{span}: {_counts(e['kinds'])} on {'; '.join(sig[:EPISODE_SIGNALS])}{more}; "
             f"peak score {fmt(e['peak_score'])} ({e['peak_signal']}, step {e['peak_step']})")
     if e["cause"]:
         text += f"; cause {e['cause']}"
@@ -221,7 +222,10 @@ def _heatmap_html(fam: str, steps: np.ndarray, layers: list[str], mat: np.ndarra
     n = len(layers)
     row = max(3, min(16, 640 // max(n, 1)))
     every = max(1, math.ceil(10 / row))
-    uri = heatmap_png(binned.T, log=fam != "act_mean", cell_h=1)
+    fin = binned[np.isfinite(binned)]
+    # log colour scale for positive magnitudes; signed families (mean, excess kurtosis) linear
+    log = fam not in ("act_mean", "act_kurtosis") and bool(fin.size) and bool(np.all(fin > 0))
+    uri = heatmap_png(binned.T, log=log, cell_h=1)
     labels = "".join(
         f'<div class="rowlab" style="height:{row}px;line-height:{row}px;'
         f'font-size:{min(10, row)}px">{html.escape(name) if k % every == 0 else ""}</div>'
@@ -250,8 +254,8 @@ def _summary_rows(
     rows: list[tuple[str, str]] = []
     by_kind = Counter(str(a.get("kind")) for a in alarms)
     n_steps = len({int(a["step"]) for a in alarms})
-    rows.append(("alarms", f"{len(alarms)} on {n_steps} steps in {len(eps)} episodes"
-                 if alarms else "0"))
+    rows.append(("alarms", f"{len(alarms)} on {n_steps} steps in {len(eps)} "
+                 f"episode{'s' if len(eps) != 1 else ''}" if alarms else "0"))
     for kind, n in sorted(by_kind.items()):
         colour = KIND_COLOURS.get(kind, "#888")
         rows.append((f'<span class="kind" style="background:{colour}"></span>{kind}', str(n)))
@@ -285,7 +289,7 @@ def _summary_rows(
             rows.append(("lead time", f"{int(div) - first} steps before divergence ({div})"))
     for k, v in goodput.items():
         if v is None or isinstance(v, (bool, int, float, str)):
-            rows.append((f"goodput: {k}", fmt(v)))
+            rows.append((f"goodput: {k}", "none" if v is None else fmt(v)))
     return rows
 
 
@@ -331,7 +335,7 @@ def _episodes_table(eps: Sequence[Mapping[str, Any]]) -> str:
         rows.append(
             f"<tr class='episode'><td>{span}</td><td>{html.escape(e['cause'] or '-')}</td>"
             f"<td>{html.escape(_counts(e['kinds']))}</td>"
-            f"<td>{html.escape(', '.join(sig[:EPISODE_SIGNALS]) + more)}</td>"
+            f"<td>{html.escape('; '.join(sig[:EPISODE_SIGNALS]) + more)}</td>"
             f"<td class='num'>{fmt(e['first_score'])}</td>"
             f"<td class='num'>{fmt(e['peak_score'])} <span class='sub'>"
             f"({html.escape(e['peak_signal'])}, step {e['peak_step']})</span></td>"
