@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -153,6 +154,8 @@ def episodes(items: Iterable[Any], interventions: Iterable[Any] = (),
     if not alarms:
         return out
     alarms.sort(key=lambda a: int(a["step"]))
+    ivs.sort(key=lambda i: int(i["step"]))
+    iv_steps = [int(i["step"]) for i in ivs]
     bounds = alarm_episodes([int(a["step"]) for a in alarms], gap=gap)
     k = 0
     for lo, hi in bounds:
@@ -160,7 +163,7 @@ def episodes(items: Iterable[Any], interventions: Iterable[Any] = (),
         while k < len(alarms) and int(alarms[k]["step"]) <= hi:
             group.append(alarms[k])
             k += 1
-        in_ep = [i for i in ivs if lo <= int(i["step"]) <= hi]
+        in_ep = ivs[bisect_left(iv_steps, lo):bisect_right(iv_steps, hi)]
         scores = [_num(a.get("score")) for a in group]
         ranked = [(-math.inf if math.isnan(s) else s, j) for j, s in enumerate(scores)]
         pj = max(ranked)[1]
