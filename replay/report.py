@@ -513,7 +513,7 @@ def write_png(
             v = _column(table, "val_loss")
             ok = table.column("val_loss").is_valid().to_numpy(zero_copy_only=False)
             ax.plot(steps[ok], v[ok], "o-", ms=2.5, lw=0.9, color="#E69F00", label="val_loss")
-        if name == "grad_norm":
+        if name == "grad_norm" or (name == "loss" and _loss_is_log(table, ["loss"])):
             ax.set_yscale("log")
         for a in alarms:
             ax.axvline(
