@@ -77,10 +77,10 @@ def score_preset(preset: str, runs: Sequence[tuple[str, str]], labels: Mapping[s
 
 def _headline(rows: Mapping[str, Any]) -> str:
     """The issue-14 headline figures, one line per preset."""
-    def f(v: float, pct: bool = False) -> str:
+    def f(v: float, pct: bool = False, digits: int = 1) -> str:
         if isinstance(v, float) and math.isnan(v):
             return "-"
-        return f"{100 * v:.0f}%" if pct else f"{v:.2f}" if v < 10 else f"{v:.0f}"
+        return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
 
     head = (f"{'preset':<14} {'runs':>5} {'recall@W':>9} {'visible':>8} {'delay':>6} "
             f"{'before-fail':>12} {'lead':>6} {'FA/10k':>7} {'clean-alarmed':>14}")
@@ -89,7 +89,8 @@ def _headline(rows: Mapping[str, Any]) -> str:
         lines.append(
             f"{name:<14} {s.n_runs:>5} {f(s.recall_all, True):>9} {f(s.recall, True):>8} "
             f"{f(s.median_delay):>6} {f(s.recall_before_divergence, True):>12} "
-            f"{f(s.median_lead):>6} {f(s.fa_per_10k):>7} {f(s.clean_runs_alarmed, True):>14}")
+            f"{f(s.median_lead):>6} {f(s.fa_per_10k, digits=2):>7} "
+            f"{f(s.clean_runs_alarmed, True):>14}")
     return "\n".join(lines)
 
 
