@@ -349,6 +349,18 @@ def derive_label(run_id: str, cfg: Config, fault: Fault | None, table: Any,
     return row
 
 
+def relabel_config(job: tuple[Config, list[Fault], list[str], str, int]) -> list[dict[str, Any]]:
+    """Re-derive one configuration's labels from its runs already in the runs folder."""
+    from replay.reader import read_run
+
+    cfg, faults, ids, runs_dir, _ = job
+    tables = [read_run(Path(runs_dir) / f"{rid}.parquet") for rid in ids]
+    rows = [derive_label(ids[0], cfg, None, tables[0], None)]
+    for f, rid, t in zip(faults, ids[1:], tables[1:], strict=True):
+        rows.append(derive_label(rid, cfg, f, t, tables[0]))
+    return rows
+
+
 def run_config(job: tuple[Config, list[Fault], list[str], str, int]) -> list[dict[str, Any]]:
     """Train one configuration's clean run and its faulted runs; returns their label rows."""
     cfg, faults, ids, runs_dir, eval_every = job
@@ -461,6 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="a small set for tests: 10 configurations x 4 runs of 160 steps")
     p.add_argument("--only", default=None, help="comma-separated config indices (debugging)")
+    p.add_argument("--labels-only", action="store_true",
+                   help="only re-derive labels.* and manifest.json from the runs in --out")
     a = p.parse_args(argv)
     if a.quick:
         a.configs, a.steps = 10, 160
@@ -468,9 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--steps must be at least 60")
     out = Path(a.out)
     runs_dir = out / "runs"
-    if runs_dir.exists():
+    if runs_dir.exists() and not a.labels_only:
         shutil.rmtree(runs_dir)
-    runs_dir.mkdir(parents=True)
+    runs_dir.mkdir(parents=True, exist_ok=True)
     todo = plan(a.configs, a.faults_per_config, a.steps, a.seed)
     if a.only:
         keep = {int(x) for x in a.only.split(",")}
@@ -481,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [(c, f, ids, str(runs_dir), a.eval_every) for c, f, ids in todo]
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    if a.labels_only:
+        rows = [r for j in jobs for r in relabel_config(j)]
+        jobs = []
     if a.jobs > 1:
         with ProcessPoolExecutor(a.jobs) as ex:
             for i, r in enumerate(ex.map(run_config, jobs), 1):

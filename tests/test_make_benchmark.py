@@ -158,6 +158,9 @@ def test_bench_detection_on_a_quick_set(tmp_path: Path,
     assert len([f for f in manifest["files"] if f.startswith("runs/")]) == 4
     for rel, digest in manifest["files"].items():
         assert mb.sha256(out / rel) == digest
+    labels = (out / "labels.json").read_text()
+    assert mb.main(["--quick", "--only", "0", "--out", str(out), "--labels-only"]) == 0
+    assert (out / "labels.json").read_text() == labels  # re-derived from the recorded runs
     capsys.readouterr()
     js = tmp_path / "fig.json"
     assert bd.main(["--runs", str(out / "runs"), "--presets", "default,small", "--jobs", "1",
