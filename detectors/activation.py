@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._state import StateCheck
 
 LOG_FLOOR = 1e-30
 #: E|X - mu| = sigma * sqrt(2 / pi) for a Gaussian, so sigma = mean abs deviation * this
@@ -253,6 +254,13 @@ class ActivationShift(BankDetector):
         return np.zeros((3 * self.n_features, n))
 
     kernel = staticmethod(_shift_kernel)
+    state_hyperparameters = ("n_features", "log_space")
+
+    def _check_state(self, c: StateCheck) -> None:
+        st = c.state
+        c.not_nan("location", st[_LOC::3])
+        c.not_nan("scale", st[_SCALE::3], 0.0)
+        c.integers("count", st[_COUNT::3], 0)
 
     @property
     def location(self) -> FloatArray:
@@ -512,6 +520,19 @@ class HistogramDrift(BankDetector):
         return np.zeros((2 * self.window + 3 * self.n_bins + 5, n))
 
     kernel = staticmethod(_hist_kernel)
+    state_hyperparameters = ("window", "n_bins")
+
+    def _check_state(self, c: StateCheck) -> None:
+        st, w, nb = c.state, self.window, self.n_bins
+        c.integers("count", st[_H_COUNT], 0)
+        c.integers("n_reference", st[_H_NREF], 0, w)
+        c.integers("position", st[_H_POS], 0, w - 1)
+        c.integers("n_current", st[_H_NCUR], 0, w)
+        c.not_nan("score", st[_H_SCORE])
+        c.integers("since", st[_H_SINCE], 0)
+        c.finite("windows", c.buf[: 2 * w])
+        c.not_nan("edges", c.buf[2 * w : 2 * w + nb + 1])
+        c.integers("bin counts", c.buf[2 * w + nb + 1 :], 0)
 
     @property
     def edges(self) -> FloatArray:

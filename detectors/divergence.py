@@ -35,6 +35,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_float, check_int
+from ._state import StateCheck
 
 LOG_FLOOR = 1e-30
 
@@ -208,6 +209,17 @@ class TrainValDivergence(BankDetector):
         return np.zeros((self.n_points, n))
 
     kernel = staticmethod(_tv_kernel)
+    state_hyperparameters = ("n_points",)
+
+    def _check_state(self, c: StateCheck) -> None:
+        st = c.state
+        for row, field in ((_TM, "train_mean"), (_PREV_V, "prev_val"), (_PREV_M, "prev_train")):
+            c.finite(field, st[row])
+        for row, field in ((_TCOUNT, "train_count"), (_NVAL, "n_val"), (_NINC, "n_increments")):
+            c.integers(field, st[row], 0)
+        c.integers("position", st[_POS], 0, self.n_points - 1)
+        c.one_of("has_train", st[_HAS_M], (0.0, 1.0))
+        c.finite("increments", c.buf)
 
     @property
     def smoothed_train(self) -> FloatArray:
@@ -332,3 +344,12 @@ class ValSpike(BankDetector):
         return np.zeros((self.window, n))
 
     kernel = staticmethod(_vs_kernel)
+    state_hyperparameters = ("window",)
+
+    def _check_state(self, c: StateCheck) -> None:
+        st = c.state
+        c.finite("prev", st[_VS_PREV])
+        c.integers("n_val", st[_VS_NVAL], 0)
+        c.integers("n_increments", st[_VS_NINC], 0)
+        c.integers("position", st[_VS_POS], 0, self.window - 1)
+        c.finite("increments", c.buf, 0.0)

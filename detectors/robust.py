@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
@@ -307,6 +308,14 @@ class RobustZScore(BankDetector):
         return np.zeros((2 * self.window if self.robust else self.window, n))
 
     kernel = staticmethod(_kernel)
+    state_hyperparameters = ("window", "robust", "log_space")
+
+    def _check_state(self, c: StateCheck) -> None:
+        w = self.window
+        c.ring("window", c.state[_POS], c.state[_COUNT], w)
+        c.finite("window values", c.buf)
+        if self.robust:
+            c.sorted_copy("sorted window", c.buf[:w], c.buf[w:], c.state[_COUNT], w)
 
     @property
     def count(self) -> FloatArray:

@@ -62,7 +62,7 @@ class RegistryEntry:
         Default alarm kind (``None`` = inferred from the bound signals, see
         :func:`stability.config.infer_kind`).
     grid
-        Offline tuning grid (:func:`replay.tune.tune`): parameter -> values tried besides the
+        Offline tuning grid (:func:`replay.tuning.tune`): parameter -> values tried besides the
         threshold; empty = only the threshold is tuned.
 
     >>> REGISTRY["page_hinkley"].kind, REGISTRY["ewma_z"].grid["alpha"]
