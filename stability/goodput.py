@@ -80,6 +80,11 @@ class GoodputTracker:
     clock : callable, optional
         Wall-clock source (default :func:`time.monotonic`); the time between two consecutive
         :meth:`update` calls is attributed to the later step.
+    auto_start : bool
+        ``True`` (default): the first :meth:`update` starts the wall clock.  ``False``: steps
+        are counted without reading the clock until :meth:`start` is called (what a
+        :class:`~stability.monitor.Monitor` does: a replay or a bare ``observe()`` loop counts
+        steps only, deterministically; the trainer adapters call :meth:`start`).
 
     Notes
     -----
@@ -87,8 +92,10 @@ class GoodputTracker:
     :meth:`update` takes a lock only when something was noted.
     """
 
-    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None, *,
+                 auto_start: bool = True) -> None:
         self.clock = clock or time.monotonic
+        self.timing = bool(auto_start)  # the wall clock is read (else steps only)
         self.steps = 0
         self.skipped = 0
         self.lost = 0
@@ -120,12 +127,16 @@ class GoodputTracker:
 
     # ------------------------------------------------------------------ steps
     def start(self) -> None:
-        """Set the wall-clock origin now (else it is the first :meth:`update`)."""
+        """Set the wall-clock origin now (else it is the first :meth:`update`) and account
+        wall time from now on (also after a :meth:`load_state_dict`)."""
+        self.timing = True
         if self._last_time is None:
             self._last_time = float(self.clock())
 
     def _close(self) -> float:
         """Close the open interval at the clock: its length less the noted time in it."""
+        if not self.timing:
+            return 0.0
         now = float(self.clock())
         dt = 0.0 if self._last_time is None else max(now - self._last_time, 0.0)
         self._last_time = now

@@ -123,8 +123,10 @@ class Monitor(ReplayMixin, StateMixin):
         A :class:`~stability.checkpoints.CheckpointLedger` (a fresh one by default), passed to
         the policy as ``context["healthy_checkpoints"]``.
     goodput
-        The run's :class:`~stability.goodput.GoodputTracker` (a fresh one by default; pass one
-        to share it, e.g. with the :class:`~stability.watchdog.StallWatchdog`).  Every step --
+        The run's :class:`~stability.goodput.GoodputTracker` (by default a fresh one that
+        counts steps only until :meth:`~stability.goodput.GoodputTracker.start` is called --
+        the trainer adapters do -- so replays stay deterministic; pass one to share it, e.g.
+        with the :class:`~stability.watchdog.StallWatchdog`).  Every step --
         live or replayed -- is counted from the :class:`~stability.types.Control` the monitor
         returns (:meth:`~stability.goodput.GoodputTracker.update_from_control`); a requested
         rollback is counted there, and an adapter that performs it replaces that count with
@@ -159,7 +161,8 @@ class Monitor(ReplayMixin, StateMixin):
         self._owns_event_log = event_log is None  # close() closes only what it opened
         self.event_log = event_log if event_log is not None else event_log_from_config(
             self.config)
-        self.goodput = goodput if goodput is not None else GoodputTracker()
+        # steps only until a trainer adapter starts its clock: replays stay deterministic
+        self.goodput = goodput if goodput is not None else GoodputTracker(auto_start=False)
         self.goodput_every = self.config.event_log.goodput_every
         self._closed = False
         self._owns_sinks = alert_sinks is None
