@@ -62,14 +62,13 @@ import numpy as np
 from .binding import Aliases, gather_step
 from .config import ConfigSource, MonitorConfig, load_config
 from .goodput import GoodputTracker
-from .monitor_layout import GatherPlan, _Binding
-from .monitor_replay import MAX_STEP, ReplayMixin
+from .monitor_layout import MAX_STEP, _Binding
+from .monitor_replay import ReplayMixin
 from .monitor_state import GRAD_HISTORY, STATE_VERSION, StateMixin
 from .policy import Policy
 from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
 
-__all__ = ["GRAD_HISTORY", "HANDLER_TIMEOUT", "MAX_STEP", "STATE_VERSION", "GatherPlan",
-           "Monitor"]
+__all__ = ["MAX_STEP", "STATE_VERSION", "Monitor"]
 
 logger = logging.getLogger("stability.monitor")
 
@@ -229,34 +228,6 @@ class Monitor(ReplayMixin, StateMixin):
             if b.spec.detector == "lr_jump":
                 b.det.reset()
                 self._dirty = True  # reset() reallocates the arrays the fast path is bound to
-
-    # ------------------------------------------------------------------ input
-    def _bad(self, msg: str, skipped: list[str], capped: bool = False) -> None:
-        if self.strict and not capped:  # a full bank is a resource limit, not bad input
-            raise ValueError(msg)
-        skipped.append(msg)
-        self.counters["skipped_values"] += 1
-
-    def _check_step(self, step: Any, skipped: list[str]) -> int | None:
-        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer, float)):
-            self._bad(f"step: must be an int; got {step!r}", skipped)
-            return None
-        if isinstance(step, float) and not (math.isfinite(step) and step.is_integer()):
-            self._bad(f"step: must be an int; got {step!r}", skipped)
-            return None
-        s = int(step)
-        if s < 0:
-            self._bad(f"step {s}: negative step; not fed to detectors", skipped)
-            return None
-        if s > MAX_STEP:
-            self._bad(f"step {s}: above the largest accepted step 2**53 - 1; not fed to "
-                      "detectors", skipped)
-            return None
-        if s <= self.last_step:
-            self._bad(f"step {s}: not after the last observed step {self.last_step} "
-                      "(duplicate or out of order); not fed to detectors", skipped)
-            return None
-        return s
 
     # ------------------------------------------------------------------ the step
     def observe(self, step: int, metrics: Mapping[str, Any] | None = None,

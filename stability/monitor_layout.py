@@ -15,9 +15,10 @@ monitor's module docstring for the input policy.
 from __future__ import annotations
 
 import logging
+import math
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,10 +28,12 @@ from .monitor_io import to_float
 from .registry import make_detector
 from .types import Alarm
 
-__all__ = ["GatherPlan", "LayoutMixin"]
+__all__ = ["MAX_STEP", "GatherPlan", "LayoutMixin"]
 
 logger = logging.getLogger("stability.monitor")
 
+#: Steps must be integers in ``[0, MAX_STEP]`` (exactly representable as float64).
+MAX_STEP = 2**53 - 1
 _ABSENT, _SCRATCH = 0, 1
 _CAPPED = -2  # _lookup: a name every matching bank refused (series cap)
 _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
@@ -128,8 +131,7 @@ class LayoutMixin:
     _gather: GatherPlan
     _calls: list[tuple[Any, Any, Any]]
 
-    if TYPE_CHECKING:
-        def _bad(self, msg: str, skipped: list[str], capped: bool = False) -> None: ...
+    last_step: int
 
     def _reset_layout(self) -> None:
         self._slot_names: list[str] = ["<absent>", "<scratch>"]
@@ -303,6 +305,33 @@ class LayoutMixin:
         return [(b, b.scores[0], b.alarms[0]) for b in self._bindings]  # type: ignore[index]
 
     # ------------------------------------------------------------------ filling a step
+    def _bad(self, msg: str, skipped: list[str], capped: bool = False) -> None:
+        if self.strict and not capped:  # a full bank is a resource limit, not bad input
+            raise ValueError(msg)
+        skipped.append(msg)
+        self.counters["skipped_values"] += 1
+
+    def _check_step(self, step: Any, skipped: list[str]) -> int | None:
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer, float)):
+            self._bad(f"step: must be an int; got {step!r}", skipped)
+            return None
+        if isinstance(step, float) and not (math.isfinite(step) and step.is_integer()):
+            self._bad(f"step: must be an int; got {step!r}", skipped)
+            return None
+        s = int(step)
+        if s < 0:
+            self._bad(f"step {s}: negative step; not fed to detectors", skipped)
+            return None
+        if s > MAX_STEP:
+            self._bad(f"step {s}: above the largest accepted step 2**53 - 1; not fed to "
+                      "detectors", skipped)
+            return None
+        if s <= self.last_step:
+            self._bad(f"step {s}: not after the last observed step {self.last_step} "
+                      "(duplicate or out of order); not fed to detectors", skipped)
+            return None
+        return s
+
     def _key_plan(self, metrics: Mapping[Any, Any]) -> KeyPlan:
         """Slots of ``metrics``' keys, cached for the two most recent key layouts."""
         keys = list(metrics)

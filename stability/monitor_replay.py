@@ -15,13 +15,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .monitor_io import table_columns
-from .monitor_layout import _SCRATCH, LayoutMixin, _Binding
+from .monitor_layout import _SCRATCH, MAX_STEP, LayoutMixin, _Binding
 from .types import Control, Decision, Intervention
 
 __all__ = ["ReplayMixin"]
-
-#: Steps must be integers in ``[0, MAX_STEP]`` (exactly representable as float64).
-MAX_STEP = 2**53 - 1
 
 
 class ReplayMixin(LayoutMixin):
