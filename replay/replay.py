@@ -13,6 +13,12 @@ Goodput figures (all counterfactual -- the recorded run did not act on the reque
 * ``goodput``: ``(executed - skipped - rolled back) / executed`` where ``executed`` is the number
   of recorded steps up to and including the stop (all of them without a stop).
 
+These are counted from the requested interventions, not read from the monitor's goodput ledger
+(:attr:`stability.monitor.Monitor.goodput`): the ledger books what a trainer acting on the
+returned ``Control`` ran -- every recorded step, also after a stop, and nothing in ``log_only``
+mode -- while these figures stop at the stop and count requests.  On a run without a stop
+and not in ``log_only`` mode the two agree (``tests/test_monitor_goodput.py`` checks it).
+
 Examples
 --------
 >>> discover_runs("/nonexistent/*.parquet")
