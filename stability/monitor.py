@@ -322,6 +322,20 @@ class Monitor(ReplayMixin, StateMixin):
         except Exception:  # bookkeeping never kills the run
             logger.debug("could not record the goodput ledger", exc_info=True)
 
+    def record_goodput(self) -> None:
+        """Sync the goodput ledger and append its record to the event log now (never raises).
+
+        The trainer adapters call this at the end of ``fit``/``train`` (the monitor stays open:
+        a resumed or second ``train()`` keeps using it).
+        """
+        if self.event_log is None or self._closed:
+            return
+        try:
+            self.goodput.sync()
+        except Exception:  # noqa: BLE001 -- bookkeeping never kills the run
+            logger.debug("could not sync the goodput ledger", exc_info=True)
+        self._log_goodput()
+
     def close(self) -> None:
         """End of run: a final goodput record, then close what the monitor opened itself.
 

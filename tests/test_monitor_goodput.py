@@ -166,3 +166,18 @@ def test_ledger_agrees_with_replay_goodput_on_runs_without_a_stop() -> None:
             want["executed_steps"], want["skipped_steps"], want["rollback_steps"])
         checked += led.skipped > 0
     assert checked == 3
+
+
+def test_record_goodput_logs_now_and_keeps_the_monitor_open(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from stability import EventLog, Monitor, read_events
+
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path) as log:
+        mon = Monitor("default", event_log=log)
+        for s in range(5):
+            mon.observe(s, {"loss": 1.0})
+        mon.record_goodput()
+        mon.observe(5, {"loss": 1.0})
+        mon.record_goodput()
+    recs = [r for r in read_events(path) if r["type"] == "goodput"]
+    assert [r["steps"] for r in recs] == [5, 6]

@@ -276,6 +276,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self._hook = None
         if self.guard is not None:
             self.guard.detach()
+        record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
+        if record is not None:
+            record()
 
     # ------------------------------------------------------------------ per step
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

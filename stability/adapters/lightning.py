@@ -212,6 +212,9 @@ class StabilityCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None:
             self.guard.detach()
+        record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
+        if record is not None:
+            record()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
