@@ -524,7 +524,8 @@ def format_ranks(records: Iterable[Mapping[str, Any]]) -> str:
     right = {0, 3, 4, 5}
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
-                       for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
+                       for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+             for row in rows]
     sus = [f"rank {r}" + (f" / {latest[r].get('host')}" if latest[r].get("host") else "")
            for r in sorted(latest) if latest[r].get("status") == "suspect"]
     lines.append(f"{sum(alarms.values())} rank-outlier alarm(s); suspects: "
