@@ -28,6 +28,7 @@ values are needed to name an outlier; with two ranks only the non-finite rule ap
 Examples
 --------
 >>> import numpy as np
+import numpy.typing as npt
 >>> mon = RankMonitor(hosts=["a", "a", "b", "b"])
 >>> x = np.array([[2.0, 1.0, 0.1, 0.0, 0.0]] * 4)
 >>> x[3, 1] = 40.0                                 # rank 3's local gradient norm
@@ -171,7 +172,7 @@ class RankOutlierDetector:
         self.typical = {s: math.nan for s in self.specs}
         self.seen = {s: 0 for s in self.specs}
 
-    def scores(self, name: str, values: np.ndarray) -> tuple[np.ndarray, float, float]:
+    def scores(self, name: str, values: npt.ArrayLike) -> tuple[np.ndarray, float, float]:
         """``(z per rank, median, scale)`` of one signal, *without* updating the state.
 
         ``z`` is ``nan`` where the value is not finite or too few ranks are finite.
@@ -194,7 +195,7 @@ class RankOutlierDetector:
         z[ok] = (v - med) / scale
         return z, med, mad
 
-    def update(self, step: int, matrix: np.ndarray) -> list[RankFinding]:
+    def update(self, step: int, matrix: npt.ArrayLike) -> list[RankFinding]:
         """Score one step's ``(world, k)`` matrix (columns :attr:`signals`); test-then-train.
 
         Returns the findings, ordered by rank then signal. All ranks non-finite is *not* an
@@ -208,9 +209,11 @@ class RankOutlierDetector:
         out: list[RankFinding] = []
         # non-finite on some ranks only
         bad = np.zeros(m.shape[0], dtype=bool)
-        for s in _NONFINITE_SOURCES:
+        for s in _NONFINITE_SOURCES:  # missing everywhere (nan on all ranks) is not a finding
             if s in col:
-                bad |= ~np.isfinite(m[:, col[s]])
+                b = ~np.isfinite(m[:, col[s]])
+                if not b.all():
+                    bad |= b
         if "nonfinite" in col:
             flag = m[:, col["nonfinite"]]
             bad |= np.isfinite(flag) & (flag > 0)
@@ -451,7 +454,7 @@ class RankMonitor:
         return Alarm(f.step, "rank_outlier", f"rank{f.rank}/{f.signal}", float(abs(f.z)),
                      self.detector.threshold, sev, "rank_mad", msg)
 
-    def observe(self, step: int, matrix: np.ndarray) -> tuple[Alarm, ...]:
+    def observe(self, step: int, matrix: npt.ArrayLike) -> tuple[Alarm, ...]:
         """Score one step's ``(world, k)`` matrix; update the ledger; return the alarms."""
         m = np.asarray(matrix, dtype=np.float64)
         if m.ndim != 2 or m.shape[0] != self.world_size:
