@@ -28,7 +28,6 @@ values are needed to name an outlier; with two ranks only the non-finite rule ap
 Examples
 --------
 >>> import numpy as np
-import numpy.typing as npt
 >>> mon = RankMonitor(hosts=["a", "a", "b", "b"])
 >>> x = np.array([[2.0, 1.0, 0.1, 0.0, 0.0]] * 4)
 >>> x[3, 1] = 40.0                                 # rank 3's local gradient norm
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .types import Alarm
 
