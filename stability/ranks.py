@@ -85,6 +85,9 @@ class SignalSpec:
         Steps seen before this signal can name a rank (timings are noisy at start-up).
     two_sided : bool
         Flag values far below the others too (``False`` for times: being fast is no fault).
+    persist : int
+        Consecutive outlier steps of the same rank before it is named (``2`` for times: one slow
+        step is jitter -- a pause, a page fault --, a straggler stays slow).
     """
 
     log: bool = False
@@ -93,14 +96,17 @@ class SignalSpec:
     rel_floor: float = 0.0
     warmup: int = 0
     two_sided: bool = True
+    persist: int = 1
 
 
 #: Default comparison per signal.
 DEFAULT_SPECS: dict[str, SignalSpec] = {
     "loss": SignalSpec(log=False, floor=1e-3, rel_floor=0.05),
     "grad_norm": SignalSpec(log=True, offset=0.0, floor=0.05),
-    "step_time": SignalSpec(log=True, offset=1e-3, floor=0.2, warmup=5, two_sided=False),
-    "data_wait": SignalSpec(log=True, offset=1e-2, floor=0.2, warmup=5, two_sided=False),
+    "step_time": SignalSpec(log=True, offset=1e-3, floor=0.2, warmup=5, two_sided=False,
+                            persist=2),
+    "data_wait": SignalSpec(log=True, offset=1e-2, floor=0.2, warmup=5, two_sided=False,
+                            persist=2),
 }
 
 
@@ -166,11 +172,13 @@ class RankOutlierDetector:
         self.signals = tuple(signals)
         self.typical = {s: math.nan for s in self.specs}  #: EW average cross-rank spread
         self.seen = {s: 0 for s in self.specs}  #: steps with enough finite values
+        self.run: dict[str, list[int]] = {}  #: consecutive outlier steps per rank, by signal
 
     def reset(self) -> None:
         """Forget the typical spreads."""
         self.typical = {s: math.nan for s in self.specs}
         self.seen = {s: 0 for s in self.specs}
+        self.run = {}
 
     def scores(self, name: str, values: npt.ArrayLike) -> tuple[np.ndarray, float, float]:
         """``(z per rank, median, scale)`` of one signal, *without* updating the state.
@@ -226,14 +234,20 @@ class RankOutlierDetector:
             x = m[:, col[s]].copy()
             x[bad] = np.nan  # a rank already named non-finite does not enter the statistics
             z, med, mad = self.scores(s, x)
+            hit = np.isfinite(z) & ((np.abs(z) if spec.two_sided else z) > self.threshold)
+            run = self.run.setdefault(s, [0] * m.shape[0])
+            if len(run) != m.shape[0]:
+                run[:] = [0] * m.shape[0]
+            for i in range(m.shape[0]):
+                run[i] = run[i] + 1 if hit[i] else 0
             if not math.isfinite(med):
                 continue
-            hit = np.isfinite(z) & ((np.abs(z) if spec.two_sided else z) > self.threshold)
             if self.seen[s] >= spec.warmup:
-                for r in np.flatnonzero(hit):
-                    val = float(x[r])
+                for r in np.flatnonzero(hit).tolist():
+                    if run[r] < spec.persist:
+                        continue
                     mval = math.exp(med) - spec.offset if spec.log else med
-                    out.append(RankFinding(step, int(r), s, float(z[r]), val, mval))
+                    out.append(RankFinding(step, r, s, float(z[r]), float(x[r]), mval))
             self.seen[s] += 1
             if not hit.any():  # the typical spread learns from clean steps only
                 typ = self.typical[s]
@@ -247,7 +261,7 @@ class RankOutlierDetector:
         return {"version": STATE_VERSION,
                 "typical": {k: (None if not math.isfinite(v) else v)
                             for k, v in self.typical.items()},
-                "seen": dict(self.seen)}
+                "seen": dict(self.seen), "run": {k: list(v) for k, v in self.run.items()}}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -258,6 +272,7 @@ class RankOutlierDetector:
         for k, v in sd.get("seen", {}).items():
             if k in self.seen:
                 self.seen[k] = int(v)
+        self.run = {str(k): [int(x) for x in v] for k, v in sd.get("run", {}).items()}
 
 
 class RankHealthLedger:

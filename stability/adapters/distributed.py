@@ -210,6 +210,9 @@ def register_local_grad_norm_hook(ddp_model: Any, signals: RankSignals | None = 
         sig.on_bucket(bucket.buffer())
         return inner(state, bucket).then(_done)
 
+    # DDP checks the hook's annotations (strings here, under postponed evaluation)
+    _hook.__annotations__ = {"bucket": dist.GradBucket,
+                             "return": torch.futures.Future[torch.Tensor]}
     ddp_model.register_comm_hook(process_group, _hook)
     sig.hooked = True
     return sig
@@ -217,8 +220,8 @@ def register_local_grad_norm_hook(ddp_model: Any, signals: RankSignals | None = 
 
 def _gather(out: torch.Tensor, row: torch.Tensor, group: Any) -> None:
     """One all-gather of ``row`` into ``out`` (``(world, k)``), list-based where unsupported."""
-    try:
-        dist.all_gather_into_tensor(out, row, group=group)
+    try:  # all_gather_single is the newer name (torch >= 2.10) of all_gather_into_tensor
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, row, group=group)
     except (RuntimeError, NotImplementedError, AttributeError):  # pragma: no cover - old gloo
         parts = list(out.unbind(0))
         dist.all_gather(parts, row, group=group)
