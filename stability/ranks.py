@@ -21,8 +21,10 @@ only gathered data, so every rank reaches the same alarms at the same step.
 
 Scale: per signal the values are transformed (``log(x + offset)`` for positive, multiplicative
 signals: gradient norm and times; linear for the loss), and
-``z = (x - median) / max(floor, 1.4826 MAD, typical)`` where ``typical`` is an exponential moving
-average of past cross-rank spreads (from steps without outliers). At least ``min_ranks`` (3) finite
+``z = (x - median) / max(floor, 1.4826 MAD, typical)`` where ``typical`` is the root of an
+exponential moving average of past cross-rank variances around the median (from steps without
+outliers, deviations clipped at 3 scales, divided by ``n - 1``: nearly unbiased even for 3 ranks,
+where the MAD alone underestimates the spread by a third). At least ``min_ranks`` (3) finite
 values are needed to name an outlier; with two ranks only the non-finite rule applies.
 
 Examples
@@ -170,7 +172,7 @@ class RankOutlierDetector:
         self.min_ranks = int(min_ranks)
         self.alpha = float(alpha)
         self.signals = tuple(signals)
-        self.typical = {s: math.nan for s in self.specs}  #: EW average cross-rank spread
+        self.typical = {s: math.nan for s in self.specs}  #: EW cross-rank variance
         self.seen = {s: 0 for s in self.specs}  #: steps with enough finite values
         self.run: dict[str, list[int]] = {}  #: consecutive outlier steps per rank, by signal
 
@@ -199,9 +201,9 @@ class RankOutlierDetector:
         scale = max(spec.floor, spec.rel_floor * abs(med), mad)
         typ = self.typical.get(name, math.nan)
         if math.isfinite(typ):
-            scale = max(scale, typ)
+            scale = max(scale, math.sqrt(typ))
         z[ok] = (v - med) / scale
-        return z, med, mad
+        return z, med, scale
 
     def update(self, step: int, matrix: npt.ArrayLike) -> list[RankFinding]:
         """Score one step's ``(world, k)`` matrix (columns :attr:`signals`); test-then-train.
@@ -233,7 +235,7 @@ class RankOutlierDetector:
                 continue
             x = m[:, col[s]].copy()
             x[bad] = np.nan  # a rank already named non-finite does not enter the statistics
-            z, med, mad = self.scores(s, x)
+            z, med, scale = self.scores(s, x)
             hit = np.isfinite(z) & ((np.abs(z) if spec.two_sided else z) > self.threshold)
             run = self.run.setdefault(s, [0] * m.shape[0])
             if len(run) != m.shape[0]:
@@ -250,9 +252,11 @@ class RankOutlierDetector:
                     out.append(RankFinding(step, r, s, float(z[r]), float(x[r]), mval))
             self.seen[s] += 1
             if not hit.any():  # the typical spread learns from clean steps only
+                zf = np.clip(z[np.isfinite(z)], -3.0, 3.0)
+                var = scale * scale * float(np.sum(zf * zf)) / (zf.size - 1)
                 typ = self.typical[s]
-                self.typical[s] = mad if not math.isfinite(typ) else (
-                    (1.0 - self.alpha) * typ + self.alpha * mad)
+                self.typical[s] = var if not math.isfinite(typ) else (
+                    (1.0 - self.alpha) * typ + self.alpha * var)
         out.sort(key=lambda f: (f.rank, f.signal))
         return out
 
