@@ -7,6 +7,7 @@ bit flip, a 5x slowdown) with clean steps in between, so a single spawn covers e
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -94,10 +95,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_s
                         [a.message for a in sync.rank_alarms],
                         [row[12:] for row in sync.gathered]])
         ledger = sync.ranks.records(n_steps) if sync.ranks is not None else []
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as fh:
             json.dump({"log": log, "ledger": ledger, "hosts": sync.hosts,
                        "reduce_s": reduce_s,
                        "w": [p.detach().sum().item() for p in model.parameters()]}, fh)
+        os.replace(path + ".tmp", path)
+        dist.barrier()
+        del model, opt  # the DDP reducer (and its hook) before the process group
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
@@ -109,11 +115,18 @@ def run_fleet(out_dir: str, world: int, plan: list[tuple[int, str, int]], n_step
         _worker, args=(world, _free_port(), out_dir, plan, n_steps, gather), nprocs=world,
         join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError("distributed run timed out")
+    paths = [os.path.join(out_dir, f"rank{r}.json") for r in range(world)]
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError("distributed run timed out")
+    except torch.multiprocessing.ProcessExitedException:
+        # gloo can abort a process at interpreter exit (pytorch#179291); the results written
+        # before the final barrier are complete -- anything earlier is a real failure
+        if not all(os.path.exists(p) for p in paths):
+            raise
     out = []
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.json")) as fh:
