@@ -6,8 +6,8 @@ plan injects faults on one rank at a time, with clean steps between them: a NaN 
 gradient scale (a bit-flip-like corruption of one replica's gradient) and a 5x slowdown (three
 slow steps). A fault is *attributed* when the first rank-outlier alarm inside its window names
 exactly the faulty rank; alarms outside any window are wrong accusations. A fault-free run counts
-accusations on clean training, and a run without the gather (``ranks=False``: the plain
-``all_reduce``) gives the collective overhead.
+accusations on clean training and then times back-to-back ``ControlSync.reduce`` calls with the
+gather (``ranks=True``) and without (the plain ``all_reduce``): the collective overhead.
 
 Run::
 
@@ -63,12 +63,34 @@ def score_run(res: list[dict[str, Any]], plan: list[tuple[int, str, int]]) -> di
             "steps": len(log)}
 
 
+def detector_us(worlds: tuple[int, ...] = (4, 64, 1024), steps: int = 300) -> dict[int, float]:
+    """Median microseconds of one ``RankMonitor.observe`` on clean random matrices."""
+    import numpy as np
+
+    from stability.ranks import RankMonitor
+
+    out = {}
+    rng = np.random.default_rng(0)
+    for w in worlds:
+        mon = RankMonitor([f"h{r}" for r in range(w)])
+        mats = rng.lognormal(0.0, 0.1, (steps, w, 5))
+        mats[:, :, 4] = 0.0
+        ts = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            mon.observe(i, mats[i])
+            ts.append(time.perf_counter() - t0)
+        out[w] = 1e6 * statistics.median(ts)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--faults", type=int, default=30, help="faults per seed")
     ap.add_argument("--clean-steps", type=int, default=300)
+    ap.add_argument("--overhead-iters", type=int, default=200)
     args = ap.parse_args(argv)
 
     outcomes: list[Any] = []
@@ -87,21 +109,18 @@ def main(argv: list[str] | None = None) -> None:
             wrong_clean += sc["wrong_clean"]
             clean_steps += sc["steps"] - sum(window(k) for _, k, _ in plan)
             identical &= sc["identical"]
-        runs = {}
-        for gather in (True, False):
-            d = Path(tmp) / f"clean-{gather}"
-            d.mkdir()
-            runs[gather] = run_fleet(str(d), args.world, [], args.clean_steps, gather=gather,
-                                     timeout=900)
-        sc = score_run(runs[True], [])
+        d = Path(tmp) / "clean"
+        d.mkdir()
+        clean = run_fleet(str(d), args.world, [], args.clean_steps, timeout=900,
+                          overhead_iters=args.overhead_iters)
+        sc = score_run(clean, [])
         wrong_clean += sc["wrong_clean"]
         clean_steps += sc["steps"]
         identical &= sc["identical"]
     wall = time.perf_counter() - t0
 
-    def us(res: list[dict[str, Any]]) -> float:
-        # skip the first steps (DDP bucket rebuild, lazy init)
-        return 1e6 * statistics.median(t for r in res for t in r["reduce_s"][10:])
+    def us(name: str) -> float:
+        return statistics.median(r["overhead_us"][name] for r in clean)
 
     n = len(outcomes)
     right = sum(o[1] == "right" for o in outcomes)
@@ -123,17 +142,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrong-rank accusations on clean steps: {len(wrong_clean)} in {clean_steps} steps")
     for row in wrong_clean[:5]:
         print("   ", row[0], row[4])
-    g, a = us(runs[True]), us(runs[False])
-    print(f"collective per step (median, {args.world} ranks, CPU gloo, shared 2-core box): "
-          f"all_gather of control+signals {g:.0f} us vs all_reduce of control only {a:.0f} us "
-          f"(+{g - a:.0f} us, includes the detector)")
+    g, a = us("gather"), us("all_reduce")
+    print(f"collective per step (median of {args.overhead_iters} back-to-back calls, "
+          f"{args.world} ranks, CPU gloo): ControlSync(ranks=True) one all_gather of "
+          f"control+signals + detector {g:.0f} us vs ControlSync() one all_reduce {a:.0f} us "
+          f"(+{g - a:.0f} us)")
+    det = detector_us()
+    print("detector + ledger alone (RankMonitor.observe, numpy): "
+          + ", ".join(f"{w} ranks {t:.0f} us" for w, t in det.items()))
     print(f"decisions identical on every rank: {identical}")
     print()
     print("| figure | value |\n|---|---|")
     print(f"| faults injected (NaN / 5x grad / 5x slow, {args.world} ranks) | {n} |")
     print(f"| right rank named | {right / max(n, 1):.1%} ({right}/{n}) |")
     print(f"| wrong-rank accusations on clean steps | {len(wrong_clean)} / {clean_steps} |")
-    print(f"| per-step collective, gather vs all_reduce | {g:.0f} us vs {a:.0f} us |")
+    print(f"| per-step collective, gather+detector vs all_reduce | {g:.0f} us vs {a:.0f} us |")
+    print("| detector per step | "
+          + ", ".join(f"{t:.0f} us ({w} ranks)" for w, t in det.items()) + " |")
 
 
 if __name__ == "__main__":

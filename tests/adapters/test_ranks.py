@@ -48,8 +48,25 @@ def make_plan(seed: int, world: int, n_faults: int, first: int = 12, gap: int = 
     return plan
 
 
+def _collective_cost(iters: int) -> dict[str, float]:
+    """Median microseconds of back-to-back ``reduce`` calls: with the gather, and without."""
+    from stability.adapters.distributed import ControlSync
+    from stability.types import Control
+
+    out = {}
+    for name, sync in (("all_reduce", ControlSync()), ("gather", ControlSync(ranks=True))):
+        ts = []
+        for i in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            sync.reduce(Control(), i, False, loss=1.0, grad_norm=1.0, step_time=0.1)
+            ts.append(time.perf_counter() - t0)
+        out[name] = 1e6 * sorted(ts)[len(ts) // 2]
+    return out
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_steps: int,
-            gather: bool) -> None:
+            gather: bool, overhead_iters: int = 0) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -65,7 +82,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_s
                                         torch.nn.Linear(32, 1)))
         signals = register_local_grad_norm_hook(model)
         sync = ControlSync(ranks=gather, signals=signals)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        opt = torch.optim.SGD(model.parameters(), lr=0.02)
         faults = {}
         for step, kind, who in plan:
             for k in range(SLOW_STEPS if kind == "slow" else 1):
@@ -76,8 +93,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_s
             mine = who == rank
             time.sleep(WORK_S * (5.0 if mine and kind == "slow" else 1.0))
             g = torch.Generator().manual_seed(7919 * rank + i)
-            x = torch.randn(256, 8, generator=g)
-            y = x[:, :1] - 0.5 * x[:, 1:2]
+            x = torch.randn(1024, 8, generator=g)
+            y = torch.sin(2.0 * x[:, :1]) + x[:, 1:2] * x[:, 2:3]
             loss = torch.nn.functional.mse_loss(model(x), y)
             if mine and kind == "nan":
                 loss = loss * float("nan")
@@ -95,10 +112,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_s
                         [a.message for a in sync.rank_alarms],
                         [row[12:] for row in sync.gathered]])
         ledger = sync.ranks.records(n_steps) if sync.ranks is not None else []
+        overhead = _collective_cost(overhead_iters) if overhead_iters else {}
         path = os.path.join(out_dir, f"rank{rank}.json")
         with open(path + ".tmp", "w") as fh:
             json.dump({"log": log, "ledger": ledger, "hosts": sync.hosts,
-                       "reduce_s": reduce_s,
+                       "reduce_s": reduce_s, "overhead_us": overhead,
                        "w": [p.detach().sum().item() for p in model.parameters()]}, fh)
         os.replace(path + ".tmp", path)
         dist.barrier()
@@ -109,10 +127,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_s
 
 
 def run_fleet(out_dir: str, world: int, plan: list[tuple[int, str, int]], n_steps: int,
-              gather: bool = True, timeout: float = 300.0) -> list[dict[str, Any]]:
+              gather: bool = True, timeout: float = 300.0,
+              overhead_iters: int = 0) -> list[dict[str, Any]]:
     """Spawn ``world`` gloo ranks running ``plan``; return each rank's JSON result."""
     ctx = torch.multiprocessing.start_processes(
-        _worker, args=(world, _free_port(), out_dir, plan, n_steps, gather), nprocs=world,
+        _worker, args=(world, _free_port(), out_dir, plan, n_steps, gather, overhead_iters),
+        nprocs=world,
         join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     paths = [os.path.join(out_dir, f"rank{r}.json") for r in range(world)]
