@@ -21,10 +21,12 @@ only gathered data, so every rank reaches the same alarms at the same step.
 
 Scale: per signal the values are transformed (``log(x + offset)`` for positive, multiplicative
 signals: gradient norm and times; linear for the loss), and
-``z = (x - median) / max(floor, 1.4826 MAD, typical)`` where ``typical`` is the root of an
-exponential moving average of past cross-rank variances around the median (from steps without
-outliers, deviations clipped at 3 scales, divided by ``n - 1``: nearly unbiased even for 3 ranks,
-where the MAD alone underestimates the spread by a third). At least ``min_ranks`` (3) finite
+``z = (x_r - median) / max(floor, typical)`` where ``typical`` is the root of an exponential
+moving average of past squared deviations from the median (steps without outliers, clipped at 3
+scales, divided by ``n - 1``: nearly unbiased even for 3 ranks, where the MAD underestimates the
+spread by a third); during the first ``history`` steps the current MAD counts too. At most a
+minority of ranks (``max_fraction``) can be named on one signal at one step -- more is a global
+event, not a culprit. At least ``min_ranks`` (3) finite
 values are needed to name an outlier; with two ranks only the non-finite rule applies.
 
 Examples
@@ -125,13 +127,13 @@ class RankFinding:
 
 
 def _check(name: str, cls: str, v: float, lo: float, hi: float = math.inf,
-           integer: bool = False) -> None:
+           integer: bool = False, closed: bool = False) -> None:
     ok = (isinstance(v, (int, np.integer)) if integer else isinstance(v, (int, float))) and (
-        lo <= v < hi if hi != math.inf else lo <= v)
+        lo <= v and (v <= hi if closed else v < hi or hi == math.inf))
     if not ok or (not integer and not math.isfinite(float(v))):
         kind = "an int" if integer else "a float"
         raise ValueError(f"The {name!r} parameter of {cls} must be {kind} in the range "
-                         f"[{lo}, {hi}). Got {v!r} instead.")
+                         f"[{lo}, {hi}{']' if closed else ')'}. Got {v!r} instead.")
 
 
 class RankOutlierDetector:
@@ -150,6 +152,12 @@ class RankOutlierDetector:
         Weight of the newest spread in the ``typical`` spread average.
     signals : sequence of str
         Column names of the matrices passed to :meth:`update` (default :data:`RANK_SIGNALS`).
+    max_fraction : float
+        A culprit is a minority: when more than ``max(1, max_fraction * n)`` ranks are outliers
+        on one signal at once, the step is a global event and nobody is named.
+    history : int
+        Steps after which the scale comes from the ``typical`` spread alone (before, the
+        current step's MAD counts too).
 
     Examples
     --------
@@ -163,8 +171,13 @@ class RankOutlierDetector:
 
     def __init__(self, threshold: float = 6.0, specs: Mapping[str, SignalSpec] | None = None,
                  min_ranks: int = 3, alpha: float = 0.05,
-                 signals: Sequence[str] = RANK_SIGNALS) -> None:
+                 signals: Sequence[str] = RANK_SIGNALS, max_fraction: float = 0.25,
+                 history: int = 10) -> None:
         _check("threshold", "RankOutlierDetector", threshold, 0.0)
+        _check("max_fraction", "RankOutlierDetector", max_fraction, 0.0, 1.0, closed=True)
+        _check("history", "RankOutlierDetector", history, 0, integer=True)
+        self.max_fraction = float(max_fraction)
+        self.history = int(history)
         _check("min_ranks", "RankOutlierDetector", min_ranks, 3, integer=True)
         _check("alpha", "RankOutlierDetector", alpha, 0.0, 1.0)
         self.threshold = float(threshold)
@@ -197,11 +210,12 @@ class RankOutlierDetector:
             return z, math.nan, math.nan
         v = t[ok]
         med = float(np.median(v))
-        mad = 1.4826 * float(np.median(np.abs(v - med)))
-        scale = max(spec.floor, spec.rel_floor * abs(med), mad)
+        scale = max(spec.floor, spec.rel_floor * abs(med))
         typ = self.typical.get(name, math.nan)
         if math.isfinite(typ):
             scale = max(scale, math.sqrt(typ))
+        if not math.isfinite(typ) or self.seen.get(name, 0) < self.history:
+            scale = max(scale, 1.4826 * float(np.median(np.abs(v - med))))
         z[ok] = (v - med) / scale
         return z, med, scale
 
@@ -237,6 +251,8 @@ class RankOutlierDetector:
             x[bad] = np.nan  # a rank already named non-finite does not enter the statistics
             z, med, scale = self.scores(s, x)
             hit = np.isfinite(z) & ((np.abs(z) if spec.two_sided else z) > self.threshold)
+            if int(hit.sum()) > max(1, int(self.max_fraction * np.isfinite(z).sum())):
+                hit[:] = False  # a global event, not a culprit (and it trains the spread)
             run = self.run.setdefault(s, [0] * m.shape[0])
             if len(run) != m.shape[0]:
                 run[:] = [0] * m.shape[0]

@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_s
                                         torch.nn.Linear(32, 1)))
         signals = register_local_grad_norm_hook(model)
         sync = ControlSync(ranks=gather, signals=signals)
-        opt = torch.optim.SGD(model.parameters(), lr=0.02)
+        opt = torch.optim.SGD(model.parameters(), lr=0.005)
         faults = {}
         for step, kind, who in plan:
             for k in range(SLOW_STEPS if kind == "slow" else 1):
@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_s
             mine = who == rank
             time.sleep(WORK_S * (5.0 if mine and kind == "slow" else 1.0))
             g = torch.Generator().manual_seed(7919 * rank + i)
-            x = torch.randn(1024, 8, generator=g)
+            x = torch.randn(4096, 8, generator=g)
             y = torch.sin(2.0 * x[:, :1]) + x[:, 1:2] * x[:, 2:3]
             loss = torch.nn.functional.mse_loss(model(x), y)
             if mine and kind == "nan":
