@@ -223,3 +223,63 @@ def test_without_process_group_nothing_is_gathered() -> None:
     assert out is c and not alarmed and sync.rank_alarms == () and sync.ranks is None
     row = sig.vector(loss=torch.tensor(2.0), grad_norm=3.0, step_time=0.5, data_wait=0.25)
     assert [float(v) for v in row] == [2.0, 3.0, 0.5, 0.25, 0.0]
+
+
+def _guard_worker(rank: int, world: int, port: int, out_dir: str, bad_step: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from stability.adapters.distributed import ControlSync, register_local_grad_norm_hook
+        from stability.adapters.torch import TorchGuard
+        from stability.monitor import Monitor
+
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                        torch.nn.Linear(32, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.005)
+        sync = ControlSync(ranks=True, signals=register_local_grad_norm_hook(model))
+        guard = TorchGuard(model, opt, None, Monitor("small"), distributed=sync,
+                           checkpoint_every=0, log_interventions=False)
+        log = []
+        for i in guard.batches(bad_step + 4):
+            g = torch.Generator().manual_seed(7919 * rank + i)
+            x = torch.randn(4096, 8, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), torch.sin(2.0 * x[:, :1]))
+            (loss * 5.0 if rank == world - 1 and i == bad_step else loss).backward()
+            guard.step(loss)
+            log.append([i, [a.signal for a in sync.rank_alarms], guard.should_step,
+                        guard.healthy])
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump({"log": log}, fh)
+        dist.barrier()
+        del model, opt, guard
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_guard_with_rank_sync_names_the_rank(tmp_path: Any) -> None:
+    world, bad = 3, 12  # 3 ranks: the smallest world where an outlier can be named
+    ctx = torch.multiprocessing.start_processes(
+        _guard_worker, args=(world, _free_port(), str(tmp_path), bad), nprocs=world,
+        join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail("distributed test timed out")
+    except torch.multiprocessing.ProcessExitedException:
+        if not all((tmp_path / f"rank{r}.json").exists() for r in range(world)):
+            raise
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text())["log"] for r in range(world)]
+    assert logs[1] == logs[0] and logs[2] == logs[0]
+    named = [(row[0], row[1]) for row in logs[0] if row[1]]
+    assert named == [(bad, [f"rank{world - 1}/grad_norm"])]
+    row = logs[0][bad]
+    assert row[2] is False and row[3] is False  # skipped and unhealthy on every rank
