@@ -362,9 +362,11 @@ class ControlSync:
                      nonfinite: bool | None) -> list[float]:
         """One all-gather of control + signals; returns the column-wise minimum of the control."""
         cells = head + self.signals.vector(loss, grad_norm, step_time, data_wait, nonfinite)
-        row = torch.stack([c.to(self.device) if isinstance(c, torch.Tensor)
-                           else torch.tensor(c, dtype=torch.float64, device=self.device)
-                           for c in cells])
+        tensors = [i for i, c in enumerate(cells) if isinstance(c, torch.Tensor)]
+        row = torch.tensor([math.nan if i in tensors else c for i, c in enumerate(cells)],
+                           dtype=torch.float64).to(self.device)
+        if tensors:  # device scalars (loss, local grad norm) join without a host sync
+            row[tensors] = torch.stack([cells[i].to(self.device) for i in tensors])
         out = torch.empty((self.world_size, row.numel()), dtype=torch.float64, device=self.device)
         _gather(out, row, self.group)
         self.gathered = out.tolist()  # the one host sync
