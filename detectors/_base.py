@@ -29,17 +29,27 @@ Conventions shared by all kernels:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+
+from ._state import StateCheck, as_float_array, same_value
 
 STATE_VERSION = 1
 
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
+
+#: floor applied before ``log(x)`` in log-space detectors (one value for every detector)
+LOG_FLOOR = 1e-30
+#: Gaussian sigma per *median* absolute deviation (MAD): sigma = MAD * this
+MAD_SCALE = 1.4826
+#: Gaussian sigma per *mean* absolute deviation: E|X - mu| = sigma * sqrt(2 / pi)
+MEAN_AD_SCALE = 1.2533141373155001  # math.sqrt(math.pi / 2.0)
 
 
 def check_int(owner: str, name: str, value: Any, low: int, high: float = math.inf) -> int:
@@ -115,6 +125,16 @@ def check_bool(owner: str, name: str, value: Any) -> bool:
 Kernel = Callable[..., None]
 
 
+class CheckedState(NamedTuple):
+    """A validated snapshot (see :meth:`BankDetector.validate_state_dict`)."""
+
+    n_series: int
+    state: FloatArray
+    buf: FloatArray
+    score: FloatArray
+    alarm: BoolArray
+
+
 class BankDetector:
     """Base class: a bank of ``n_series`` independent online detectors sharing hyperparameters.
 
@@ -142,6 +162,9 @@ class BankDetector:
     kind: ClassVar[str] = "spike"
     #: names of the hyperparameters (besides n_series / threshold / freeze_on_alarm)
     hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: the hyperparameters whose value shapes the state (a snapshot taken with other values is
+    #: incompatible); the others (threshold, alpha, ...) may differ and this detector's win
+    state_hyperparameters: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, n_series: int = 1, threshold: float = 6.0, freeze_on_alarm: bool = False):
         name = type(self).__name__
@@ -161,6 +184,11 @@ class BankDetector:
     def _init_buf(self, n: int) -> FloatArray:
         """Fresh buffer for ``n`` series, shape ``(k, n)``; ``k = 0`` when unused."""
         return np.zeros((0, n))
+
+    def _check_state(self, c: StateCheck) -> None:
+        """Raise ``ValueError`` (via ``c``) if a loaded ``state`` / ``buf`` breaks an invariant
+        the kernel relies on; shapes are already checked."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -370,42 +398,155 @@ class BankDetector:
             "alarm": self._alarm1[0].copy(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a snapshot produced by :meth:`state_dict` (of the same class).
+    def validate_state_dict(self, state: Any) -> CheckedState:
+        """Check a snapshot against this detector; return its arrays (copies) or raise.
 
-        Arrays may be NumPy arrays or nested lists (e.g. after a JSON round trip).
+        Nothing of the detector changes.  A snapshot is *compatible* when it is a mapping of
+        the same class and a supported version, its ``state`` / ``buf`` arrays are numeric with
+        this detector's shapes, the hyperparameters that shape the state
+        (:attr:`state_hyperparameters`, e.g. a ring's ``window``) are the same, and the
+        detector's own invariants hold (ring positions and counts are integers in range,
+        statistics are finite where they must be).
+
+        Raises
+        ------
+        ValueError
+            Naming the first incompatible field.
         """
         name = type(self).__name__
-        if state.get("class", name) != name:
-            raise ValueError(f"{name}.load_state_dict(): snapshot is of class {state['class']!r}.")
-        version = int(state.get("version", STATE_VERSION))
-        if version > STATE_VERSION:
-            raise ValueError(f"{name}.load_state_dict(): unsupported state version {version}.")
-        params = dict(state.get("params", {}))
-        n = int(params.get("n_series", self.n_series))
-        st = np.ascontiguousarray(np.asarray(state["state"], dtype=np.float64))
-        buf = np.ascontiguousarray(np.asarray(state["buf"], dtype=np.float64))
-        ref_state, ref_buf = self._init_state(n), self._init_buf(n)
-        if buf.size == 0 and ref_buf.size == 0:
-            buf = ref_buf
-        if st.shape != ref_state.shape or buf.shape != ref_buf.shape:
+        where = f"{name}.load_state_dict()"
+        if not isinstance(state, Mapping):
+            raise ValueError(f"{where}: a snapshot must be a mapping; got {type(state).__name__}.")
+        cls = state.get("class", name)
+        if cls != name:
+            raise ValueError(f"{where}: snapshot is of class {cls!r:.60}.")
+        version = state.get("version", STATE_VERSION)
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or not (
+            0 <= version <= STATE_VERSION
+        ):
+            raise ValueError(f"{where}: unsupported state version {version!r:.60}.")
+        params = state.get("params", {})
+        if not isinstance(params, Mapping):
+            raise ValueError(f"{where}: 'params' must be a mapping; got {type(params).__name__}.")
+        if "state" not in state:
+            raise ValueError(f"{where}: the snapshot has no 'state' array.")
+        st = as_float_array(name, "state", state["state"], 2)
+        n = st.shape[1]
+        if "n_series" in params and not same_value(params["n_series"], n):
             raise ValueError(
-                f"{name}.load_state_dict(): state shapes {st.shape}/{buf.shape} do not match "
-                f"this detector's {ref_state.shape}/{ref_buf.shape}; were the hyperparameters "
+                f"{where}: 'params.n_series' is {params['n_series']!r:.60} but the state "
+                f"arrays hold {n} series."
+            )
+        # expected shapes from zero-series arrays: a small hostile 'state' must not make us
+        # allocate a huge reference buffer
+        ref_state = (self._init_state(0).shape[0], n)
+        ref_buf = (self._init_buf(0).shape[0], n)
+        if "buf" in state:
+            buf = as_float_array(name, "buf", state["buf"], None)
+            if buf.size == 0 and ref_buf[0] == 0:
+                buf = np.zeros(ref_buf)  # (0, n) is [] after a JSON round trip
+        elif ref_buf[0] == 0:
+            buf = np.zeros(ref_buf)
+        else:
+            raise ValueError(f"{where}: the snapshot has no 'buf' array.")
+        if st.shape != ref_state or buf.shape != ref_buf:
+            raise ValueError(
+                f"{where}: state shapes {st.shape}/{buf.shape} do not match "
+                f"this detector's {ref_state}/{ref_buf}; were the hyperparameters "
                 "the same?"
             )
-        for k, v in params.items():
-            if k in ("n_series", "threshold", "freeze_on_alarm") or k in self.hyperparameters:
-                setattr(self, k, v)
-        self.n_series = n
-        self._params_arr = np.array(
-            [self.threshold, float(self.freeze_on_alarm), *self._extra_params()], dtype=np.float64
-        )
-        self._state, self._buf = st, buf
-        self._alloc_outputs(n)
+        for h in self.state_hyperparameters:
+            if h in params and not same_value(params[h], getattr(self, h)):
+                raise ValueError(
+                    f"{where}: hyperparameters that shape the state do not match: "
+                    f"{h}={params[h]!r:.60} in the snapshot, {getattr(self, h)!r} here."
+                )
+        self._check_state(StateCheck(name, st, buf))
+        score = np.full(n, np.nan)
+        alarm = np.zeros(n, dtype=np.bool_)
         if "score" in state:
-            self._score1[0] = np.asarray(state["score"], dtype=np.float64)
-            self._alarm1[0] = np.asarray(state["alarm"], dtype=np.bool_)
+            score = as_float_array(name, "score", state["score"], 1)
+            flags = as_float_array(name, "alarm", state.get("alarm", alarm), 1)
+            if score.shape != (n,) or flags.shape != (n,):
+                raise ValueError(
+                    f"{where}: 'score'/'alarm' have shapes {score.shape}/{flags.shape}; "
+                    f"expected ({n},)."
+                )
+            alarm = flags != 0.0
+        return CheckedState(n, st, buf, score, alarm)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore the statistics of a snapshot produced by :meth:`state_dict`.
+
+        Precedence: **this detector's hyperparameters win** (``threshold``, ``alpha``, ...
+        are kept, whatever the snapshot says); the snapshot contributes its statistics and
+        its number of series, and only when :meth:`validate_state_dict` finds them compatible.
+        Arrays may be NumPy arrays or nested lists (e.g. after a JSON round trip); they are
+        copied.
+
+        Parameters
+        ----------
+        state
+            A snapshot of the same class.
+        strict
+            ``True`` (default): an incompatible snapshot raises ``ValueError`` and nothing
+            changes.  ``False``: it is reported with a ``UserWarning`` and the detector
+            re-warms (fresh statistics, its current number of series).
+        """
+        try:
+            checked = self.validate_state_dict(state)
+        except ValueError as exc:
+            if strict:
+                raise
+            warnings.warn(f"{exc} Re-warming: statistics reset.", UserWarning, stacklevel=2)
+            self.reset()
+            return
+        self.apply_state(checked)
+
+    def apply_state(self, checked: CheckedState) -> None:
+        """Install the arrays returned by :meth:`validate_state_dict` (no further checks)."""
+        self.n_series = checked.n_series
+        self._state, self._buf = checked.state, checked.buf
+        self._alloc_outputs(checked.n_series)
+        self._score1[0] = checked.score
+        self._alarm1[0] = checked.alarm
+
+    def select_series(self, checked: CheckedState, index: list[int | None]) -> CheckedState:
+        """Series ``index[k]`` of a validated snapshot as series ``k`` (``None``: fresh).
+
+        Used to keep the statistics of the series two layouts share (e.g. the monitor's
+        ``strict=False`` resume after the set of layers changed).
+        """
+        n = len(index)
+        st, buf = self._init_state(n), self._init_buf(n)
+        score = np.full(n, np.nan)
+        alarm = np.zeros(n, dtype=np.bool_)
+        for k, j in enumerate(index):
+            if j is not None:
+                st[:, k] = checked.state[:, j]
+                buf[:, k] = checked.buf[:, j]
+                score[k] = checked.score[j]
+                alarm[k] = checked.alarm[j]
+        return CheckedState(n, st, buf, score, alarm)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> BankDetector:
+        """A detector built with the snapshot's own hyperparameters, then loaded.
+
+        Use this to *continue* a saved detector; :meth:`load_state_dict` keeps the
+        hyperparameters of the detector it is called on.
+        """
+        params = state.get("params", {}) if isinstance(state, Mapping) else None
+        if not isinstance(params, Mapping):
+            raise ValueError(f"{cls.__name__}.from_state_dict(): 'params' must be a mapping.")
+        kw = {k: v for k, v in params.items()
+              if k in ("n_series", "threshold", "freeze_on_alarm") or k in cls.hyperparameters}
+        try:
+            det = cls(**kw)
+        except TypeError as exc:
+            raise ValueError(f"{cls.__name__}.from_state_dict(): {exc}") from None
+        det.load_state_dict(state)
+        return det
 
     def set_threshold(self, threshold: float) -> None:
         """Change the alarm threshold without touching the statistics."""

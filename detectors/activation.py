@@ -26,11 +26,17 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import (
+    LOG_FLOOR,
+    MEAN_AD_SCALE,
+    BankDetector,
+    FloatArray,
+    check_bool,
+    check_float,
+    check_int,
+)
+from ._state import StateCheck
 
-LOG_FLOOR = 1e-30
-#: E|X - mu| = sigma * sqrt(2 / pi) for a Gaussian, so sigma = mean abs deviation * this
-MAD_TO_SIGMA = math.sqrt(math.pi / 2.0)
 AGGREGATES = {"rms": 0.0, "max": 1.0}
 
 # ActivationShift state rows, per feature j: 3*j + field
@@ -42,7 +48,7 @@ _AS_LOG0 = 7
 @njit(cache=True, error_model="numpy", inline="always")
 def _floored_scale(loc: float, scale: float, log_space: bool, min_scale: float) -> float:
     floor = min_scale if log_space else min_scale * abs(loc)
-    return max(scale * MAD_TO_SIGMA, floor, 1e-300)
+    return max(scale * MEAN_AD_SCALE, floor, 1e-300)
 
 
 @njit(cache=True, error_model="numpy")
@@ -253,6 +259,13 @@ class ActivationShift(BankDetector):
         return np.zeros((3 * self.n_features, n))
 
     kernel = staticmethod(_shift_kernel)
+    state_hyperparameters = ("n_features", "log_space")
+
+    def _check_state(self, c: StateCheck) -> None:
+        st = c.state
+        c.not_nan("location", st[_LOC::3])
+        c.not_nan("scale", st[_SCALE::3], 0.0)
+        c.integers("count", st[_COUNT::3], 0)
 
     @property
     def location(self) -> FloatArray:
@@ -262,7 +275,7 @@ class ActivationShift(BankDetector):
     @property
     def scale(self) -> FloatArray:
         """Robust sigma per feature and layer (before the floor), ``(n_features, n_series)``."""
-        return self._state[_SCALE::3] * MAD_TO_SIGMA
+        return self._state[_SCALE::3] * MEAN_AD_SCALE
 
 
 # ---------------------------------------------------------------------------- HistogramDrift
@@ -512,6 +525,19 @@ class HistogramDrift(BankDetector):
         return np.zeros((2 * self.window + 3 * self.n_bins + 5, n))
 
     kernel = staticmethod(_hist_kernel)
+    state_hyperparameters = ("window", "n_bins")
+
+    def _check_state(self, c: StateCheck) -> None:
+        st, w, nb = c.state, self.window, self.n_bins
+        c.integers("count", st[_H_COUNT], 0)
+        c.integers("n_reference", st[_H_NREF], 0, w)
+        c.integers("position", st[_H_POS], 0, w - 1)
+        c.integers("n_current", st[_H_NCUR], 0, w)
+        c.not_nan("score", st[_H_SCORE])
+        c.integers("since", st[_H_SINCE], 0)
+        c.finite("windows", c.buf[: 2 * w])
+        c.not_nan("edges", c.buf[2 * w : 2 * w + nb + 1])
+        c.integers("bin counts", c.buf[2 * w + nb + 1 :], 0)
 
     @property
     def edges(self) -> FloatArray:

@@ -46,6 +46,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._state import StateCheck
 
 #: relative safety margin of the division-free cut screen (>> the few ulps it must cover)
 SCREEN_MARGIN = 1e-12
@@ -426,6 +427,30 @@ class ADWIN(BankDetector):
         return np.zeros((self.max_rows * (2 * cap + 1), n))
 
     kernel = staticmethod(_kernel)
+    state_hyperparameters = ("max_buckets", "max_rows", "clock")
+
+    def _check_state(self, c: StateCheck) -> None:
+        cap, rows = self.max_buckets + 1, self.max_rows
+        st, b = c.state, c.buf
+        c.integers("n_rows", st[_NROWS], 1, rows)
+        counts = b[2 * rows * cap :]
+        c.integers("bucket counts", counts, 0, cap - 1)
+        r = np.arange(rows, dtype=np.float64)[:, None]
+        n_rows = st[_NROWS][None, :]
+        bad = ((r >= n_rows) & (counts != 0)) | ((r == n_rows - 1) & (r > 0) & (counts == 0))
+        if bad.any():
+            c.fail("bucket counts", "be 0 above the last row and > 0 in it", counts, bad)
+        width = (counts * 2.0**r).sum(axis=0)
+        c.integers("width", st[_WIDTH], 0)
+        if not np.array_equal(width, st[_WIDTH]):
+            c.fail("width", "equal the number of points in the buckets", st[_WIDTH],
+                   width != st[_WIDTH])
+        c.integers("tick", st[_TICK], 0, self.clock - 1)
+        c.integers("n_drift", st[_NDRIFT], 0)
+        c.finite("total", st[_TOTAL])
+        c.not_nan("variance", st[_VARIANCE])
+        c.finite("bucket totals", b[: rows * cap])
+        c.not_nan("bucket variances", b[rows * cap : 2 * rows * cap])
 
     def set_threshold(self, threshold: float) -> None:
         """Change the alarm threshold (``>= 0``) without touching the window."""

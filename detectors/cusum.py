@@ -30,6 +30,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._state import StateCheck
 from .ewma import LOG_FLOOR, ew_update
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
@@ -233,6 +234,14 @@ class CUSUM(BankDetector):
         return np.zeros((_N_FIELDS, n))
 
     kernel = staticmethod(_kernel)
+    state_hyperparameters = ("log_space", "warmup")
+
+    def _check_state(self, c: StateCheck) -> None:
+        c.not_nan("mean", c.state[_MEAN])
+        c.not_nan("var", c.state[_VAR], 0.0)
+        c.integers("count", c.state[_COUNT], 0)
+        c.not_nan("s_up", c.state[_S_UP])
+        c.not_nan("s_down", c.state[_S_DOWN])
 
     @property
     def mean(self) -> FloatArray:

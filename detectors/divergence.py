@@ -34,9 +34,8 @@ import math
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_float, check_int
-
-LOG_FLOOR = 1e-30
+from ._base import LOG_FLOOR, MAD_SCALE, BankDetector, FloatArray, check_float, check_int
+from ._state import StateCheck
 
 # TrainValDivergence state rows
 _TM, _TCOUNT, _PREV_V, _PREV_M, _NVAL, _POS, _NINC, _HAS_M = 0, 1, 2, 3, 4, 5, 6, 7
@@ -208,6 +207,17 @@ class TrainValDivergence(BankDetector):
         return np.zeros((self.n_points, n))
 
     kernel = staticmethod(_tv_kernel)
+    state_hyperparameters = ("n_points",)
+
+    def _check_state(self, c: StateCheck) -> None:
+        st = c.state
+        for row, field in ((_TM, "train_mean"), (_PREV_V, "prev_val"), (_PREV_M, "prev_train")):
+            c.finite(field, st[row])
+        for row, field in ((_TCOUNT, "train_count"), (_NVAL, "n_val"), (_NINC, "n_increments")):
+            c.integers(field, st[row], 0)
+        c.integers("position", st[_POS], 0, self.n_points - 1)
+        c.one_of("has_train", st[_HAS_M], (0.0, 1.0))
+        c.finite("increments", c.buf)
 
     @property
     def smoothed_train(self) -> FloatArray:
@@ -218,7 +228,6 @@ class TrainValDivergence(BankDetector):
 # ValSpike state rows
 _VS_PREV, _VS_NVAL, _VS_POS, _VS_NINC = 0, 1, 2, 3
 # params: [threshold, freeze, window, warmup, min_scale]
-MAD_TO_SIGMA = 1.4826
 
 
 @njit(cache=True, error_model="numpy")
@@ -254,7 +263,7 @@ def _vs_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-
             else:
                 n = min(ninc, w)
                 med = np.median(buf[:n, i])
-                score = dv / max(MAD_TO_SIGMA * med, min_scale, 1e-300)
+                score = dv / max(MAD_SCALE * med, min_scale, 1e-300)
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
@@ -332,3 +341,12 @@ class ValSpike(BankDetector):
         return np.zeros((self.window, n))
 
     kernel = staticmethod(_vs_kernel)
+    state_hyperparameters = ("window",)
+
+    def _check_state(self, c: StateCheck) -> None:
+        st = c.state
+        c.finite("prev", st[_VS_PREV])
+        c.integers("n_val", st[_VS_NVAL], 0)
+        c.integers("n_increments", st[_VS_NINC], 0)
+        c.integers("position", st[_VS_POS], 0, self.window - 1)
+        c.finite("increments", c.buf, 0.0)

@@ -18,10 +18,17 @@ import math
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import (
+    LOG_FLOOR,
+    BankDetector,
+    FloatArray,
+    check_bool,
+    check_float,
+    check_int,
+)
+from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
-LOG_FLOOR = 1e-30
 
 # state rows
 _MEAN, _VAR, _COUNT = 0, 1, 2
@@ -292,6 +299,12 @@ class EWMAZScore(BankDetector):
         return np.zeros((_N_FIELDS, n))
 
     kernel = staticmethod(_kernel)
+    state_hyperparameters = ("log_space",)
+
+    def _check_state(self, c: StateCheck) -> None:
+        c.not_nan("mean", c.state[_MEAN])
+        c.not_nan("var", c.state[_VAR], 0.0)
+        c.integers("count", c.state[_COUNT], 0)
 
     @property
     def mean(self) -> FloatArray:

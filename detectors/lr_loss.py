@@ -23,10 +23,10 @@ import math
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_float, check_int
+from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
+from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
-LOG_FLOOR = 1e-30
 
 # LRJump state rows
 _J_PREV, _J_HAS, _J_TYP, _J_COUNT = 0, 1, 2, 3
@@ -175,6 +175,13 @@ class LRJump(BankDetector):
         return np.zeros((4, n))
 
     kernel = staticmethod(_jump_kernel)
+    state_hyperparameters = ()
+
+    def _check_state(self, c: StateCheck) -> None:
+        c.finite("prev", c.state[_J_PREV])
+        c.one_of("has", c.state[_J_HAS], (0.0, 1.0))
+        c.finite("typ", c.state[_J_TYP], 0.0)
+        c.integers("count", c.state[_J_COUNT], 0)
 
 
 # LRLossCorrelation state rows
@@ -352,6 +359,17 @@ class LRLossCorrelation(BankDetector):
         return np.zeros((2 * self.window, n))
 
     kernel = staticmethod(_corr_kernel)
+    state_hyperparameters = ("window",)
+
+    def _check_state(self, c: StateCheck) -> None:
+        w = self.window
+        c.finite("y", c.state[_C_Y])
+        c.integers("count", c.state[_C_COUNT], 0)
+        c.finite("lr1", c.state[_C_LR1])
+        c.finite("lr2", c.state[_C_LR2])
+        c.integers("position", c.state[_C_POS], 0, w - 1)
+        c.integers("n", c.state[_C_N], 0, w)
+        c.finite("pairs", c.buf)
 
 
 # LRLevelInstability state rows
@@ -530,6 +548,17 @@ class LRLevelInstability(BankDetector):
         return np.zeros((8, n))
 
     kernel = staticmethod(_level_kernel)
+    state_hyperparameters = ()
+
+    def _check_state(self, c: StateCheck) -> None:
+        st = c.state
+        for row, field in ((_L_PREV, "prev"), (_L_MEAN, "mean"), (_L_MAXLR, "max_lr"),
+                           (_L_LR, "lr")):
+            c.finite(field, st[row])
+        c.not_nan("var", st[_L_VAR], 0.0)
+        c.not_nan("base", st[_L_BASE], 0.0)
+        c.integers("count", st[_L_COUNT], 0)
+        c.one_of("peaked", st[_L_PEAKED], (0.0, 1.0))
 
     @property
     def max_stable_lr(self) -> FloatArray:

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float
+from ._state import StateCheck
 
 # state rows: total non-finite count, current streak, last kind (1 nan, 2 +inf, 3 -inf)
 _TOTAL, _STREAK, _LAST = 0, 1, 2
@@ -101,6 +102,12 @@ class NonFiniteGuard(BankDetector):
         return np.zeros((3, n))
 
     kernel = staticmethod(_kernel)
+    state_hyperparameters = ()
+
+    def _check_state(self, c: StateCheck) -> None:
+        c.integers("total", c.state[_TOTAL], 0)
+        c.integers("streak", c.state[_STREAK], 0)
+        c.one_of("last", c.state[_LAST], (0.0, 1.0, 2.0, 3.0))
 
     @property
     def streak(self) -> FloatArray:

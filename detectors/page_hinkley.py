@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._state import StateCheck
 
 MODES = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -190,6 +191,15 @@ class PageHinkley(BankDetector):
         return state
 
     kernel = staticmethod(_kernel)
+    state_hyperparameters = ()
+
+    def _check_state(self, c: StateCheck) -> None:
+        c.integers("n", c.state[_N], 0)
+        c.not_nan("mean", c.state[_MEAN])
+        c.not_nan("s_up", c.state[_S_UP])
+        c.not_nan("s_down", c.state[_S_DOWN])
+        c.not_nan("min_up", c.state[_MIN_UP], -np.finfo(np.float64).max)
+        c.not_nan("max_down", c.state[_MAX_DOWN], -np.inf, np.finfo(np.float64).max)
 
     @property
     def n_observations(self) -> FloatArray:

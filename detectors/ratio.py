@@ -29,6 +29,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_int
+from ._state import StateCheck
 from .robust import sorted_median, sorted_push
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
@@ -220,6 +221,25 @@ class RatioToMean(BankDetector):
         return np.zeros((ring + self.patience, n))
 
     kernel = staticmethod(_kernel)
+    state_hyperparameters = ("window", "patience", "reference")
+
+    def _check_state(self, c: StateCheck) -> None:
+        st, w = c.state, self.window
+        c.integers("count", st[_COUNT], 0)
+        c.integers("ratio position", st[_RPOS], 0, self.patience - 1)
+        ring = {"mean": w, "median": 2 * w}.get(self.reference, 0)
+        if ring:
+            c.integers("position", st[_POS], 0, w - 1)
+            bad = st[_POS] != np.mod(st[_COUNT], w)
+            if bad.any():
+                c.fail("position", "equal the count modulo the window", st[_POS], bad)
+            c.finite("window values", c.buf[:ring])
+            if self.reference == "median":
+                c.sorted_copy("sorted window", c.buf[:w], c.buf[w:ring], st[_COUNT], w)
+        else:
+            c.integers("position", st[_POS], 0, 0)
+        c.not_nan("reference", st[_REF])
+        c.not_nan("recent ratios", c.buf[ring:])
 
     @property
     def count(self) -> FloatArray:

@@ -25,7 +25,15 @@ import math
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import (
+    MAD_SCALE,
+    BankDetector,
+    FloatArray,
+    check_bool,
+    check_float,
+    check_int,
+)
+from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
@@ -33,7 +41,6 @@ from .ewma import DIRECTIONS, LOG_FLOOR
 MAX_WINDOW = 1_000_000
 
 #: consistency constant: 1.4826 * MAD estimates the std of a normal distribution
-MAD_SCALE = 1.4826
 
 # state rows: next write position in the ring, number of valid values in the ring (<= window)
 _POS, _COUNT = 0, 1
@@ -307,6 +314,14 @@ class RobustZScore(BankDetector):
         return np.zeros((2 * self.window if self.robust else self.window, n))
 
     kernel = staticmethod(_kernel)
+    state_hyperparameters = ("window", "robust", "log_space")
+
+    def _check_state(self, c: StateCheck) -> None:
+        w = self.window
+        c.ring("window", c.state[_POS], c.state[_COUNT], w)
+        c.finite("window values", c.buf)
+        if self.robust:
+            c.sorted_copy("sorted window", c.buf[:w], c.buf[w:], c.state[_COUNT], w)
 
     @property
     def count(self) -> FloatArray:

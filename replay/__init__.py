@@ -26,7 +26,7 @@ _EXPORTS = {
     "evaluate_runs": "replay.evaluate",
     "RunLabel": "replay.labels",
     "load_labels": "replay.labels",
-    "tune": "replay.tune",
+    "tune": "replay.tuning",
     "write_report": "replay.report",
 }
 

@@ -38,7 +38,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from replay.importers import _is_uri, read_bytes
+from replay._paths import is_uri
+from replay.importers._stream import open_binary
 from replay.importers.hf_trainer import read_trainer_state
 from replay.importers.megatron import read_megatron_log
 from replay.importers.tabular import read_csv, read_json, read_jsonl
@@ -58,7 +59,7 @@ _MEGATRON = re.compile(
 
 def _listing(path: str) -> tuple[str, list[str]] | None:
     """(kind, file base names) for a directory, None for a file; error when missing."""
-    if _is_uri(path):
+    if is_uri(path):
         try:
             fs, inner = pafs.FileSystem.from_uri(path)
             info = fs.get_file_info(inner)
@@ -73,6 +74,15 @@ def _listing(path: str) -> tuple[str, list[str]] | None:
         return None
     infos = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
     return "dir", [i.base_name for i in infos if i.type == pafs.FileType.File]
+
+
+def _read_head(path: str, n: int) -> bytes:
+    """The first ``n`` bytes (never the whole file: logs can be gigabytes)."""
+    with open_binary(path) as fh:
+        try:
+            return bytes(fh.read(n))
+        except OSError as exc:
+            raise RunFormatError(path, f"cannot read ({exc})") from None
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -116,7 +126,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "csv"
     if base.endswith((".jsonl", ".ndjson")):
         return "jsonl"
-    head = read_bytes(text)[:65536]
+    head = _read_head(text, 65536)
     if base.endswith(".json"):
         return "hf_trainer" if b'"log_history"' in head else "json"
     if head.startswith(b"PAR1"):

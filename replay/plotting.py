@@ -28,6 +28,7 @@ KIND_COLOURS = {
     "train_val_divergence": "#E69F00",
     "lr_loss_anomaly": "#0072B2",
     "level_shift": "#56B4E9",
+    "stall": "#999999",
 }
 
 # viridis, 9 anchor colours, interpolated linearly

@@ -14,7 +14,7 @@ Sources:
 
 Column names go through an alias table (raw name -> canonical name; keys ending in ``/*`` rewrite
 a prefix), the monitor's rules. By default the table is ``stability.binding.DEFAULT_ALIASES`` (the
-monitor's, falling back to :data:`replay.schema.DEFAULT_ALIASES`); ``aliases`` is merged on top
+monitor's: one table for live runs, replay and tuning); ``aliases`` is merged on top
 (mapping a name to itself disables a default), ``default_aliases=False`` turns the defaults off.
 ``columns`` selects by canonical name (``step`` is always included).
 
@@ -34,6 +34,7 @@ Examples
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import os
 import re
@@ -45,8 +46,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from replay._paths import is_uri
 from replay.schema import (
-    DEFAULT_ALIASES,
     METADATA_KEY,
     STEP,
     RunFormatError,
@@ -57,6 +58,7 @@ from replay.schema import (
     normalize_table,
     run_schema,
 )
+from stability.binding import DEFAULT_ALIASES
 
 __all__ = ["default_aliases", "iter_batches", "list_sources", "read_run", "read_schema"]
 
@@ -65,18 +67,14 @@ _GLOB_CHARS = set("*?[")
 
 
 def default_aliases() -> dict[str, str]:
-    """The default alias table (the monitor's, when ``stability.binding`` provides one).
+    """The default alias table: the monitor's (:data:`stability.binding.DEFAULT_ALIASES`).
 
     Examples
     --------
-    >>> default_aliases()["train/loss"]
-    'loss'
+    >>> default_aliases()["train/loss"], default_aliases()["lr-AdamW"]
+    ('loss', 'lr')
     """
-    try:
-        from stability.binding import DEFAULT_ALIASES as monitor_aliases
-    except ImportError:  # pragma: no cover - the monitor package is part of this project
-        return dict(DEFAULT_ALIASES)
-    return dict(monitor_aliases)
+    return dict(DEFAULT_ALIASES)
 
 
 @dataclass(frozen=True)
@@ -84,10 +82,6 @@ class _Source:
     fs: pafs.FileSystem
     path: str  # path inside fs
     display: str  # what error messages show
-
-
-def _is_uri(path: str) -> bool:
-    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", path))
 
 
 def list_sources(path: str | os.PathLike[str]) -> list[str]:
@@ -105,7 +99,7 @@ def list_sources(path: str | os.PathLike[str]) -> list[str]:
 
 def _resolve(path: str | os.PathLike[str]) -> list[_Source]:
     text = os.fspath(path)
-    if _is_uri(text):
+    if is_uri(text):
         try:
             fs, inner = pafs.FileSystem.from_uri(text)
         except (pa.ArrowException, ValueError, OSError) as exc:
@@ -236,6 +230,18 @@ def _plan(
             pf.close()
         if STEP not in schema.names:
             raise RunFormatError(src.display, f"no 'step' column (columns: {schema.names[:20]})")
+        legacy = _legacy_step_metric(schema)
+        if legacy:
+            warnings.warn(
+                f"{src.display}: dropped a metric named 'step' (written by an older recorder; "
+                "the first 'step' column is the step)",
+                UserWarning,
+                stacklevel=3,
+            )
+        names_seen = [n for n in schema.names if not (legacy and n == STEP)]
+        if len(set(names_seen)) != len(names_seen):
+            dup = collections.Counter(names_seen).most_common(1)[0][0]
+            raise RunFormatError(src.display, f"duplicate column {dup!r}")
         if metadata is None and schema.metadata and METADATA_KEY in schema.metadata:
             metadata = {METADATA_KEY: schema.metadata[METADATA_KEY]}
         if is_long_format(schema):
@@ -270,6 +276,25 @@ def _plan(
     return plan, run_schema(ordered, md), md
 
 
+def _legacy_step_metric(schema: pa.Schema) -> bool:
+    """A recorder part from before ``step`` was a reserved metric name: ``step`` int64 first
+    (the step), a second ``step`` column later (the user's metric)."""
+    return (
+        schema.names.count(STEP) > 1
+        and schema.names[0] == STEP
+        and pa.types.is_integer(schema.types[0])
+        and METADATA_KEY in (schema.metadata or {})
+    )
+
+
+def _first_step_only(table: pa.Table) -> pa.Table:
+    """Drop every ``step`` column after the first one of a :func:`_legacy_step_metric` part."""
+    names = table.column_names
+    if names.count(STEP) < 2 or names[0] != STEP or not pa.types.is_integer(table.schema.types[0]):
+        return table
+    return table.select([0] + [i for i, n in enumerate(names) if n != STEP])
+
+
 def _long_names(pf: pq.ParquetFile, src: _Source) -> list[str]:
     try:
         return [str(n) for n in pf.read(columns=["name"]).column("name").unique().to_pylist()]
@@ -295,8 +320,9 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """Reorder/extend ``table`` to ``schema`` (missing columns = null)."""
     n = table.num_rows
     cols = []
+    present = set(table.column_names)  # once: column_names builds a new list per call
     for field in schema:
-        if field.name in table.column_names:
+        if field.name in present:
             cols.append(table.column(field.name))
         else:
             cols.append(pa.chunked_array([pa.nulls(n, field.type)]))
@@ -365,7 +391,7 @@ def iter_batches(
             else:
                 batches = pf.iter_batches(batch_size=batch_rows, columns=raw)
             for batch in batches:
-                t = pa.Table.from_batches([batch])
+                t = _first_step_only(pa.Table.from_batches([batch]))
                 t = normalize_table(t, src.display, sort=False)
                 t = _conform(apply_aliases(t, amap), schema)
                 yield from t.combine_chunks().to_batches(max_chunksize=batch_rows)
@@ -382,7 +408,8 @@ def iter_batches(
 def _select(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
     if columns is None:
         return table
-    keep = [STEP] + [c for c in columns if c in table.column_names and c != STEP]
+    present = set(table.column_names)
+    keep = [STEP] + [c for c in columns if c in present and c != STEP]
     return table.select(keep)
 
 
@@ -441,7 +468,7 @@ def read_run(
             ) from None
         finally:
             pf.close()
-        t = normalize_table(t, src.display, sort=False)
+        t = normalize_table(_first_step_only(t), src.display, sort=False)
         tables.append(_select(apply_aliases(t, amap), columns))
     if len(tables) == 1:
         merged = tables[0]

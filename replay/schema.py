@@ -41,6 +41,7 @@ Examples
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
@@ -50,7 +51,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 __all__ = [
-    "DEFAULT_ALIASES",
     "alias_resolver",
     "METADATA_KEY",
     "SCHEMA_VERSION",
@@ -75,47 +75,6 @@ STEP = "step"
 
 NonNumeric = Literal["drop", "error"]
 
-#: names used by trainers and log formats for the canonical metrics (raw name -> canonical name).
-#: Fallback only: ``replay.reader.default_aliases`` uses ``stability.binding.DEFAULT_ALIASES`` (the
-#: monitor's table, one source of truth) whenever that module imports.
-DEFAULT_ALIASES: dict[str, str] = {
-    # train loss
-    "train/loss": "loss",
-    "train_loss": "loss",
-    "training_loss": "loss",
-    "loss/train": "loss",
-    "lm loss": "loss",
-    "lm_loss": "loss",
-    "train/lm_loss": "loss",
-    # validation loss
-    "eval_loss": "val_loss",
-    "eval/loss": "val_loss",
-    "val/loss": "val_loss",
-    "valid_loss": "val_loss",
-    "validation_loss": "val_loss",
-    "loss/val": "val_loss",
-    "lm loss value": "val_loss",
-    # learning rate
-    "learning_rate": "lr",
-    "learning rate": "lr",
-    "train/learning_rate": "lr",
-    "train/lr": "lr",
-    "lr-Adam": "lr",
-    "lr-AdamW": "lr",
-    "lr-SGD": "lr",
-    # global gradient norm
-    "grad-norm": "grad_norm",
-    "grad norm": "grad_norm",
-    "gradient_norm": "grad_norm",
-    "train/grad_norm": "grad_norm",
-    "grad_2.0_norm_total": "grad_norm",
-    # others
-    "loss scale": "loss_scale",
-    "train/loss_scale": "loss_scale",
-    "train/epoch": "epoch",
-}
-
-
 class RunFormatError(ValueError):
     """A run file (or table) that cannot be read as a recorded run.
 
@@ -131,6 +90,10 @@ class RunFormatError(ValueError):
         self.source = str(source)
         self.problem = problem
         super().__init__(f"{self.source}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # picklable (errors raised in worker processes reach the parent intact)
+        return (type(self), (self.source, self.problem))
 
 
 # --------------------------------------------------------------------------- metadata
@@ -250,7 +213,8 @@ def table_from_records(
 
 
 def is_long_format(schema: pa.Schema) -> bool:
-    """True if ``schema`` is the long layout ``step, name, value``.
+    """True if ``schema`` is the long layout ``step, name, value`` (``name`` not numeric: a
+    wide run whose only metrics are called ``name`` and ``value`` stays wide).
 
     Examples
     --------
@@ -258,7 +222,10 @@ def is_long_format(schema: pa.Schema) -> bool:
     ...                           ("value", pa.float64())]))
     True
     """
-    return set(schema.names) == {STEP, "name", "value"}
+    if set(schema.names) != {STEP, "name", "value"}:
+        return False
+    t = schema.field(schema.names.index("name")).type
+    return not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t))
 
 
 def pivot_long(table: pa.Table, source: object = "<table>") -> pa.Table:
@@ -405,10 +372,9 @@ def normalize_table(
 
 
 def alias_resolver(aliases: Mapping[str, str]) -> Callable[[str], str]:
-    """A function mapping a raw column name to its canonical name.
-
-    Same rules as the monitor's ``stability.binding.Aliases``: exact names first, then keys ending
-    in ``/*`` rewrite a prefix (longest prefix first).
+    """A function mapping a raw column name to its canonical name: the monitor's own
+    :class:`stability.binding.Aliases` over ``aliases`` alone (exact names first, then keys ending
+    in ``/*`` rewrite a prefix, longest prefix first).
 
     Examples
     --------
@@ -416,25 +382,9 @@ def alias_resolver(aliases: Mapping[str, str]) -> Callable[[str], str]:
     >>> f("train/loss"), f("grad-norm/blk0"), f("lr")
     ('loss', 'grad_norm/blk0', 'lr')
     """
-    exact: dict[str, str] = {}
-    prefix: list[tuple[str, str]] = []
-    for src, dst in aliases.items():
-        if src.endswith("/*"):
-            prefix.append((src[:-1], dst[:-1] if dst.endswith("/*") else dst + "/"))
-        else:
-            exact[src] = dst
-    prefix.sort(key=lambda p: -len(p[0]))
+    from stability.binding import Aliases
 
-    def resolve(name: str) -> str:
-        out = exact.get(name)
-        if out is not None:
-            return out
-        for src, dst in prefix:
-            if name.startswith(src):
-                return dst + name[len(src) :]
-        return name
-
-    return resolve
+    return Aliases(aliases, defaults=False)
 
 
 def apply_aliases(table: pa.Table, aliases: Mapping[str, str]) -> pa.Table:
@@ -453,14 +403,15 @@ def apply_aliases(table: pa.Table, aliases: Mapping[str, str]) -> pa.Table:
         return table
     resolve = alias_resolver(aliases)
     groups: dict[str, list[int]] = {}
-    for i, name in enumerate(table.column_names):
+    raw_names = table.column_names  # a fresh list per call: fetch it once (linear, not quadratic)
+    for i, name in enumerate(raw_names):
         target = STEP if name == STEP else resolve(name)
         lst = groups.setdefault(target, [])
         if target == name:
             lst.insert(0, i)
         else:
             lst.append(i)
-    if all(len(v) == 1 and table.column_names[v[0]] == k for k, v in groups.items()):
+    if all(len(v) == 1 and raw_names[v[0]] == k for k, v in groups.items()):
         return table
     names, cols = [], []
     for target, idx in groups.items():
@@ -484,26 +435,75 @@ def _is_canonical(schema: pa.Schema) -> bool:
     return schema.types[0] == pa.int64() and all(t == pa.float64() for t in schema.types[1:])
 
 
+#: largest step accepted from an integer column (int64)
+INT64_MAX = 2**63 - 1
+#: largest step accepted from a float column: beyond 2**53 a float cannot hold every integer
+MAX_FLOAT_STEP = 2**53
+
+_STEP_RULE = "int64 range; as floats, whole numbers up to 2**53"
+
+
+def _bad_step(source: object, row: int, value: object) -> RunFormatError:
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return RunFormatError(
+        source, f"column 'step' must hold integers; row {row} holds {text} ({_STEP_RULE})"
+    )
+
+
 def _step_array(col: pa.ChunkedArray | pa.Array, source: object) -> np.ndarray:
-    """``step`` as an int64 NumPy array, or a clear error."""
+    """``step`` as an int64 NumPy array, or a clear error naming the row and the value.
+
+    Integer columns must fit in int64 (a ``uint64`` above 2**63 - 1 is an error, never wrapped to
+    a negative step); float and decimal columns must hold finite whole numbers of magnitude at
+    most 2**53; string columns are parsed as integers (exactly) or floats (same rule).
+    """
     if col.null_count:
         raise RunFormatError(source, f"column 'step' has {col.null_count} null value(s)")
     typ = col.type
     if pa.types.is_integer(typ):
-        return np.asarray(col.to_numpy(), dtype=np.int64)
+        if pa.types.is_unsigned_integer(typ) and typ.bit_width == 64 and len(col):
+            big = np.asarray(col.to_numpy(), dtype=np.uint64) > np.uint64(INT64_MAX)
+            if big.any():
+                i = int(np.argmax(big))
+                raise _bad_step(source, i, col[i].as_py())
+        return np.asarray(col.cast(pa.int64()).to_numpy(), dtype=np.int64)
     if pa.types.is_floating(typ) or pa.types.is_decimal(typ):
-        f = np.asarray(col.cast(pa.float64()).to_numpy(), dtype=np.float64)
+        f = np.asarray(col.cast(pa.float64(), safe=False).to_numpy(), dtype=np.float64)
     elif pa.types.is_string(typ) or pa.types.is_large_string(typ):
-        f = _parse_strings(col.to_pylist(), STEP, source)
+        return _parse_steps(col.to_pylist(), source)
     else:
         raise RunFormatError(source, f"column 'step' must hold integers, got type {typ}")
-    bad = ~np.isfinite(f) | (f != np.round(f))
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(f) | (f != np.round(f)) | (np.abs(f) > MAX_FLOAT_STEP)
     if bad.any():
         i = int(np.argmax(bad))
-        raise RunFormatError(
-            source, f"column 'step' must hold integers; row {i} holds {col[i].as_py()!r}"
-        )
+        raise _bad_step(source, i, col[i].as_py())
     return f.astype(np.int64)
+
+
+def _parse_steps(values: list[Any], source: object) -> np.ndarray:
+    """Step strings -> int64: ``"12"`` exactly (int64 range), ``"12.0"`` / ``"1e3"`` as floats."""
+    out = np.empty(len(values), dtype=np.int64)
+    for i, v in enumerate(values):
+        text = str(v).strip()
+        try:
+            n = int(text)
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                raise RunFormatError(
+                    source, f"column 'step' holds non-numeric value {v!r} at row {i}"
+                ) from None
+            if not (math.isfinite(f) and f.is_integer() and abs(f) <= MAX_FLOAT_STEP):
+                raise _bad_step(source, i, v) from None
+            n = int(f)
+        if not -INT64_MAX - 1 <= n <= INT64_MAX:
+            raise _bad_step(source, i, v)
+        out[i] = n
+    return out
 
 
 def _parse_strings(values: list[Any], name: str, source: object) -> np.ndarray:
@@ -529,7 +529,9 @@ def _to_float(
         col = pa.chunked_array([col])
     typ = col.type
     if pa.types.is_floating(typ) or pa.types.is_integer(typ) or pa.types.is_decimal(typ):
-        return col.cast(pa.float64())
+        # an integer above 2**53 (or a wide decimal) becomes the nearest float: a metric value,
+        # not an identifier, so rounding is the right reading (a safe cast would raise)
+        return col.cast(pa.float64(), safe=False)
     if pa.types.is_boolean(typ):
         return col.cast(pa.int8()).cast(pa.float64())
     if pa.types.is_null(typ):

@@ -19,7 +19,11 @@ Slots and growth
     value vector).  A name seen for the first time -- e.g. a layer that appears after the
     first step -- is resolved once (then cached) and ``grow()``s every bank it belongs to by
     one fresh series; the new series warms up on its own, existing series are untouched.
-    Names that match no pattern are ignored (listed in ``Monitor.unbound``).
+    A bank holds at most ``[monitor] max_series`` series (default 4096): a new name is not
+    added to a full bank (one warning per bank), and a name no bank takes is skipped and
+    recorded on every step it appears, without being cached (bounded memory under a new name
+    every step).  Names that match no pattern are ignored (listed in ``Monitor.unbound``, up to
+    ``max_series`` of them).
 
 Per step the monitor writes values into the slot vector and :func:`gather_step` copies them
 into every binding's ``(1, n_inputs, n_series)`` input array and missing mask in one Numba call.
@@ -42,9 +46,9 @@ from collections.abc import Mapping
 import numpy as np
 from numba import njit
 
-from detectors._base import BoolArray, FloatArray
+from detectors import BoolArray, FloatArray
 
-__all__ = ["DEFAULT_ALIASES", "Aliases", "Pattern", "gather_step", "any_true"]
+__all__ = ["DEFAULT_ALIASES", "Aliases", "Pattern", "gather_step"]
 
 #: Aliases applied to every metric name before matching (config aliases are merged on top).
 DEFAULT_ALIASES: dict[str, str] = {
@@ -55,6 +59,7 @@ DEFAULT_ALIASES: dict[str, str] = {
     "loss/train": "loss",
     "lm loss": "loss",
     "lm_loss": "loss",
+    "train_loss_step": "loss",  # Lightning self.log("train_loss", on_step=True, on_epoch=True)
     "lm-loss": "loss",
     "train/lm_loss": "loss",
     # validation loss
@@ -65,12 +70,20 @@ DEFAULT_ALIASES: dict[str, str] = {
     "validation_loss": "val_loss",
     "loss/val": "val_loss",
     "lm loss validation": "val_loss",
+    "lm loss value": "val_loss",
+    "valid_loss": "val_loss",
     # learning rate
     "learning_rate": "lr",
     "learning-rate": "lr",
     "learning rate": "lr",
     "train/lr": "lr",
     "train/learning_rate": "lr",
+    # Lightning's LearningRateMonitor ("lr-<Optimizer>")
+    "lr-Adam": "lr",
+    "lr-AdamW": "lr",
+    "lr-SGD": "lr",
+    "lr-RMSprop": "lr",
+    "lr-Adagrad": "lr",
     # global gradient norm
     "grad-norm": "grad_norm",
     "grad norm": "grad_norm",
@@ -78,6 +91,12 @@ DEFAULT_ALIASES: dict[str, str] = {
     "global_grad_norm": "grad_norm",
     "train/grad_norm": "grad_norm",
     "grad_norm/global": "grad_norm",
+    "gradient_norm": "grad_norm",
+    "grad_2.0_norm_total": "grad_norm",  # Lightning's grad_norm(module, 2)
+    # AMP loss scale, epochs
+    "loss scale": "loss_scale",
+    "train/loss_scale": "loss_scale",
+    "train/epoch": "epoch",
     # per-layer families (prefix rewrites)
     "grad-norm/*": "grad_norm/*",
     "train/grad_norm/*": "grad_norm/*",
@@ -92,10 +111,12 @@ class Aliases:
     ----------
     extra
         Aliases merged over :data:`DEFAULT_ALIASES` (mapping a name to itself disables a default).
+    defaults
+        Start from :data:`DEFAULT_ALIASES` (``False``: ``extra`` alone).
     """
 
-    def __init__(self, extra: Mapping[str, str] | None = None):
-        table = dict(DEFAULT_ALIASES)
+    def __init__(self, extra: Mapping[str, str] | None = None, *, defaults: bool = True):
+        table = dict(DEFAULT_ALIASES) if defaults else {}
         table.update(extra or {})
         self.exact: dict[str, str] = {}
         self.prefix: list[tuple[str, str]] = []
@@ -190,15 +211,6 @@ def gather_step(  # type: ignore[no-untyped-def]
                 A[i] = False
     for s in range(present.shape[0]):
         present[s] = False
-
-
-@njit(cache=True)
-def any_true(a):  # type: ignore[no-untyped-def]
-    """``a.any()`` for a 1-d bool array, without NumPy's reduction overhead."""
-    for i in range(a.shape[0]):
-        if a[i]:
-            return True
-    return False
 
 
 def empty_buffers(n: int) -> tuple[FloatArray, BoolArray]:

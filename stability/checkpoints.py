@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ._state_check import Fields
+
 STATE_VERSION = 1
 
 
@@ -194,14 +196,38 @@ class CheckpointLedger:
                 "alarms": [list(iv) for iv in self._alarms]}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict` output."""
-        self.margin = int(sd.get("margin", self.margin))
-        self.records = [CheckpointRecord.from_dict(r) for r in sd.get("records", [])]
-        self._alarms = [[int(a), int(b)] for a, b in sd.get("alarms", [])]
+        """Restore the records and alarm steps of :meth:`state_dict` output.
+
+        This ledger's ``margin`` wins (use :meth:`from_state_dict` for the snapshot's).  Every
+        field is checked first (``ValueError`` naming it; the ledger is then unchanged);
+        records are re-sorted and alarm intervals re-merged, so the ledger's invariants hold
+        whatever order the snapshot lists them in.
+        """
+        f = Fields("CheckpointLedger", sd)
+        f.version(STATE_VERSION)
+        records = []
+        for i, r in enumerate(f.seq("records", None, f.get("records", []))):
+            g = Fields("CheckpointLedger", r, f"records[{i}].")
+            records.append(CheckpointRecord(
+                g.integer("step"), g.text("path"), g.flag("healthy", True), g.text("reason", ""),
+                g.integer("covers_step", g.get("covers_step", -1), lo=-1)))
+        alarms = []
+        for i, iv in enumerate(f.seq("alarms", None, f.get("alarms", []))):
+            lo, hi = f.seq(f"alarms[{i}]", 2, iv)
+            lo, hi = f.integer(f"alarms[{i}][0]", lo), f.integer(f"alarms[{i}][1]", hi)
+            if hi < lo:
+                f.fail(f"alarms[{i}]", "an interval [first, last] with first <= last", iv)
+            alarms.append((lo, hi))
+        self.records = sorted(records, key=lambda r: r.covers)
+        self._alarms = []
+        for lo, hi in sorted(alarms):
+            self.note_alarm(lo, hi)
 
     @classmethod
     def from_state_dict(cls, sd: Mapping[str, Any]) -> CheckpointLedger:
-        led = cls(int(sd.get("margin", 0)))
+        """A ledger with the snapshot's own ``margin``, then loaded."""
+        f = Fields("CheckpointLedger", sd)
+        led = cls(f.integer("margin", f.get("margin", 0), lo=0))
         led.load_state_dict(sd)
         return led
 

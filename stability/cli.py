@@ -14,6 +14,12 @@ Examples
 ``RUN`` / ``RUNS`` may be a ``.parquet`` file, a directory of ``part-*.parquet`` files, a
 directory of runs or a glob; several may be given.  Heavy modules are imported lazily, so
 ``stability --help`` is fast.
+
+Errors: every user error (a missing, unreadable or malformed run / labels / config file, a bad
+option value, an unwritable ``--events`` path, a full disk) prints **one line** on stderr,
+``stability COMMAND: error: FILE: PROBLEM``, and exits with status 2 (argparse's usage errors
+too).  ``--debug`` (anywhere on the command line, or ``STABILITY_DEBUG=1``) also prints the
+traceback.  Anything else is a bug in stability and keeps its traceback (status 1).
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     parser = argparse.ArgumentParser(
         prog="stability", description="Watch training runs; replay, evaluate and tune offline.")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (also: STABILITY_DEBUG=1)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("replay", help="replay recorded runs through the monitor")
@@ -82,7 +93,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="render a report (replay.report)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("goodput", help="badput breakdown of an event log (time and steps)")
+    p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) written by a monitor")
+    p.add_argument("--json", action="store_true", help="print the last goodput record as JSON")
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("training-stability")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        from stability import __version__
+
+        return __version__
+
+
+def _cmd_goodput(a: argparse.Namespace) -> int:
+    from stability.events import read_events
+    from stability.goodput import format_goodput
+
+    records = read_events(a.events, errors="skip")
+    if a.json:
+        last = [r for r in records if r.get("type") == "goodput"][-1:]
+        print(json.dumps(last[0] if last else None, indent=1, default=_json_default))
+        return 0 if last else 1
+    print(format_goodput(records))
+    return 0
 
 
 def _runs(specs: Sequence[str]) -> list[tuple[str, str]]:
@@ -97,16 +136,21 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     from replay.replay import format_summary, replay_many, replay_run
 
     runs = _runs(a.runs)
-    if len(runs) == 1:
-        rid, path = runs[0]
-        results = [replay_run(path, a.config, events=a.events, run_id=rid)]
-    else:
-        suffix = ".jsonl"
-        if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
-            suffix = Path(a.events).suffix
-            a.events = str(Path(a.events).with_suffix(""))
-        results = replay_many(runs, a.config, jobs=a.jobs, events_dir=a.events,
-                              events_suffix=suffix)
+    try:
+        if len(runs) == 1:
+            rid, path = runs[0]
+            results = [replay_run(path, a.config, events=a.events, run_id=rid)]
+        else:
+            suffix = ".jsonl"
+            if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
+                suffix = Path(a.events).suffix
+                a.events = str(Path(a.events).with_suffix(""))
+            results = replay_many(runs, a.config, jobs=a.jobs, events_dir=a.events,
+                                  events_suffix=suffix)
+    except OSError as exc:
+        if exc.filename is None and a.events:  # a write error (full disk) knows no file name
+            exc.filename = a.events
+        raise
     if a.json:
         print(json.dumps([r.summary() for r in results], indent=1, default=str))
         return 0
@@ -161,7 +205,7 @@ def _json_default(o: Any) -> Any:
 def _cmd_tune(a: argparse.Namespace) -> int:
     from replay.evaluate import format_table
     from replay.labels import load_labels
-    from replay.tune import EvalSettings, tune, write_config
+    from replay.tuning import EvalSettings, tune, write_config
 
     runs = _runs(a.runs)
     labels = load_labels(a.labels) if a.labels else {}
@@ -200,22 +244,65 @@ def _cmd_report(argv: Sequence[str]) -> int:
     return int(rc or 0)
 
 
+#: exceptions that are the user's (files, configs, options, disk), reported in one line
+USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RecursionError, MemoryError)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a user error, naming the file when the exception knows it.
+
+    >>> describe_error(FileNotFoundError(2, "No such file or directory", "runs/x.parquet"))
+    'runs/x.parquet: No such file or directory'
+    >>> describe_error(ValueError("run.csv: no step column"))
+    'run.csv: no step column'
+    >>> describe_error(RecursionError("maximum recursion depth exceeded"))
+    'input nested too deeply (maximum recursion depth exceeded)'
+    """
+    if isinstance(exc, OSError) and exc.filename is not None:
+        where = os.fsdecode(exc.filename)
+        if exc.filename2 is not None:
+            where += f" -> {os.fsdecode(exc.filename2)}"
+        return f"{where}: {exc.strerror or exc}"
+    if isinstance(exc, RecursionError):
+        return f"input nested too deeply ({exc})"
+    if isinstance(exc, MemoryError):
+        return f"out of memory ({exc or 'MemoryError'})"
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())  # one line
+
+
+def _debug_wanted(args: list[str]) -> tuple[bool, list[str]]:
+    env = os.environ.get("STABILITY_DEBUG", "").strip() not in ("", "0", "false", "no")
+    if "--debug" in args:
+        return True, [x for x in args if x != "--debug"]
+    return env, args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``stability`` console script."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "report":
-        return _cmd_report(args[1:])
-    parser = build_parser()
-    a = parser.parse_args(args)
-    if a.command is None:
-        parser.print_help()
-        return 2
-    handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune}
+    """Entry point of the ``stability`` console script (see the module docstring for errors)."""
+    debug, args = _debug_wanted(list(sys.argv[1:] if argv is None else argv))
+    command = args[0] if args else ""
     try:
+        if command == "report":
+            return _cmd_report(args[1:])
+        parser = build_parser()
+        a = parser.parse_args(args)
+        if a.command is None:
+            parser.print_help()
+            return 2
+        handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune,
+                    "goodput": _cmd_goodput}
         return handlers[a.command](a)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"stability {a.command}: error: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"stability {command}: error: {describe_error(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"stability {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,6 +7,8 @@ The schema (``docs/CONTRACTS.md``)::
     aliases = { "train/loss" = "loss" }   # merged over stability.binding.DEFAULT_ALIASES
     log_only = false                 # decide and record, but Control stays neutral
     strict = false                   # raise on bad input / handler errors instead of recording
+    max_series = 4096                # distinct series per detector bank; new names past it skipped
+    handler_budget_s = 1.0           # seconds per step for all on_alarm/on_intervention/sink calls
 
     [[detectors]]                    # one binding = one detector bank
     name = "grad_spike_layers"       # unique; appears in Alarm.detector
@@ -65,6 +67,7 @@ import copy
 import json
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,7 +110,7 @@ _WEBHOOK_KEYS = ("url", "url_env", "format", "max_per_window", "window_s", "esca
 _EVENT_LOG_KEYS = ("path", "fsync")
 WEBHOOK_FORMATS = ("slack", "plain")
 FSYNC_MODES = ("critical", "always", "never")
-_MONITOR_KEYS = ("aliases", "log_only", "strict")
+_MONITOR_KEYS = ("aliases", "log_only", "strict", "max_series", "handler_budget_s")
 _DETECTOR_KEYS = ("name", "detector", "inputs", "kind", "severity", "critical_factor", "params")
 
 
@@ -179,6 +182,10 @@ class MonitorSettings:
     aliases: dict[str, str] = field(default_factory=dict)
     log_only: bool = False
     strict: bool = False
+    #: distinct series one detector bank may hold; names past the cap are skipped and recorded
+    max_series: int = 4096
+    #: seconds per step shared by every handler and alert-sink call (see stability.handlers)
+    handler_budget_s: float = 1.0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "monitor") -> MonitorSettings:
@@ -196,10 +203,14 @@ class MonitorSettings:
             aliases=aliases,
             log_only=_bool(d.get("log_only", False), f"{where}.log_only"),
             strict=_bool(d.get("strict", False), f"{where}.strict"),
+            max_series=_pos_int(d.get("max_series", 4096), f"{where}.max_series"),
+            handler_budget_s=_number(d.get("handler_budget_s", 1.0), f"{where}.handler_budget_s",
+                                     0.0, True),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"aliases": dict(self.aliases), "log_only": self.log_only, "strict": self.strict}
+        return {"aliases": dict(self.aliases), "log_only": self.log_only, "strict": self.strict,
+                "max_series": self.max_series, "handler_budget_s": self.handler_budget_s}
 
 
 def _number(v: Any, where: str, low: float, low_open: bool = False) -> float:
@@ -342,6 +353,23 @@ class EventLogConfig:
         return out
 
 
+#: largest accepted value of a detector's size parameter (window, bins, points, features): state
+#: memory grows linearly with it, per series, and is allocated when the config is validated
+MAX_DETECTOR_SIZE = 1_000_000
+_SIZE_PARAMS = ("window", "n_bins", "n_points", "n_features")
+
+
+def _check_sizes(params: Mapping[str, Any], where: str) -> None:
+    """Reject size parameters too large to allocate (a ``window`` of 1e9 is 15 GB per series)."""
+    for key in _SIZE_PARAMS:
+        v = params.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_DETECTOR_SIZE:
+            raise ConfigError(
+                f"{where}.{key}: must be at most {MAX_DETECTOR_SIZE:,} (detector state grows "
+                f"with it, per series); got {v!r}."
+            )
+
+
 @dataclass(frozen=True)
 class DetectorSpec:
     """One ``[[detectors]]`` entry: a detector bank bound to signal patterns."""
@@ -400,6 +428,7 @@ class DetectorSpec:
         if isinstance(cf, bool) or not isinstance(cf, (int, float)) or math.isnan(cf) or cf < 1.0:
             raise ConfigError(f"{where}.critical_factor: must be a number >= 1; got {cf!r}.")
         params = _plain(_table(d.get("params", {}), f"{where}.params"), f"{where}.params")
+        _check_sizes(params, f"{where}.params")
         spec = cls(name, det, inputs, kind, severity, float(cf), params)
         if check_params:
             spec.validate_params(where)
@@ -534,6 +563,13 @@ class MonitorConfig:
         flat = _resolve_presets(d)
         mon = _table(flat.get("monitor", {}), "monitor")
         pol = _plain(_table(flat.get("policy", {}), "policy"), "policy")
+        if "mode" in pol:  # the old second log-only switch: one switch, [monitor].log_only
+            mode = pol.pop("mode")
+            if mode not in ("act", "log_only"):
+                raise ConfigError(f"policy.mode: must be one of act, log_only; got {mode!r}.")
+            warnings.warn("[policy].mode is deprecated: use [monitor].log_only = true",
+                          DeprecationWarning, stacklevel=3)
+            mon = {**mon, "log_only": bool(mon.get("log_only", False)) or mode == "log_only"}
         user_index = {e["name"]: i for i, e in enumerate(raw_dets)}
         entries = [
             (
@@ -587,7 +623,7 @@ class MonitorConfig:
         text, where = _read(source)
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
             raise ConfigError(f"{where}: invalid JSON: {exc}") from None
         except RecursionError:
             raise ConfigError(f"{where}: invalid JSON: nested too deeply.") from None
@@ -642,6 +678,8 @@ def _read(source: str | Path) -> tuple[str, str]:
             return path.read_text(encoding="utf-8"), str(path)
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: cannot read config: not UTF-8 text ({exc})") from None
     return source, "config"
 
 

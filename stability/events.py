@@ -12,7 +12,8 @@ middle of a write), so records appended after a restart never follow half a line
 (disk full) is truncated away for the same reason.
 
 Write failures (read-only directory, full disk, ...) are reported once through :mod:`logging` and
-never raise into the training loop, unless ``strict=True``.
+never raise into the training loop, unless ``strict=True``.  Appending to a closed log drops the
+record with a one-time warning (``append`` returns ``False``); it never raises.
 
 Examples
 --------
@@ -110,6 +111,7 @@ class EventLog:
         self._fd: int | None = None
         self._reported = False
         self._closed = False
+        self._warned_closed = False
         self._lock = threading.Lock()
         self._open()
 
@@ -127,20 +129,28 @@ class EventLog:
         """Cut a torn last record (no final newline: a write cut short by a crash).
 
         Appending after it would turn the torn record into a corrupt line in the middle of the
-        file, which :func:`iter_events` rejects.
+        file, which :func:`iter_events` rejects.  The file is scanned backwards in 64 KiB blocks
+        for the last newline, however long the torn record is (a file without any newline is
+        one torn record and is emptied).
         """
         size = os.fstat(fd).st_size
         if size == 0:
             return
+        block = 65536
+        keep = 0
         with open(self.path, "rb") as f:
-            f.seek(max(0, size - 65536))
-            tail = f.read()
-        if tail.endswith(b"\n"):
-            return
-        cut = tail.rfind(b"\n")
-        if cut < 0 and size > len(tail):
-            return  # a last line longer than 64 KiB: leave it alone
-        keep = size - len(tail) + cut + 1
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            end = size
+            while end > 0:
+                start = max(0, end - block)
+                f.seek(start)
+                cut = f.read(end - start).rfind(b"\n")
+                if cut >= 0:
+                    keep = start + cut + 1
+                    break
+                end = start
         os.ftruncate(fd, keep)
         logger.warning("stability event log %s: dropped a torn last record (%d bytes) left by "
                        "an interrupted write.", self.path, size - keep)
@@ -165,8 +175,13 @@ class EventLog:
         crit = is_critical(rec) if critical is None else critical
         line = (json.dumps(_clean(rec), allow_nan=False, separators=(",", ":")) + "\n").encode()
         with self._lock:
-            if self._closed:
-                raise ValueError("I/O operation on a closed EventLog.")
+            if self._closed:  # never raise into the training loop: drop, warn once
+                self.n_dropped += 1
+                if not self._warned_closed:
+                    self._warned_closed = True
+                    logger.warning("stability event log %s: append after close(); the record "
+                                   "is dropped (reported once).", self.path)
+                return False
             if self._fd is None:
                 self.n_dropped += 1
                 return False

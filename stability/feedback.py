@@ -47,6 +47,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ._state_check import Fields
 from .types import INTERVENTION_TYPES
 
 __all__ = [
@@ -206,7 +207,12 @@ class InterventionTally:
         return {"version": 1, "counts": dict(self.counts)}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        self.counts = Counter({str(k): int(v) for k, v in dict(sd.get("counts", {})).items()})
+        """Restore :meth:`state_dict` output (checked first: ``ValueError`` naming the field)."""
+        f = Fields(type(self).__name__, sd)
+        f.version(1)
+        counts = f.mapping("counts", {})
+        self.counts = Counter({f.text("counts", value=k, max_len=200):
+                               f.integer(f"counts.{k}", v, lo=0) for k, v in counts.items()})
 
 
 def describe(iv: Any) -> str:

@@ -1,9 +1,29 @@
-"""Goodput accounting: how much of the compute actually moved the model forward.
+"""Goodput accounting: how much of the compute -- and of the wall time -- moved the model forward.
 
-Every optimizer step the trainer runs is counted once in ``steps``.  A step is *productive*
-unless it was skipped (``skip_step``) or later thrown away by a rollback (``lost``: the steps
-between the restored checkpoint and the rollback).  Steps run with a cut LR or a tightened clip
-are *degraded* (still productive, but slowed down); wall time is split the same way.
+**Steps.** Every optimizer step the trainer runs is counted once in ``steps``.  A step is
+*productive* unless it was skipped (``skip_step``) or later thrown away by a rollback (``lost``:
+the steps between the restored checkpoint and the rollback).  Steps run with a cut LR or a
+tightened clip are *degraded* (still productive, but slowed down).
+
+**Time.** :class:`GoodputTracker` is the run's one goodput ledger: the wall time it has seen is
+split into buckets that add up to it (:data:`TIME_BUCKETS`):
+
+* ``productive`` -- time of steps that count;
+* ``skipped`` -- time of skipped steps;
+* ``rollback`` -- time of steps later thrown away by a rollback (recompute), plus the restore;
+* ``checkpoint`` -- checkpoint saves (:meth:`~GoodputTracker.note_checkpoint`);
+* ``restart`` -- restarts / resume (:meth:`~GoodputTracker.note_restart`), including the work
+  done since the last checkpoint that was lost at the failure;
+* ``stall`` -- time beyond a normal step while no step completed (from the
+  :class:`~stability.watchdog.StallWatchdog`);
+* ``other`` -- everything else (evaluation, idle, time since the last step; see
+  :meth:`~GoodputTracker.note_other` and :meth:`~GoodputTracker.sync`).
+
+The time between two consecutive :meth:`~GoodputTracker.update` calls is the later step's time,
+minus whatever was noted (checkpoint, stall, other) while it ran.  The ledger's wall time is the
+time from its origin (:meth:`~GoodputTracker.start`, else the first update) to the last update
+(or :meth:`~GoodputTracker.sync`), plus time noted before the origin (a restart), accumulated
+over restarts through :meth:`~GoodputTracker.state_dict`.
 
 Examples
 --------
@@ -15,28 +35,56 @@ Examples
 (10, 1, 3, 6, 5)
 >>> round(g.fraction, 2)
 0.6
+
+In time (a clock we move by hand; a 5 s checkpoint save between steps 2 and 3):
+
+>>> t = [0.0]
+>>> g = GoodputTracker(clock=lambda: t[0])
+>>> g.start()
+>>> for s in range(1, 5):
+...     t[0] += 10.0 + (5.0 if s == 3 else 0.0)
+...     if s == 3:
+...         g.note_checkpoint(5.0)
+...     g.update(s)
+>>> g.wall_time, g.time_buckets()["productive"], g.time_buckets()["checkpoint"]
+(45.0, 40.0, 5.0)
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ._state_check import Fields
 from .types import Control
 
 STATE_VERSION = 1
 
+#: The wall-time buckets of the ledger, in report order (they add up to the wall time).
+TIME_BUCKETS = ("productive", "skipped", "rollback", "checkpoint", "restart", "stall", "other")
+
+#: How many recent steps keep their cumulative time (for the recompute cost of a rollback; older
+#: targets are priced at the mean step time).
+HISTORY = 20_000
+
 
 class GoodputTracker:
-    """Counters of productive, skipped, lost and degraded steps (and their wall time).
+    """The goodput ledger: productive, skipped, lost and degraded steps, and wall time by bucket.
 
     Parameters
     ----------
     clock : callable, optional
         Wall-clock source (default :func:`time.monotonic`); the time between two consecutive
         :meth:`update` calls is attributed to the later step.
+
+    Notes
+    -----
+    The ``note_*`` methods may be called from another thread (the stall watchdog does);
+    :meth:`update` takes a lock only when something was noted.
     """
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
@@ -46,26 +94,61 @@ class GoodputTracker:
         self.lost = 0
         self.rollbacks = 0
         self.degraded_steps = 0
-        self.time_total = 0.0
+        self.time_total = 0.0       # step time (between updates, less what was noted)
         self.time_degraded = 0.0
         self.time_skipped = 0.0
+        self.time_lost = 0.0        # step time later thrown away by rollbacks
+        self.time_restore = 0.0     # rollback restores
+        self.time_checkpoint = 0.0
+        self.time_restart = 0.0
+        self.time_stall = 0.0
+        self.time_other = 0.0
+        self.wall_time = 0.0
+        self.checkpoints = 0
+        self.restarts = 0
+        self.stalls = 0
         self._last_time: float | None = None
         self.last_step: int | None = None
+        self._debt = 0.0            # noted time not yet carved out of a step interval
+        self._lock = threading.Lock()
+        self._cum = 0.0             # productive-so-far step time (unskipped, not lost)
+        self._history: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
+        self._cum_at_checkpoint = 0.0
 
-    def update(self, step: int, *, skipped: bool = False, degraded: bool = False) -> None:
-        """Count one optimizer step."""
+    # ------------------------------------------------------------------ steps
+    def start(self) -> None:
+        """Set the wall-clock origin now (else it is the first :meth:`update`)."""
+        if self._last_time is None:
+            self._last_time = float(self.clock())
+
+    def _close(self) -> float:
+        """Close the open interval at the clock: its length less the noted time in it."""
         now = float(self.clock())
         dt = 0.0 if self._last_time is None else max(now - self._last_time, 0.0)
         self._last_time = now
+        self.wall_time += dt
+        if self._debt:
+            with self._lock:
+                carve = min(self._debt, dt)
+                self._debt -= carve
+            dt -= carve
+        return dt
+
+    def update(self, step: int, *, skipped: bool = False, degraded: bool = False) -> None:
+        """Count one optimizer step."""
+        dt = self._close()
         self.steps += 1
         self.time_total += dt
         if skipped:
             self.skipped += 1
             self.time_skipped += dt
+        else:
+            self._cum += dt
         if degraded:
             self.degraded_steps += 1
             self.time_degraded += dt
         self.last_step = int(step)
+        self._history.append((self.last_step, self._cum))
 
     def update_from_control(self, step: int, control: Control) -> None:
         """Count one step from the ``Control`` the trainer acted on.
@@ -78,10 +161,83 @@ class GoodputTracker:
         if control.rollback_to is not None:
             self.note_rollback(step, control.rollback_to)
 
-    def note_rollback(self, step: int, to_step: int) -> None:
-        """A rollback at ``step`` restored the state of ``to_step``: ``step - to_step`` are lost."""
+    def note_rollback(self, step: int, to_step: int, seconds: float = 0.0) -> None:
+        """A rollback at ``step`` restored the state of ``to_step``: ``step - to_step`` are lost.
+
+        Their (unskipped) step time moves to the ``rollback`` bucket, with ``seconds`` spent
+        restoring.
+        """
         self.rollbacks += 1
         self.lost += max(int(step) - int(to_step), 0)
+        n = max(int(step) - int(to_step), 0)
+        hist, popped = self._history, None
+        while hist and hist[-1][0] > to_step:
+            popped = hist.pop()
+        if popped is not None and hist:           # the target is inside the history
+            lost = self._cum - hist[-1][1]
+        elif popped is not None:                  # older: price the rest at the mean step time
+            lost = self._cum - popped[1] + self._mean_step() * (popped[0] - int(to_step))
+        else:                                     # no history (after a restore)
+            lost = self._mean_step() * n if not hist else 0.0
+        lost = min(max(lost, 0.0), self._cum)
+        self.time_lost += lost
+        self._cum -= lost
+        self._cum_at_checkpoint = min(self._cum_at_checkpoint, self._cum)
+        self._note("time_restore", seconds)
+
+    def _mean_step(self) -> float:
+        n = self.steps - self.skipped
+        return (self.time_total - self.time_skipped) / n if n > 0 else 0.0
+
+    # ------------------------------------------------------------------ time not in steps
+    def _note(self, bucket: str, seconds: float) -> None:
+        s = float(seconds)
+        if not math.isfinite(s) or s <= 0.0:
+            return
+        with self._lock:
+            setattr(self, bucket, getattr(self, bucket) + s)
+            if self._last_time is None:
+                self.wall_time += s       # before the origin: a closed interval of its own
+            else:
+                self._debt += s           # inside the open interval: carved out of it
+
+    def note_checkpoint(self, seconds: float) -> None:
+        """A checkpoint save took ``seconds`` (of the current interval)."""
+        self.checkpoints += 1
+        self._cum_at_checkpoint = self._cum
+        self._note("time_checkpoint", seconds)
+
+    def note_restart(self, seconds: float, lost_s: float = 0.0) -> None:
+        """A restart / resume took ``seconds``; ``lost_s`` of work since the last checkpoint
+        was lost at the failure (both in the ``restart`` bucket).
+
+        Called before the first step after a resume, the time is added to the wall time (it
+        happened before this process's clock origin); later, it is carved out of the open
+        interval like a checkpoint.
+        """
+        self.restarts += 1
+        self._note("time_restart", float(seconds) + max(float(lost_s), 0.0))
+
+    def note_stall(self, seconds: float) -> None:
+        """``seconds`` beyond a normal step went by without a step completing."""
+        self.stalls += 1
+        self._note("time_stall", seconds)
+
+    def note_other(self, seconds: float) -> None:
+        """``seconds`` of the current interval were neither a step nor overhead (evaluation)."""
+        self._note("time_other", seconds)
+
+    def sync(self) -> None:
+        """Close the books now: the time since the last update (less what was noted in it) is
+        ``other`` (call at the end of a run, or before a :meth:`record` between steps)."""
+        if self._last_time is None:
+            return
+        self.time_other += self._close()
+
+    @property
+    def unsaved_s(self) -> float:
+        """Productive step time since the last :meth:`note_checkpoint` (lost at a failure now)."""
+        return max(self._cum - self._cum_at_checkpoint, 0.0)
 
     # ------------------------------------------------------------------ results
     @property
@@ -94,8 +250,24 @@ class GoodputTracker:
         """``productive / steps`` (``nan`` before the first step)."""
         return self.productive / self.steps if self.steps else math.nan
 
+    def time_buckets(self) -> dict[str, float]:
+        """Wall time by bucket (:data:`TIME_BUCKETS`); the values add up to :attr:`wall_time`
+        (less noted time not yet inside a closed interval)."""
+        productive = max(self.time_total - self.time_skipped - self.time_lost, 0.0)
+        return {"productive": productive, "skipped": self.time_skipped,
+                "rollback": self.time_lost + self.time_restore,
+                "checkpoint": self.time_checkpoint, "restart": self.time_restart,
+                "stall": self.time_stall, "other": self.time_other}
+
+    @property
+    def time_fraction(self) -> float:
+        """Productive share of the wall time (``nan`` before any time was seen)."""
+        return self.time_buckets()["productive"] / self.wall_time if self.wall_time else math.nan
+
     def summary(self) -> dict[str, Any]:
         """All numbers as a JSON-compatible dict (what the event log records)."""
+        buckets = self.time_buckets()
+        w = self.wall_time
         return {
             "steps": self.steps,
             "productive": self.productive,
@@ -103,7 +275,14 @@ class GoodputTracker:
             "lost_to_rollback": self.lost,
             "rollbacks": self.rollbacks,
             "degraded_steps": self.degraded_steps,
+            "checkpoints": self.checkpoints,
+            "restarts": self.restarts,
+            "stalls": self.stalls,
             "goodput": None if not self.steps else self.fraction,
+            "goodput_time": None if not w else buckets["productive"] / w,
+            "wall_time_s": w,
+            "time_s": buckets,
+            "time_fraction": {k: (v / w if w else None) for k, v in buckets.items()},
             "time_total_s": self.time_total,
             "time_degraded_s": self.time_degraded,
             "time_skipped_s": self.time_skipped,
@@ -120,22 +299,106 @@ class GoodputTracker:
                 "lost": self.lost, "rollbacks": self.rollbacks,
                 "degraded_steps": self.degraded_steps, "time_total": self.time_total,
                 "time_degraded": self.time_degraded, "time_skipped": self.time_skipped,
-                "last_step": self.last_step}
+                "last_step": self.last_step, "time_lost": self.time_lost,
+                "time_restore": self.time_restore, "time_checkpoint": self.time_checkpoint,
+                "time_restart": self.time_restart, "time_stall": self.time_stall,
+                "time_other": self.time_other, "wall_time": self.wall_time + self._debt,
+                "checkpoints": self.checkpoints, "restarts": self.restarts,
+                "stalls": self.stalls, "cum": self._cum,
+                "cum_at_checkpoint": self._cum_at_checkpoint}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (the wall-clock origin restarts at the next update)."""
-        self.steps = int(sd.get("steps", 0))
-        self.skipped = int(sd.get("skipped", 0))
-        self.lost = int(sd.get("lost", 0))
-        self.rollbacks = int(sd.get("rollbacks", 0))
-        self.degraded_steps = int(sd.get("degraded_steps", 0))
-        self.time_total = float(sd.get("time_total", 0.0))
-        self.time_degraded = float(sd.get("time_degraded", 0.0))
-        self.time_skipped = float(sd.get("time_skipped", 0.0))
-        ls = sd.get("last_step")
-        self.last_step = None if ls is None else int(ls)
+        """Restore :meth:`state_dict` output (the wall-clock origin restarts at the next update).
+
+        Rollbacks to steps before the restore price the lost steps at the mean step time.
+        Every field is checked first (``ValueError`` naming it; the tracker is then unchanged):
+        counts are non-negative ints, times finite and non-negative.
+        """
+        f = Fields("GoodputTracker", sd)
+        f.version(STATE_VERSION)
+        vals: dict[str, Any] = {
+            k: f.integer(k, f.get(k, 0), lo=0)
+            for k in ("steps", "skipped", "lost", "rollbacks", "degraded_steps", "checkpoints",
+                      "restarts", "stalls")}
+        for k in ("time_total", "time_degraded", "time_skipped", "time_lost", "time_restore",
+                  "time_checkpoint", "time_restart", "time_stall", "time_other"):
+            vals[k] = f.number(k, f.get(k, 0.0), lo=0.0)
+        vals["wall_time"] = f.number("wall_time", f.get("wall_time", vals["time_total"]), lo=0.0)
+        cum = f.number("cum", f.get("cum", max(
+            vals["time_total"] - vals["time_skipped"] - vals["time_lost"], 0.0)), lo=0.0)
+        cum_at = f.number("cum_at_checkpoint", f.get("cum_at_checkpoint", cum), lo=0.0)
+        last_step = f.opt_integer("last_step")
+        for k, v in vals.items():
+            setattr(self, k, v)
+        self.last_step = last_step
         self._last_time = None
+        self._cum, self._cum_at_checkpoint = cum, cum_at
+        self._debt = 0.0
+        self._history.clear()
 
     def __repr__(self) -> str:
         return (f"GoodputTracker(steps={self.steps}, productive={self.productive}, "
                 f"skipped={self.skipped}, lost={self.lost}, degraded={self.degraded_steps})")
+
+
+def _hms(s: float) -> str:
+    s = float(s)
+    if 0 < s < 1:
+        return f"{1000 * s:.1f}ms"
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(round(s)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
+
+
+def format_goodput(records: Iterable[Mapping[str, Any]], width: int = 30) -> str:
+    """The badput breakdown of an event log, as text (``stability goodput EVENTS``).
+
+    Uses the last ``goodput`` record (the ledger is cumulative, across restarts too) and counts
+    ``stall`` records.
+
+    Examples
+    --------
+    >>> g = GoodputTracker(clock=iter([0.0, 10.0, 20.0, 35.0]).__next__)
+    >>> g.start(); g.update(1); g.note_checkpoint(5.0); g.update(2); g.update(3)
+    >>> print(format_goodput([g.record()]))  # doctest: +NORMALIZE_WHITESPACE
+    goodput at step 3: 100.0% of steps productive (3 of 3), 85.7% of wall time
+    wall time 35.0s (1 checkpoints, 0 restarts, 0 rollbacks, 0 stalls)
+      productive        30.0s   85.7%  ##########################
+      skipped            0.0s    0.0%
+      rollback           0.0s    0.0%
+      checkpoint         5.0s   14.3%  ####
+      restart            0.0s    0.0%
+      stall              0.0s    0.0%
+      other              0.0s    0.0%
+    """
+    last: Mapping[str, Any] | None = None
+    n_stalls = 0
+    for r in records:
+        if r.get("type") == "goodput":
+            last = r
+        elif r.get("type") == "stall":
+            n_stalls += 1
+    if last is None:
+        return "no goodput records (log GoodputTracker.record() to the event log)"
+    steps = int(last.get("steps", 0) or 0)
+    prod = int(last.get("productive", 0) or 0)
+    gp = last.get("goodput")
+    head = (f"goodput at step {last.get('step')}: "
+            + (f"{100 * float(gp):.1f}% of steps productive ({prod} of {steps})"
+               if gp is not None else "no steps"))
+    times = last.get("time_s")
+    wall = float(last.get("wall_time_s", 0.0) or 0.0)
+    if not isinstance(times, Mapping) or wall <= 0:
+        return head
+    lines = [head + f", {100 * times.get('productive', 0.0) / wall:.1f}% of wall time",
+             f"wall time {_hms(wall)} ({last.get('checkpoints', 0)} checkpoints, "
+             f"{last.get('restarts', 0)} restarts, {last.get('rollbacks', 0)} rollbacks, "
+             f"{max(int(last.get('stalls', 0) or 0), n_stalls)} stalls)"]
+    for name in TIME_BUCKETS:
+        v = float(times.get(name, 0.0) or 0.0)
+        frac = v / wall
+        bar = "#" * int(round(frac * width))
+        lines.append(f"  {name:<12} {_hms(v):>9} {100 * frac:6.1f}%  {bar}".rstrip())
+    return "\n".join(lines)

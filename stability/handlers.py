@@ -1,10 +1,19 @@
-"""User handlers for alarms and interventions, with failures contained.
+"""User handlers for alarms and interventions, with failures contained and time bounded.
 
 A handler is any callable taking one argument (the :class:`~stability.types.Alarm` or the
 :class:`~stability.types.Intervention`).  An exception in a handler is logged (with its traceback,
 the first time for each handler) and recorded, and training goes on -- unless ``strict=True``, in
-which case it propagates.  With ``timeout`` set, each handler runs in a daemon thread and a handler
-still running after ``timeout`` seconds is abandoned (logged, not killed).
+which case it propagates.
+
+Time bounds (``timeout`` set, the monitor's default): calls run on ONE worker thread while the
+caller waits at most the time left.  Outside a step each call may take ``timeout`` seconds; between
+:meth:`HandlerRegistry.begin_step` and :meth:`~HandlerRegistry.end_step` (the monitor opens one per
+``observe()`` that emits) all calls of the step -- handlers and alert sinks -- share ONE budget of
+``timeout`` seconds, so a step never waits much longer than that.  A call still running when its
+time is up is *hung*: reported once, the worker is handed to it and replaced, and that handler is
+not called again until it returns (its calls are dropped and counted in :attr:`n_dropped`).  Calls
+left when the step's budget is spent are dropped the same way.  Threads are therefore bounded: one
+worker plus one per handler that is hung right now.
 
 Examples
 --------
@@ -26,8 +35,10 @@ Examples
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -37,9 +48,79 @@ logger = logging.getLogger("stability.handlers")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: seconds an idle worker thread waits for work before it exits (a new one starts on demand)
+WORKER_IDLE_S = 5.0
+
 
 class HandlerError(RuntimeError):
-    """Raised in strict mode when a handler times out."""
+    """A handler (or sink) call ran past its time; raised in strict mode, recorded otherwise."""
+
+
+class _Call:
+    """One handler call handed to the worker."""
+
+    __slots__ = ("fn", "item", "key", "label", "done", "error", "finished", "hung")
+
+    def __init__(self, fn: Callable[[Any], Any], item: Any, key: int, label: str) -> None:
+        self.fn, self.item, self.key, self.label = fn, item, key, label
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.finished = False
+        self.hung = False
+
+
+class _Pool:
+    """State shared by a registry and its worker threads (never a reference to the registry)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.worker: _Worker | None = None
+        self.hung: dict[int, _Call] = {}   # handler key -> its call still running
+
+    def submit(self, call: _Call) -> _Worker:
+        with self.lock:
+            w = self.worker
+            if w is None or not w.is_alive():  # (threads do not survive a fork)
+                w = self.worker = _Worker(self)
+                w.start()
+            w.q.put(call)  # under the lock: an idle worker cannot exit with work queued
+        return w
+
+
+class _Worker(threading.Thread):
+    """The one thread running handler calls; handed over to a call that hangs, then replaced."""
+
+    def __init__(self, pool: _Pool) -> None:
+        super().__init__(name="stability-handlers", daemon=True)
+        self.pool = pool
+        self.q: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        pool = self.pool
+        while True:
+            try:
+                call = self.q.get(timeout=WORKER_IDLE_S)
+            except queue.Empty:
+                with pool.lock:
+                    if self.q.empty():
+                        if pool.worker is self:
+                            pool.worker = None
+                        return
+                continue
+            try:
+                call.fn(call.item)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                call.error = e
+            with pool.lock:
+                call.finished = True
+                if call.hung:  # the caller gave up on it: it may be called again now
+                    pool.hung.pop(call.key, None)
+            call.done.set()
+            if call.hung:
+                logger.info("stability handler %s returned after hanging; it is called again "
+                            "from now on.", call.label)
+                return  # a replacement worker took over
+            call.item = None
 
 
 class HandlerRegistry:
@@ -50,9 +131,18 @@ class HandlerRegistry:
     strict : bool
         Re-raise handler exceptions (and raise :class:`HandlerError` on timeouts).
     timeout : float, optional
-        Seconds a handler may run before it is abandoned (``None``: run inline, no limit).
+        Seconds a call may take (outside a step) or all calls of a step may take together
+        (between :meth:`begin_step` and :meth:`end_step`); ``None``: run inline, no limit.
     max_errors_kept : int
         Recent errors kept in :attr:`errors` as ``(handler name, item, repr(exception))``.
+
+    Attributes
+    ----------
+    n_errors : int
+        Calls that raised or hung.
+    n_dropped : int
+        Calls not made: the handler was still hung, or the step's budget was spent
+        (per handler in :attr:`dropped`).
     """
 
     def __init__(self, strict: bool = False, timeout: float | None = None,
@@ -66,7 +156,12 @@ class HandlerRegistry:
         self.intervention_handlers: list[Callable[[Intervention], Any]] = []
         self.errors: deque[tuple[str, Any, str]] = deque(maxlen=max_errors_kept)
         self.n_errors = 0
+        self.n_dropped = 0
+        self.dropped: Counter[str] = Counter()
         self._reported: set[str] = set()
+        self._drop_reported: set[str] = set()
+        self._pool = _Pool()
+        self._deadline: float | None = None
 
     # ------------------------------------------------------------------ registration
     def on_alarm(self, fn: F) -> F:
@@ -91,6 +186,31 @@ class HandlerRegistry:
     def __bool__(self) -> bool:
         return bool(self.alarm_handlers or self.intervention_handlers)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (threads and hung calls are not carried over)."""
+        state = self.__dict__.copy()
+        del state["_pool"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool = _Pool()
+
+    @property
+    def hung(self) -> list[str]:
+        """Names of the handlers (and sinks) hung right now."""
+        with self._pool.lock:
+            return [c.label for c in self._pool.hung.values()]
+
+    # ------------------------------------------------------------------ the step budget
+    def begin_step(self) -> None:
+        """Open a step: the calls until :meth:`end_step` share one budget of ``timeout`` s."""
+        self._deadline = None if self.timeout is None else time.monotonic() + self.timeout
+
+    def end_step(self) -> None:
+        """Close the step opened by :meth:`begin_step`."""
+        self._deadline = None
+
     # ------------------------------------------------------------------ dispatch
     def alarm(self, alarm: Alarm) -> int:
         """Call every alarm handler; returns how many succeeded."""
@@ -104,34 +224,60 @@ class HandlerRegistry:
         ok = 0
         for h in list(handlers):
             try:
-                if self.timeout is None:
-                    h(item)
-                else:
-                    self._call_with_timeout(h, item)
-                ok += 1
+                if self.call(h, h, item):
+                    ok += 1
             except Exception as e:
                 self._record(h, item, e)
                 if self.strict:
                     raise
         return ok
 
-    def _call_with_timeout(self, h: Callable[[Any], Any], item: Any) -> None:
-        box: list[BaseException] = []
+    def call(self, owner: Any, fn: Callable[[Any], Any], item: Any, label: str | None = None
+             ) -> bool:
+        """``fn(item)`` within the time left; ``False`` if dropped (hung owner or budget spent).
 
-        def run() -> None:
-            try:
-                h(item)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                box.append(e)
+        ``owner`` identifies the handler (or alert sink) for the hung bookkeeping.  Exceptions
+        of ``fn`` propagate; a call that runs out of time raises :class:`HandlerError` and its
+        owner is not called again until the call returns.
+        """
+        if self.timeout is None:
+            fn(item)
+            return True
+        label = label or _name(owner)
+        pool = self._pool
+        key = id(owner)
+        if key in pool.hung:  # its hang was reported: "not called again until it returns"
+            self._drop(label, None)
+            return False
+        now = time.monotonic()
+        left = (self._deadline if self._deadline is not None else now + self.timeout) - now
+        if left <= 0:
+            self._drop(label, f"the step's handler budget of {self.timeout} s is spent")
+            return False
+        c = _Call(fn, item, key, label)
+        pool.submit(c)
+        if not c.done.wait(left):
+            with pool.lock:
+                if not c.finished:
+                    c.hung = True
+                    pool.hung[key] = c
+                    pool.worker = None  # this worker now belongs to the hung call
+            if c.hung:
+                raise HandlerError(f"{label} still running after {left:.3g} s; abandoned (not "
+                                   f"called again until it returns)")
+            c.done.wait()
+        if c.error is not None:
+            err, c.error = c.error, None
+            raise err
+        return True
 
-        t = threading.Thread(target=run, name=f"stability-handler-{_name(h)}", daemon=True)
-        t.start()
-        t.join(self.timeout)
-        if t.is_alive():
-            raise HandlerError(f"handler {_name(h)} still running after {self.timeout} s; "
-                               f"abandoned")
-        if box:
-            raise box[0]
+    def _drop(self, label: str, why: str | None) -> None:
+        self.n_dropped += 1
+        self.dropped[label] += 1
+        if why is not None and label not in self._drop_reported:
+            self._drop_reported.add(label)
+            logger.warning("stability handler %s not called: %s. Further dropped calls are "
+                           "counted (HandlerRegistry.n_dropped), not logged.", label, why)
 
     def _record(self, h: Callable[..., Any], item: Any, e: Exception) -> None:
         name = _name(h)

@@ -26,6 +26,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ._state_check import Fields
+
 
 class LossTracker:
     """Recent vs pre-episode level of the training loss (see the module docstring).
@@ -78,9 +80,11 @@ class LossTracker:
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
-        self.fast = float(sd.get("fast", math.nan))
-        self.base = float(sd.get("base", math.nan))
-        self.nonfinite_run = int(sd.get("nf_run", 0))
+        f = Fields("LossTracker", sd)
+        fast = f.number("fast", f.get("fast", math.nan), nan=True)
+        base = f.number("base", f.get("base", math.nan), nan=True)
+        self.nonfinite_run = f.integer("nf_run", f.get("nf_run", 0), lo=0)
+        self.fast, self.base = fast, base
 
 
 def _enc(v: float) -> float | str:
@@ -141,7 +145,10 @@ class ValTracker:
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
-        self.best = float(sd.get("best", math.inf))
-        self.best_step = int(sd.get("best_step", -1))
-        self.worse_points = int(sd.get("worse", 0))
-        self.train_at_best = float(sd.get("train_at_best", math.nan))
+        f = Fields("ValTracker", sd)
+        best = f.number("best", f.get("best", math.inf), inf=True)
+        best_step = f.integer("best_step", f.get("best_step", -1), lo=-1)
+        worse = f.integer("worse", f.get("worse", 0), lo=0)
+        train_at_best = f.number("train_at_best", f.get("train_at_best", math.nan), nan=True)
+        self.best, self.best_step, self.worse_points = best, best_step, worse
+        self.train_at_best = train_at_best

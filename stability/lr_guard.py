@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._state_check import Fields
+
 STATE_VERSION = 1
 
 
@@ -176,16 +178,24 @@ class LRGuard:
         return out
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output (this guard's config wins).
+
+        Every field is checked first; a malformed one raises ``ValueError`` naming it and
+        leaves the guard as it was.
+        """
+        f = Fields("LRGuard", sd)
+        f.version(STATE_VERSION)
+        vals: dict[str, Any] = {
+            "n": f.integer("n", f.get("n", 0), lo=0),
+            "since_peak": f.integer("since_peak", f.get("since_peak", 0), lo=0),
+            "onset": f.integer("onset", f.get("onset", -1), lo=-1),
+        }
+        for k in ("warm", "primed", "active"):
+            vals[k] = f.flag(k, False)
+        for k in ("ref", "peak", "last_lr"):
+            vals[k] = f.number(k, f.get(k, math.nan), nan=True)
+        for k in ("inv_r0", "factor"):
+            vals[k] = f.number(k, f.get(k, 1.0), lo=0.0, hi=1.0, low_open=True)
         self.reset()
-        self.n = int(sd.get("n", 0))
-        self.since_peak = int(sd.get("since_peak", 0))
-        self.warm = bool(sd.get("warm", False))
-        self.primed = bool(sd.get("primed", False))
-        self.active = bool(sd.get("active", False))
-        self.onset = int(sd.get("onset", -1))
-        for k in ("ref", "peak", "inv_r0", "factor", "last_lr"):
-            v = float(sd.get(k, getattr(self, k)))
-            if k in ("inv_r0", "factor") and not (0.0 < v <= 1.0):
-                raise ValueError(f"LRGuard state: {k!r} must be in (0, 1]; got {v!r}.")
+        for k, v in vals.items():
             setattr(self, k, v)

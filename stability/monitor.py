@@ -11,15 +11,22 @@ Input handling (documented policy, all tested):
 * **values** -- floats, ints, NumPy scalars / size-1 arrays, anything with ``__float__`` or
   ``__array__`` (torch tensors work without importing torch).  ``None`` means *not logged* on this
   step (missing, never NaN).  Strings, booleans, wrong shapes and other objects are recorded in
-  ``Decision.skipped`` (``ValueError`` in strict mode) and never reach a detector.
+  ``Decision.skipped`` (``ValueError`` in strict mode) and never reach a detector, and so are
+  complex numbers (NumPy or torch), meta tensors and objects whose conversion raises.
 * **NaN / inf** -- real observations: the ``nonfinite`` binding alarms (critical) and the other
   detectors' alarms on that same signal are suppressed on that step, so one NaN is one alarm.
 * **names** -- normalised through aliases; names no binding matches are ignored (``unbound``);
-  new layers grow the banks (see :mod:`stability.binding`).
-* **steps** -- must be ints ``>= 0`` and increase.  A step ``<=`` the last observed one (duplicate
-  or out of order) is not fed to the detectors: the decision only lists the reason in
-  ``skipped``.  After a :class:`~stability.types.Rollback` (or :meth:`Monitor.rewind`) the
-  counter restarts at the rollback target, so the replayed steps are accepted.
+  new layers grow the banks (see :mod:`stability.binding`) up to ``[monitor] max_series``
+  series per bank (default 4096): a new name past a full bank is not added to it (one warning
+  per bank); if no bank takes it, each of its observations is skipped (recorded).
+* **families** -- a mapping of declared family name -> per-layer array; anything else is
+  skipped (recorded).
+* **steps** -- must be ints in ``[0, 2**53)`` (integer-valued floats are accepted) and
+  increase; a step out of that range is skipped (recorded) and never becomes the last step.
+  A step ``<=`` the last observed one (duplicate or out of order) is not fed to the
+  detectors: the decision only lists the reason in ``skipped``.  After a
+  :class:`~stability.types.Rollback` (or :meth:`Monitor.rewind`) the counter restarts at the
+  rollback target, so the replayed steps are accepted.
 
 ``log_only`` (dry run): the policy decides and interventions are recorded, but the returned
 ``Control`` stays neutral.
@@ -47,12 +54,14 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import warnings
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._state_check import Fields
 from .binding import Aliases, Pattern, empty_buffers, gather_step
 from .config import ConfigSource, DetectorSpec, MonitorConfig, load_config
 from .monitor_io import decode_state, encode_state, table_columns, to_float
@@ -66,12 +75,20 @@ logger = logging.getLogger("stability.monitor")
 
 STATE_VERSION = 1
 GRAD_HISTORY = 100
-#: Default seconds a user handler may run before it is abandoned (``handler_timeout``).
+#: Default seconds per step for all handler and sink calls (``[monitor] handler_budget_s``).
 HANDLER_TIMEOUT = 1.0
+#: Steps must be integers in ``[0, MAX_STEP]`` (exactly representable as float64).
+MAX_STEP = 2**53 - 1
+_CAPPED = -2  # _lookup: a name every matching bank refused (series cap)
+_FROM_CONFIG: Any = object()
 _ABSENT, _SCRATCH = 0, 1
 _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
 #: (keys in order, their slots, all keys valid, contiguous slot range or None)
 _KeyPlan = tuple[list[Any], np.ndarray, bool, "slice | None"]
+#: value types the fast path converts with ``array("d", ...)`` (real numbers, no ``__float__``
+#: surprises: NumPy complex would silently lose its imaginary part there)
+_PLAIN = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64, np.int32,
+                    np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8, np.bool_})
 
 
 def _make_policy(cfg: Mapping[str, Any]) -> Policy:
@@ -141,9 +158,10 @@ class Monitor:
     on_alarm, on_intervention
         Optional handlers (one callable or a list); failures are contained unless strict.
     handler_timeout
-        Seconds a handler may run before it is abandoned (logged and counted as a failure, so a
-        hanging handler cannot block :meth:`observe`); each call then runs in a daemon thread.
-        ``None`` runs handlers inline without a limit.
+        Seconds per step shared by every handler and alert-sink call of that step (default: the
+        config's ``[monitor] handler_budget_s``, 1.0).  Calls run on one worker thread; a call
+        that runs out of time is reported once and its handler is not called again until it
+        returns (see :mod:`stability.handlers`).  ``None`` runs them inline without a limit.
     checkpoints
         A :class:`~stability.checkpoints.CheckpointLedger` (a fresh one by default), passed to
         the policy as ``context["healthy_checkpoints"]``.
@@ -152,7 +170,7 @@ class Monitor:
     def __init__(self, config: ConfigSource = None, *, event_log: Any = None,
                  alert_sinks: Any = None, on_alarm: Any = None, on_intervention: Any = None,
                  checkpoints: Any = None,
-                 handler_timeout: float | None = HANDLER_TIMEOUT) -> None:
+                 handler_timeout: float | None = _FROM_CONFIG) -> None:
         self.config: MonitorConfig = load_config(config)
         self.log_only = self.config.monitor.log_only
         self.strict = self.config.monitor.strict
@@ -171,6 +189,10 @@ class Monitor:
         self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else [
             alert_sinks]
         from .handlers import HandlerRegistry  # noqa: PLC0415
+        if handler_timeout is _FROM_CONFIG:
+            handler_timeout = self.config.monitor.handler_budget_s
+        self.max_series = self.config.monitor.max_series
+        self._capped_banks: set[str] = set()
         self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
         self._sink_failed: set[int] = set()
         for fn in _as_list(on_alarm):
@@ -272,6 +294,8 @@ class Monitor:
         s = self._slot_of.get(name)
         if s is None:
             s = self._bind(name)
+            if s == _CAPPED or (s == _SCRATCH and len(self.unbound) >= self.max_series):
+                return s  # not cached: memory stays bounded under endless new names
         self._cache[raw] = s
         return s
 
@@ -283,8 +307,21 @@ class Monitor:
                 if key is not None:
                     hits.append((b, j, key))
         if not hits:
-            self.unbound.add(name)
+            if len(self.unbound) < self.max_series:
+                self.unbound.add(name)
             return _SCRATCH
+        cap = self.max_series
+        kept = [h for h in hits if h[2] in h[0].key_index or len(h[0].keys) < cap]
+        if len(kept) < len(hits):
+            for b, _, _ in hits:
+                if b.name not in self._capped_banks and len(b.keys) >= cap:
+                    self._capped_banks.add(b.name)
+                    logger.warning("binding %r holds max_series=%d series; new names it matches "
+                                   "(first: %r) are not added to it. Raise [monitor] max_series "
+                                   "if this is intended.", b.name, cap, name)
+            if not kept:
+                return _CAPPED
+            hits = kept
         s = len(self._slot_names)
         self._slot_names.append(name)
         self._slot_of[name] = s
@@ -319,7 +356,8 @@ class Monitor:
         layers = [str(x) for x in layers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"declare_family({name!r}): layer names must be unique.")
-        slots = np.array([self._lookup(f"{name}/{x}") for x in layers], dtype=np.int64)
+        slots = np.array([max(self._lookup(f"{name}/{x}"), _SCRATCH) for x in layers],
+                         dtype=np.int64)  # a capped layer is written to the scratch slot
         n = len(slots)
         contig = slice(int(slots[0]), int(slots[0]) + n) if n and np.array_equal(
             slots, np.arange(slots[0], slots[0] + n)) else None
@@ -373,8 +411,8 @@ class Monitor:
         return calls
 
     # ------------------------------------------------------------------ input
-    def _bad(self, msg: str, skipped: list[str]) -> None:
-        if self.strict:
+    def _bad(self, msg: str, skipped: list[str], capped: bool = False) -> None:
+        if self.strict and not capped:  # a full bank is a resource limit, not bad input
             raise ValueError(msg)
         skipped.append(msg)
         self.counters["skipped_values"] += 1
@@ -389,6 +427,10 @@ class Monitor:
         s = int(step)
         if s < 0:
             self._bad(f"step {s}: negative step; not fed to detectors", skipped)
+            return None
+        if s > MAX_STEP:
+            self._bad(f"step {s}: above the largest accepted step 2**53 - 1; not fed to "
+                      "detectors", skipped)
             return None
         if s <= self.last_step:
             self._bad(f"step {s}: not after the last observed step {self.last_step} "
@@ -418,8 +460,8 @@ class Monitor:
         keys, slots, ok, rng = self._key_plan(metrics)
         vals, present = self._vals, self._present
         values = list(metrics.values())
-        if ok:
-            try:  # fast path: every value converts like float() (strings/None/arrays do not)
+        if ok and _PLAIN.issuperset(map(type, values)):
+            try:  # fast path: plain Python / NumPy real numbers only
                 buf = np.frombuffer(array("d", values), dtype=np.float64)
             except (TypeError, ValueError, OverflowError):
                 pass
@@ -432,7 +474,9 @@ class Monitor:
             if s == _SCRATCH or v is None:
                 continue
             if s < 0:
-                self._bad(f"metrics[{k!r}]: metric names must be strings; skipped", skipped)
+                self._bad(f"metrics[{k!r}]: metric names must be strings; skipped" if s != _CAPPED
+                          else f"metrics[{k!r}]: every binding it matches holds max_series="
+                          f"{self.max_series} series; skipped", skipped, capped=s == _CAPPED)
                 continue
             x = to_float(v)
             if isinstance(x, str):
@@ -529,7 +573,7 @@ class Monitor:
             self.control.reset_step()
             self._ctrl_dirty = False
             self._snap = None
-        if type(step) is int and step > self.last_step:
+        if type(step) is int and self.last_step < step <= MAX_STEP:
             s = step
         else:
             s = self._check_step(step, skipped)  # type: ignore[assignment]
@@ -537,13 +581,19 @@ class Monitor:
                 self.counters["skipped_steps"] += 1
                 st = int(step) if isinstance(step, (int, np.integer)) else -1
                 return _decision(st, (), (), self._snapshot(), tuple(skipped))
-        if metrics:
+        if metrics is not None:
             if isinstance(metrics, Mapping):
-                self._fill(metrics, skipped)
+                if metrics:
+                    self._fill(metrics, skipped)
             else:
                 self._bad(f"metrics: expected a mapping; got {type(metrics).__name__}", skipped)
-        if families:
-            self._fill_families(families, skipped)
+        if families is not None:
+            if isinstance(families, Mapping):
+                if families:
+                    self._fill_families(families, skipped)
+            else:
+                self._bad(f"families: expected a mapping of family name -> array; got "
+                          f"{type(families).__name__}", skipped)
         if self._dirty:
             self._relayout()
         g = self._grad_slot
@@ -692,22 +742,28 @@ class Monitor:
         self.counters["alarms"] += len(d.alarms)
         self.counters["interventions"] += len(d.interventions)
         log = self.event_log
-        for a in d.alarms:
-            if log is not None:
-                log.alarm(a)
-            self.handlers.alarm(a)
-        for iv in d.interventions:
-            if log is not None:
-                log.intervention(iv, log_only=self.log_only)
-            if isinstance(iv, Alert):
-                for sink in self.alert_sinks:
-                    self._send_alert(sink, iv)
-            self.handlers.intervention(iv)
+        hs = self.handlers
+        hs.begin_step()  # one time budget for every handler and sink call of this step
+        try:
+            for a in d.alarms:
+                if log is not None:
+                    log.alarm(a)
+                hs.alarm(a)
+            for iv in d.interventions:
+                if log is not None:
+                    log.intervention(iv, log_only=self.log_only)
+                if isinstance(iv, Alert):
+                    for sink in self.alert_sinks:
+                        self._send_alert(sink, iv)
+                hs.intervention(iv)
+        finally:
+            hs.end_step()
 
     def _send_alert(self, sink: Any, alert: Alert) -> None:
-        """``sink.send(alert)``; a failure is logged once per sink and contained unless strict."""
+        """``sink.send(alert)`` within the step's handler budget; a failure (or a sink that runs
+        out of time) is logged once per sink and contained unless strict."""
         try:
-            sink.send(alert)
+            self.handlers.call(sink, sink.send, alert, f"alert sink {type(sink).__name__}")
         except Exception as e:
             self.counters["sink_errors"] += 1
             if self.strict:
@@ -740,7 +796,7 @@ class Monitor:
 
         Returns the steps and, per binding name, the ``(T, n_inputs, n_series)`` values and
         missing mask that replay feeds to that binding's detector -- the one binder shared by
-        replay and offline tuning (:func:`replay.tune.score_table`), so tuned thresholds
+        replay and offline tuning (:func:`replay.tuning.score_table`), so tuned thresholds
         reproduce online exactly.  Steps must be strictly increasing.
 
         >>> mon = Monitor({"detectors": [{"name": "g", "detector": "ewma_z",
@@ -787,7 +843,8 @@ class Monitor:
         t_len = len(steps)
         if t_len == 0:
             return []
-        if steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0):
+        if (steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0)
+                or steps[-1] > MAX_STEP):
             return [self.observe(int(steps[t]), {n: float(v[t]) for n, v, p in cols if p[t]})
                     for t in range(t_len)]
         steps, vals, pres = self._table_slots(steps, cols)
@@ -856,49 +913,137 @@ class Monitor:
         }
         return encode_state(sd)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` snapshot (taken with the same detector bindings)."""
-        sd = decode_state(state)
-        version = int(sd.get("version", STATE_VERSION))
-        if version > STATE_VERSION:
-            raise ValueError(f"Monitor.load_state_dict(): unsupported state version {version}.")
-        names = [b["name"] for b in sd.get("bindings", [])]
-        if names != [b.name for b in self._bindings]:
-            raise ValueError(f"Monitor.load_state_dict(): snapshot bindings {names} do not match "
-                             f"this monitor's {[b.name for b in self._bindings]}.")
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore a :meth:`state_dict` snapshot; the snapshot is checked before it is used.
+
+        Precedence: **this monitor's config wins**.  Hyperparameters (thresholds, detector
+        parameters, the policy) always come from :attr:`config`, never from the snapshot; the
+        snapshot contributes state only -- the signal layout, each bank's statistics, the
+        policy's incident state, the control, the checkpoint ledger and the counters -- and
+        only where it is compatible with this config: same bindings, the same slot layout
+        (re-derived from the snapshot's signal names, never trusted as indices), detector
+        arrays of the right class, shapes and dtypes with ring positions and counts in range
+        and finite statistics (see :meth:`detectors.BankDetector.validate_state_dict`).
+
+        Parameters
+        ----------
+        state
+            Output of :meth:`state_dict` (possibly through JSON).
+        strict
+            ``True`` (default): any incompatible part raises ``ValueError`` naming the field,
+            and the monitor is left exactly as it was.  ``False``: each incompatible part
+            (the layout, one bank, the policy, the control, the ledger, the run history)
+            *re-warms* -- it starts fresh -- with a ``UserWarning`` naming it; banks keep the
+            statistics of the series the two layouts share.  A snapshot that is not a monitor
+            snapshot at all (not a mapping, a newer version) raises in both modes.
+        """
+        backup = self.state_dict()
+        try:
+            self._load_state(state, strict)
+        except Exception as exc:
+            self._load_state(backup, True)  # a failed load changes nothing
+            if isinstance(exc, ValueError):
+                raise
+            raise ValueError(f"Monitor.load_state_dict(): malformed snapshot "
+                             f"({type(exc).__name__}: {exc}).") from exc
+
+    def _load_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        try:
+            sd = decode_state(state)
+        except Exception as exc:  # noqa: BLE001 -- a hostile encoding may raise anything
+            raise ValueError(f"Monitor.load_state_dict(): cannot decode the snapshot "
+                             f"({type(exc).__name__}: {exc}).") from None
+        f = Fields("Monitor", sd)
+        f.version(STATE_VERSION)
+        live = [b.name for b in self._bindings]
+        snap: dict[str, Fields] = {}
+        for i, bd in enumerate(f.seq("bindings")):
+            g = Fields("Monitor", bd, f"bindings[{i}].")
+            snap[g.text("name", max_len=1000)] = g
+        if list(snap) != live:
+            msg = (f"Monitor.load_state_dict(): snapshot bindings {list(snap)} do not match "
+                   f"this monitor's {live}.")
+            if strict:
+                raise ValueError(msg)
+            _rewarm(msg + " Bindings missing from the snapshot start fresh.")
+        if sd.get("config") is not None and sd.get("config") != self.config.to_dict():
+            logger.info("Monitor.load_state_dict(): the snapshot was taken with another config; "
+                        "this monitor's config (hyperparameters) wins.")
+
+        def part(name: str, fn: Any, fresh: Any = None) -> Any:
+            try:
+                return fn()
+            except ValueError as exc:
+                if strict:
+                    raise ValueError(f"{exc} (in {name})") from None
+                _rewarm(f"{exc} (in {name}) Re-warming it.")
+                return fresh() if callable(fresh) else fresh
+
+        layout = part("the signal layout", lambda: _read_layout(f), ([], [], {}))
         self._reset_runtime()
-        self._slot_names += [str(x) for x in sd.get("slots", [])]
-        self._slot_of = {n: i for i, n in enumerate(self._slot_names) if i > _SCRATCH}
-        self._grad_slot = self._slot_of.get("grad_norm", 0)
-        self._lr_slot = self._slot_of.get("lr", 0)
-        self._loss_slot = self._slot_of.get("loss", 0)
-        self._val_slot = self._slot_of.get("val_loss", 0)
-        self._vals, self._present = empty_buffers(max(64, 2 * len(self._slot_names)))
-        self.unbound = set(sd.get("unbound", []))
-        for b, bd in zip(self._bindings, sd["bindings"], strict=True):
-            b.keys = [str(k) for k in bd["keys"]]
-            b.key_index = {k: i for i, k in enumerate(b.keys)}
-            b.slots = [[int(x) for x in c] for c in bd["slots"]]
-            b.det.load_state_dict(bd["detector"])
-        for name, layers in sd.get("families", {}).items():
-            self.declare_family(name, layers)
-        self.policy.load_state_dict(sd.get("policy", {}))
-        self._policy_dirty = bool(sd.get("policy_dirty", False))
-        self.control = Control.from_dict(sd.get("control", {}))
+        for b in self._bindings:
+            b.keys, b.key_index, b.slots = [], {}, [[] for _ in b.patterns]
+            b.det.n_series = 0
+            b.det.reset()
+        names, unbound, families = layout
+        for name in names:
+            if name not in self._slot_of:
+                self._bind(name)
+        self.unbound |= set(unbound[: max(self.max_series - len(self.unbound), 0)])
+        for fam, layers in families.items():
+            part(f"family {fam!r}", lambda fam=fam, layers=layers: self.declare_family(fam, layers))
+        same_names = self._slot_names[2:] == names
+        for b in self._bindings:  # re-binding left every bank fresh: that is the fallback
+            bd = snap.get(b.name)
+            if bd is not None:
+                part(f"bank {b.name!r}",
+                     lambda b=b, bd=bd: self._load_bank(b, bd, same_names, strict))
+        pol = f.get("policy", None)
+        if pol is not None:
+            part("the policy", lambda: self.policy.load_state_dict(pol),
+                 lambda: getattr(self.policy, "reset", lambda: None)())
+        self._policy_dirty = part("the policy flag", lambda: f.flag("policy_dirty", False), False)
+        ctl = part("the control", lambda: (_read_control(f, "control"),
+                                           _read_control(f, "policy_control")),
+                   lambda: (Control(), Control()))
+        self.control = ctl[0]
         self._ctrl_dirty = True  # per-step requests of the snapshot's step end with it
         self._snap = None
-        self._policy_control = (Control.from_dict(sd.get("policy_control", {})) if self.log_only
-                                else self.control)
-        if sd.get("checkpoints") is not None and hasattr(self.checkpoints, "load_state_dict"):
-            self.checkpoints.load_state_dict(sd["checkpoints"])
-        self.last_step = int(sd.get("last_step", -1))
-        self._grad_hist.extend(float(x) for x in sd.get("grad_history", []))
-        gl = sd.get("grad_last")
-        self._grad_last = None if gl is None else float(gl)
-        self._lr_now = None if sd.get("lr_now") is None else float(sd["lr_now"])
-        self._lr_prev = None if sd.get("lr_prev") is None else float(sd["lr_prev"])
-        self.counters.update({k: int(v) for k, v in sd.get("counters", {}).items()})
+        self._policy_control = ctl[1] if self.log_only else self.control
+        led = f.get("checkpoints", None)
+        if led is not None and hasattr(self.checkpoints, "load_state_dict"):
+            part("the checkpoint ledger", lambda: self.checkpoints.load_state_dict(led),
+                 lambda: self.checkpoints.load_state_dict({"records": [], "alarms": []}))
+        keys = set(self.counters)
+        hist = part("the run history", lambda: _read_history(f, keys),
+                    lambda: _read_history(Fields("Monitor", {}), keys))
+        self.last_step, grad_hist, self._grad_last, self._lr_now, self._lr_prev, counters = hist
+        self._grad_hist.extend(grad_hist)
+        self.counters.update(counters)
         self._dirty = True
+
+    def _load_bank(self, b: _Binding, g: Fields, same_names: bool, strict: bool) -> None:
+        """Install one bank's snapshot: its series must be this layout's, else (not strict)
+        the series both layouts share keep their statistics."""
+        keys = [g.text(f"keys[{i}]", value=k, max_len=100_000)
+                for i, k in enumerate(g.seq("keys"))]
+        slots = g.seq("slots", b.n_inputs)
+        same = same_names and keys == b.keys and all(
+            isinstance(c, list) and c == b.slots[j] for j, c in enumerate(slots))
+        checked = b.det.validate_state_dict(g.get("detector"))  # names the detector field
+        if checked.n_series != len(keys):
+            g.fail("detector", f"state for {len(keys)} series (one per key)",
+                   f"{checked.n_series} series")
+        if not same:
+            msg = (f"Monitor.load_state_dict(): the series of bank {b.name!r} in the snapshot "
+                   f"do not match the layout this config gives its signals.")
+            if strict:
+                raise ValueError(msg + " Pass strict=False to keep the shared series and "
+                                 "re-warm the rest.")
+            _rewarm(msg + " Shared series keep their statistics; the others start fresh.")
+            pos = {k: i for i, k in enumerate(keys)}
+            checked = b.det.select_series(checked, [pos.get(k) for k in b.keys])
+        b.det.apply_state(checked)
 
     def __repr__(self) -> str:
         return (f"Monitor(bindings={[b.name for b in self._bindings]}, "
@@ -916,3 +1061,60 @@ def _is_table(data: Any) -> bool:
         return True
     mod = type(data).__module__
     return mod.startswith("pyarrow") and hasattr(data, "column_names")
+
+
+# ---------------------------------------------------------------------- state helpers
+def _rewarm(msg: str) -> None:
+    warnings.warn(msg, UserWarning, stacklevel=4)
+
+
+def _read_layout(f: Fields) -> tuple[list[str], list[str], dict[str, list[str]]]:
+    """The snapshot's signal names (in slot order), unbound names and families, checked."""
+    names = [f.text(f"slots[{i}]", value=x, max_len=100_000)
+             for i, x in enumerate(f.seq("slots", None, f.get("slots", [])))]
+    if len(set(names)) != len(names):
+        f.fail("slots", "a list of distinct signal names", "duplicates")
+    unbound = [f.text(f"unbound[{i}]", value=x, max_len=100_000)
+               for i, x in enumerate(f.seq("unbound", None, f.get("unbound", [])))]
+    families: dict[str, list[str]] = {}
+    for fam, layers in f.mapping("families", {}).items():
+        fam = f.text("families", value=fam, max_len=100_000)
+        families[fam] = [f.text(f"families.{fam}[{i}]", value=x, max_len=100_000)
+                         for i, x in enumerate(f.seq(f"families.{fam}", None, layers))]
+    return names, unbound, families
+
+
+def _read_control(f: Fields, key: str) -> Control:
+    """A :class:`Control` from the snapshot, every field checked."""
+    g = f.sub(key, {})
+    d: dict[str, Any] = {
+        "lr_factor": g.number("lr_factor", g.get("lr_factor", 1.0), lo=0.0, low_open=True),
+        "clip_norm": g.opt_number("clip_norm", lo=0.0, low_open=True),
+        "rollback_to": g.opt_integer("rollback_to", lo=0),
+    }
+    for k in ("skip_step", "save_checkpoint", "stop"):
+        d[k] = g.flag(k, False)
+    for k in ("checkpoint_reason", "stop_reason"):
+        d[k] = g.text(k, "")
+    sb = g.opt_seq("skip_batches", 2)
+    if sb is not None:
+        lo, hi = g.integer("skip_batches[0]", sb[0]), g.integer("skip_batches[1]", sb[1])
+        if hi < lo:
+            g.fail("skip_batches", "[first, last] with first <= last", sb)
+        d["skip_batches"] = (lo, hi)
+    return Control.from_dict(d)
+
+
+def _read_history(f: Fields, counter_keys: set[str]) -> tuple[
+        int, list[float], float | None, float | None, float | None, dict[str, int]]:
+    """last_step, gradient-norm history, last gradient norm, LRs and counters, checked."""
+    last_step = f.integer("last_step", f.get("last_step", -1), lo=-1)
+    gh = f.seq("grad_history", None, f.get("grad_history", []))[-GRAD_HISTORY:]
+    grad_hist = [f.number(f"grad_history[{i}]", x) for i, x in enumerate(gh)]
+    grad_last = f.opt_number("grad_last")
+    lr_now = f.opt_number("lr_now", nan=True, inf=True)
+    lr_prev = f.opt_number("lr_prev", nan=True, inf=True)
+    counters = {k: f.integer(f"counters.{k}", v, lo=0)
+                for k, v in f.mapping("counters", {}).items() if k in counter_keys}
+    return last_step, grad_hist, grad_last, lr_now, lr_prev, counters
+

@@ -21,6 +21,7 @@ import numpy as np
 __all__ = ["to_float", "table_columns", "encode_state", "decode_state"]
 
 _ND = "__ndarray__"
+_STEP_LIMIT = 2**53  # one past the monitor's largest accepted step (stability.monitor.MAX_STEP)
 _FL = "__float__"
 
 
@@ -37,7 +38,8 @@ def to_float(v: Any) -> float | str:
 
     Accepted: ``int``/``float`` (booleans as 0/1), NumPy scalars and size-1 arrays, objects
     with ``__float__`` (e.g. 1-element torch tensors, also on GPU) or ``__array__``.  Rejected:
-    strings, bytes, complex numbers, other shapes, other objects.
+    strings, bytes, complex numbers (Python, NumPy or torch), meta tensors, other shapes, other
+    objects, and any object whose conversion raises.  Never raises (``Exception`` subclasses).
     """
     t = type(v)
     if t is float or t is int:
@@ -58,6 +60,11 @@ def to_float(v: Any) -> float | str:
     if isinstance(v, (int, float)):  # subclasses
         return float(v)
     shape = getattr(v, "shape", None)
+    dtype = getattr(v, "dtype", None)
+    if getattr(dtype, "is_complex", False) or getattr(dtype, "kind", "") == "c":
+        return "complex value not accepted"  # float() would drop the imaginary part
+    if getattr(v, "is_meta", False) is True:
+        return f"{type(v).__name__} on the meta device has no value"
     if hasattr(v, "__float__"):
         if shape is not None and math.prod(tuple(shape)) != 1:
             return f"shape {tuple(shape)}; expected a scalar"
@@ -141,6 +148,11 @@ def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np
     if steps.dtype.kind not in "iu" and steps.size:
         if steps.dtype.kind != "f" or not np.all(np.isfinite(steps)) or np.any(steps % 1):
             raise ValueError("replay: the 'step' column must hold integers.")
+    if steps.dtype.kind in "uf" and steps.size:
+        # out-of-range steps (1e300, uint64 near 2**64) must not wrap around to valid-looking
+        # int64 steps: clip them just past the largest accepted step, where observe() skips them
+        steps = (np.minimum(steps, np.uint64(_STEP_LIMIT)) if steps.dtype.kind == "u"
+                 else np.clip(steps, -_STEP_LIMIT, _STEP_LIMIT))
     return steps.astype(np.int64), cols
 
 

@@ -75,6 +75,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ._state_check import Fields
 from .attribution import DATA_CAUSES, attribute
 from .loss_tracker import LossTracker, ValTracker
 from .lr_guard import LRGuard
@@ -177,44 +178,72 @@ class Policy:
         }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; later decisions are identical."""
-        version = int(sd.get("version", 0))
-        if version > STATE_VERSION:
-            raise ValueError(f"Policy state version {version} is newer than this library's "
-                             f"({STATE_VERSION}).")
+        """Restore :meth:`state_dict` output; later decisions are identical.
+
+        This policy's configuration wins (it is not part of the snapshot).  Every field is
+        checked before anything changes: a malformed one (a NaN or negative LR factor, a
+        negative hold, a tuple of the wrong length, ...) raises ``ValueError`` naming it and
+        leaves the policy as it was.
+        """
+        f = Fields("Policy", sd)
+        f.version(STATE_VERSION, default=0)
+        n_levels = len(self.config.ladder)
+        level = min(f.integer("level", f.get("level", 0), lo=0, hi=10_000), n_levels)
+        last_alarm = f.opt_integer("last_alarm")
+        last_response = f.opt_integer("last_response")
+        kind_last = {f.text("kind_last", value=k, max_len=200): f.integer(f"kind_last.{k}", v)
+                     for k, v in f.mapping("kind_last", {}).items()}
+        onset = f.opt_integer("onset")
+        hist = {f.text("hist", value=k, max_len=200): [f.integer(f"hist.{k}", x)
+                                                      for x in f.seq(f"hist.{k}", None, v)]
+                for k, v in f.mapping("hist", {}).items()}
+        lr_ = f.opt_seq("lr", 4)
+        lr = None if lr_ is None else (
+            f.integer("lr[0]", lr_[0]), f.number("lr[1]", lr_[1], lo=0.0, hi=1.0, low_open=True),
+            f.integer("lr[2]", lr_[2], lo=0), f.integer("lr[3]", lr_[3], lo=0))
+        clip_ = f.opt_seq("clip", 3)
+        clip = None if clip_ is None else (
+            f.number("clip[0]", clip_[0], lo=0.0, low_open=True), f.integer("clip[1]", clip_[1]),
+            f.integer("clip[2]", clip_[2], lo=0))
+        jump_ = f.opt_seq("jump", 3)
+        jump = None if jump_ is None else (
+            f.number("jump[0]", jump_[0], lo=0.0, low_open=True), f.integer("jump[1]", jump_[1]),
+            f.number("jump[2]", jump_[2], lo=0.0, hi=1.0, low_open=True))
+        damage_last = f.opt_integer("damage_last")
+        counts = {k: f.integer(k, f.get(k, 0), lo=0) for k in ("n_rollbacks", "n_responses",
+                                                           "n_merged")}
+        ep = f.sub("episode", {})
+        consec = ep.integer("consec", ep.get("consec", 0), lo=0)
+        last_seen = ep.integer("last_seen", ep.get("last_seen", -_INF))
+        skip_run = ep.integer("skip_run", ep.get("skip_run", 0), lo=0)
+        adapt_start = ep.opt_integer("adapt_start")
+        adapt_fast = ep.number("adapt_fast", ep.get("adapt_fast", math.nan), nan=True)
+        cause = ep.text("cause", "", max_len=200)
+        pb = f.opt_seq("probation", 4)
+        probation = None if pb is None else (
+            f.integer("probation[0]", pb[0]), f.integer("probation[1]", pb[1]),
+            f.integer("probation[2]", pb[2], lo=0),
+            f.text("probation[3]", value=pb[3], max_len=200))
+        guard = LRGuard(self.config.lr_guard)
+        if f.get("guard", None) is not None:
+            guard.load_state_dict(f.get("guard"))
+        rc = self.config.recovery
+        loss = LossTracker(rc.fast_alpha, rc.base_alpha)
+        loss.load_state_dict(f.mapping("loss", {}))
+        val = ValTracker(rc.val_margin)
+        val.load_state_dict(f.mapping("val", {}))
+        # everything checked: now install it
         self.reset()
-        opt = _opt_int
-        self._level = int(sd.get("level", 0))
-        self._last_alarm = opt(sd.get("last_alarm"))
-        self._last_response = opt(sd.get("last_response"))
-        self._kind_last = {str(k): int(v) for k, v in sd.get("kind_last", {}).items()}
-        self._onset = opt(sd.get("onset"))
-        self._hist = {str(k): [int(x) for x in v] for k, v in sd.get("hist", {}).items()}
-        lr = sd.get("lr")
-        self._lr = None if lr is None else (int(lr[0]), float(lr[1]), int(lr[2]), int(lr[3]))
-        clip = sd.get("clip")
-        self._clip = None if clip is None else (float(clip[0]), int(clip[1]), int(clip[2]))
-        jump = sd.get("jump")
-        self._jump = None if jump is None else (float(jump[0]), int(jump[1]), float(jump[2]))
-        self._damage_last = opt(sd.get("damage_last"))
-        self.n_rollbacks = int(sd.get("n_rollbacks", 0))
-        self.n_responses = int(sd.get("n_responses", 0))
-        self.n_merged = int(sd.get("n_merged", 0))
-        if sd.get("guard") is not None:
-            self.guard.load_state_dict(sd["guard"])
-        ep = sd.get("episode") or {}
-        self._consec = int(ep.get("consec", 0))
-        self._last_seen = int(ep.get("last_seen", -_INF))
-        self._skip_run = int(ep.get("skip_run", 0))
-        self._adapt_start = _opt_int(ep.get("adapt_start"))
-        self._adapt_fast = float(ep.get("adapt_fast", math.nan))
-        self.cause = str(ep.get("cause", ""))
-        pb = sd.get("probation")
-        self._probation = None if pb is None else (int(pb[0]), int(pb[1]), int(pb[2]),
-                                                     str(pb[3]))
-        lo = sd.get("loss") or {}
-        self.loss.load_state_dict(lo)
-        self.val.load_state_dict(sd.get("val") or {})
+        self._level, self._last_alarm, self._last_response = level, last_alarm, last_response
+        self._kind_last, self._onset, self._hist = kind_last, onset, hist
+        self._lr, self._clip, self._jump, self._damage_last = lr, clip, jump, damage_last
+        self.n_rollbacks = counts["n_rollbacks"]
+        self.n_responses = counts["n_responses"]
+        self.n_merged = counts["n_merged"]
+        self.guard, self.loss, self.val = guard, loss, val
+        self._consec, self._last_seen, self._skip_run = consec, last_seen, skip_run
+        self._adapt_start, self._adapt_fast, self.cause = adapt_start, adapt_fast, cause
+        self._probation = probation
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
@@ -811,10 +840,6 @@ def _finite_or_none(v: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
-
-
-def _opt_int(v: Any) -> int | None:
-    return None if v is None else int(v)
 
 
 def _enc(v: float) -> float | str:

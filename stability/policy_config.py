@@ -269,6 +269,8 @@ DEFAULT_KINDS: dict[str, KindRule] = {
     "lr_loss_anomaly": KindRule(ladder=(("alert", "reduce_lr"),), skip="never"),
     "level_shift": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
     "weight_corruption": KindRule(skip="always", start_level=3, critical_start_level=3),
+    # the stall watchdog: tell a human, never act (a hung step cannot be skipped or rolled back)
+    "stall": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
 }
 
 

@@ -22,6 +22,7 @@ ALARM_KINDS = (
     "lr_loss_anomaly",
     "level_shift",
     "weight_corruption",
+    "stall",
     "rank_outlier",
 )
 

@@ -20,13 +20,11 @@ Paths may be local or URIs that :func:`pyarrow.fs.FileSystem.from_uri` understan
 
 from __future__ import annotations
 
-import os
-import re
-
-import pyarrow as pa
-import pyarrow.fs as pafs
-
-from replay.schema import RunFormatError
+from replay.importers._files import read_bytes, read_text
+from replay.importers.hf_trainer import read_trainer_state
+from replay.importers.megatron import read_megatron_log
+from replay.importers.tabular import read_csv, read_json, read_jsonl
+from replay.importers.tensorboard import read_tensorboard
 
 __all__ = [
     "read_bytes",
@@ -38,52 +36,3 @@ __all__ = [
     "read_text",
     "read_trainer_state",
 ]
-
-
-def _is_uri(path: str) -> bool:
-    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", path))
-
-
-def read_bytes(path: str | os.PathLike[str]) -> bytes:
-    """Whole content of a local file or URI; errors name the file.
-
-    Examples
-    --------
-    >>> read_bytes("/nonexistent/file")
-    Traceback (most recent call last):
-    ...
-    replay.schema.RunFormatError: /nonexistent/file: cannot read (No such file or directory)
-    """
-    text = os.fspath(path)
-    try:
-        if _is_uri(text):
-            fs, inner = pafs.FileSystem.from_uri(text)
-            with fs.open_input_stream(inner) as f:
-                return bytes(f.read())
-        with open(text, "rb") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        raise RunFormatError(text, "cannot read (No such file or directory)") from None
-    except (OSError, pa.ArrowException, ValueError) as exc:
-        raise RunFormatError(text, f"cannot read ({exc})") from None
-
-
-def read_text(path: str | os.PathLike[str]) -> str:
-    """Content of a text file as ``str`` (UTF-8, undecodable bytes replaced).
-
-    Examples
-    --------
-    >>> import tempfile
-    >>> with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
-    ...     _ = f.write("hello")
-    >>> read_text(f.name)
-    'hello'
-    """
-    return read_bytes(path).decode("utf-8", errors="replace")
-
-
-# imported last: the submodules use the helpers above
-from replay.importers.hf_trainer import read_trainer_state  # noqa: E402
-from replay.importers.megatron import read_megatron_log  # noqa: E402
-from replay.importers.tabular import read_csv, read_json, read_jsonl  # noqa: E402
-from replay.importers.tensorboard import read_tensorboard  # noqa: E402

@@ -42,7 +42,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from replay.importers import read_text
+from replay.importers._files import read_text
 from replay.schema import RunFormatError, make_metadata, table_from_records
 
 __all__ = ["RENAMES", "SUMMARY_KEYS", "read_trainer_state"]

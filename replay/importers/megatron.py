@@ -47,8 +47,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import pyarrow as pa
 
-from replay.importers import read_text
-from replay.schema import RunFormatError, make_metadata, table_from_records
+from replay.importers._stream import RowChunks, iter_lines, open_binary
+from replay.schema import STEP, RunFormatError, make_metadata, normalize_table
 
 __all__ = ["FIELD_NAMES", "parse_megatron_lines", "read_megatron_log"]
 
@@ -231,11 +231,13 @@ def parse_megatron_lines(
         Raise on an unparsable value instead of skipping it.
     """
     parser = _Parser(source, strict)
-    table = table_from_records(
-        parser.parse(lines), make_metadata(run={"source": source, "format": "megatron"})
-    )
-    if parser.matched == 0 or table.num_rows == 0:
+    chunks = RowChunks()
+    for step, row in parser.parse(lines):
+        chunks.add({STEP: step, **row})
+    if parser.matched == 0 or chunks.n_rows == 0:
         raise RunFormatError(source, "no Megatron/DeepSpeed iteration lines found")
+    md = make_metadata(run={"source": source, "format": "megatron"})
+    table = normalize_table(chunks.table().replace_schema_metadata(md), source)
     if parser.bad is not None:
         warnings.warn(
             f"{source}: line {parser.bad[0]}: skipped unparsable field {parser.bad[1]!r} "
@@ -252,6 +254,8 @@ def read_megatron_log(
     """Read one log file, or several (e.g. successive restarts) in the given order.
 
     Later files win for steps that appear twice (a restart re-running iterations after a rollback).
+    Files are streamed line by line (memory grows with the rows found, not with the file size);
+    lines longer than 16 MiB (binary junk, a zero-filled tail) are skipped.
 
     Raises
     ------
@@ -265,6 +269,11 @@ def read_megatron_log(
 
     def lines() -> Iterator[str]:
         for name in names:
-            yield from read_text(name).splitlines()
+            with open_binary(name) as fh:
+                try:
+                    for _, raw in iter_lines(fh):
+                        yield "" if raw is None else raw.decode("utf-8", errors="replace")
+                except OSError as exc:
+                    raise RunFormatError(name, f"cannot read ({exc})") from None
 
     return parse_megatron_lines(lines(), source=", ".join(names), strict=strict)

@@ -39,7 +39,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from replay.importers import _is_uri, read_bytes
+from replay._paths import is_uri
+from replay.importers._files import read_bytes
 from replay.schema import RunFormatError, make_metadata, table_from_records
 
 __all__ = [
@@ -360,7 +361,7 @@ def iter_scalars(
 
 def _event_files(path: str) -> tuple[list[tuple[str, str]], str]:
     """[(file to read, tag prefix)] for a file, directory or URI."""
-    if _is_uri(path):
+    if is_uri(path):
         fs, inner = pafs.FileSystem.from_uri(path)
         scheme = path[: path.index("://") + 3]
         show = scheme + inner if not scheme.startswith("file") else "file://" + inner

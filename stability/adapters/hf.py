@@ -195,7 +195,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
         self.guard: TorchGuard | None = None
         self.stopped: TrainingStopped | None = None
         self.cancelled_saves: list[int] = []
-        self.last_logged_grad_norm: float | None = None
         self.overhead_s = 0.0
         self.overhead_steps = 0
         self._args: Any = None
@@ -386,8 +385,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         if not logs:
             return
-        if "grad_norm" in logs:
-            self.last_logged_grad_norm = float(logs["grad_norm"])
         if self.guard is None or "learning_rate" not in logs:
             return  # evaluation / summary logs
         extra = self.feedback()

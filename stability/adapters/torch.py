@@ -51,7 +51,9 @@ from typing import Any
 
 import torch
 
+from .._state_check import Fields
 from ..feedback import InterventionTally, feedback_metrics, log_interventions
+from ..preemption import install_sigterm_checkpoint
 from ..types import Control, Decision
 from .amp import AMP_OVERFLOW, LOSS_SCALE, ensure_unscaled, scaler_enabled
 from .distributed import ControlSync
@@ -117,6 +119,10 @@ class TorchGuard:
         ``loss_scale`` and *without* gradient norms (see :mod:`stability.adapters.amp`).
     log_interventions : bool
         Log one INFO line per acting intervention on the ``stability.adapters`` logger.
+    checkpoint_on_sigterm : bool
+        Preemption: on SIGTERM, checkpoint at the end of the current step (never mid-update),
+        then hand the signal to the previous handler (default: the process exits).  Main
+        thread only (see :mod:`stability.preemption`).
     """
 
     def __init__(
@@ -141,6 +147,7 @@ class TorchGuard:
         start_step: int = 0,
         scaler: Any = None,
         log_interventions: bool = True,
+        checkpoint_on_sigterm: bool = False,
     ) -> None:
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
@@ -196,6 +203,8 @@ class TorchGuard:
         self._recorder_flush_failed = False
         self.interventions: list[Any] = []
         self.collector.begin_step(self.step_count)
+        self._sigterm = (install_sigterm_checkpoint(lambda: None, chain=False)
+                         if checkpoint_on_sigterm else None)
 
     # ------------------------------------------------------------------ data
     def batches(self, n_batches: int, max_iterations: int | None = None) -> Iterator[int]:
@@ -365,6 +374,8 @@ class TorchGuard:
             return
         if self.checkpoint_every and step % self.checkpoint_every == 0 and self.healthy:
             self._auto_checkpoint(healthy=True, reason="periodic", step=step)
+        if self._sigterm is not None and self._sigterm.received is not None:
+            self._preempted(step)
         self.step_count += 1
         self.data_position = self._pos_of_step.get(step, self.data_position) + 1
         self.collector.begin_step(self.step_count)
@@ -479,6 +490,15 @@ class TorchGuard:
             except Exception:  # bookkeeping must never kill the run
                 log.exception("could not register checkpoint %s in the ledger", step)
         return entry
+
+    def _preempted(self, step: int) -> None:
+        """SIGTERM arrived during this step: checkpoint it, then let the signal take its course."""
+        sig, self._sigterm = self._sigterm, None
+        if sig is None or sig.received is None:
+            return
+        self._auto_checkpoint(healthy=self.healthy, reason="sigterm", step=step)
+        sig.uninstall()                           # the previous handler is back ...
+        os.kill(os.getpid(), sig.received)        # ... and gets the signal (default: exit)
 
     def _rollback_targets(self) -> set[int]:
         """Checkpoints a rollback may still need: retention keeps them.
@@ -602,21 +622,45 @@ class TorchGuard:
             "counters": {k: getattr(self, k) for k in _COUNTERS},
         }
 
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (fields added later fall back to defaults)."""
-        self.step_count = int(sd.get("step", self.step_count))
-        self.data_position = int(sd.get("data_position", self.data_position))
-        self.skip_positions = set(int(x) for x in sd.get("skip_positions", ()))
-        self.multiplier.factor = float(sd.get("lr_factor", 1.0))
-        if sd.get("lr_multiplier") is not None:
-            self.multiplier.load_state_dict(sd["lr_multiplier"])
-        if sd.get("interventions") is not None:
-            self.tally.load_state_dict(sd["interventions"])
-        if sd.get("monitor") is not None and self.monitor is not None:
-            self.monitor.load_state_dict(sd["monitor"])
-        for k, v in dict(sd.get("counters", {})).items():
-            if k in _COUNTERS:
-                setattr(self, k, int(v))
+    def load_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output (fields added later fall back to defaults).
+
+        Every field is checked before anything changes (``ValueError`` naming it): the LR
+        factor and the multiplier's numbers must be finite and positive, counters and
+        positions non-negative ints.  The monitor's part follows
+        :meth:`~stability.monitor.Monitor.load_state_dict` (its config wins; ``strict=False``
+        re-warms incompatible parts with a warning).
+        """
+        f = Fields("TorchGuard", sd)
+        f.version(STATE_VERSION)
+        step = f.integer("step", f.get("step", self.step_count), lo=0)
+        position = f.integer("data_position", f.get("data_position", self.data_position), lo=0)
+        skips = {f.integer(f"skip_positions[{i}]", x, lo=0)
+                 for i, x in enumerate(f.seq("skip_positions", None, f.get("skip_positions", [])))}
+        factor = f.number("lr_factor", f.get("lr_factor", 1.0), lo=0.0, low_open=True)
+        mult = f.get("lr_multiplier", None)
+        if mult is not None:
+            m = f.sub("lr_multiplier")
+            m.number("factor", m.get("factor", factor), lo=0.0, low_open=True)
+            for key, pos in (("base", False), ("written", True), ("written_factor", False)):
+                for i, x in enumerate(m.seq(key, None, m.get(key, []))):
+                    if not (pos and x is None):
+                        m.number(f"{key}[{i}]", x, lo=0.0, low_open=not pos and key != "base")
+        counters = {k: f.integer(f"counters.{k}", v, lo=0)
+                    for k, v in f.mapping("counters", {}).items() if k in _COUNTERS}
+        if f.get("monitor", None) is not None and self.monitor is not None:
+            if strict:  # (a duck-typed monitor need not know the argument)
+                self.monitor.load_state_dict(f.get("monitor"))
+            else:
+                self.monitor.load_state_dict(f.get("monitor"), strict=False)
+        if f.get("interventions", None) is not None:
+            self.tally.load_state_dict(f.get("interventions"))
+        self.step_count, self.data_position, self.skip_positions = step, position, skips
+        self.multiplier.factor = factor
+        if mult is not None:
+            self.multiplier.load_state_dict(mult)
+        for k, v in counters.items():
+            setattr(self, k, v)
         self._reconcile_ledger()
         self.collector.begin_step(self.step_count)
 

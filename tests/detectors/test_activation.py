@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import bisect
 import math
 
 import numpy as np
@@ -18,141 +17,12 @@ from .generic import (
     check_threshold_monotone,
     stream,
 )
+from .naive import ref_hist, ref_shift
 
 SIG = math.sqrt(math.pi / 2)
 
 # ----------------------------------------------------------------------------- references
 
-
-def ref_shift(feats, miss=None, log_space=(False, True, True, True), alpha=0.02, warmup=30,
-              threshold=6.0, min_scale=0.01, clip=4.0, aggregate="rms", freeze_on_alarm=False):
-    """feats: (T, k) for one layer; miss: (T, k) bool."""
-    t_steps, k = feats.shape
-    if isinstance(log_space, bool):
-        log_space = (log_space,) * k
-    loc = [0.0] * k
-    sc = [0.0] * k
-    cnt = [0] * k
-    out = []
-
-    def scale_of(j):
-        floor = min_scale if log_space[j] else min_scale * abs(loc[j])
-        return max(sc[j] * SIG, floor, 1e-300)
-
-    for t in range(t_steps):
-        present = [j for j in range(k) if miss is None or not miss[t, j]]
-        if not present:
-            out.append(math.nan)
-            continue
-        if any(not math.isfinite(feats[t, j]) for j in present):
-            out.append(math.inf)
-            continue
-        ys = {j: math.log(max(feats[t, j], 1e-30)) if log_space[j] else feats[t, j]
-              for j in present}
-        zs = [abs(ys[j] - loc[j]) / scale_of(j) for j in present if cnt[j] > 0
-              and cnt[j] >= warmup]
-        if not zs:
-            s = 0.0
-        elif aggregate == "max":
-            s = max(zs)
-        else:
-            s = math.sqrt(sum(z * z for z in zs) / len(zs))
-        out.append(s)
-        if s > threshold and freeze_on_alarm:
-            continue
-        for j in present:
-            y = ys[j]
-            if cnt[j] == 0:
-                loc[j], sc[j], cnt[j] = y, 0.0, 1
-                continue
-            r = y - loc[j]
-            if cnt[j] >= warmup and math.isfinite(clip):
-                lim = clip * scale_of(j)
-                r = min(max(r, -lim), lim)
-            a = max(alpha, 1 / (cnt[j] + 1))
-            loc[j] += a * r
-            sc[j] = (1 - a) * sc[j] + a * abs(r)
-            cnt[j] += 1
-    return np.array(out)
-
-
-def ref_hist(x, miss=None, window=200, n_bins=10, warmup=0, threshold=1.0, stride=1, refresh=0,
-             smoothing=0.5, freeze_on_alarm=False):
-    count = 0
-    ref: list[float] = []
-    cur: list[float] = []  # oldest first
-    edges: list[float] = []
-    last = 0.0
-    since = 0
-    out = []
-
-    def build():
-        srt = sorted(ref)
-        return [srt[0], *[srt[(j * window) // n_bins] for j in range(1, n_bins)], srt[-1]]
-
-    def bin_of(v):
-        if v < edges[0]:
-            return 0
-        if v > edges[-1]:
-            return n_bins + 1
-        return 1 + bisect.bisect_right(edges[1:-1], v)
-
-    def psi(values):
-        rc = [0] * (n_bins + 2)
-        cc = [0] * (n_bins + 2)
-        for v in ref:
-            rc[bin_of(v)] += 1
-        for v in values:
-            cc[bin_of(v)] += 1
-        d = window + (n_bins + 2) * smoothing
-        tot = 0.0
-        for b in range(n_bins + 2):
-            p = (cc[b] + smoothing) / d
-            q = (rc[b] + smoothing) / d
-            tot += (p - q) * math.log(p / q)
-        return tot
-
-    for k, v in enumerate(x):
-        if miss is not None and miss[k]:
-            out.append(math.nan)
-            continue
-        if not math.isfinite(v):
-            out.append(math.inf)
-            continue
-        if count < warmup:
-            count += 1
-            out.append(0.0)
-            continue
-        if len(ref) < window:
-            ref.append(v)
-            count += 1
-            if len(ref) == window:
-                edges = build()
-            out.append(0.0)
-            continue
-        if len(cur) < window:
-            cur.append(v)
-            count += 1
-            if len(cur) < window:
-                out.append(0.0)
-                continue
-            last = psi(cur)
-            since += 1
-            out.append(last)
-            continue
-        cand = [*cur[1:], v]
-        s = psi(cand) if since % stride == 0 else last
-        out.append(s)
-        if s > threshold and freeze_on_alarm:
-            continue
-        cur = cand
-        count += 1
-        last = s
-        since += 1
-        if refresh > 0 and since % refresh == 0:
-            ref = list(cur)
-            edges = build()
-    return np.array(out)
 
 
 # ----------------------------------------------------------------------------- streams

@@ -17,6 +17,7 @@ from .generic import (
     check_threshold_monotone,
     stream,
 )
+from .naive import ref_adwin
 
 # with NUMBA_DISABLE_JIT=1 the kernel runs on NumPy scalars, which warn where Numba is silent
 pytestmark = pytest.mark.filterwarnings(
@@ -24,141 +25,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:invalid value encountered:RuntimeWarning",
 )
 
-
-def fdiv(a, b):
-    """IEEE division (inf / nan instead of ZeroDivisionError), as in Rust and Numba."""
-    if b == 0.0:
-        if a == 0.0 or math.isnan(a):
-            return math.nan
-        return math.copysign(math.inf, a) * math.copysign(1.0, b)
-    return a / b
-
-
-def flog(v):
-    return -math.inf if v == 0.0 else (math.nan if v < 0.0 else math.log(v))
-
-
-def fsqrt(v):
-    return math.nan if v < 0.0 else math.sqrt(v)
-
-
-class RefADWIN:
-    """Plain-Python port of river's ``rust_src/adwin.rs`` plus river's restart after a drift.
-
-    Rows are Python lists of ``[total, variance]`` (oldest first).  The score is the positive
-    part of the largest ``|mean0 - mean1| - eps_cut`` over every cut tested (no screening).
-    """
-
-    def __init__(self, delta=0.002, clock=32, max_buckets=5, min_window_length=5,
-                 grace_period=10, reset_on_drift=True, max_rows=48):
-        self.delta, self.clock, self.mb = delta, clock, max_buckets
-        self.mwl, self.gp = float(min_window_length), float(grace_period)
-        self.reset_on_drift, self.max_rows = reset_on_drift, max_rows
-        self.reset()
-
-    def reset(self):
-        self.total = self.variance = self.width = 0.0
-        self.tick = 0
-        self.rows = [[]]
-
-    def delete(self):
-        last = len(self.rows) - 1
-        n = float(2**last)
-        u, v = self.rows[last][0]
-        mu = u / n
-        self.width -= n
-        self.total -= u
-        mw = fdiv(self.total, self.width)
-        self.variance -= v + n * self.width * (mu - mw) * (mu - mw) / (n + self.width)
-        del self.rows[last][0]
-        while len(self.rows) > 1 and not self.rows[-1]:
-            self.rows.pop()
-
-    def insert(self, value):
-        self.rows[0].append([value, 0.0])
-        self.width += 1.0
-        inc = 0.0
-        if self.width > 1.0:
-            d = value - self.total / (self.width - 1.0)
-            inc = (self.width - 1.0) * d * d / self.width
-        self.variance += inc
-        self.total += value
-        idx = 0
-        while len(self.rows[idx]) == self.mb + 1:
-            if idx + 1 == self.max_rows:
-                self.delete()
-                break
-            n1 = float(2**idx)
-            (t0, v0), (t1, v1) = self.rows[idx][0], self.rows[idx][1]
-            mu1, mu2 = t0 / n1, t1 / n1
-            temp = n1 * 0.5 * (mu1 - mu2) * (mu1 - mu2)
-            if idx + 1 >= len(self.rows):
-                self.rows.append([])
-            self.rows[idx + 1].append([t0 + t1, v0 + v1 + temp])
-            del self.rows[idx][:2]
-            if len(self.rows[idx + 1]) <= self.mb:
-                break
-            idx += 1
-
-    def update(self, x):
-        """Returns (score, drift)."""
-        self.insert(x)
-        change = False
-        best = -math.inf
-        self.tick += 1
-        if self.tick % self.clock == 0 and self.width > self.gp:
-            reduce = True
-            while reduce:
-                reduce = False
-                n0, n1, u0, u1 = 0.0, self.width, 0.0, self.total
-                done = False
-                for idx in range(len(self.rows) - 1, -1, -1):
-                    if done:
-                        break
-                    size = float(2**idx)
-                    row = self.rows[idx]
-                    for k in range(len(row)):
-                        n0 += size
-                        n1 -= size
-                        u0 += row[k][0]
-                        u1 -= row[k][0]
-                        if idx == 0 and k == len(row) - 1:
-                            done = True
-                            break
-                        if n1 >= self.mwl and n0 >= self.mwl:
-                            dm = abs(fdiv(u0, n0) - fdiv(u1, n1))
-                            dp = flog(2.0 * flog(self.width) / self.delta)
-                            m = 1.0 / (n0 - self.mwl + 1.0) + 1.0 / (n1 - self.mwl + 1.0)
-                            eps = fsqrt(2.0 * m * (self.variance / self.width) * dp)
-                            eps += 2.0 / 3.0 * dp * m
-                            if dm - eps > best:
-                                best = dm - eps
-                            if dm > eps:
-                                reduce = change = True
-                                if self.width > 0.0:
-                                    self.delete()
-                                    done = True
-                                    break
-        if change and self.reset_on_drift:
-            self.reset()
-        return max(best, 0.0), change
-
-
-def reference(x, miss=None, threshold=0.0, **kw):
-    ref = RefADWIN(**kw)
-    scores, alarms = [], []
-    for k, v in enumerate(x):
-        if miss is not None and miss[k]:
-            scores.append(math.nan)
-            alarms.append(False)
-        elif not math.isfinite(v):
-            scores.append(math.inf)
-            alarms.append(True)
-        else:
-            s, _ = ref.update(float(v))
-            scores.append(s)
-            alarms.append(s > threshold)
-    return np.array(scores), np.array(alarms)
 
 
 def river_drifts(x, **kw):
@@ -264,7 +130,7 @@ def test_matches_reference_on_every_prefix(cfg):
     s, a = stream(ADWIN(n_series=3, **cfg), x, missing=miss)
     n_alarms = 0
     for i in range(3):
-        rs, ra = reference(x[:, i], miss=miss[:, i], **cfg)
+        rs, ra = ref_adwin(x[:, i], miss=miss[:, i], **cfg)
         np.testing.assert_array_equal(s[:, i], rs)  # bit-exact, including the score
         np.testing.assert_array_equal(a[:, i], ra)
         n_alarms += int(((rs > 0) & np.isfinite(rs)).sum())
@@ -426,7 +292,7 @@ def test_property_reference_stream_batch(values, split, max_buckets):
     check_stream_equals_batch(f, x)
     check_state_roundtrip(f, x, split=min(split, len(values)))
     s, a = f(1).update_many(x)
-    rs, ra = reference(x[:, 0], **cfg)
+    rs, ra = ref_adwin(x[:, 0], **cfg)
     np.testing.assert_array_equal(s[:, 0], rs)
     np.testing.assert_array_equal(a[:, 0], ra)
 

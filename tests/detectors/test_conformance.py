@@ -98,7 +98,10 @@ def test_lower_threshold_never_fewer_alarms(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_entry_has_a_reference_test_module(name: str) -> None:
+def test_every_entry_has_a_naive_reference_and_a_test_module(name: str) -> None:
+    from tests.detectors.naive import REFERENCES
+
+    assert name in REFERENCES, f"{name}: add its naive reference to tests/detectors/naive.py"
     module = REGISTRY[name].target.split(":")[0].split(".")[-1]
     here = Path(__file__).parent
     assert (here / f"test_{module}.py").exists(), f"{name}: no tests/detectors/test_{module}.py"

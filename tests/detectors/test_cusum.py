@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detectors.cusum import CUSUM
-from detectors.ewma import LOG_FLOOR
 
 from .generic import (
     check_state_roundtrip,
@@ -17,61 +16,7 @@ from .generic import (
     check_threshold_monotone,
     stream,
 )
-
-
-def reference(
-    x,
-    miss=None,
-    k=0.5,
-    threshold=8.0,
-    warmup=100,
-    alpha=0.0,
-    min_std=1e-6,
-    direction="both",
-    log_space=False,
-    reset_on_alarm=True,
-    freeze_on_alarm=False,
-):
-    """Plain-Python two-sided tabular CUSUM for one series."""
-    warm: list[float] = []
-    mean = var = 0.0
-    s_up = s_down = 0.0
-    scores, alarms = [], []
-    for j, v in enumerate(x):
-        if miss is not None and miss[j]:
-            scores.append(math.nan)
-            alarms.append(False)
-            continue
-        if not math.isfinite(v):
-            scores.append(math.inf)
-            alarms.append(True)
-            continue
-        y = math.log(max(v, LOG_FLOOR)) if log_space else v
-        if len(warm) < warmup:
-            # Welford, written out as in the kernel (a two-pass mean differs in the last ulp)
-            warm.append(y)
-            d = y - mean
-            mean += d / len(warm)
-            var += d * (y - mean)
-            if len(warm) == warmup:
-                var /= warmup - 1
-            scores.append(0.0)
-            alarms.append(False)
-            continue
-        std = max(math.sqrt(var), min_std * abs(mean), 1e-300)
-        z = (y - mean) / std
-        s_up = max(0.0, s_up + (z - k))
-        s_down = max(0.0, s_down - (z + k))
-        s = {"up": s_up, "down": s_down, "both": max(s_up, s_down)}[direction]
-        scores.append(s)
-        alarms.append(s > threshold)
-        if s > threshold and reset_on_alarm:
-            warm, mean, var, s_up, s_down = [], 0.0, 0.0, 0.0, 0.0
-        elif alpha > 0 and not (s > threshold and freeze_on_alarm):
-            d = y - mean
-            mean = mean + alpha * d
-            var = (1 - alpha) * (var + d * (alpha * d))
-    return np.array(scores), np.array(alarms)
+from .naive import ref_cusum
 
 
 def test_welford_warmup_matches_numpy():
@@ -119,7 +64,7 @@ def test_matches_reference_on_every_prefix(cfg, seed):
     miss[::9, 0] = True
     s, a = stream(CUSUM(n_series=3, **cfg), x, missing=miss)
     for i in range(3):
-        rs, ra = reference(x[:, i], miss=miss[:, i], **cfg)
+        rs, ra = ref_cusum(x[:, i], miss=miss[:, i], **cfg)
         np.testing.assert_allclose(s[:, i], rs, rtol=1e-12, atol=1e-12)
         np.testing.assert_array_equal(a[:, i], ra)
 
@@ -240,7 +185,7 @@ def test_property_reference_stream_batch(values, split, alpha):
     check_stream_equals_batch(f, x)
     check_state_roundtrip(f, x, split=min(split, len(values)))
     s, a = f(1).update_many(x)
-    rs, ra = reference(x[:, 0], **cfg)
+    rs, ra = ref_cusum(x[:, 0], **cfg)
     np.testing.assert_allclose(s[:, 0], rs, rtol=1e-9, atol=1e-9)
 
 

@@ -17,87 +17,10 @@ from .generic import (
     check_threshold_monotone,
     stream,
 )
+from .naive import ref_tv, ref_vs
 
 # ----------------------------------------------------------------------------- references
 
-
-def ref_tv(loss, val, lmiss, vmiss, alpha=0.05, n_points=5, warmup=4, threshold=3.0,
-           min_scale=0.005, freeze_on_alarm=False):
-    tm, tc = 0.0, 0
-    prev_v = prev_m = None
-    has_prev_m = False
-    incs: list[float] = []
-    nval = 0
-    out = []
-    for k in range(len(loss)):
-        hl, hv = not lmiss[k], not vmiss[k]
-        if (hl and not math.isfinite(loss[k])) or (hv and not math.isfinite(val[k])):
-            out.append(math.inf)
-            continue
-        tm2, tc2 = tm, tc
-        if hl:
-            y = math.log(max(loss[k], 1e-30))
-            tm2 = y if tc == 0 else tm + max(alpha, 1 / (tc + 1)) * (y - tm)
-            tc2 = tc + 1
-        if not hv:
-            tm, tc = tm2, tc2
-            out.append(math.nan)
-            continue
-        v = math.log(max(val[k], 1e-30))
-        if nval == 0:
-            tm, tc = tm2, tc2
-            prev_v, prev_m, has_prev_m, nval = v, tm2, tc2 > 0, 1
-            out.append(0.0)
-            continue
-        dv = v - prev_v
-        dm = tm2 - prev_m if (tc2 > 0 and has_prev_m) else 0.0
-        u = dv - max(dm, 0.0)
-        if len(incs) + 1 < warmup:
-            score = 0.0
-        else:
-            win = [*incs[len(incs) - min(len(incs), n_points - 1):], u]
-            n = len(win)
-            mean = sum(win) / n
-            sd = math.sqrt(sum((w - mean) ** 2 for w in win) / (n - 1)) if n > 1 else 0.0
-            score = mean * math.sqrt(n) / max(sd, min_scale, 1e-300)
-        out.append(score)
-        if score > threshold and freeze_on_alarm:
-            continue
-        tm, tc = tm2, tc2
-        incs.append(u)
-        prev_v, prev_m, has_prev_m, nval = v, tm2, tc2 > 0, nval + 1
-    return np.array(out)
-
-
-def ref_vs(val, vmiss=None, window=8, warmup=3, threshold=6.0, min_scale=0.01,
-           freeze_on_alarm=False):
-    prev = None
-    diffs: list[float] = []
-    out = []
-    for k, x in enumerate(val):
-        if vmiss is not None and vmiss[k]:
-            out.append(math.nan)
-            continue
-        if not math.isfinite(x):
-            out.append(math.inf)
-            continue
-        v = math.log(max(x, 1e-30))
-        if prev is None:
-            prev = v
-            out.append(0.0)
-            continue
-        dv = v - prev
-        if len(diffs) < warmup:
-            s = 0.0
-        else:
-            med = float(np.median(diffs[-window:]))
-            s = dv / max(1.4826 * med, min_scale, 1e-300)
-        out.append(s)
-        if s > threshold and freeze_on_alarm:
-            continue
-        diffs.append(abs(dv))
-        prev = v
-    return np.array(out)
 
 
 # ----------------------------------------------------------------------------- streams

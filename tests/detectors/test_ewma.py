@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from river import stats
 
 from detectors import EWMAZScore
-from detectors.ewma import LOG_FLOOR
 
 from .generic import (
     check_state_roundtrip,
@@ -18,56 +17,7 @@ from .generic import (
     check_threshold_monotone,
     stream,
 )
-
-
-def reference(
-    x,
-    miss=None,
-    alpha=0.02,
-    warmup=30,
-    threshold=6.0,
-    log_space=True,
-    min_std=0.01,
-    direction="up",
-    clip=4.0,
-    debias=True,
-    freeze_on_alarm=False,
-):
-    """Plain-Python EWMA z-score for one series."""
-    mean = var = 0.0
-    count = 0
-    scores, alarms = [], []
-    for k, v in enumerate(x):
-        if miss is not None and miss[k]:
-            scores.append(math.nan)
-            alarms.append(False)
-            continue
-        if not math.isfinite(v):
-            scores.append(math.inf)
-            alarms.append(True)
-            continue
-        y = math.log(max(v, LOG_FLOOR)) if log_space else v
-        if count == 0:
-            mean, var, count = y, 0.0, 1
-            scores.append(0.0)
-            alarms.append(False)
-            continue
-        floor = min_std if log_space else min_std * abs(mean)
-        std = max(math.sqrt(var), floor, 1e-300)
-        z = (y - mean) / std
-        s = 0.0 if count < warmup else {"up": z, "down": -z, "both": abs(z)}[direction]
-        scores.append(s)
-        alarms.append(s > threshold)
-        if s > threshold and freeze_on_alarm:
-            continue
-        a = max(alpha, 1.0 / (count + 1)) if debias else alpha
-        if count >= warmup and math.isfinite(clip):
-            y = min(max(y, mean - clip * std), mean + clip * std)
-        d = y - mean
-        mean = mean + a * d
-        var = (1 - a) * (var + d * a * d)
-        count += 1
-    return np.array(scores), np.array(alarms)
+from .naive import ref_ewma
 
 
 def noisy_stream(seed, t=400, n=3, offset=0.0):
@@ -102,7 +52,7 @@ def test_matches_reference_on_every_prefix(cfg, seed):
     det = EWMAZScore(n_series=3, **cfg)
     s, a = stream(det, x)
     for i in range(3):
-        rs, ra = reference(x[:, i], **cfg)
+        rs, ra = ref_ewma(x[:, i], **cfg)
         np.testing.assert_allclose(s[:, i], rs, rtol=1e-12, atol=1e-12)
         np.testing.assert_array_equal(a[:, i], ra)
 
@@ -119,7 +69,7 @@ def test_missing_values_do_not_touch_state():
     miss[50:60] = True
     s, a = EWMAZScore().update_many(x, missing=miss)
     assert np.isnan(s[50:60]).all() and not a[50:60].any()
-    rs, ra = reference(x[:, 0], miss=miss[:, 0])
+    rs, ra = ref_ewma(x[:, 0], miss=miss[:, 0])
     np.testing.assert_allclose(s[:, 0], rs, rtol=1e-12)
 
 
@@ -249,7 +199,7 @@ def test_property_stream_batch_reference(values, split):
     check_stream_equals_batch(f, x)
     check_state_roundtrip(f, x, split=min(split, len(values)))
     s, _ = f(1).update_many(x)
-    rs, _ = reference(x[:, 0], warmup=3)
+    rs, _ = ref_ewma(x[:, 0], warmup=3)
     np.testing.assert_allclose(s[:, 0], rs, rtol=1e-12, atol=1e-12)
     det = f(1)
     det.update_many(x)

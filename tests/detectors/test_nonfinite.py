@@ -7,6 +7,8 @@ import pytest
 
 from detectors.nonfinite import NonFiniteGuard
 
+from .naive import ref_nonfinite
+
 
 def test_get_params_rebuilds_the_guard() -> None:
     g = NonFiniteGuard(n_series=2, threshold=0.25)
@@ -39,3 +41,16 @@ def test_set_threshold_is_validated() -> None:
     with pytest.raises(ValueError, match="'threshold'"):
         g.set_threshold(1.5)
     assert g.threshold == 0.0
+
+
+def test_kernel_matches_the_naive_reference() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 4))
+    x[rng.random(x.shape) < 0.05] = np.nan
+    x[rng.random(x.shape) < 0.03] = np.inf
+    x[rng.random(x.shape) < 0.03] = -np.inf
+    miss = rng.random(x.shape) < 0.1
+    scores, alarms = NonFiniteGuard(n_series=4).update_many(x, missing=miss)
+    ref_s, ref_a = ref_nonfinite(x, miss)
+    np.testing.assert_array_equal(alarms, ref_a)
+    np.testing.assert_array_equal(scores[~miss] > 0.5, ref_s[~miss] > 0.5)

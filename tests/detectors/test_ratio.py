@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
 import pytest
@@ -17,59 +16,8 @@ from .generic import (
     check_threshold_monotone,
     stream,
 )
+from .naive import ref_ratio
 from .spike_realdata import bloom_with_history, public_runs
-
-
-def reference(
-    x,
-    miss=None,
-    window=100,
-    threshold=2.0,
-    patience=3,
-    reference="median",
-    warmup=None,
-    freeze_on_alarm=False,
-):
-    """Plain-Python ratio-to-reference with patience for one series."""
-    if warmup is None:
-        warmup = min(window, 30) if reference == "ewm" else window
-    win: deque[float] = deque(maxlen=window)
-    ratios = deque([0.0] * patience, maxlen=patience)
-    ew = mx = 0.0
-    count = 0
-    scores, alarms = [], []
-    for k, v in enumerate(x):
-        if miss is not None and miss[k]:
-            scores.append(math.nan)
-            alarms.append(False)
-            continue
-        if not math.isfinite(v):
-            scores.append(math.inf)
-            alarms.append(True)
-            continue
-        r = 0.0
-        if count >= warmup and count > 0:
-            if reference == "mean":
-                ref = float(np.mean(win))
-            elif reference == "median":
-                ref = float(np.median(win))
-            else:
-                ref = ew if reference == "ewm" else mx
-            r = v / max(ref, TINY)
-        ratios.append(r)
-        s = min(ratios)
-        scores.append(s)
-        alarms.append(s > threshold)
-        if s > threshold and freeze_on_alarm:
-            continue
-        win.append(v)
-        ew += max(2.0 / (window + 1.0), 1.0 / (count + 1.0)) * (v - ew)
-        if count == 0:
-            mx = v
-        elif count < window:
-            mx = max(mx, v)
-        count += 1
-    return np.array(scores), np.array(alarms)
 
 
 def noisy_stream(seed, t=400, n=3, offset=0.0):
@@ -103,7 +51,7 @@ def test_matches_reference_on_every_prefix(cfg, seed):
     det = RatioToMean(n_series=3, **cfg)
     s, a = stream(det, x)
     for i in range(3):
-        rs, ra = reference(x[:, i], **cfg)
+        rs, ra = ref_ratio(x[:, i], **cfg)
         np.testing.assert_allclose(s[:, i], rs, rtol=1e-9, atol=1e-12)
         np.testing.assert_array_equal(a[:, i], ra)
 
@@ -162,7 +110,7 @@ def test_missing_values_do_not_touch_state_or_streak():
     s, a = RatioToMean(window=20, patience=3, reference="median").update_many(x, missing=miss)
     assert np.isnan(s[42:44, 0]).all() and not a[42:44, 0].any()
     assert np.flatnonzero(a[:, 0]).tolist() == [44, 45]
-    rs, ra = reference(x, miss=miss, window=20, patience=3)
+    rs, ra = ref_ratio(x, miss=miss, window=20, patience=3)
     np.testing.assert_allclose(s[:, 0], rs, rtol=1e-12)
 
 
@@ -355,7 +303,7 @@ def test_property_stream_batch_reference(values, split, window, patience, ref):
     check_stream_equals_batch(f, x)
     check_state_roundtrip(f, x, split=min(split, len(values)))
     s, a = f(1).update_many(x)
-    rs, ra = reference(x[:, 0], **kw)
+    rs, ra = ref_ratio(x[:, 0], **kw)
     np.testing.assert_allclose(s[:, 0], rs, rtol=1e-9, atol=1e-12)
     np.testing.assert_array_equal(a[:, 0], ra)
 

@@ -23,11 +23,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replay.importers import read_megatron_log, read_tensorboard, read_trainer_state
+from replay.importers import (
+    read_csv,
+    read_jsonl,
+    read_megatron_log,
+    read_tensorboard,
+    read_trainer_state,
+)
+from replay.io import load_run
 from replay.reader import read_run
 from replay.recorder import RunRecorder
 from replay.schema import RunFormatError
 from stability.config import load_config
+from stability.events import EventLog, read_events
 from stability.registry import ConfigError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "replay" / "fixtures"
@@ -336,3 +344,150 @@ def test_fuzzed_config_text(tmp_path_factory: pytest.TempPathFactory, text: str)
     except ConfigError:
         pass
 
+
+
+# ---------------------------------------------------------------------------- round 2 (issue 12)
+def test_duplicate_columns_name_the_file(tmp_path: Path) -> None:
+    pqf = tmp_path / "dup.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array([0, 1]), pa.array([1.0, 2.0]),
+                                         pa.array([3.0, 4.0])], names=["step", "loss", "loss"]),
+                   pqf)
+    e = clear_error(lambda: load_run(pqf), pqf)
+    assert "duplicate column 'loss'" in str(e)
+    csv = tmp_path / "dup.csv"
+    csv.write_text("step,loss,loss\n0,1,2\n1,2,3\n")
+    e = clear_error(lambda: load_run(csv), csv)
+    assert "duplicate column 'loss'" in str(e)
+
+
+@pytest.mark.parametrize("case", ["array", "object"])
+def test_deeply_nested_jsonl(tmp_path: Path, case: str) -> None:
+    p = tmp_path / "deep.jsonl"
+    deep = ("[" * 100_000 + "]" * 100_000 if case == "array"
+            else '{"a": ' * 500 + "1" + "}" * 500)
+    p.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "x": ' + deep + "}\n")
+    e = clear_error(lambda: read_jsonl(p), p)
+    assert "line 2" in str(e)
+
+
+def test_non_utf8_csv_and_toml_name_the_file(tmp_path: Path) -> None:
+    csv = tmp_path / "latin.csv"
+    csv.write_bytes("step,lo\xe9ss\n0,1\n".encode("latin-1"))
+    clear_error(lambda: read_csv(csv), csv)
+    csv2 = tmp_path / "latin_body.csv"
+    csv2.write_bytes("step,loss,note\n0,1,caf\xe9\n".encode("latin-1"))
+    clear_error(lambda: read_csv(csv2), csv2)
+    toml = tmp_path / "latin.toml"
+    toml.write_bytes("# caf\xe9\n[monitor]\n".encode("latin-1"))
+    clear_error(lambda: load_config(toml), toml, ConfigError)
+
+
+def test_huge_integers_name_the_file(tmp_path: Path) -> None:
+    digits = "1" + "0" * 5000  # beyond Python's 4300-digit int parsing limit
+    p = tmp_path / "huge.jsonl"
+    p.write_text('{"step": 0, "loss": ' + digits + "}\n")
+    clear_error(lambda: read_jsonl(p), p)
+    p2 = tmp_path / "big.jsonl"  # beyond the float range
+    p2.write_text('{"step": 0, "loss": 1' + "0" * 400 + "}\n")
+    e = clear_error(lambda: read_jsonl(p2), p2)
+    assert "line 1" in str(e) and "'loss'" in str(e)
+    cfg = tmp_path / "huge.json"
+    cfg.write_text('{"monitor": {"x": ' + digits + "}}")
+    clear_error(lambda: load_config(cfg), cfg, ConfigError)
+
+
+def test_int64_metric_above_2_53_is_read_as_float(tmp_path: Path) -> None:
+    p = tmp_path / "ints.parquet"
+    big = 2**53 + 1
+    pq.write_table(pa.table({"step": [0, 1], "tokens": pa.array([big, 5], pa.int64())}), p)
+    t = read_run(p)
+    assert t.column("tokens").to_pylist() == [float(big), 5.0]
+
+
+BAD_STEPS = {
+    "float_1e300": pa.array([0.0, 1e300]),
+    "float_above_2_53": pa.array([0.0, 2.0**60]),
+    "float_inf": pa.array([0.0, np.inf]),
+    "uint64_wrap": pa.array([0, 2**64 - 1], pa.uint64()),
+    "uint64_just_above": pa.array([0, 2**63], pa.uint64()),
+    "string_above_int64": pa.array(["0", str(2**63)]),
+    "string_1e300": pa.array(["0", "1e300"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STEPS))
+def test_out_of_range_steps_are_errors_not_garbage(tmp_path: Path, case: str) -> None:
+    """Policy: a step that is not an integer in int64 (floats: |x| <= 2**53) is an error naming
+    the file, the column and the row -- never wrapped to a negative step, never skipped."""
+    p = tmp_path / f"{case}.parquet"
+    pq.write_table(pa.table({"step": BAD_STEPS[case], "loss": [1.0, 2.0]}), p)
+    e = clear_error(lambda: read_run(p), p)
+    assert "column 'step'" in str(e) and "row 1" in str(e)
+
+
+def test_out_of_range_steps_in_text_formats(tmp_path: Path) -> None:
+    csv = tmp_path / "f.csv"
+    csv.write_text("step,loss\n0,1.0\n1e300,1.0\n")
+    clear_error(lambda: read_csv(csv), csv)
+    jl = tmp_path / "f.jsonl"
+    jl.write_text(f'{{"step": 0, "loss": 1}}\n{{"step": {2**64 - 1}, "loss": 1}}\n')
+    clear_error(lambda: read_jsonl(jl), jl)
+
+
+def test_largest_valid_steps_are_kept_exactly(tmp_path: Path) -> None:
+    top = 2**63 - 1
+    p = tmp_path / "ok.parquet"
+    pq.write_table(pa.table({"step": pa.array([2**63 - 5, top], pa.uint64()),
+                             "loss": [1.0, 2.0]}), p)
+    assert read_run(p).column("step").to_pylist() == [2**63 - 5, top]
+    jl = tmp_path / "ok.jsonl"
+    jl.write_text(f'{{"step": {top - 1}, "loss": 1}}\n{{"step": {top}, "loss": 2}}\n')
+    assert read_jsonl(jl).column("step").to_pylist() == [top - 1, top]
+
+
+@pytest.mark.parametrize(("detector", "param"), [("histogram_drift", "window"),
+                                                 ("histogram_drift", "n_bins"),
+                                                 ("robust_z", "window")])
+def test_huge_detector_sizes_are_rejected_before_allocating(tmp_path: Path, detector: str,
+                                                            param: str) -> None:
+    p = tmp_path / "big_window.toml"
+    p.write_text(f'[[detectors]]\nname="h"\ndetector="{detector}"\ninputs=["loss"]\n'
+                 f"params={{{param}=1000000000}}\n")
+    e = clear_error(lambda: load_config(p), p, ConfigError)
+    assert param in str(e) and "1,000,000" in str(e)
+
+
+# ---------------------------------------------------------------------------- event log
+@pytest.mark.parametrize("torn", [10, 65_535, 65_536, 200_000, 1_000_000])
+def test_torn_event_tail_of_any_length_is_cut(tmp_path: Path, torn: int) -> None:
+    p = tmp_path / "events.jsonl"
+    with EventLog(p) as log:
+        log.info(1, "first")
+        log.info(2, "second")
+    with p.open("ab") as f:
+        f.write(b'{"type":"info","step":3,"message":"' + b"x" * torn)  # killed mid-write
+    with EventLog(p) as log:
+        log.info(4, "after restart")
+    assert [e["step"] for e in read_events(p)] == [1, 2, 4]
+
+
+def test_event_log_that_is_all_one_torn_record(tmp_path: Path) -> None:
+    p = tmp_path / "events.jsonl"
+    p.write_bytes(b'{"type":"info","step":1,"m":"' + b"y" * 150_000)
+    with EventLog(p) as log:
+        log.info(2, "fresh")
+    assert [e["step"] for e in read_events(p)] == [2]
+
+
+def test_closed_event_log_never_raises_into_observe(tmp_path: Path) -> None:
+    from stability.monitor import Monitor
+
+    log = EventLog(tmp_path / "events.jsonl")
+    mon = Monitor(event_log=log)
+    rng = np.random.default_rng(0)
+    for s in range(60):
+        mon.observe(s, {"loss": 2.0 + 0.01 * rng.standard_normal()})
+    log.close()
+    for s in range(60, 120):  # a spike: alarms that would be logged
+        mon.observe(s, {"loss": 1e6 if s > 100 else 2.0 + 0.01 * rng.standard_normal()})
+    assert log.append({"type": "info"}) is False

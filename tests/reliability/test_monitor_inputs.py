@@ -61,9 +61,16 @@ class _Opaque:
     pass
 
 
+class _RaisingFloat:
+    def __float__(self) -> float:
+        raise RuntimeError("__float__ fails")
+
+
 BAD_VALUES = [math.nan, math.inf, -math.inf, None, "1.5", b"2", np.zeros(3), np.array(["x"]),
-              _Opaque(), 1 + 2j, [1.0], {"a": 1.0}, np.float32("nan"), np.array([math.inf])]
-BAD_STEPS = [-1, -10**9, "REPEAT", "BACK", 1.5, True, None, "7", math.nan, math.inf, np.int64(-3)]
+              _Opaque(), 1 + 2j, [1.0], {"a": 1.0}, np.float32("nan"), np.array([math.inf]),
+              np.complex128(1 + 2j), np.complex64(3.0), np.array(2 + 0j), _RaisingFloat()]
+BAD_STEPS = [-1, -10**9, "REPEAT", "BACK", 1.5, True, None, "7", math.nan, math.inf, np.int64(-3),
+             2**53, 2**63, 10**20, 1e20, np.uint64(2**64 - 1), np.float64(1e300)]
 NAMES = ["loss", "grad_norm", "lr", "val_loss", "grad_norm/blk1", "grad_norm/blk_new",
          "brand_new_metric", "act_std/blk0"]
 
@@ -209,11 +216,15 @@ def test_families_change_size_and_metrics_come_and_go() -> None:
 def test_huge_steps_and_gaps() -> None:
     mon = make_monitor(log_only=False)
     rng = np.random.default_rng(1)
-    steps = [0, 1, 10**6, 10**6 + 1, 2 * 10**6, 2**62, 2**63 - 1]
+    steps = [0, 1, 10**6, 10**6 + 1, 2 * 10**6, 2**40, 2**53 - 2]
     for s in steps:
         m, fam = finite_step(rng, 0)
         d = mon.observe(s, m, families=fam)
         assert not d.skipped and d.step == s
-    d = mon.observe(2**63, {"loss": 1.0})  # beyond int64: rejected or accepted, never raises
-    d = mon.observe(10**30, {"loss": 1.0})
-    assert mon.last_step >= 2**63 - 1
+    # beyond 2**53 - 1 (float64's exact integers): a recorded skip that never becomes last_step
+    for huge in (2**53, 2**63, 10**30, 1e20):
+        d = mon.observe(huge, {"loss": 1.0})
+        assert d.skipped and "largest accepted step" in d.skipped[0]
+    assert mon.last_step == 2**53 - 2
+    d = mon.observe(2**53 - 1, {"loss": math.nan})
+    assert not d.skipped and [a.kind for a in d.alarms] == ["nonfinite"]

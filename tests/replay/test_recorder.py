@@ -117,8 +117,9 @@ def test_close_idempotent_and_log_after_close(tmp_path):
     rec.log(0, {"a": 1.0})
     rec.close()
     rec.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.warns(UserWarning, match="closed"):  # never raises into the training loop
         rec.log(1, {"a": 1.0})
+    assert rec.skipped == {("closed", ""): 1}
     assert len(parts(tmp_path)) == 1
     empty = tmp_path / "empty"
     RunRecorder(empty).close()
@@ -151,14 +152,21 @@ def test_bad_arguments(tmp_path):
         RunRecorder(tmp_path, part_steps=0)
     with pytest.raises(ValueError, match="flush_seconds"):
         RunRecorder(tmp_path, flush_seconds=-1)
+    with pytest.raises(ValueError, match="max_buffer_bytes"):
+        RunRecorder(tmp_path, max_buffer_bytes=-1)
+    with pytest.raises(ValueError, match="max_metrics"):
+        RunRecorder(tmp_path, max_metrics=0)
+    # bad log() input is skipped with a warning, never raised into the training loop
     rec = RunRecorder(tmp_path)
-    with pytest.raises(TypeError, match="step must be an integer"):
+    with pytest.warns(UserWarning, match="step 1.5 is not an integer"):
         rec.log(1.5, {"a": 1.0})
-    with pytest.raises(TypeError, match="step must be an integer"):
+    with pytest.warns(UserWarning, match="step 'x' is not an integer"):
         rec.log("x", {"a": 1.0})
-    with pytest.raises(TypeError, match="metric names must be str"):
+    with pytest.warns(UserWarning, match="metric names must be str"):
         rec.log(0, {1: 1.0})
     rec.close()
+    assert rec.skipped == {("bad_step", "float"): 1, ("bad_step", "str"): 1,
+                           ("bad_name", "1"): 1}
 
 
 def test_leftover_temp_file_is_ignored(tmp_path):
@@ -244,11 +252,13 @@ def test_full_disk_keeps_rows_and_close_reports(tmp_path, monkeypatch, caplog):
         for s in range(7):
             rec.log(s, {"loss": float(s)})  # never raises
     assert len(caplog.records) == 1 and "No space left" in caplog.records[0].getMessage()
-    assert rec.write_error is not None and len(rec._rows) == 7
-    assert not list((tmp_path / "run").iterdir())  # no temporary files left behind
+    assert rec.write_error is not None and rec.buffered_rows == 7
+    assert not list((tmp_path / "run").glob("*.tmp"))  # no temporary files left behind
     with pytest.raises(OSError, match="could not write the last 7 buffered row"):
         rec.close()
     rec.close()  # idempotent
+    assert rec.rows_dropped == 7
+    assert sorted(os.listdir(tmp_path / "run")) == []  # the writer lock is gone too
 
 
 def test_parts_carry_page_checksums(tmp_path):

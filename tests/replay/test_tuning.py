@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from replay.labels import RunLabel, load_labels
-from replay.tune import (
+from replay.tuning import (
     Candidate,
     RunScores,
     make_candidates,
@@ -120,7 +120,7 @@ def test_ray_backend_matches_local() -> None:
 def test_tuned_config_replays_to_the_alarms_the_tuner_predicted(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """One binder: the alarms the tuner counted are exactly those the monitor raises online."""
     from replay.replay import replay_run
-    from replay.tune import score_table
+    from replay.tuning import score_table
     from stability.config import MonitorConfig
 
     base = MonitorConfig.from_dict(BASE).to_dict()

@@ -1,0 +1,149 @@
+"""Time and size bounds of the monitor's inputs and side effects (issue 12, classes 3 and 4).
+
+Three measurements, printed as one line each:
+
+* **handler storm** -- a hung ``on_alarm`` handler plus ``--steps`` alarming steps (two alarms
+  and a few interventions each) with ``handler_budget_s = --budget``: worst and median
+  ``observe()`` time, threads alive at the peak, calls made to the hung handler, calls dropped.
+* **trickling webhook** -- a local server that sends one header line every 0.2 s forever; a
+  :class:`~stability.alerts.WebhookSink` with ``timeout = --webhook-timeout``: seconds until the
+  request is given up and whether the failure was reported.
+* **new name every step** -- ``--names`` steps, each with a metric name never seen before, on the
+  ``default`` preset (``max_series`` 4096): mean ``observe()`` time over the last 1000 steps and
+  the size of the ``"*"`` bank.
+
+Run::
+
+    python benchmarks/bench_time_bounds.py
+    python benchmarks/bench_time_bounds.py --budget 1.0 --steps 100 --names 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from stability.alerts import WebhookSink  # noqa: E402
+from stability.monitor import Monitor  # noqa: E402
+from stability.types import Alert  # noqa: E402
+
+NAN_ONLY = {"detectors": [{"name": "nonfinite", "detector": "nonfinite", "inputs": ["*"],
+                           "kind": "nonfinite"}]}
+
+
+def handler_storm(budget: float, steps: int) -> str:
+    warm = Monitor(NAN_ONLY, alert_sinks=[], handler_timeout=None)
+    for s in range(3):
+        warm.observe(s, {"loss": math.nan})
+    release = threading.Event()
+    calls = []
+
+    def hang(alarm: object) -> None:
+        calls.append(alarm)
+        release.wait(600)
+
+    before = threading.active_count()
+    mon = Monitor(NAN_ONLY, on_alarm=hang, handler_timeout=budget)
+    times, peak = [], 0
+    for s in range(steps):
+        t0 = time.perf_counter()
+        mon.observe(s, {"loss": math.nan, "grad_norm": math.inf})
+        times.append(time.perf_counter() - t0)
+        peak = max(peak, threading.active_count())
+    release.set()
+    return (f"handler storm: budget {budget} s, {steps} alarming steps: worst observe() "
+            f"{max(times):.3f} s, median {statistics.median(times) * 1e3:.2f} ms, threads "
+            f"+{peak - before} at the peak, hung handler called {len(calls)}x, "
+            f"{getattr(mon.handlers, 'n_dropped', 0)} calls dropped")
+
+
+def trickling_webhook(timeout: float) -> str:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    stop = threading.Event()
+
+    def serve() -> None:
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            i = 0
+            while not stop.wait(0.2):
+                conn.sendall(f"X-Trickle-{i}: a\r\n".encode())
+                i += 1
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    reports: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            reports.append(record.getMessage())
+
+    log = logging.getLogger("stability.alerts")
+    catcher = Catch(logging.WARNING)
+    log.addHandler(catcher)
+    try:
+        sink = WebhookSink(f"http://127.0.0.1:{srv.getsockname()[1]}/h", timeout=timeout)
+        t0 = time.perf_counter()
+        sink.send(Alert(1, "r", severity="critical", message="x"))
+        drained = sink.flush(60.0)
+        took = time.perf_counter() - t0
+        sink.close(1.0)
+    finally:
+        log.removeHandler(catcher)
+        stop.set()
+        srv.close()
+    return (f"trickling webhook: timeout {timeout} s: given up after {took:.2f} s "
+            f"(drained={drained}), failed={sink.stats['failed']}, reports={len(reports)}")
+
+
+def new_names(n: int) -> str:
+    mon = Monitor("default", alert_sinks=[])
+    logging.getLogger("stability.monitor").setLevel(logging.ERROR)
+    last = []
+    for s in range(n):
+        t0 = time.perf_counter()
+        mon.observe(s, {"loss": 2.0, "grad_norm": 1.0, f"metric_{s}": 1.0})
+        if s >= n - 1000:
+            last.append(time.perf_counter() - t0)
+    bank = max(len(mon.series(b.name)) for b in mon.config.detectors)
+    return (f"new name every step: {n} names: {statistics.mean(last) * 1e6:.1f} µs/step over "
+            f"the last 1000 steps; largest bank {bank} series (max_series "
+            f"{getattr(mon, 'max_series', None)})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--webhook-timeout", type=float, default=1.0)
+    ap.add_argument("--names", type=int, default=20000)
+    args = ap.parse_args()
+    alerts = logging.getLogger("stability.alerts")
+    level = alerts.level
+    alerts.setLevel(logging.CRITICAL + 1)  # the storm's alert lines are not the point
+    print(handler_storm(args.budget, args.steps), flush=True)
+    alerts.setLevel(level)
+    print(trickling_webhook(args.webhook_timeout), flush=True)
+    print(new_names(args.names), flush=True)
+
+
+if __name__ == "__main__":
+    main()
