@@ -27,7 +27,7 @@ KINDS = ("nan", "scale", "slow")
 #: the signal an injected fault of each kind is expected to be named by
 EXPECTED_SIGNAL = {"nan": "nonfinite", "scale": "grad_norm", "slow": "step_time"}
 SLOW_STEPS = 3  # a slow rank stays slow for a few steps; it is named from the 2nd one
-WORK_S = 0.02  # simulated compute per step (a sleep: real steps are longer than OS jitter)
+WORK_S = 0.05  # simulated compute per step (a sleep: real steps are longer than OS jitter)
 
 
 def _free_port() -> int:
