@@ -53,16 +53,15 @@ def _collective_cost(iters: int) -> dict[str, float]:
     from stability.adapters.distributed import ControlSync
     from stability.types import Control
 
-    out = {}
-    for name, sync in (("all_reduce", ControlSync()), ("gather", ControlSync(ranks=True))):
-        ts = []
-        for i in range(iters):
+    syncs = {"all_reduce": ControlSync(), "gather": ControlSync(ranks=True)}
+    ts: dict[str, list[float]] = {name: [] for name in syncs}
+    for i in range(iters):  # interleaved, so that load drifts hit both alike
+        for name, sync in syncs.items():
             dist.barrier()
             t0 = time.perf_counter()
             sync.reduce(Control(), i, False, loss=1.0, grad_norm=1.0, step_time=0.1)
-            ts.append(time.perf_counter() - t0)
-        out[name] = 1e6 * sorted(ts)[len(ts) // 2]
-    return out
+            ts[name].append(time.perf_counter() - t0)
+    return {name: 1e6 * sorted(t)[len(t) // 2] for name, t in ts.items()}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_steps: int,
