@@ -108,8 +108,9 @@ class TorchGuard:
         Passed to :class:`~stability.adapters.signals.SignalCollector`.
     recorder : object with ``log(step, metrics)``, optional
         Gets every step's signals (rank 0 only), e.g. ``replay.recorder.RunRecorder``.
-    distributed : bool, optional
-        Reduce decisions across ranks (default: when torch.distributed is initialised).
+    distributed : bool or ControlSync, optional
+        Reduce decisions across ranks (default: when torch.distributed is initialised); pass
+        ``ControlSync(ranks=True, signals=...)`` to also name the culprit rank.
     raise_on_stop : bool
         Raise :class:`TrainingStopped` from :meth:`finish` when asked to stop.
     scaler : torch.amp.GradScaler, optional
@@ -142,7 +143,7 @@ class TorchGuard:
         activations: Any = None,
         activation_every: int = 10,
         recorder: Any = None,
-        distributed: bool | None = None,
+        distributed: bool | ControlSync | None = None,
         raise_on_stop: bool = True,
         start_step: int = 0,
         scaler: Any = None,
@@ -175,7 +176,8 @@ class TorchGuard:
         self.log_interventions = log_interventions
         self.tally = InterventionTally()
         self.amp_overflow = False  # the current step overflowed in the scaler
-        self.sync = ControlSync() if distributed in (None, True) else None
+        self.sync = distributed if isinstance(distributed, ControlSync) else (
+            ControlSync() if distributed in (None, True) else None)
         if self.sync is not None and not self.sync.active:
             self.sync = None
         rank = self.sync.rank if self.sync is not None else -1
@@ -319,7 +321,9 @@ class TorchGuard:
         control = decision.control
         alarmed = bool(decision.alarms)
         if self.sync is not None:
-            control, alarmed = self.sync.reduce(control, step, alarmed)
+            control, alarmed = self.sync.reduce(control, step, alarmed,
+                                                loss=sig.scalars.get("loss"),
+                                                grad_norm=sig.scalars.get("grad_norm"))
         self.decision, self.control, self.healthy = decision, control, not alarmed
         self.interventions.extend(decision.interventions)
         if decision.interventions:
