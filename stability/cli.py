@@ -94,6 +94,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="render a report (replay.report)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
 
+    p = sub.add_parser("watch", help="follow a live job's logs through the monitor "
+                       "(replay.watch)")
+    p.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="JSONL/CSV file, Megatron/DeepSpeed log, TensorBoard dir, recorder part "
+                        "dir (local or URI); several = one run")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    p.add_argument("--state", default=None, help="state file: loaded at start, saved "
+                   "periodically and on exit (restarts neither re-warm nor re-judge)")
+    p.add_argument("--events", default=None, help="append alarms/interventions here (.jsonl)")
+    p.add_argument("--on", action="append", default=[], metavar="KIND=CMD",
+                   help="run CMD (shell) for each intervention of KIND (stop, skip_step, ...; "
+                        "alarm; any) with STABILITY_STEP/KIND/REASON/CAUSE/CONTROL set")
+    p.add_argument("--control-file", default=None,
+                   help="write the latest Control as JSON here (atomically) for a trainer")
+    p.add_argument("--once", action="store_true", help="process what is there and exit")
+    p.add_argument("--poll", type=float, default=5.0, help="seconds between polls (%(default)s)")
+    p.add_argument("--save-every", type=float, default=30.0,
+                   help="seconds between state saves (%(default)s)")
+    p.add_argument("--format", default=None,
+                   choices=("jsonl", "csv", "megatron", "tensorboard", "parquet"))
+    p.add_argument("--prometheus-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus metrics on this port (needs prometheus_client)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no line per alarm step")
+
     p = sub.add_parser("goodput", help="badput breakdown of an event log (time and steps)")
     p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) written by a monitor")
     p.add_argument("--json", action="store_true", help="print the last goodput record as JSON")
@@ -162,6 +186,32 @@ def _cmd_replay(a: argparse.Namespace) -> int:
               f"{sum(r.n_steps for r in results)} steps")
     if a.events:
         print(f"events written to {a.events}")
+    return 0
+
+
+def _cmd_watch(a: argparse.Namespace) -> int:
+    import signal
+
+    from replay.watch import Watcher, parse_hooks
+
+    w = Watcher(a.sources, a.config, state=a.state, events=a.events, hooks=parse_hooks(a.on),
+                control_file=a.control_file, format=a.format, save_every=a.save_every,
+                echo=None if a.quiet else lambda line: print(line, flush=True))
+    if a.prometheus_port is not None:
+        from stability.prometheus import PrometheusExporter
+
+        w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port)
+
+    def _term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _term)
+    try:
+        w.run(once=a.once, poll=a.poll)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        w.close()
+    print(w.summary() + (f"; state saved to {a.state}" if a.state else ""), file=sys.stderr)
     return 0
 
 
@@ -291,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune,
-                    "goodput": _cmd_goodput}
+                    "goodput": _cmd_goodput, "watch": _cmd_watch}
         return handlers[a.command](a)
     except USER_ERRORS as exc:
         if debug:
