@@ -66,6 +66,7 @@ from __future__ import annotations
 import base64
 import collections
 import csv
+import functools
 import json
 import logging
 import math
@@ -433,10 +434,10 @@ class _TensorBoardSource:
             tail = self.tails.get(fname)
             if tail is None:
                 tail = self.tails[fname] = _Tail(fname)
-            tail.poll(lambda data, reset, final, f=fname, p=prefix: self._consume(f, p, data))
+            tail.poll(functools.partial(self._consume, fname, prefix))
         return self._rows
 
-    def _consume(self, fname: str, prefix: str, data: bytes) -> int:
+    def _consume(self, fname: str, prefix: str, data: bytes, reset: bool, final: bool) -> int:
         import struct
 
         pos, n = 0, len(data)
@@ -637,6 +638,7 @@ class Watcher:
         self._memory: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
         self._prev: dict[str, int] = {}
         self._last_control: dict[str, Any] | None = None
+        self._bind_checked = False
         self._saved_at = time.monotonic()
         self.steps_judged = 0
         self.already_seen = 0
@@ -717,11 +719,28 @@ class Watcher:
         out = self._take(rows)
         # a step is ready once a later one was read; everything is, when nothing new came
         out += self._release(everything=not rows)
+        if out and not self._bind_checked:
+            self._check_binding(out)
         return out
 
     def flush(self) -> list[Decision]:
         """Judge every step read so far (the end of ``--once``)."""
-        return self._release(everything=True)
+        out = self._release(everything=True)
+        if out and not self._bind_checked:
+            self._check_binding(out)
+        return out
+
+    def _check_binding(self, judged: Sequence[Decision]) -> None:
+        """Warn once when no metric bound to a detector (names seen + closest known ones)."""
+        from replay.replay import unbound_warning
+
+        self._bind_checked = True
+        names: dict[str, None] = {}
+        for m in list(self._memory.values())[-len(judged):]:
+            names.update(dict.fromkeys(m))
+        note = unbound_warning(self.monitor, names)
+        if note is not None:
+            warnings.warn(f"{', '.join(self.specs)}: {note}", UserWarning, stacklevel=3)
 
     def _take(self, rows: Iterable[Row]) -> list[Decision]:
         out: list[Decision] = []

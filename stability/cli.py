@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,7 +164,7 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     try:
         if len(runs) == 1:
             rid, path = runs[0]
-            results = [replay_run(path, a.config, events=a.events, run_id=rid)]
+            results = [replay_run(path, a.config, events=a.events, run_id=rid, progress=None)]
         else:
             suffix = ".jsonl"
             if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
@@ -321,6 +322,15 @@ def describe_error(exc: BaseException) -> str:
     return " ".join(text.split())  # one line
 
 
+def _one_line_warning(command: str) -> Any:
+    """``warnings.showwarning`` printing ``stability COMMAND: warning: MESSAGE`` on stderr."""
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: Any = None) -> None:
+        print(f"stability {command}: warning: {message}", file=sys.stderr)
+
+    return show
+
+
 def _debug_wanted(args: list[str]) -> tuple[bool, list[str]]:
     env = os.environ.get("STABILITY_DEBUG", "").strip() not in ("", "0", "false", "no")
     if "--debug" in args:
@@ -342,7 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune,
                     "goodput": _cmd_goodput, "watch": _cmd_watch}
-        return handlers[a.command](a)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning(command)
+            return handlers[a.command](a)
     except USER_ERRORS as exc:
         if debug:
             traceback.print_exc()
