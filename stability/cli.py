@@ -1,4 +1,4 @@
-"""Command line: ``stability replay | eval | tune | report``.
+"""Command line: ``stability replay | eval | tune | report | watch | goodput``.
 
 Examples
 --------
@@ -10,6 +10,7 @@ Examples
     stability tune runs/public/runs modded_nanogpt/train_loss --labels labels.parquet \\
         --budget 1.0 -o tuned.toml --folds 5 [--backend ray]
     stability report ...        # provided by replay.report
+    stability watch train.log --state watch.json --on stop='scancel 42'   # replay.watch
 
 ``RUN`` / ``RUNS`` may be a ``.parquet`` file, a directory of ``part-*.parquet`` files, a
 directory of runs or a glob; several may be given.  Heavy modules are imported lazily, so
