@@ -158,8 +158,8 @@ class PrometheusExporter:
             ivs = dict(self.interventions)
             lost = self.skipped + self.rolled_back
         ctrl = mon.control
-        policy = getattr(mon, "policy", None)
-        level = policy.level_at(max(last, 0)) if hasattr(policy, "level_at") else math.nan
+        level_at = getattr(getattr(mon, "policy", None), "level_at", None)
+        level = level_at(max(last, 0)) if level_at is not None else math.nan
         ledger = getattr(mon, "goodput", None)  # a goodput ledger, if the monitor has one
         if ledger is not None and hasattr(ledger, "fraction"):
             good = float(ledger.fraction)
