@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import csv
 import functools
 import json
@@ -75,7 +76,7 @@ import re
 import subprocess
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -602,6 +603,10 @@ class Watcher:
         Called with one line per alarm / intervention step (default: ``print``; ``None``: quiet).
     hook_timeout
         Seconds a hook command may run.
+    backlog
+        ``"act"`` (default): what is already in the sources when a watcher starts without a
+        saved state is acted on like new steps; ``"quiet"``: it only warms the monitor (and
+        goes to the event log) -- no alert sinks, hooks or control file for history.
     """
 
     def __init__(self, sources: Sequence[str], config: Any = None, *, state: str | None = None,
@@ -609,9 +614,11 @@ class Watcher:
                  control_file: str | None = None, format: str | None = None,
                  step_column: str | None = None, monitor: Any = None, exporter: Any = None,
                  echo: Callable[[str], None] | None = print, save_every: float = 30.0,
-                 hook_timeout: float = 60.0) -> None:
+                 hook_timeout: float = 60.0, backlog: str = "act") -> None:
         if not sources:
             raise ValueError("watch needs at least one source")
+        if backlog not in ("act", "quiet"):
+            raise ValueError(f"backlog must be 'act' or 'quiet'. Got {backlog!r} instead.")
         if format is not None and format not in _FORMATS:
             raise ValueError(f"format must be one of {list(_FORMATS)}. Got {format!r} instead.")
         if monitor is None:
@@ -633,6 +640,11 @@ class Watcher:
         self.echo = echo
         self.save_every = save_every
         self.hook_timeout = hook_timeout
+        self.backlog = backlog
+        self._muted = False
+        self._polls = 0
+        self._stop = False
+        self._state_loaded = False
         self.hw = -1  # highest step judged (or the step before a resume)
         self._pending: dict[int, dict[str, float]] = {}
         self._memory: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
@@ -689,6 +701,7 @@ class Watcher:
             self._prev = {str(k): int(v) for k, v in st.get("prev", {}).items()}
             self._last_control = st.get("control")
             self._loaded_sources = dict(st.get("sources", {}))
+            self._state_loaded = True
             c = st.get("counts", {})
             self.steps_judged = int(c.get("steps_judged", 0))
             self.already_seen = int(c.get("already_seen", 0))
@@ -716,19 +729,39 @@ class Watcher:
             src = self._source(spec)
             if src is not None:
                 rows.extend(src.poll())
-        out = self._take(rows)
-        # a step is ready once a later one was read; everything is, when nothing new came
-        out += self._release(everything=not rows)
+        self._polls += 1
+        # backlog="quiet": what a fresh watcher finds at start warms the monitor, acts on nothing
+        mute = self.backlog == "quiet" and self._polls == 1 and not self._state_loaded
+        with self._muting(mute):
+            out = self._take(rows)
+            # a step is ready once a later one was read; everything is, when nothing new came
+            out += self._release(everything=not rows)
         if out and not self._bind_checked:
             self._check_binding(out)
         return out
 
     def flush(self) -> list[Decision]:
         """Judge every step read so far (the end of ``--once``)."""
-        out = self._release(everything=True)
+        mute = self.backlog == "quiet" and self._polls <= 1 and not self._state_loaded
+        with self._muting(mute):
+            out = self._release(everything=True)
         if out and not self._bind_checked:
             self._check_binding(out)
         return out
+
+    @contextlib.contextmanager
+    def _muting(self, mute: bool) -> Iterator[None]:
+        """No alert sinks, hooks or control file while ``mute`` (the event log still records)."""
+        if not mute:
+            yield
+            return
+        sinks, self.monitor.alert_sinks = self.monitor.alert_sinks, []
+        self._muted = True
+        try:
+            yield
+        finally:
+            self.monitor.alert_sinks = sinks
+            self._muted = False
 
     def _check_binding(self, judged: Sequence[Decision]) -> None:
         """Warn once when no metric bound to a detector (names seen + closest known ones)."""
@@ -800,7 +833,9 @@ class Watcher:
         if not (d.alarms or d.interventions):
             return
         if self.echo is not None:
-            self.echo(format_decision(d))
+            self.echo(format_decision(d) + (" [backlog: no action]" if self._muted else ""))
+        if self._muted:
+            return
         if self.control_file is not None:
             ctrl = d.control.to_dict()
             if d.interventions or ctrl != self._last_control:
@@ -848,12 +883,13 @@ class Watcher:
 
         Returns the decisions made (all of them with ``once``; with a live loop only those
         with alarms or interventions, to bound memory).  The state is saved on the way out,
-        also on ``KeyboardInterrupt`` (SIGINT / SIGTERM in the CLI).
+        also on ``KeyboardInterrupt``; :meth:`stop` (the CLI's SIGTERM / SIGINT handler) ends
+        the loop between polls, so no row read is lost.
         """
         out: list[Decision] = []
         n = 0
         try:
-            while True:
+            while not self._stop:
                 ds = self.poll()
                 n += 1
                 if once:
@@ -864,7 +900,9 @@ class Watcher:
                     self.save()
                 if max_polls is not None and n >= max_polls:
                     break
-                time.sleep(poll)
+                wake = time.monotonic() + poll
+                while not self._stop and time.monotonic() < wake:
+                    time.sleep(min(0.1, poll))
         except KeyboardInterrupt:
             pass
         finally:
@@ -873,6 +911,10 @@ class Watcher:
             if ev is not None:
                 ev.flush()
         return out
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the current poll (safe from a signal handler)."""
+        self._stop = True
 
     def close(self) -> None:
         """Close the files held open."""

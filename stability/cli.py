@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("jsonl", "csv", "megatron", "tensorboard", "parquet"))
     p.add_argument("--prometheus-port", type=int, default=None, metavar="N",
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
+    p.add_argument("--backlog", choices=("act", "quiet"), default="act",
+                   help="what a fresh watcher (no state) finds at start: act on it, or only "
+                        "warm the monitor on it (default %(default)s)")
     p.add_argument("--quiet", "-q", action="store_true", help="no line per alarm step")
 
     p = sub.add_parser("goodput", help="badput breakdown of an event log (time and steps)")
@@ -193,25 +196,30 @@ def _cmd_replay(a: argparse.Namespace) -> int:
 
 def _cmd_watch(a: argparse.Namespace) -> int:
     import signal
+    import threading
 
     from replay.watch import Watcher, parse_hooks
 
     w = Watcher(a.sources, a.config, state=a.state, events=a.events, hooks=parse_hooks(a.on),
                 control_file=a.control_file, format=a.format, save_every=a.save_every,
+                backlog=a.backlog,
                 echo=None if a.quiet else lambda line: print(line, flush=True))
     if a.prometheus_port is not None:
         from stability.prometheus import PrometheusExporter
 
         w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port)
 
-    def _term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+    def _stop(signum: int, frame: Any) -> None:
+        w.stop()  # finish the poll under way, save the state, exit 0
 
-    old = signal.signal(signal.SIGTERM, _term)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)
+           if main_thread}
     try:
         w.run(once=a.once, poll=a.poll)
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         w.close()
     print(w.summary() + (f"; state saved to {a.state}" if a.state else ""), file=sys.stderr)
     return 0

@@ -12,6 +12,7 @@ import base64
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -379,3 +380,73 @@ def test_state_file_is_written_atomically(tmp_path: Path, rows: list[Any]) -> No
     assert json.loads(state.read_text())["version"] == 1
     assert [p.name for p in state.parent.iterdir()] == ["state.json"]  # no temporary left
     assert os.access(state, os.R_OK)
+
+
+def test_backlog_quiet_warms_on_history_and_acts_on_new_steps(tmp_path: Path,
+                                                              rows: list[Any]) -> None:
+    log, hooks_out = tmp_path / "train.jsonl", tmp_path / "hooks.txt"
+    log.write_text(_jsonl(rows[:200]))  # history, with the spike at 150
+    sent: list[Any] = []
+    w = Watcher([str(log)], "default", echo=None, backlog="quiet",
+                hooks={"any": f"echo $STABILITY_STEP >> {hooks_out}"})
+
+    class Sink:
+        def send(self, alert: Any) -> None:
+            sent.append(alert.step)
+
+    w.monitor.alert_sinks = [Sink()]
+    first = w.run(once=True)
+    assert 150 in {a.step for d in first for a in d.alarms}  # judged...
+    assert not hooks_out.exists() and sent == []  # ... but nothing acted on
+    with log.open("a") as fh:
+        fh.write(_jsonl(rows[200:]))
+    later = w.run(once=True)
+    w.close()
+    acted = sorted({d.step for d in later if d.interventions})
+    assert acted and acted[0] >= 200
+    assert sorted({int(x) for x in hooks_out.read_text().split()}) == acted
+    assert sent and min(sent) >= 200
+
+
+def test_sigterm_saves_the_state(tmp_path: Path, rows: list[Any]) -> None:
+    import time
+
+    log, state = tmp_path / "train.jsonl", tmp_path / "state.json"
+    log.write_text(_jsonl(rows[:100]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "stability.cli", "watch", str(log), "--state",
+                             str(state), "--poll", "0.05", "--save-every", "3600", "-q"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    try:
+        # wait until the watcher has started polling (its state is saved only on exit here)
+        while not state.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+            if proc.poll() is not None:
+                break
+            if _polled(log):
+                proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, proc.stderr.read() if proc.stderr else ""
+    st = json.loads(state.read_text())
+    # every row read is either judged or saved as pending: nothing lost to the signal
+    assert max([st["hw"]] + [s for s, _ in st["pending"]]) == 99
+    w = Watcher([str(log)], "default", state=str(state), echo=None)
+    rest = w.run(once=True)
+    w.close()
+    assert [d.step for d in rest] == list(range(st["hw"] + 1, 100))
+
+
+def _polled(log: Path) -> bool:
+    """True once some process holds ``log`` open (the watcher has read it)."""
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                if os.readlink(fd) == str(log):
+                    return True
+        except OSError:
+            continue
+    return False
