@@ -102,6 +102,8 @@ HOOK_KINDS = tuple(sorted(INTERVENTION_TYPES)) + ("alarm", "any")
 MEMORY_STEPS = 4096
 #: ... of which this many are kept in the state file
 STATE_MEMORY_STEPS = 256
+#: bytes read from one file per poll (a long backlog is read over several polls)
+POLL_BYTES = 64 << 20
 _BLOCK = 4 << 20
 _MAX_BLOCK = 64 << 20
 _SIG = 64  # bytes before the offset that must not change between polls
@@ -171,6 +173,8 @@ class _Tail:
         self.fd: int | None = None
         self.replaced = 0  # rotations + truncations seen
         self._fresh = True  # the next data starts at byte 0 of a file
+        self.budget = POLL_BYTES
+        self.more = False  # the last poll stopped at the byte budget
 
     # -- state
     def state_dict(self) -> dict[str, Any]:
@@ -195,23 +199,27 @@ class _Tail:
         self.offset, self.sig, self._fresh = 0, b"", True
         self.replaced += 1
 
-    def _read_local(self, fd: int, consume: Consumer) -> None:
-        block = _BLOCK
-        while True:
-            data = os.pread(fd, block, self.offset)
+    def _read(self, read_at: Callable[[int, int], bytes], consume: Consumer) -> None:
+        """Read from the offset to the end of the file or of this poll's byte budget."""
+        block, grow = _BLOCK, False
+        while self.budget > 0 or grow:
+            size = block if grow else min(block, self.budget)
+            data = read_at(size, self.offset)
             if not data:
                 return
-            final = len(data) < block
+            self.budget -= len(data)
+            final = len(data) < size  # a short read: the end of the file for now
             used = consume(data, self._fresh, final)
             if used:
                 self._advance(data, used)
             if final:
                 return
-            if not used:
-                if block >= _MAX_BLOCK:  # one record longer than 64 MiB: skip it
-                    self._advance(data, len(data))
-                else:
-                    block *= 2
+            grow = not used  # no complete record in the block: read a larger one
+            if grow and size >= _MAX_BLOCK:  # one record longer than 64 MiB: skip it
+                self._advance(data, len(data))
+                grow = False
+            elif grow:
+                block = size * 2
 
     def _advance(self, data: bytes, used: int) -> None:
         self.sig = (self.sig + data[:used])[-_SIG:]
@@ -224,12 +232,21 @@ class _Tail:
         return read_at(len(self.sig), self.offset - len(self.sig)) == self.sig
 
     def poll(self, consume: Consumer) -> None:
-        """Read what is new (see the class docstring); a missing file is not an error."""
+        """Read what is new, at most about :data:`POLL_BYTES` (the rest on the next polls);
+        a missing file is not an error."""
+        self.budget = POLL_BYTES
+        try:
+            self._poll(consume)
+        finally:
+            self.more = self.budget <= 0
+
+    def _poll(self, consume: Consumer) -> None:
         if self.uri:
             self._poll_uri(consume)
             return
         if self.fd is not None:
-            self._read_local(self.fd, consume)  # drain the file we have open (maybe rotated)
+            fd0 = self.fd  # drain the file we have open (maybe rotated away)
+            self._read(lambda n, o: os.pread(fd0, n, o), consume)
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -245,7 +262,7 @@ class _Tail:
         size = os.fstat(fd).st_size
         if size < self.offset or not self._sig_ok(lambda n, o: os.pread(fd, n, o)):
             self._restart()  # truncated (and maybe refilled)
-        self._read_local(fd, consume)
+        self._read(lambda n, o: os.pread(fd, n, o), consume)
 
     def _poll_uri(self, consume: Consumer) -> None:
         fs, inner = pafs.FileSystem.from_uri(self.path)
@@ -258,19 +275,7 @@ class _Tail:
 
             if info.size < self.offset or not self._sig_ok(read_at):
                 self._restart()
-            block = _BLOCK
-            while self.offset < info.size:
-                data = read_at(block, self.offset)
-                final = self.offset + len(data) >= info.size
-                used = consume(data, self._fresh, final)
-                if used:
-                    self._advance(data, used)
-                elif final:
-                    return
-                elif block >= _MAX_BLOCK:
-                    self._advance(data, len(data))
-                else:
-                    block *= 2
+            self._read(read_at, consume)
 
 
 # ---------------------------------------------------------------------------- sources
@@ -298,6 +303,11 @@ class _LineSource:
         self.megatron = _MegatronParser(path, strict=False)
         self.bad_lines = 0
         self._rows: list[Row] = []
+
+    @property
+    def more(self) -> bool:
+        """More bytes wait beyond this poll's budget."""
+        return self.tail.more
 
     def state_dict(self) -> dict[str, Any]:
         return {"tail": self.tail.state_dict(), "header": self.header}
@@ -412,6 +422,11 @@ class _TensorBoardSource:
         self.path = path
         self.tails: dict[str, _Tail] = {}
         self._rows: list[Row] = []
+
+    @property
+    def more(self) -> bool:
+        """More bytes wait beyond this poll's budget."""
+        return any(t.more for t in self.tails.values())
 
     def state_dict(self) -> dict[str, Any]:
         return {"files": {f: t.state_dict() for f, t in self.tails.items()}}
@@ -644,6 +659,9 @@ class Watcher:
         self._muted = False
         self._polls = 0
         self._stop = False
+        self._last_rows = 0
+        self._in_backlog = True
+        self._backlog_max = -1  # the last step of the backlog (backlog="quiet")
         self._state_loaded = False
         self.hw = -1  # highest step judged (or the step before a resume)
         self._pending: dict[int, dict[str, float]] = {}
@@ -730,21 +748,23 @@ class Watcher:
             if src is not None:
                 rows.extend(src.poll())
         self._polls += 1
-        # backlog="quiet": what a fresh watcher finds at start warms the monitor, acts on nothing
-        mute = self.backlog == "quiet" and self._polls == 1 and not self._state_loaded
-        with self._muting(mute):
-            out = self._take(rows)
-            # a step is ready once a later one was read; everything is, when nothing new came
-            out += self._release(everything=not rows)
+        self._last_rows = len(rows)
+        # backlog="quiet": the steps a fresh watcher finds at start (up to the first poll that
+        # reads every file to its end) warm the monitor and act on nothing
+        if self._in_backlog and self.backlog == "quiet" and not self._state_loaded:
+            self._backlog_max = max([self._backlog_max] + [r[1] for r in rows])
+        if not any(getattr(src, "more", False) for src in self._sources.values()):
+            self._in_backlog = False  # caught up: later polls bring new steps
+        out = self._take(rows)
+        # a step is ready once a later one was read; everything is, when nothing new came
+        out += self._release(everything=not rows)
         if out and not self._bind_checked:
             self._check_binding(out)
         return out
 
     def flush(self) -> list[Decision]:
         """Judge every step read so far (the end of ``--once``)."""
-        mute = self.backlog == "quiet" and self._polls <= 1 and not self._state_loaded
-        with self._muting(mute):
-            out = self._release(everything=True)
+        out = self._release(everything=True)
         if out and not self._bind_checked:
             self._check_binding(out)
         return out
@@ -795,6 +815,7 @@ class Watcher:
     def _resume(self, step: int) -> None:
         """The job re-ran ``step`` (restarted from a checkpoint): judge from there again."""
         self.resumes += 1
+        self._backlog_max = min(self._backlog_max, step - 1)  # a re-run is news
         self.monitor.rewind(step - 1)
         self.hw = step - 1
         for s in [s for s in self._memory if s >= step]:
@@ -812,14 +833,15 @@ class Watcher:
         out = []
         for s in steps:
             metrics = self._pending.pop(s)
-            d = self.monitor.observe(s, metrics)
+            with self._muting(s <= self._backlog_max):
+                d = self.monitor.observe(s, metrics)
+                self._handle(d)
             self.hw = max(self.hw, s)
             self._memory[s] = metrics
             self._memory.move_to_end(s)
             while len(self._memory) > MEMORY_STEPS:
                 self._memory.popitem(last=False)
             self.steps_judged += 1
-            self._handle(d)
             out.append(d)
         return out
 
@@ -877,14 +899,14 @@ class Watcher:
             logger.warning("hook %s (step %d) failed: %s", hook, d.step, exc)
 
     # ------------------------------------------------------------------ loop
-    def run(self, once: bool = False, poll: float = 5.0, max_polls: int | None = None
-            ) -> list[Decision]:
+    def run(self, once: bool = False, poll: float = 5.0, max_polls: int | None = None,
+            collect: bool = True) -> list[Decision]:
         """Follow the sources until interrupted (``once``: one pass, then judge everything).
 
         Returns the decisions made (all of them with ``once``; with a live loop only those
-        with alarms or interventions, to bound memory).  The state is saved on the way out,
-        also on ``KeyboardInterrupt``; :meth:`stop` (the CLI's SIGTERM / SIGINT handler) ends
-        the loop between polls, so no row read is lost.
+        with alarms or interventions, to bound memory; none with ``collect=False``).  The
+        state is saved on the way out, also on ``KeyboardInterrupt``; :meth:`stop` (the CLI's
+        SIGTERM / SIGINT handler) ends the loop between polls, so no row read is lost.
         """
         out: list[Decision] = []
         n = 0
@@ -893,9 +915,15 @@ class Watcher:
                 ds = self.poll()
                 n += 1
                 if once:
-                    out += ds + self.flush()
+                    if collect:
+                        out += ds
+                    if self._last_rows and not self._stop:
+                        continue  # a long backlog: read on until nothing new
+                    ds = self.flush()
+                    out += ds if collect else []
                     break
-                out += [d for d in ds if d.alarms or d.interventions]
+                if collect:
+                    out += [d for d in ds if d.alarms or d.interventions]
                 if self.state_path and time.monotonic() - self._saved_at >= self.save_every:
                     self.save()
                 if max_polls is not None and n >= max_polls:

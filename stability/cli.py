@@ -216,7 +216,7 @@ def _cmd_watch(a: argparse.Namespace) -> int:
     old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)
            if main_thread}
     try:
-        w.run(once=a.once, poll=a.poll)
+        w.run(once=a.once, poll=a.poll, collect=False)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

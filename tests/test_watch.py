@@ -382,8 +382,29 @@ def test_state_file_is_written_atomically(tmp_path: Path, rows: list[Any]) -> No
     assert os.access(state, os.R_OK)
 
 
-def test_backlog_quiet_warms_on_history_and_acts_on_new_steps(tmp_path: Path,
-                                                              rows: list[Any]) -> None:
+def test_a_long_backlog_is_read_over_several_polls(tmp_path: Path, rows: list[Any],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import replay.watch
+
+    monkeypatch.setattr(replay.watch, "POLL_BYTES", 3000)  # about 30 lines per poll
+    log = tmp_path / "train.log"
+    log.write_text(_megatron(rows))
+    w = Watcher([str(log)], "default", echo=None)
+    first = w.poll()
+    assert 0 < len(first) < 100  # a part of the file only
+    got = first + w.run(once=True)
+    w.close()
+    assert _key(got) == _oracle(log)
+    assert sorted(d.step for d in got) == list(range(400))
+
+
+@pytest.mark.parametrize("poll_bytes", [64 << 20, 3000])
+def test_backlog_quiet_warms_on_history_and_acts_on_new_steps(
+        tmp_path: Path, rows: list[Any], poll_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import replay.watch
+
+    monkeypatch.setattr(replay.watch, "POLL_BYTES", poll_bytes)
     log, hooks_out = tmp_path / "train.jsonl", tmp_path / "hooks.txt"
     log.write_text(_jsonl(rows[:200]))  # history, with the spike at 150
     sent: list[Any] = []
@@ -396,6 +417,7 @@ def test_backlog_quiet_warms_on_history_and_acts_on_new_steps(tmp_path: Path,
 
     w.monitor.alert_sinks = [Sink()]
     first = w.run(once=True)
+    assert [d.step for d in first] == list(range(200))
     assert 150 in {a.step for d in first for a in d.alarms}  # judged...
     assert not hooks_out.exists() and sent == []  # ... but nothing acted on
     with log.open("a") as fh:
