@@ -37,6 +37,14 @@ offsets and the unjudged rows, written atomically (temporary file + ``os.replace
 ``save_every`` seconds and on exit; loaded at start, so a restarted watcher neither re-warms its
 detectors nor judges a step twice.
 
+Known limits: a step the job logs only after a later step (more than one poll late) is dropped
+as already seen; a Megatron ``OVERFLOW`` line read just before a watcher restart is not carried
+into the next iteration line; a TensorBoard tensor summary whose plugin name was written in an
+earlier poll's events is taken as a scalar when it holds one number; CSV exports from the W&B
+UI (``<run> - metric`` headers) keep their prefixes; a single ``.parquet`` file does not grow and
+is not watched (its part directory is).  Each file is read at most :data:`POLL_BYTES` per poll,
+so a long backlog is judged over several polls.
+
 Actions: ``hooks={"stop": "CMD", ...}`` runs ``CMD`` through the shell for every intervention of
 that type (``"alarm"``: every alarm step; ``"any"``: every intervention) with ``STABILITY_STEP``,
 ``STABILITY_KIND``, ``STABILITY_REASON``, ``STABILITY_CAUSE`` and ``STABILITY_CONTROL`` (the
