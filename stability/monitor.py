@@ -64,7 +64,7 @@ import numpy as np
 from ._state_check import Fields
 from .binding import Aliases, Pattern, empty_buffers, gather_step
 from .config import ConfigSource, DetectorSpec, MonitorConfig, load_config
-from .monitor_io import decode_state, encode_state, table_columns, to_float
+from .monitor_io import decode_state, encode_state, is_table, table_columns, to_float
 from .policy import Policy
 from .registry import make_detector
 from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
@@ -778,8 +778,9 @@ class Monitor:
     def replay(self, data: Any) -> list[Decision]:
         """Replay a recorded run: identical to a loop of :meth:`observe`, much faster.
 
-        ``data``: a pyarrow ``Table`` / ``RecordBatch``, a dict of NumPy columns (``step`` plus
-        one column per metric; nulls / masked / ``None`` = not logged), or an iterable of those
+        ``data``: a pyarrow ``Table`` / ``RecordBatch``, a pandas / polars ``DataFrame``, a dict
+        of NumPy columns (``step`` plus one column per metric; nulls / masked / ``None`` = not
+        logged; see :func:`stability.monitor_io.table_columns`), or an iterable of those
         (see :meth:`replay_batches`).  Non-numeric columns are ignored.
         """
         if _is_table(data):
@@ -1057,10 +1058,7 @@ def _as_list(x: Any) -> list[Any]:
 
 
 def _is_table(data: Any) -> bool:
-    if isinstance(data, Mapping):
-        return True
-    mod = type(data).__module__
-    return mod.startswith("pyarrow") and hasattr(data, "column_names")
+    return is_table(data)
 
 
 # ---------------------------------------------------------------------- state helpers
