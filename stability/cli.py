@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "warm the monitor on it (default %(default)s)")
     p.add_argument("--quiet", "-q", action="store_true", help="no line per alarm step")
 
+    p = sub.add_parser("ranks", help="per-rank health (which rank or host is the culprit)")
+    p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) of a multi-rank run")
+
     p = sub.add_parser("goodput", help="badput breakdown of an event log (time and steps)")
     p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) written by a monitor")
     p.add_argument("--json", action="store_true", help="print the last goodput record as JSON")
@@ -138,6 +141,14 @@ def _version() -> str:
         from stability import __version__
 
         return __version__
+
+
+def _cmd_ranks(a: argparse.Namespace) -> int:
+    from stability.events import read_events
+    from stability.ranks import format_ranks
+
+    print(format_ranks(read_events(a.events, errors="skip")))
+    return 0
 
 
 def _cmd_goodput(a: argparse.Namespace) -> int:
@@ -360,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune,
-                    "goodput": _cmd_goodput, "watch": _cmd_watch}
+                    "goodput": _cmd_goodput, "ranks": _cmd_ranks, "watch": _cmd_watch}
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warning(command)
             return handlers[a.command](a)

@@ -235,3 +235,19 @@ def test_a_global_event_names_nobody() -> None:
     m = clean_matrix(rng, 8)
     m[5, COL["loss"]] *= 10.0
     assert [(f.rank, f.signal) for f in det.update(21, m)] == [(5, "loss")]
+
+
+def test_cli_ranks_prints_the_health_table(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from stability.cli import main
+    from stability.events import EventLog
+
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path) as log:
+        log.append({"type": "alarm", "step": 5, "kind": "rank_outlier",
+                    "signal": "rank1/grad_norm", "score": 40.0})
+        log.append({"type": "rank_health", "step": 9, "rank": 1, "host": "b",
+                    "status": "suspect", "suspicion": 3.0, "outlier_steps": 3,
+                    "signals": {"grad_norm": 3}, "peak_z": 40.0, "peak_signal": "grad_norm",
+                    "recent_steps": [5, 7, 9]})
+    assert main(["ranks", str(path)]) == 0
+    assert "suspects: rank 1 / b" in capsys.readouterr().out
