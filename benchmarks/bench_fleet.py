@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.adapters.test_ranks import (  # noqa: E402
+from tests.adapters.test_ranks import (
     EXPECTED_SIGNAL,
     SLOW_STEPS,
     make_plan,

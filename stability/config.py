@@ -604,7 +604,7 @@ class MonitorConfig:
 
     def validate_policy(self) -> None:
         """Let :class:`stability.policy.Policy` validate ``[policy]``."""
-        from .policy import Policy  # noqa: PLC0415 - policy imports config
+        from .policy import Policy
 
         try:
             Policy(copy.deepcopy(self.policy))

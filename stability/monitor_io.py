@@ -70,12 +70,12 @@ def to_float(v: Any) -> float | str:
             return f"shape {tuple(shape)}; expected a scalar"
         try:
             return float(v)
-        except Exception as exc:  # noqa: BLE001 -- foreign objects may raise anything
+        except Exception as exc:
             return f"cannot convert {type(v).__name__} to float ({exc})"
     if hasattr(v, "__array__"):
         try:
             return _from_array(np.asarray(v))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return f"cannot convert {type(v).__name__} to float ({exc})"
     return f"not a number ({type(v).__name__})"
 

@@ -115,7 +115,7 @@ class StateMixin(LayoutMixin):
     def _load_state(self, state: Mapping[str, Any], strict: bool) -> None:
         try:
             sd = decode_state(state)
-        except Exception as exc:  # noqa: BLE001 -- a hostile encoding may raise anything
+        except Exception as exc:
             raise ValueError(f"Monitor.load_state_dict(): cannot decode the snapshot "
                              f"({type(exc).__name__}: {exc}).") from None
         f = Fields("Monitor", sd)

@@ -53,7 +53,7 @@ __all__ = ["PrometheusExporter"]
 
 def _client() -> Any:
     try:
-        import prometheus_client  # noqa: PLC0415
+        import prometheus_client
     except ImportError as exc:  # pragma: no cover - exercised without the extra
         raise ImportError(
             "PrometheusExporter needs prometheus_client: pip install "
@@ -187,7 +187,7 @@ class _Collector:
         return []
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import (  # noqa: PLC0415
+        from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
         )
