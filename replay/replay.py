@@ -342,6 +342,15 @@ def replay_many(runs: Sequence[tuple[str, str]], config: Any = None, *, jobs: in
     return parallel_map(_replay_job, jobs_args, jobs, "replay", progress)
 
 
+def _num(x: Any) -> str:
+    """A score for people: 3 significant digits (``460.1076...`` -> ``460``).
+
+    >>> _num(460.10761853489885), _num(0.0123456), _num(float("inf")), _num(None)
+    ('460', '0.0123', 'inf', 'None')
+    """
+    return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
 def format_summary(res: ReplayResult) -> str:
     """Human-readable summary of one replay."""
     s = res.summary()
@@ -353,7 +362,7 @@ def format_summary(res: ReplayResult) -> str:
         fa = s["first_alarm"]
         lines.append(f"  alarms: {s['alarms']} on {s['alarm_steps']} steps; first at step "
                      f"{fa['step']}: {fa['kind']} on {fa['signal']} ({fa['detector']}, "
-                     f"score {fa['score']}, threshold {fa['threshold']})")
+                     f"score {_num(fa['score'])}, threshold {_num(fa['threshold'])})")
         for k, v in s["alarms_by_kind"].items():
             lines.append(f"    {k:<22} {v}")
     if res.interventions:
