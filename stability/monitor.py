@@ -66,6 +66,7 @@ from .monitor_layout import MAX_STEP, _Binding
 from .monitor_replay import ReplayMixin
 from .monitor_state import GRAD_HISTORY, STATE_VERSION, StateMixin
 from .policy import Policy
+from .policy_context import PolicyContext
 from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
 
 __all__ = ["MAX_STEP", "STATE_VERSION", "Monitor"]
@@ -438,22 +439,14 @@ class Monitor(ReplayMixin, StateMixin):
             except Exception:  # bookkeeping never kills the run
                 logger.debug("could not record the refused rollback", exc_info=True)
 
-    def _context(self, gnow: float | None) -> dict[str, Any]:
-        ctx: dict[str, Any] = {"healthy_checkpoints": self.checkpoints}
-        if self._lr_now is not None:
-            ctx["lr"] = self._lr_now
-        if self._lr_prev is not None:
-            ctx["lr_prev"] = self._lr_prev
-        if self.trainer_clip_norm is not None:
-            ctx["clip_norm"] = self.trainer_clip_norm
-        if gnow is not None and math.isfinite(gnow):
-            ctx["grad_norm"] = gnow
-        elif self._grad_last is not None:
-            ctx["grad_norm"] = self._grad_last
-        if self._grad_hist:
-            ctx["grad_norm_recent_median"] = float(np.median(np.fromiter(
-                self._grad_hist, dtype=np.float64, count=len(self._grad_hist))))
-        return ctx
+    def _context(self, gnow: float | None) -> PolicyContext:
+        grad = gnow if gnow is not None and math.isfinite(gnow) else self._grad_last
+        hist = self._grad_hist
+        med = float(np.median(np.fromiter(hist, dtype=np.float64, count=len(hist)))
+                    ) if hist else None
+        return PolicyContext(healthy_checkpoints=self.checkpoints, lr=self._lr_now,
+                             lr_prev=self._lr_prev, clip_norm=self.trainer_clip_norm,
+                             grad_norm=grad, grad_norm_recent_median=med)
 
     def _emit(self, d: Decision) -> None:
         self.counters["alarm_steps"] += bool(d.alarms)
