@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from .binding import Aliases, gather_step
+from .checkpoints import CheckpointLedger
 from .config import ConfigSource, MonitorConfig, load_config
 from .goodput import GoodputTracker
 from .monitor_layout import MAX_STEP, _Binding
@@ -144,7 +145,7 @@ class Monitor(ReplayMixin, StateMixin):
 
     def __init__(self, config: ConfigSource = None, *, event_log: Any = None,
                  alert_sinks: Any = None, on_alarm: Any = None, on_intervention: Any = None,
-                 checkpoints: Any = None,
+                 checkpoints: CheckpointLedger | None = None,
                  handler_timeout: float | None = _FROM_CONFIG,
                  goodput: GoodputTracker | None = None) -> None:
         self.config: MonitorConfig = load_config(config)
@@ -182,7 +183,6 @@ class Monitor(ReplayMixin, StateMixin):
         for fn in _as_list(on_intervention):
             self.handlers.on_intervention(fn)
         if checkpoints is None:
-            from .checkpoints import CheckpointLedger  # noqa: PLC0415
             checkpoints = CheckpointLedger()
         self.checkpoints = checkpoints
         #: the trainer's own gradient clip (adapters set it); the policy never loosens it
@@ -222,9 +222,7 @@ class Monitor(ReplayMixin, StateMixin):
         norm): a restore legitimately moves the LR and the weights back, which is not a jump.
         """
         self.last_step = int(step)
-        guard = getattr(self.policy, "guard", None)
-        if guard is not None:
-            guard.rewind()  # the scheduler went back too: not an LR jump
+        self.policy.guard.rewind()  # the scheduler went back too: not an LR jump
         for b in self._bindings:
             if b.spec.detector == "lr_jump":
                 b.det.reset()
@@ -410,12 +408,11 @@ class Monitor(ReplayMixin, StateMixin):
         val = float(vals[vs]) if vs and present[vs] else None
         if lr is not None:
             self._lr_prev, self._lr_now = self._lr_now, lr
-        track = getattr(self.policy, "track", None)
-        if track is None or (lr is None and loss is None and val is None):
+        if lr is None and loss is None and val is None:
             return ()
         guard = self.policy.guard
         was = guard.active
-        ivs = tuple(track(s, lr, loss, self._policy_control, val))
+        ivs = tuple(self.policy.track(s, lr, loss, self._policy_control, val))
         if ivs or was or guard.active:
             self._snap = None
             self._policy_dirty = True
@@ -428,9 +425,7 @@ class Monitor(ReplayMixin, StateMixin):
 
         The policy and the goodput ledger do not count it; the event log records it.
         """
-        fn = getattr(self.policy, "rollback_failed", None)
-        if fn is not None:
-            fn(int(step))
+        self.policy.rollback_failed(int(step))
         self.goodput.cancel_rollback(int(step))
         if self.event_log is not None:
             try:

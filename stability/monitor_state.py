@@ -21,6 +21,10 @@ from .monitor_io import decode_state, encode_state
 from .monitor_layout import LayoutMixin, _Binding
 from .types import Control
 
+if TYPE_CHECKING:
+    from .checkpoints import CheckpointLedger
+    from .policy import Policy
+
 __all__ = ["GRAD_HISTORY", "STATE_VERSION", "StateMixin"]
 
 logger = logging.getLogger("stability.monitor")
@@ -35,8 +39,8 @@ class StateMixin(LayoutMixin):
 
     config: MonitorConfig
     log_only: bool
-    policy: Any
-    checkpoints: Any
+    policy: Policy
+    checkpoints: CheckpointLedger
     goodput: GoodputTracker
     control: Control
     last_step: int
@@ -66,8 +70,7 @@ class StateMixin(LayoutMixin):
             "policy_dirty": self._policy_dirty,
             "control": self.control.to_dict(),
             "policy_control": self._policy_control.to_dict(),
-            "checkpoints": self.checkpoints.state_dict() if hasattr(
-                self.checkpoints, "state_dict") else None,
+            "checkpoints": self.checkpoints.state_dict(),
             "goodput": self.goodput.state_dict(),
             "last_step": self.last_step,
             "grad_history": list(self._grad_hist),
@@ -170,7 +173,7 @@ class StateMixin(LayoutMixin):
         pol = f.get("policy", None)
         if pol is not None:
             part("the policy", lambda: self.policy.load_state_dict(pol),
-                 lambda: getattr(self.policy, "reset", lambda: None)())
+                 self.policy.reset)
         self._policy_dirty = part("the policy flag", lambda: f.flag("policy_dirty", False), False)
         ctl = part("the control", lambda: (_read_control(f, "control"),
                                            _read_control(f, "policy_control")),
@@ -180,7 +183,7 @@ class StateMixin(LayoutMixin):
         self._snap = None
         self._policy_control = ctl[1] if self.log_only else self.control
         led = f.get("checkpoints", None)
-        if led is not None and hasattr(self.checkpoints, "load_state_dict"):
+        if led is not None:
             part("the checkpoint ledger", lambda: self.checkpoints.load_state_dict(led),
                  lambda: self.checkpoints.load_state_dict({"records": [], "alarms": []}))
         if gp is not None:
