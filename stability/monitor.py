@@ -54,7 +54,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -442,6 +442,27 @@ class Monitor(ReplayMixin, StateMixin):
         return PolicyContext(healthy_checkpoints=self.checkpoints, lr=self._lr_now,
                              lr_prev=self._lr_prev, clip_norm=self.trainer_clip_norm,
                              grad_norm=grad, grad_norm_recent_median=med)
+
+    def report_alarms(self, step: int, alarms: Sequence[Alarm]) -> Decision | None:
+        """Record alarms raised outside the monitor's detectors (e.g. the rank outliers of
+        :class:`~stability.adapters.distributed.ControlSync`, a stall watchdog's alarm).
+
+        They go to the event log, the ``on_alarm`` handlers and, as one :class:`Alert`, to the
+        alert sinks -- exactly like the monitor's own alarms -- but the policy does not act on
+        them (the caller already did: e.g. every rank skipped the step).  Returns the recorded
+        decision (``None`` when ``alarms`` is empty).
+        """
+        alarms = tuple(alarms)
+        if not alarms:
+            return None
+        worst = max(alarms, key=lambda a: 2 if a.severity == "critical" else 1)
+        text = "; ".join(a.message or f"{a.kind} on {a.signal}" for a in alarms[:4])
+        alert = Alert(int(step), reason=text + (f" (+{len(alarms) - 4} more)"
+                                                 if len(alarms) > 4 else ""),
+                      severity=worst.severity, message=text)
+        d = _decision(int(step), alarms, (alert,), self._snapshot(), ())
+        self._emit(d)
+        return d
 
     def _emit(self, d: Decision) -> None:
         self.counters["alarm_steps"] += bool(d.alarms)

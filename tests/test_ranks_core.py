@@ -251,3 +251,25 @@ def test_cli_ranks_prints_the_health_table(tmp_path, capsys) -> None:  # type: i
                     "recent_steps": [5, 7, 9]})
     assert main(["ranks", str(path)]) == 0
     assert "suspects: rank 1 / b" in capsys.readouterr().out
+
+
+def test_monitor_records_rank_alarms_without_the_policy_acting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from stability import EventLog, Monitor, read_events
+    from stability.types import Alarm
+
+    seen: list[Alarm] = []
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path) as log:
+        mon = Monitor("default", event_log=log, on_alarm=seen.append)
+        for s in range(3):
+            mon.observe(s, {"loss": 1.0})
+        a = Alarm(3, "rank_outlier", "rank2/grad_norm", 41.0, 6.0, "warning", "rank_mad",
+                  "grad_norm outlier on rank 2 / host-c: 41.0 sigma")
+        d = mon.report_alarms(3, [a])
+        assert mon.report_alarms(3, []) is None
+    assert d is not None and d.control.lr_factor == 1.0 and not d.control.skip_step
+    assert seen == [a]
+    recs = read_events(path)
+    assert any(r["type"] == "alarm" and r["signal"] == "rank2/grad_norm" for r in recs)
+    assert any(r.get("intervention") == "alert" and "rank 2 / host-c" in r["reason"]
+               for r in recs)
