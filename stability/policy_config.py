@@ -271,6 +271,9 @@ DEFAULT_KINDS: dict[str, KindRule] = {
     "weight_corruption": KindRule(skip="always", start_level=3, critical_start_level=3),
     # the stall watchdog: tell a human, never act (a hung step cannot be skipped or rolled back)
     "stall": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
+    # gradients collapsed (fp16 underflow, dead layers): skipping, clipping or an LR cut would
+    # not help and a rollback would replay the same collapse -- tell a human
+    "grad_vanishing": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
 }
 
 
