@@ -13,6 +13,12 @@ Goodput figures (all counterfactual -- the recorded run did not act on the reque
 * ``goodput``: ``(executed - skipped - rolled back) / executed`` where ``executed`` is the number
   of recorded steps up to and including the stop (all of them without a stop).
 
+These are counted from the requested interventions, not read from the monitor's goodput ledger
+(:attr:`stability.monitor.Monitor.goodput`): the ledger books what a trainer acting on the
+returned ``Control`` ran -- every recorded step, also after a stop, and nothing in ``log_only``
+mode -- while these figures stop at the stop and count requests.  On a run without a stop
+and not in ``log_only`` mode the two agree (``tests/test_monitor_goodput.py`` checks it).
+
 Examples
 --------
 >>> discover_runs("/nonexistent/*.parquet")
@@ -198,6 +204,66 @@ class ReplayResult:
             "seconds": round(self.seconds, 3),
         }
 
+    # -------------------------------------------------------------- tables (replay.frames)
+    def to_arrow(self, which: str = "alarms") -> pa.Table:
+        """The alarms, interventions or alarm episodes as an Arrow table, one row each.
+
+        ``which``: ``"alarms"`` (step, kind, signal, detector, severity, score, threshold,
+        cause, message), ``"interventions"`` (step, type, reason, cause, params JSON) or
+        ``"episodes"`` (see :func:`replay.frames.episodes`).
+        """
+        from . import frames
+
+        if which == "alarms":
+            return frames.alarms_table(self.alarms, self.interventions)
+        if which == "interventions":
+            return frames.interventions_table(self.interventions)
+        if which == "episodes":
+            return frames.episodes_table(self.alarms, self.interventions)
+        raise ValueError("The 'which' parameter of ReplayResult.to_arrow must be one of "
+                         f"'alarms', 'interventions', 'episodes'. Got {which!r} instead.")
+
+    def to_pandas(self, which: str = "alarms") -> Any:
+        """:meth:`to_arrow` as a pandas ``DataFrame`` (needs pandas)."""
+        from .frames import to_pandas
+
+        return to_pandas(self.to_arrow(which))
+
+    def episodes(self) -> list[dict[str, Any]]:
+        """Alarms merged into episodes (:func:`replay.frames.episodes`)."""
+        from .frames import episodes
+
+        return episodes(self.alarms, self.interventions)
+
+    def _repr_html_(self) -> str:
+        """A compact summary table for notebooks."""
+        import html
+
+        from .frames import _counts
+
+        s = self.summary()
+        eps = self.episodes()
+        rows = [("run", f"{self.run_id} ({self.n_steps} steps, {s['first_step']}.."
+                        f"{s['last_step']})"),
+                ("alarms", f"{s['alarms']} on {s['alarm_steps']} steps, {len(eps)} episodes"),
+                ("by kind", _counts(s["alarms_by_kind"]) or "none"),
+                ("interventions", _counts(s["interventions_by_type"]) or "none")]
+        for e in eps[:5]:
+            rows.append((f"episode {e['first_step']}..{e['last_step']}",
+                         f"{_counts(e['kinds'])} on {', '.join(list(e['signals'])[:3])}; "
+                         f"peak {e['peak_score']:.3g}"
+                         + (f"; cause {e['cause']}" if e["cause"] else "")
+                         + (f"; {_counts(e['interventions'])}" if e["interventions"] else "")))
+        if len(eps) > 5:
+            rows.append(("", f"... {len(eps) - 5} more episodes (to_pandas('episodes'))"))
+        g = self.goodput.get("goodput")
+        if g is not None:
+            rows.append(("goodput", f"{float(g):.3g}"))
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+                       f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+                       for k, v in rows)
+        return f"<table><caption>ReplayResult</caption>{body}</table>"
+
 
 def goodput(steps: NDArray[np.int64], interventions: Sequence[Intervention]) -> dict[str, Any]:
     """Counterfactual goodput figures (see the module docstring).
@@ -342,6 +408,15 @@ def replay_many(runs: Sequence[tuple[str, str]], config: Any = None, *, jobs: in
     return parallel_map(_replay_job, jobs_args, jobs, "replay", progress)
 
 
+def _num(x: Any) -> str:
+    """A score for people: 3 significant digits (``460.1076...`` -> ``460``).
+
+    >>> _num(460.10761853489885), _num(0.0123456), _num(float("inf")), _num(None)
+    ('460', '0.0123', 'inf', 'None')
+    """
+    return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
 def format_summary(res: ReplayResult) -> str:
     """Human-readable summary of one replay."""
     s = res.summary()
@@ -353,7 +428,7 @@ def format_summary(res: ReplayResult) -> str:
         fa = s["first_alarm"]
         lines.append(f"  alarms: {s['alarms']} on {s['alarm_steps']} steps; first at step "
                      f"{fa['step']}: {fa['kind']} on {fa['signal']} ({fa['detector']}, "
-                     f"score {fa['score']}, threshold {fa['threshold']})")
+                     f"score {_num(fa['score'])}, threshold {_num(fa['threshold'])})")
         for k, v in s["alarms_by_kind"].items():
             lines.append(f"    {k:<22} {v}")
     if res.interventions:

@@ -107,6 +107,9 @@ def _prelude(code: str) -> dict[str, Any]:
     }
     ns["guard"] = stability.torch.attach(model, optimizer, scheduler, Monitor("small"),
                                          checkpoint_every=0, log_interventions=False)
+    for optional in ("pandas", "polars"):  # dev extras; a snippet using one skips without it
+        if f"import {optional}" in code:
+            pytest.importorskip(optional)
     if "lightning" in code:
         ns.update(_lightning_prelude())
     if "adapters.hf" in code:
