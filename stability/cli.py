@@ -139,6 +139,8 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     from replay.replay import format_summary, replay_many, replay_run
 
     runs = _runs(a.runs)
+    if a.save_state and len(runs) != 1:
+        raise ValueError(f"--save-state takes one run; got {len(runs)}.")
     try:
         if len(runs) == 1:
             rid, path = runs[0]
@@ -174,8 +176,6 @@ def _save_state(runs: list[tuple[str, str]], config: Any, out: str) -> None:
     from replay.replay import read_table
     from stability.monitor import Monitor
 
-    if len(runs) != 1:
-        raise ValueError(f"--save-state takes one run; got {len(runs)}.")
     mon = Monitor("default" if config is None else config, alert_sinks=[])
     mon.replay(read_table(runs[0][1]))
     with open(out, "w", encoding="utf-8") as f:

@@ -153,3 +153,16 @@ def test_cli_save_state_continues_live(tmp_path) -> None:
     got = [d.to_dict() for d in live.replay(w)]
     assert got == [d.to_dict() for d in ref.replay(w)]
     assert any(d["alarms"] for d in got)
+
+
+def test_cli_save_state_takes_one_run(tmp_path, capsys) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from stability.cli import main
+
+    for name in ("a", "b"):
+        pq.write_table(pa.table(_history(n=50)), tmp_path / f"{name}.parquet")
+    out = tmp_path / "state.json"
+    assert main(["replay", str(tmp_path), "--save-state", str(out)]) == 2
+    assert "--save-state takes one run" in capsys.readouterr().err
+    assert not out.exists()
