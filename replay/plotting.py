@@ -29,6 +29,7 @@ KIND_COLOURS = {
     "lr_loss_anomaly": "#0072B2",
     "level_shift": "#56B4E9",
     "stall": "#999999",
+    "grad_vanishing": "#F0E442",
 }
 
 # viridis, 9 anchor colours, interpolated linearly

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs, a directory (one file per run)")
     p.add_argument("--jobs", "-j", type=int, default=None, help="processes (default: cores)")
     p.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    p.add_argument("--save-state", default=None, metavar="S",
+                   help="one run: write the monitor state after the replay to S (JSON) for "
+                        "Monitor.load_state_dict, so a live run continues primed")
 
     p = sub.add_parser("eval", help="score alarms against labels (ours vs baselines)")
     p.add_argument("runs", nargs="+", metavar="RUNS")
@@ -176,6 +179,8 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     from replay.replay import format_summary, replay_many, replay_run
 
     runs = _runs(a.runs)
+    if a.save_state and len(runs) != 1:
+        raise ValueError(f"--save-state takes one run; got {len(runs)}.")
     try:
         if len(runs) == 1:
             rid, path = runs[0]
@@ -187,6 +192,8 @@ def _cmd_replay(a: argparse.Namespace) -> int:
                 a.events = str(Path(a.events).with_suffix(""))
             results = replay_many(runs, a.config, jobs=a.jobs, events_dir=a.events,
                                   events_suffix=suffix)
+        if a.save_state:
+            _save_state(runs, a.config, a.save_state)
     except OSError as exc:
         if exc.filename is None and a.events:  # a write error (full disk) knows no file name
             exc.filename = a.events
@@ -234,6 +241,17 @@ def _cmd_watch(a: argparse.Namespace) -> int:
         w.close()
     print(w.summary() + (f"; state saved to {a.state}" if a.state else ""), file=sys.stderr)
     return 0
+
+
+
+def _save_state(runs: list[tuple[str, str]], config: Any, out: str) -> None:
+    from replay.replay import read_table
+    from stability.monitor import Monitor
+
+    mon = Monitor("default" if config is None else config, alert_sinks=[])
+    mon.replay(read_table(runs[0][1]))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(mon.state_dict(), f)
 
 
 def _eval_settings(a: argparse.Namespace) -> dict[str, int]:

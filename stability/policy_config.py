@@ -274,6 +274,9 @@ DEFAULT_KINDS: dict[str, KindRule] = {
     # a rank outlier: ControlSync already makes every rank skip a NaN / gradient-outlier step;
     # the policy only alerts (the machine-health ledger accumulates the evidence)
     "rank_outlier": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
+    # gradients collapsed (fp16 underflow, dead layers): skipping, clipping or an LR cut would
+    # not help and a rollback would replay the same collapse -- tell a human
+    "grad_vanishing": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
 }
 
 

@@ -90,6 +90,8 @@ REGISTRY: dict[str, RegistryEntry] = {
     "histogram_drift": RegistryEntry("detectors.activation:HistogramDrift", "activation_shift"),
     "train_val": RegistryEntry("detectors.divergence:TrainValDivergence", "train_val_divergence"),
     "val_spike": RegistryEntry("detectors.divergence:ValSpike", "train_val_divergence"),
+    "overfit_gap": RegistryEntry("detectors.overfit:OverfitGap", "train_val_divergence",
+                                {"alpha": (0.1, 0.2, 0.3), "n_points": (3, 4)}),
     "lr_jump": RegistryEntry("detectors.lr_loss:LRJump", "lr_loss_anomaly"),
     "lr_loss_corr": RegistryEntry("detectors.lr_loss:LRLossCorrelation", "lr_loss_anomaly"),
     "lr_level": RegistryEntry("detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly"),
@@ -110,7 +112,7 @@ def tune_grids() -> dict[str, dict[str, list[Any]]]:
     """The offline tuning grid of every registered detector that has one.
 
     >>> sorted(tune_grids())
-    ['ewma_z', 'page_hinkley', 'ratio', 'robust_z']
+    ['ewma_z', 'overfit_gap', 'page_hinkley', 'ratio', 'robust_z']
     """
     return {n: {k: list(v) for k, v in s.grid.items()} for n, s in REGISTRY.items() if s.grid}
 

@@ -24,6 +24,7 @@ ALARM_KINDS = (
     "weight_corruption",
     "stall",
     "rank_outlier",
+    "grad_vanishing",
 )
 
 #: Severity levels, in increasing order.

@@ -767,6 +767,49 @@ def ref_nonfinite(x, miss=None):  # type: ignore[no-untyped-def]
 
 
 #: registry name -> naive reference (checked complete by tests/detectors/test_conformance.py)
+def ref_overfit(loss, val, lmiss=None, vmiss=None, alpha=0.2, n_points=4, warmup=5,
+                threshold=0.02, freeze_on_alarm=False):
+    """OverfitGap: min gap increment over the last n_points - 1 validation intervals."""
+    n = len(loss)
+    lmiss = np.zeros(n, bool) if lmiss is None else lmiss
+    vmiss = np.zeros(n, bool) if vmiss is None else vmiss
+    tm, tc = 0.0, 0
+    prev_g = None
+    incs: list[float] = []
+    nval = 0
+    out = []
+    for k in range(n):
+        hl, hv = not lmiss[k], not vmiss[k]
+        if (hl and not math.isfinite(loss[k])) or (hv and not math.isfinite(val[k])):
+            out.append(math.inf)
+            continue
+        tm2, tc2 = tm, tc
+        if hl:
+            y = math.log(max(loss[k], 1e-30))
+            tm2 = y if tc == 0 else tm + max(alpha, 1 / (tc + 1)) * (y - tm)
+            tc2 = tc + 1
+        if not hv or tc2 == 0:
+            tm, tc = tm2, tc2
+            out.append(math.nan if not hv else 0.0)
+            continue
+        g = math.log(max(val[k], 1e-30)) - tm2
+        if nval == 0:
+            tm, tc, prev_g, nval = tm2, tc2, g, 1
+            out.append(0.0)
+            continue
+        d = g - prev_g
+        if len(incs) + 1 < n_points - 1 or nval + 1 < warmup:
+            score = 0.0
+        else:
+            score = min([d, *incs[len(incs) - (n_points - 2):]] if n_points > 2 else [d])
+        out.append(score)
+        if score > threshold and freeze_on_alarm:
+            continue
+        tm, tc, prev_g, nval = tm2, tc2, g, nval + 1
+        incs.append(d)
+    return np.array(out)
+
+
 REFERENCES = {
     "nonfinite": ref_nonfinite,
     "ewma_z": ref_ewma,
@@ -782,4 +825,5 @@ REFERENCES = {
     "lr_jump": ref_jump,
     "lr_loss_corr": ref_corr,
     "lr_level": ref_level,
+    "overfit_gap": ref_overfit,
 }

@@ -1,0 +1,194 @@
+"""Over-fitting within a few validation points: the generalisation gap grows at every one.
+
+Inputs are the train loss (every step) and the validation loss (every N steps, missing
+otherwise).  The train loss is smoothed by a debiased EW mean ``m`` of ``log(loss)``; at each
+validation point ``k`` the gap ``g_k = log(val_k) - m_k`` is formed and its increment since the
+previous validation point::
+
+    d_k = g_k - g_{k-1} = (log val_k - log val_{k-1}) - (m_k - m_{k-1})
+
+The score is the *smallest* increment over the last ``n_points - 1`` intervals (a paired sign
+test on the last ``n_points`` validation points, with a margin)::
+
+    score = min(d_{k-n_points+2}, ..., d_k)          # log units per validation interval
+
+so ``score > threshold`` means the gap grew by more than ``threshold`` (0.02 ~ 2 %) in *every*
+one of the last ``n_points - 1`` intervals.  That is the signature of a model that memorises:
+the train loss falls (the data loader stuck on a small subset, repeated data) while the
+validation loss rises or stalls.  Train and validation rising together (an instability) leave
+the gap unchanged and do not score; a single bump does not either.  Compared with
+:class:`~detectors.divergence.TrainValDivergence` (a t-statistic of validation rises, capped
+by the train change) it also catches a validation loss that merely stops improving while the
+train loss keeps falling fast, and it decides after ``n_points`` validation points (4 by
+default) instead of needing a long stretch of increments.
+
+Only validation steps are scored (``nan`` elsewhere).  The first validation points (fewer than
+``max(warmup, n_points)`` seen) score ``0.0``; so does a validation point that arrives before
+any train loss.  A non-finite train or validation value scores ``+inf``, alarms and enters no
+statistic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray, check_float, check_int
+from ._state import StateCheck
+
+LOG_FLOOR = 1e-30
+
+# state rows: train EW mean/count, previous gap, validation points seen, ring position, stored
+# increments
+_TM, _TCOUNT, _PREV_G, _NVAL, _POS, _NINC = 0, 1, 2, 3, 4, 5
+_N_FIELDS = 6
+# params: [threshold, freeze, alpha, n_points, warmup]
+
+
+@njit(cache=True, error_model="numpy")
+def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[0]
+    freeze = params[1] != 0.0
+    alpha = params[2]
+    n_inc = int(params[3]) - 1  # increments in the window (= rows of buf)
+    warmup = params[4]
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            has_l = not miss[t, 0, i]
+            has_v = not miss[t, 1, i]
+            if (has_l and not np.isfinite(X[t, 0, i])) or (has_v and not np.isfinite(X[t, 1, i])):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            tm = state[_TM, i]
+            tc = state[_TCOUNT, i]
+            if has_l:
+                y = math.log(max(X[t, 0, i], LOG_FLOOR))
+                if tc == 0.0:
+                    tm = y
+                else:
+                    tm = tm + max(alpha, 1.0 / (tc + 1.0)) * (y - tm)
+                tc = tc + 1.0
+            if not has_v or tc == 0.0:
+                state[_TM, i] = tm
+                state[_TCOUNT, i] = tc
+                scores[t, i] = np.nan if not has_v else 0.0
+                alarms[t, i] = False
+                continue
+            g = math.log(max(X[t, 1, i], LOG_FLOOR)) - tm
+            nval = state[_NVAL, i]
+            if nval == 0.0:
+                state[_TM, i] = tm
+                state[_TCOUNT, i] = tc
+                state[_PREV_G, i] = g
+                state[_NVAL, i] = 1.0
+                scores[t, i] = 0.0
+                alarms[t, i] = False
+                continue
+            d = g - state[_PREV_G, i]
+            pos = int(state[_POS, i])
+            ninc = state[_NINC, i]
+            if ninc + 1.0 < n_inc or nval + 1.0 < warmup:
+                score = 0.0
+            else:
+                score = d
+                for r in range(1, n_inc):
+                    score = min(score, buf[(pos - r) % n_inc, i])
+            alarm = score > threshold
+            scores[t, i] = score
+            alarms[t, i] = alarm
+            if alarm and freeze:
+                continue
+            state[_TM, i] = tm
+            state[_TCOUNT, i] = tc
+            state[_PREV_G, i] = g
+            state[_NVAL, i] = nval + 1.0
+            buf[pos, i] = d
+            state[_POS, i] = (pos + 1) % n_inc
+            state[_NINC, i] = min(ninc + 1.0, float(n_inc))
+
+
+class OverfitGap(BankDetector):
+    """The train/validation gap grows at each of the last ``n_points`` validation points.
+
+    See the module docstring for the statistic.  Alarm kind ``train_val_divergence``.
+
+    Parameters
+    ----------
+    n_series
+        Number of series (e.g. one per validation set sharing a train loss).
+    alpha
+        Weight of the newest train loss in the EW mean of ``log(loss)`` (debiased: a plain
+        average while ``count < 1/alpha``).  0.2 follows the train loss within ~5 steps, so the
+        lag of a smoothed, falling train loss does not pass for a growing gap.
+    n_points
+        Validation points in the sign test (``n_points - 1`` increments; 4 = a decision at the
+        4th validation point of a rising gap).
+    warmup
+        Validation points seen before the first score (at least ``n_points`` are needed anyway).
+    threshold
+        Alarm when the gap grew by more than this (log units, 0.02 ~ 2 %) in every interval of
+        the window.
+    freeze_on_alarm
+        Do not update the statistics on a validation step in alarm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> steps = np.arange(600)
+    >>> train = np.exp(-steps / 400.0)
+    >>> val = 1.05 * np.exp(-steps / 400.0)
+    >>> train[300:] = train[300] * np.exp(-(steps[300:] - 300) / 60.0)  # memorising from 300
+    >>> val[300:] = val[300]                                         # val stops improving
+    >>> val_logged = np.where(steps % 20 == 0, val, np.nan)
+    >>> missing = np.stack([np.zeros(600, bool), np.isnan(val_logged)], axis=1)[:, :, None]
+    >>> scores, alarms = OverfitGap().update_many(train, val_logged, missing=missing)
+    >>> first = int(np.argmax(alarms[:, 0]))
+    >>> bool(alarms[:300].any()), 300 < first <= 300 + 4 * 20
+    (False, True)
+    """
+
+    kind = "train_val_divergence"
+    n_inputs = 2
+    input_names = ("loss", "val_loss")
+    hyperparameters = ("alpha", "n_points", "warmup")
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        alpha: float = 0.2,
+        n_points: int = 4,
+        warmup: int = 5,
+        threshold: float = 0.02,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
+        self.n_points = check_int(name, "n_points", n_points, 2)
+        self.warmup = check_int(name, "warmup", warmup, 0)
+        self._setup()
+
+    def _extra_params(self) -> list[float]:
+        return [self.alpha, float(self.n_points), float(self.warmup)]
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((_N_FIELDS, n))
+
+    def _init_buf(self, n: int) -> FloatArray:
+        return np.zeros((self.n_points - 1, n))
+
+    kernel = staticmethod(_kernel)
+    state_hyperparameters = ("n_points",)
+
+    def _check_state(self, c: StateCheck) -> None:
+        k = self.n_points - 1
+        c.finite("train_mean", c.state[_TM])
+        c.integers("train_count", c.state[_TCOUNT], 0)
+        c.finite("previous_gap", c.state[_PREV_G])
+        c.integers("n_val", c.state[_NVAL], 0)
+        c.integers("position", c.state[_POS], 0, k - 1)
+        c.integers("n_increments", c.state[_NINC], 0, k)
+        c.finite("increments", c.buf)

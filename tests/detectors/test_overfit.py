@@ -1,0 +1,191 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detectors.overfit import OverfitGap
+
+from .generic import (
+    check_split_batches,
+    check_state_roundtrip,
+    check_stream_equals_batch,
+    check_threshold_monotone,
+    stream,
+)
+from .naive import ref_overfit
+
+
+def of_stream(seed, t=1200, n=3, every=20, onset=700):
+    """Train and val fall together; from ``onset`` series 0 memorises (train falls fast, val
+    stalls) and series 2 over-fits (val rises); series 1 stays healthy."""
+    rng = np.random.default_rng(seed)
+    onset = min(onset, t * 7 // 12)
+    s = np.arange(t)
+    base = (np.exp(-s / 400) + 0.5)[:, None] * np.ones((1, n))
+    loss = base * np.exp(rng.normal(0, 0.03, (t, n)))
+    val = 1.05 * base * np.exp(rng.normal(0, 0.005, (t, n)))
+    after = s >= onset
+    loss[after, 0] *= np.exp(-(s[after] - onset) / 80)
+    val[after, 0] = val[onset, 0]
+    val[after, 2] *= np.exp((s[after] - onset) / 300)
+    vmiss = np.broadcast_to((s % every != 0)[:, None], (t, n)).copy()
+    lmiss = np.zeros((t, n), dtype=bool)
+    lmiss[::37, 1] = True
+    loss[t // 3, 2] = np.nan
+    val[(t // 2) // every * every, 1] = np.inf  # a val step
+    return loss, val, lmiss, vmiss
+
+
+def _miss(lmiss, vmiss):
+    return np.stack([lmiss, vmiss], axis=1)
+
+
+CFGS = [{}, {"n_points": 3, "warmup": 0, "alpha": 0.05, "threshold": 0.0},
+        {"freeze_on_alarm": True, "threshold": 0.005}, {"n_points": 2, "threshold": 0.01}]
+
+
+@pytest.mark.parametrize("cfg", CFGS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_reference_on_every_prefix(cfg, seed):
+    loss, val, lmiss, vmiss = of_stream(seed)
+    s, a = stream(OverfitGap(n_series=3, **cfg), loss, val, missing=_miss(lmiss, vmiss))
+    for i in range(3):
+        r = ref_overfit(loss[:, i], val[:, i], lmiss[:, i], vmiss[:, i], **cfg)
+        np.testing.assert_allclose(s[:, i], r, rtol=1e-9, atol=1e-12)
+        thr = cfg.get("threshold", 0.02)
+        np.testing.assert_array_equal(a[:, i], np.nan_to_num(r, nan=-np.inf) > thr)
+
+
+@pytest.mark.parametrize("cfg", CFGS)
+def test_stream_batch_split_and_roundtrip(cfg):
+    loss, val, lmiss, vmiss = of_stream(3, t=600)
+    miss = _miss(lmiss, vmiss)
+    f = lambda n: OverfitGap(n_series=n, **cfg)  # noqa: E731
+    check_stream_equals_batch(f, loss, val, missing=miss)
+    check_split_batches(f, loss, val)
+    for split in (1, 17, 300, 599):
+        check_state_roundtrip(f, loss, val, split=split)
+    check_state_roundtrip(f, loss, val, split=250, via_json=True)
+    full = f(3)
+    s_full, _ = full.update_many(loss, val, missing=miss)
+    first = f(3)
+    first.update_many(loss[:310], val[:310], missing=miss[:310])
+    second = f(3)
+    second.load_state_dict(first.state_dict())
+    s2, _ = second.update_many(loss[310:], val[310:], missing=miss[310:])
+    np.testing.assert_array_equal(s_full[310:], s2)
+
+
+def test_golden_decides_within_four_validation_points():
+    loss, val, lmiss, vmiss = of_stream(11)
+    s, a = OverfitGap(n_series=3).update_many(loss, val, missing=_miss(lmiss, vmiss))
+    fin = np.isfinite(s)
+    hits = [np.flatnonzero(a[:, i] & fin[:, i]) for i in range(3)]
+    assert hits[1].size == 0  # healthy series
+    for i in (0, 2):
+        assert hits[i].size and 700 < hits[i][0] <= 700 + 4 * 20, hits[i][:3]
+    assert np.isnan(s[vmiss & ~lmiss]).all()  # only validation steps are scored
+    assert a[np.isinf(s)].all() and np.isinf(s).sum() == 2
+
+
+def test_train_and_val_rising_together_is_not_overfitting():
+    t = 1000
+    s_ = np.arange(t)
+    loss = np.exp(s_ / 500)
+    val = 1.2 * loss
+    miss = _miss(np.zeros((t, 1), bool), (s_ % 20 != 0)[:, None])
+    _, a = OverfitGap().update_many(loss, val, missing=miss)
+    assert not a.any()
+    _, a2 = OverfitGap().update_many(np.exp(-s_ / 500), val, missing=miss)
+    assert a2.any()
+
+
+def test_a_single_bump_does_not_alarm():
+    t = 600
+    s_ = np.arange(t)
+    loss = np.exp(-s_ / 400)
+    val = 1.05 * loss
+    val[300] *= 1.5  # one bad evaluation
+    miss = _miss(np.zeros((t, 1), bool), (s_ % 20 != 0)[:, None])
+    _, a = OverfitGap().update_many(loss, val, missing=miss)
+    assert not a.any()
+
+
+def test_warmup_and_val_before_any_train_loss():
+    det = OverfitGap(n_points=2, warmup=3, threshold=-1.0)
+    miss = np.array([[[True], [False]], [[False], [False]], [[False], [False]],
+                     [[False], [False]], [[False], [False]]])
+    x = np.ones((5, 1))
+    s, a = det.update_many(x, np.array([[2.0], [2.0], [2.5], [3.0], [4.0]]), missing=miss)
+    # no train loss yet, first val point, second (n_val + 1 < warmup), then scored
+    assert s[:3, 0].tolist() == [0.0, 0.0, 0.0]
+    assert s[3, 0] == pytest.approx(np.log(3.0 / 2.5)) and a[3, 0]
+
+
+def test_constant_streams_and_offsets():
+    t = 500
+    miss = _miss(np.zeros((t, 1), bool), (np.arange(t) % 10 != 0)[:, None])
+    s, a = OverfitGap().update_many(np.full(t, 2.0), np.full(t, 2.5), missing=miss)
+    assert not a.any() and np.nanmax(s) == 0.0
+    loss, val, lmiss, vmiss = of_stream(2)
+    s1, _ = OverfitGap(n_series=3).update_many(loss, val, missing=_miss(lmiss, vmiss))
+    s2, _ = OverfitGap(n_series=3).update_many(loss * 1e8, val * 1e8,
+                                               missing=_miss(lmiss, vmiss))
+    np.testing.assert_allclose(s1, s2, atol=1e-9)  # log space: scale invariant
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [0, 1])
+def test_nonfinite_alarms_and_never_enters_state(bad, where):
+    loss, val, lmiss, vmiss = of_stream(4, t=300)
+    miss = _miss(lmiss, vmiss)
+    ref = OverfitGap(n_series=3)
+    ref.update_many(loss, val, missing=miss)
+    det = OverfitGap(n_series=3)
+    det.update_many(loss[:150], val[:150], missing=miss[:150])
+    x = [loss[150:151].copy(), val[150:151].copy()]
+    x[where][0, :] = bad
+    s, a = det.update_many(*x, missing=np.zeros((1, 2, 3), bool))
+    assert np.isinf(s).all() and a.all()
+    det.update_many(loss[151:], val[151:], missing=miss[151:])
+    skip = OverfitGap(n_series=3)
+    skip.update_many(loss[:150], val[:150], missing=miss[:150])
+    skip.update_many(loss[151:], val[151:], missing=miss[151:])
+    np.testing.assert_array_equal(det.state_dict()["state"], skip.state_dict()["state"])
+
+
+def test_empty_input_and_bad_arguments():
+    det = OverfitGap(n_series=2)
+    s, a = det.update_many(np.zeros((0, 2)), np.zeros((0, 2)))
+    assert s.shape == (0, 2) and a.shape == (0, 2)
+    with pytest.raises(ValueError, match="'alpha' parameter of OverfitGap"):
+        OverfitGap(alpha=0.0)
+    with pytest.raises(ValueError, match="'n_points' parameter of OverfitGap"):
+        OverfitGap(n_points=1)
+    with pytest.raises(ValueError, match="'warmup' parameter of OverfitGap"):
+        OverfitGap(warmup=-1)
+    with pytest.raises(ValueError):
+        det.update_many(np.zeros((3, 2)))  # two inputs required
+
+
+def test_threshold_monotone():
+    loss, val, _, _ = of_stream(5, t=800, every=1)
+    check_threshold_monotone(lambda t: OverfitGap(n_series=3, threshold=t), loss, val,
+                             thresholds=[-1, -0.01, 0, 0.01, 0.02, 0.1])
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.tuples(st.floats(0.01, 100.0), st.one_of(st.none(), st.floats(0.01, 100.0))),
+                min_size=1, max_size=80),
+       st.integers(2, 5), st.integers(0, 6))
+def test_property_matches_reference(rows, n_points, warmup):
+    loss = np.array([r[0] for r in rows])
+    vmiss = np.array([r[1] is None for r in rows])
+    val = np.array([1.0 if r[1] is None else r[1] for r in rows])
+    det = OverfitGap(n_points=n_points, warmup=warmup)
+    miss = _miss(np.zeros((len(rows), 1), bool), vmiss[:, None])
+    s, _ = det.update_many(loss, val, missing=miss)
+    r = ref_overfit(loss, val, None, vmiss, n_points=n_points, warmup=warmup)
+    np.testing.assert_allclose(s[:, 0], r, rtol=1e-9, atol=1e-12)
