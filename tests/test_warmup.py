@@ -62,6 +62,7 @@ _SAME_SPEC = """
 import json
 import numpy as np
 from stability.cli import main
+from stability.config import load_config
 from stability.monitor import Monitor
 from stability.registry import detector_class
 assert main(["warmup", "--config", "small"]) == 0
