@@ -173,6 +173,8 @@ class SignalCollector:
         self._strides = [_sample_stride(p, self.update_ratio_samples) for p in self.params]
         self._pending_ratio: torch.Tensor | None = None
         self._snapshot: list[torch.Tensor] | None = None
+        self._view_ptrs: list[int] = []
+        self._view_cache: list[torch.Tensor] = []
         self._weight_norms: torch.Tensor | None = None  # per-tensor norms of this step's weights
         self._scale: torch.Tensor | None = None  # n / m per tensor (sampled mode)
         self._idx_cache: tuple[tuple[bool, ...], torch.Tensor] | None = None
@@ -226,7 +228,7 @@ class SignalCollector:
         g = len(self.layer_names)
         if not tensors:
             return torch.zeros(g, device=device)
-        norms = torch.stack([n.to(device, torch.float32) for n in torch._foreach_norm(tensors)])
+        norms = _stack_f32(torch._foreach_norm(tensors), device)
         sq = torch.zeros(g, device=device, dtype=torch.float32)
         sq.index_add_(0, self._index(mask, device), norms * norms)
         return sq.sqrt()
@@ -255,7 +257,7 @@ class SignalCollector:
             # global weight norm (weight-corruption evidence: an abrupt jump between two steps);
             # the per-tensor norms are kept for the update ratio's denominator
             pn = torch._foreach_norm([p.detach() for p in self.params])
-            self._weight_norms = torch.stack([n.to(device, torch.float32) for n in pn])
+            self._weight_norms = _stack_f32(pn, device)
             parts.append(self._weight_norms.square().sum().sqrt().reshape(1))
             names.append("param_norm")
         scalars_in = dict(extra or {})
@@ -295,11 +297,22 @@ class SignalCollector:
 
     # ------------------------------------------------------------------ update ratios
     def _sampled_views(self) -> list[torch.Tensor]:
-        """The strided element subset of every parameter (views, no copy)."""
+        """The strided element subset of every parameter (views, no copy).
+
+        Cached while every parameter keeps its storage (``data_ptr``); a parameter moved or
+        re-assigned (``model.to()``, ``load_state_dict(assign=True)``) rebuilds the views.
+        """
+        ptrs = [p.data_ptr() for p in self.params]
+        if ptrs == self._view_ptrs:
+            return self._view_cache
         out = []
         for p, stride in zip(self.params, self._strides, strict=False):
-            flat = p.detach().reshape(-1)  # a view for the (usual) contiguous parameter
-            out.append(flat if stride == 1 else flat[::stride][:self.update_ratio_samples])
+            if stride == 1 or not p.is_contiguous():
+                out.append(p.detach())  # small (or non-contiguous) tensors: all elements
+            else:
+                out.append(p.detach().view(-1)[::stride][:self.update_ratio_samples])
+        self._view_ptrs, self._view_cache = ptrs, out
+        self._scale = None  # n / m per tensor, rebuilt from these views
         return out
 
     def before_step(self, step: int) -> None:
@@ -318,10 +331,8 @@ class SignalCollector:
                 return
             self._snapshot = [v.clone() for v in self._sampled_views()]
             if self._weight_norms is None:  # collect() did not run this step
-                device = self.params[0].device
-                self._weight_norms = torch.stack([
-                    n.to(device, torch.float32)
-                    for n in torch._foreach_norm([p.detach() for p in self.params])])
+                self._weight_norms = _stack_f32(
+                    torch._foreach_norm([p.detach() for p in self.params]), self.params[0].device)
 
     def after_step(self, stepped: bool = True) -> None:
         """Call right after ``optimizer.step()`` (or a skipped step, ``stepped=False``)."""
@@ -338,11 +349,13 @@ class SignalCollector:
                 wn = self._group_norms(snap, mask, device)
                 self._pending_ratio = dn / wn.clamp_min(1e-12)
                 return
-            diffs = list(torch._foreach_sub(self._sampled_views(), snap))
-            sq = torch.stack([n.to(device, torch.float32) for n in torch._foreach_norm(diffs)])
+            # (cached: the same views as before the step unless the optimizer replaced storage)
+            views = self._sampled_views()
+            diffs = list(torch._foreach_sub(views, snap))
+            sq = _stack_f32(torch._foreach_norm(diffs), device)
             if self._scale is None or self._scale.device != device:
                 self._scale = torch.tensor(
-                    [p.numel() / s.numel() for p, s in zip(self.params, snap, strict=False)],
+                    [p.numel() / v.numel() for p, v in zip(self.params, views, strict=False)],
                     dtype=torch.float32, device=device)
             if wnorms is None:  # (set together with the snapshot)
                 return
@@ -386,6 +399,16 @@ def activation_stats(x: torch.Tensor) -> torch.Tensor:
     c.square_().square_()  # (x - m)^4, in place: the one temporary
     kurt = c.mean() / var.square().clamp_min(1e-24) - 3.0
     return torch.stack([m, var.sqrt(), torch.maximum(hi, -lo), kurt])
+
+
+def _stack_f32(norms: Any, device: torch.device) -> torch.Tensor:
+    """Per-tensor 0-d norms as one float32 vector on ``device`` (one conversion at most)."""
+    try:
+        out = torch.stack(list(norms))
+    except RuntimeError:  # norms on several devices
+        return torch.stack([n.to(device, torch.float32) for n in norms])
+    return out if out.dtype == torch.float32 and out.device == device else out.to(
+        device, torch.float32)
 
 
 def _sample_stride(p: torch.Tensor, samples: int) -> int:

@@ -128,3 +128,27 @@ def test_bad_update_ratio_arguments() -> None:
         SignalCollector(_model(), update_ratio="approx")
     with pytest.raises(ValueError, match="update_ratio_samples"):
         SignalCollector(_model(), update_ratio_samples=0)
+
+
+def test_sampled_follows_replaced_parameter_storage() -> None:
+    """Cached sample views are rebuilt when a parameter gets new storage (e.g. a reload)."""
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = SignalCollector(m)
+    ref = SignalCollector(m, update_ratio="exact")
+    for step in range(3):
+        m(torch.randn(16, 96)).pow(2).mean().backward()
+        for c in (col, ref):
+            c.collect()
+            c.before_step(step)
+        opt.step()
+        for c in (col, ref):
+            c.after_step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.data = p.data.clone()  # new storage, same values
+    m(torch.randn(16, 96)).pow(2).mean().backward()
+    got, want = col.collect().families["update_ratio"], ref.collect().families["update_ratio"]
+    assert np.all(want > 0)
+    np.testing.assert_allclose(got, want, rtol=RTOL)
