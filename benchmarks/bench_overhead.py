@@ -10,7 +10,10 @@ the benchmark's steps stay below 100 after the warm-up, so no checkpoint is time
 
 Printed per model:
 
-* ``overhead``: median over step pairs of ``(guarded - bare) / median(bare)``; also in ms.
+* ``overhead``: median over step pairs of ``(guarded - bare) / median(bare)``; also in ms
+  (the order within a pair alternates).  ``work``: the time spent in ``guard.step()`` minus the
+  optimizer's own ``step()`` (optimizer step hooks), as a fraction of the bare step -- the
+  guard's own work measured directly, far less noisy than a difference of two steps.
   On CPU the times are the thread's CPU time (``time.thread_time``: with one torch thread all
   the work runs on it), which other processes' load disturbs far less than wall time; the
   wall-time fraction is printed beside it.
@@ -190,26 +193,41 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
     t_guard: list[float] = []
     w_bare: list[float] = []
     w_guard: list[float] = []
-    for i in range(warmup + pairs):  # timed without the counting patches
-        x, y = (t.to(device) for t in batch(i))
-        _sync(device)
-        t0, w0 = clock(), time.perf_counter()
+    opt_t = [0.0, 0.0]
+    hooks = [opt_g.register_step_pre_hook(lambda *_: opt_t.__setitem__(0, clock())),
+             opt_g.register_step_post_hook(lambda *_: opt_t.__setitem__(1, clock()))]
+    work: list[float] = []
+
+    def bare_step(x: torch.Tensor, y: torch.Tensor) -> None:
         loss = loss_fn(bare, x, y)
         loss.backward()
         opt_b.step()
         opt_b.zero_grad(set_to_none=True)
         _sync(device)
-        t1, w1 = clock(), time.perf_counter()
+
+    def guarded_step(x: torch.Tensor, y: torch.Tensor) -> None:
         loss = loss_fn(guarded, x, y)
         loss.backward()
+        _sync(device)
+        t0 = clock()
         guard.step(loss)
         _sync(device)
-        t2, w2 = clock(), time.perf_counter()
-        if i >= warmup:
-            t_bare.append(t1 - t0)
-            t_guard.append(t2 - t1)
-            w_bare.append(w1 - w0)
-            w_guard.append(w2 - w1)
+        work.append(clock() - t0 - (opt_t[1] - opt_t[0]))
+
+    for i in range(warmup + pairs):  # timed without the counting patches
+        x, y = (t.to(device) for t in batch(i))
+        _sync(device)
+        order = ((bare_step, t_bare, w_bare), (guarded_step, t_guard, w_guard))
+        for fn, ts, ws in order if i % 2 == 0 else order[::-1]:  # alternate who goes first
+            t0, w0 = clock(), time.perf_counter()
+            fn(x, y)
+            t1, w1 = clock(), time.perf_counter()
+            ts.append(t1 - t0)
+            ws.append(w1 - w0)
+    for h in hooks:
+        h.remove()
+    for lst in (t_bare, t_guard, w_bare, w_guard, work):
+        del lst[:warmup]
     copied: list[int] = []
     syncs: list[int] = []
     with counters.installed():  # then a few counted guarded steps
@@ -238,6 +256,8 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
         "model": name if update_ratio == "sampled" else f"{name} ({update_ratio})",
         "params": n_params, "param_bytes": p_bytes,
         "bare_ms": 1e3 * med_bare, "guard_ms": 1e3 * over, "overhead": over / med_bare,
+        "work_ms": 1e3 * statistics.median(work),
+        "work_overhead": statistics.median(work) / med_bare,
         "wall_overhead": w_over / statistics.median(w_bare),
         "copied_bytes": statistics.median(copied), "syncs": max(syncs),
         "py_peak_bytes": py_peak, "pairs": pairs,
@@ -291,25 +311,29 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in a.models.split(","):
         big = name == "big"
-        pairs = max(4, a.pairs // 2) if big else a.pairs * 10
+        pairs = 3 * a.pairs if big else a.pairs * 10
         rows.append(bench_model(name, pairs, a.warmup, device))
         if a.exact:
             rows.append(bench_model(name, pairs, a.warmup, device, update_ratio="exact"))
     print(f"guard overhead per step ({device}, 1 thread, median of interleaved pairs, default "
           "guard; bare/guard/overhead in thread CPU time on CPU, 'wall' = the same in wall time)")
     print(f"{'model':<14}{'params':>11}{'bare':>10}{'guard':>10}{'overhead':>10}{'wall':>8}"
+          f"{'work':>9}{'work %':>8}"
           f"{'copied/step':>24}{'py peak':>11}{'syncs/step':>11}")
     for r in rows:
         frac = r["copied_bytes"] / r["param_bytes"]
         print(f"{r['model']:<14}{r['params']:>11,}{r['bare_ms']:>8.2f}ms{r['guard_ms']:>8.2f}ms"
               f"{100 * r['overhead']:>9.1f}%{100 * r['wall_overhead']:>7.1f}%"
+              f"{r['work_ms']:>7.2f}ms{100 * r['work_overhead']:>7.1f}%"
               f"{_mib(r['copied_bytes']):>13} ({100 * frac:5.1f}%)"
               f"{_mib(r['py_peak_bytes']):>11}{r['syncs']:>11}")
     big_rows = [r for r in rows if r["model"] == "big"]
     if big_rows:
         r = big_rows[0]
-        print(f"target: <= {100 * TARGET_BIG:.0f}% on the >= 10M model: "
-              f"{100 * r['overhead']:.1f}% ({'met' if r['overhead'] <= TARGET_BIG else 'MISSED'})")
+        est = max(r["overhead"], r["work_overhead"])
+        print(f"target: <= {100 * TARGET_BIG:.0f}% on the >= 10M model: step difference "
+              f"{100 * r['overhead']:.1f}%, guard work {100 * r['work_overhead']:.1f}% "
+              f"({'met' if est <= TARGET_BIG else 'MISSED'} on the larger of the two)")
     for r in rows:
         if "(" not in r["model"]:
             frac = r["copied_bytes"] / r["param_bytes"]
