@@ -18,9 +18,9 @@ Printed per model:
   the work runs on it), which other processes' load disturbs far less than wall time; the
   wall-time fraction is printed beside it.
 * ``copied/step``: bytes the guard copies per step (``Tensor.clone`` / ``copy_`` /
-  ``contiguous`` / ``to`` counted by a patch), next to the parameter bytes -- a full parameter
-  copy would show as 100% (small models are mostly made of tensors below the 4096-element
-  sample, which are copied whole).
+  ``contiguous`` / ``to`` / ``torch.take`` counted by a patch), next to the parameter bytes --
+  a full parameter copy would show as 100% (small models are mostly made of tensors below
+  the 4096-element sample, which are copied whole).
 * ``py peak``: ``tracemalloc`` peak of the guard's Python-side allocations in one step.
 * ``syncs/step``: calls that would wait for an accelerator (``item``, ``tolist``, ``cpu``,
   ``numpy``, ``float()``/``int()``/``bool()`` of a tensor), counted by a patch during the
@@ -138,11 +138,20 @@ class Counters:
         for name in (*self.COPY, *self.SYNC):
             self._orig[name] = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._wrap(name, self._orig[name]))
+        take = torch.take
+
+        def counted_take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            if self.active:
+                self.copied += idx.numel() * t.element_size()
+            return take(t, idx)
+
+        torch.take = counted_take
         try:
             yield self
         finally:
             for name, fn in self._orig.items():
                 setattr(torch.Tensor, name, fn)
+            torch.take = take
 
     def _wrap(self, name: str, fn: Any) -> Any:
         counter = self
