@@ -98,17 +98,19 @@ Setup = tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, torch
               Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], float]
 
 
-def setup(name: str) -> Setup:
-    """``(make_model, batch(i), loss_fn, lr)`` for ``mlp``, ``gpt`` or ``big``."""
+def setup(name: str, rows: int = 4) -> Setup:
+    """``(make_model, batch(i), loss_fn, lr)`` for ``mlp``, ``gpt`` or ``big`` (``rows`` x 32
+    tokens per step)."""
     if name in ("mlp", "gpt"):
         task = make_task(name, seed=0)
         return task.make_model, task.batch, task.loss_fn, task.lr
     gen = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 256, (64, 33), generator=gen)
+    data = torch.randint(0, 256, (16 * rows, 33), generator=gen)
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = data[(4 * i) % 64:(4 * i) % 64 + 4]
-        return rows[:, :-1], rows[:, 1:]
+        at = (rows * i) % (16 * rows)
+        part = data[at:at + rows]
+        return part[:, :-1], part[:, 1:]
 
     def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
@@ -176,9 +178,9 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
-                update_ratio: str = "sampled") -> dict[str, Any]:
+                update_ratio: str = "sampled", rows: int = 4) -> dict[str, Any]:
     """Interleaved bare/guarded steps of one model; the figures of the module docstring."""
-    make, batch, loss_fn, lr = setup(name)
+    make, batch, loss_fn, lr = setup(name, rows)
     bare, guarded = make().to(device), make().to(device)
     guarded.load_state_dict(bare.state_dict())
     opt_b = torch.optim.AdamW(bare.parameters(), lr=lr, weight_decay=0.01)
@@ -262,7 +264,8 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
     over = statistics.median(diffs)
     w_over = statistics.median([g - b for g, b in zip(w_guard, w_bare, strict=True)])
     return {
-        "model": name if update_ratio == "sampled" else f"{name} ({update_ratio})",
+        "model": (name if rows == 4 or name != "big" else f"big x{rows}")
+        + ("" if update_ratio == "sampled" else f" ({update_ratio})"),
         "params": n_params, "param_bytes": p_bytes,
         "bare_ms": 1e3 * med_bare, "guard_ms": 1e3 * over, "overhead": over / med_bare,
         "work_ms": 1e3 * statistics.median(work),
@@ -310,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
     ap.add_argument("--models", default="mlp,gpt,big")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--big-rows", type=int, default=4,
+                    help="sequences of 32 tokens per step of the big model (default 4)")
     ap.add_argument("--exact", action="store_true",
                     help="also time update_ratio='exact' (full copy) for comparison")
     ap.add_argument("--no-cold", action="store_true", help="skip the first-observe timings")
@@ -321,9 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.models.split(","):
         big = name == "big"
         pairs = 3 * a.pairs if big else a.pairs * 10
-        rows.append(bench_model(name, pairs, a.warmup, device))
+        rows.append(bench_model(name, pairs, a.warmup, device, rows=a.big_rows))
         if a.exact:
-            rows.append(bench_model(name, pairs, a.warmup, device, update_ratio="exact"))
+            rows.append(bench_model(name, pairs, a.warmup, device, update_ratio="exact",
+                                    rows=a.big_rows))
     print(f"guard overhead per step ({device}, 1 thread, median of interleaved pairs, default "
           "guard; bare/guard/overhead in thread CPU time on CPU, 'wall' = the same in wall time)")
     print(f"{'model':<14}{'params':>11}{'bare':>10}{'guard':>10}{'overhead':>10}{'wall':>8}"
@@ -336,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['work_ms']:>7.2f}ms{100 * r['work_overhead']:>7.1f}%"
               f"{_mib(r['copied_bytes']):>13} ({100 * frac:5.1f}%)"
               f"{_mib(r['py_peak_bytes']):>11}{r['syncs']:>11}")
-    big_rows = [r for r in rows if r["model"] == "big"]
+    big_rows = [r for r in rows if r["model"].startswith("big") and "(" not in r["model"]]
     if big_rows:
         r = big_rows[0]
         est = max(r["overhead"], r["work_overhead"])
