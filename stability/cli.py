@@ -144,7 +144,8 @@ def _cmd_warmup(a: argparse.Namespace) -> int:
     from stability.registry import make_detector
 
     cfg = load_config(a.config)
-    print(f"numba cache: {numba.config.CACHE_DIR or '(next to the sources, __pycache__)'}")
+    cache_dir = getattr(numba.config, "CACHE_DIR", "")
+    print(f"numba cache: {cache_dir or '(next to the sources, __pycache__)'}")
     t_all = time.perf_counter()
     done: set[str] = set()
     for spec in cfg.detectors:
