@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         rows[resume] = mod.run_cell(prec, fault_name(mod, fault), resume,
                                                     seed=args.seed)
-                    except Exception as exc:  # noqa: BLE001 - report the cell, go on
+                    except Exception as exc:
                         rows[resume] = {"error": f"{type(exc).__name__}: {exc}"}
                 for resume, row in rows.items():
                     if "error" in row:

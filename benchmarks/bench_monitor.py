@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from stability import Monitor  # noqa: E402
+from stability import Monitor
 
 STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
 SCALARS = ("loss", "lr", "grad_norm", "update_ratio", "param_norm", "tokens_per_s", "mfu",
@@ -50,7 +50,7 @@ def _best_us(fn: object, number: int = 2000, repeat: int = 9) -> float:
 
 def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> None:
     """Print the cost of each part of ``observe()`` (uses the monitor's private internals)."""
-    from stability.binding import gather_step  # noqa: PLC0415
+    from stability.binding import gather_step
 
     sk: list[str] = []
     parts = {"fill metrics": _best_us(lambda: mon._fill(metrics, sk))}

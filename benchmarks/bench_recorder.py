@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-import replay.recorder as recorder_mod  # noqa: E402
+import replay.recorder as recorder_mod
 
 
 def _rss_mib() -> float:

@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from stability.alerts import WebhookSink  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
-from stability.types import Alert  # noqa: E402
+from stability.alerts import WebhookSink
+from stability.monitor import Monitor
+from stability.types import Alert
 
 NAN_ONLY = {"detectors": [{"name": "nonfinite", "detector": "nonfinite", "inputs": ["*"],
                            "kind": "nonfinite"}]}

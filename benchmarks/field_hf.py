@@ -35,12 +35,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from field_task import (  # noqa: E402
+from field_task import (
     BATCH,
     FAULT_AT,
     FAULTS,
@@ -56,8 +56,8 @@ from field_task import (  # noqa: E402
     teacher_data,
 )
 
-from stability.adapters.hf import StabilityTrainerCallback  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.adapters.hf import StabilityTrainerCallback
+from stability.monitor import Monitor
 
 SAVE_STEPS = 10
 

@@ -45,7 +45,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from field_task import (  # noqa: E402
+from field_task import (
     BATCH,
     FAULT_AT,
     FAULTS,
@@ -61,8 +61,8 @@ from field_task import (  # noqa: E402
     teacher_data,
 )
 
-from stability.adapters.lightning import StabilityCallback  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.adapters.lightning import StabilityCallback
+from stability.monitor import Monitor
 
 EPOCH_STEPS = 10
 CHECKPOINT_EVERY = 10

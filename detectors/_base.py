@@ -44,6 +44,13 @@ STATE_VERSION = 1
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 
+#: floor applied before ``log(x)`` in log-space detectors (one value for every detector)
+LOG_FLOOR = 1e-30
+#: Gaussian sigma per *median* absolute deviation (MAD): sigma = MAD * this
+MAD_SCALE = 1.4826
+#: Gaussian sigma per *mean* absolute deviation: E|X - mu| = sigma * sqrt(2 / pi)
+MEAN_AD_SCALE = 1.2533141373155001  # math.sqrt(math.pi / 2.0)
+
 
 def check_int(owner: str, name: str, value: Any, low: int, high: float = math.inf) -> int:
     """Validate an integer hyperparameter, scikit-learn style.

@@ -26,12 +26,17 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import (
+    LOG_FLOOR,
+    MEAN_AD_SCALE,
+    BankDetector,
+    FloatArray,
+    check_bool,
+    check_float,
+    check_int,
+)
 from ._state import StateCheck
 
-LOG_FLOOR = 1e-30
-#: E|X - mu| = sigma * sqrt(2 / pi) for a Gaussian, so sigma = mean abs deviation * this
-MAD_TO_SIGMA = math.sqrt(math.pi / 2.0)
 AGGREGATES = {"rms": 0.0, "max": 1.0}
 
 # ActivationShift state rows, per feature j: 3*j + field
@@ -43,7 +48,7 @@ _AS_LOG0 = 7
 @njit(cache=True, error_model="numpy", inline="always")
 def _floored_scale(loc: float, scale: float, log_space: bool, min_scale: float) -> float:
     floor = min_scale if log_space else min_scale * abs(loc)
-    return max(scale * MAD_TO_SIGMA, floor, 1e-300)
+    return max(scale * MEAN_AD_SCALE, floor, 1e-300)
 
 
 @njit(cache=True, error_model="numpy")
@@ -270,7 +275,7 @@ class ActivationShift(BankDetector):
     @property
     def scale(self) -> FloatArray:
         """Robust sigma per feature and layer (before the floor), ``(n_features, n_series)``."""
-        return self._state[_SCALE::3] * MAD_TO_SIGMA
+        return self._state[_SCALE::3] * MEAN_AD_SCALE
 
 
 # ---------------------------------------------------------------------------- HistogramDrift

@@ -34,10 +34,8 @@ import math
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_float, check_int
+from ._base import LOG_FLOOR, MAD_SCALE, BankDetector, FloatArray, check_float, check_int
 from ._state import StateCheck
-
-LOG_FLOOR = 1e-30
 
 # TrainValDivergence state rows
 _TM, _TCOUNT, _PREV_V, _PREV_M, _NVAL, _POS, _NINC, _HAS_M = 0, 1, 2, 3, 4, 5, 6, 7
@@ -230,7 +228,6 @@ class TrainValDivergence(BankDetector):
 # ValSpike state rows
 _VS_PREV, _VS_NVAL, _VS_POS, _VS_NINC = 0, 1, 2, 3
 # params: [threshold, freeze, window, warmup, min_scale]
-MAD_TO_SIGMA = 1.4826
 
 
 @njit(cache=True, error_model="numpy")
@@ -266,7 +263,7 @@ def _vs_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-
             else:
                 n = min(ninc, w)
                 med = np.median(buf[:n, i])
-                score = dv / max(MAD_TO_SIGMA * med, min_scale, 1e-300)
+                score = dv / max(MAD_SCALE * med, min_scale, 1e-300)
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm

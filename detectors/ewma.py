@@ -18,11 +18,17 @@ import math
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import (
+    LOG_FLOOR,
+    BankDetector,
+    FloatArray,
+    check_bool,
+    check_float,
+    check_int,
+)
 from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
-LOG_FLOOR = 1e-30
 
 # state rows
 _MEAN, _VAR, _COUNT = 0, 1, 2

@@ -23,11 +23,10 @@ import math
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_float, check_int
+from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
 from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
-LOG_FLOOR = 1e-30
 
 # LRJump state rows
 _J_PREV, _J_HAS, _J_TYP, _J_COUNT = 0, 1, 2, 3

@@ -25,7 +25,14 @@ import math
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import (
+    MAD_SCALE,
+    BankDetector,
+    FloatArray,
+    check_bool,
+    check_float,
+    check_int,
+)
 from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
 
@@ -34,7 +41,6 @@ from .ewma import DIRECTIONS, LOG_FLOOR
 MAX_WINDOW = 1_000_000
 
 #: consistency constant: 1.4826 * MAD estimates the std of a normal distribution
-MAD_SCALE = 1.4826
 
 # state rows: next write position in the ring, number of valid values in the ring (<= window)
 _POS, _COUNT = 0, 1

@@ -41,8 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from numpy.typing import NDArray
 
-from detectors import EWMAZScore, NonFiniteGuard
-from detectors._base import BankDetector
+from detectors import BankDetector, EWMAZScore, NonFiniteGuard
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]

@@ -122,6 +122,53 @@ def bin_columns(
     return centres, out
 
 
+def fmt(v: object, digits: int = 3) -> str:
+    """A number rounded to ``digits`` significant digits (``inf``/``nan`` kept; text as is).
+
+    >>> fmt(20.41736418816288), fmt(0.000123456), fmt(1234567.0), fmt("inf"), fmt(7)
+    ('20.4', '0.000123', '1.23e+06', 'inf', '7')
+    """
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int):
+        return str(v)
+    try:
+        x = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return str(v)
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+def ffill_sparse(values: NDArray[np.float64], present: NDArray[np.bool_]
+                 ) -> NDArray[np.float64]:
+    """Forward-fill the not-logged rows of each column of ``(n_steps, k)`` values.
+
+    A column logged every ``m`` steps (activations every 10 steps) is held at its last logged
+    value for up to ``2 m`` rows (``m``: the median gap between its logged rows), so a heat map
+    shows it as a band instead of stripes.  Longer gaps (the metric really stopped) and NaN
+    *values* stay NaN.
+
+    >>> v = np.array([[1.0], [np.nan], [np.nan], [4.0], [np.nan], [np.nan]])
+    >>> ffill_sparse(v, ~np.isnan(v))[:, 0].tolist()
+    [1.0, 1.0, 1.0, 4.0, 4.0, 4.0]
+    """
+    out = np.array(values, dtype=np.float64, copy=True)
+    n = out.shape[0]
+    for c in range(out.shape[1]):
+        idx = np.flatnonzero(present[:, c])
+        if idx.size < 2 or idx.size == n:
+            continue
+        limit = 2 * int(np.median(np.diff(idx)))
+        if limit <= 2:
+            continue
+        last = np.maximum.accumulate(np.where(present[:, c], np.arange(n), -1))
+        fill = (~present[:, c]) & (last >= 0) & (np.arange(n) - last < limit)
+        out[fill, c] = out[last[fill], c]
+    return out
+
+
 def heatmap_png(matrix: NDArray[np.float64], log: bool = True, cell_h: int = 4) -> str:
     """Encode a ``(rows, cols)`` matrix as a base64 PNG ``data:`` URI (rows = layers).
 
@@ -154,6 +201,7 @@ class Marker:
     colour: str
     label: str
     dashed: bool = False
+    end: float | None = None  #: last step of a span (an alarm episode); ``None``: a line
 
 
 @dataclass
@@ -166,10 +214,16 @@ class LineChart:
     height: int = 220
     series: list[tuple[str, NDArray[np.float64], NDArray[np.float64]]] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
+    points: set[str] = field(default_factory=set)
 
-    def add(self, name: str, x: ArrayLike, y: ArrayLike) -> None:
-        """Add a series; non-finite points (and non-positive ones on a log axis) are gaps."""
+    def add(self, name: str, x: ArrayLike, y: ArrayLike, points: bool = False) -> None:
+        """Add a series; non-finite points (and non-positive ones on a log axis) are gaps.
+
+        ``points``: also draw a dot at every point (sparse series: an eval every 100 steps).
+        """
         self.series.append((name, np.asarray(x, dtype=float), np.asarray(y, dtype=float)))
+        if points:
+            self.points.add(name)
 
     def to_svg(self) -> str:
         """Render to an inline ``<svg>`` element."""
@@ -183,7 +237,8 @@ class LineChart:
             ys.append(yy[np.isfinite(yy)])
         parts = [
             f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-            f'viewBox="0 0 {w} {h}" role="img" aria-label="{html.escape(self.title)}">',
+            f'viewBox="0 0 {w} {h}" role="img" aria-label="{html.escape(self.title)}" '
+            f'data-yscale="{"log" if self.log_y else "linear"}">',
             f'<text x="{ml}" y="15" class="title">{html.escape(self.title)}'
             f"{' (log scale)' if self.log_y else ''}</text>",
         ]
@@ -218,6 +273,14 @@ class LineChart:
             xv = x0 + (x1 - x0) * k / 5
             parts.append(f'<text x="{px(xv):.1f}" y="{h - 8}" class="xtick">{xv:.0f}</text>')
         for mk in self.markers:
+            if mk.end is not None and mk.end >= x0 and mk.step <= x1:
+                a, b = px(max(mk.step, x0)), px(min(mk.end, x1))
+                parts.append(
+                    f'<rect x="{a - 1:.1f}" y="{mt}" width="{max(b - a + 2, 2.5):.1f}" '
+                    f'height="{ph}" fill="{mk.colour}" class="episode"><title>'
+                    f"{html.escape(mk.label)}</title></rect>"
+                )
+                continue
             if not (x0 <= mk.step <= x1):
                 continue
             dash = ' stroke-dasharray="4 3"' if mk.dashed else ""
@@ -239,17 +302,61 @@ class LineChart:
                     cur = []
             if cur:
                 segs.append(" ".join(cur))
+            dots = name in self.points
             for seg in segs:
-                if " " in seg:
+                pts = seg.split(" ")
+                if len(pts) > 1:
                     parts.append(
                         f'<polyline points="{seg}" fill="none" stroke="{colour}" class="line"/>'
                     )
-                else:
-                    cx, cy = seg.split(",")
-                    parts.append(f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{colour}"/>')
+                if dots or len(pts) == 1:
+                    for pt in pts:
+                        cx, cy = pt.split(",")
+                        parts.append(f'<circle cx="{cx}" cy="{cy}" r="2.2" fill="{colour}"/>')
             parts.append(
                 f'<text x="{ml + 8 + 120 * idx}" y="{mt + 14}" fill="{colour}" class="legend">'
                 f"{html.escape(name)}</text>"
             )
         parts.append("</svg>")
         return "".join(parts)
+
+
+def stacked_bar(title: str, parts: list[tuple[str, float]], unit: str = "",
+                width: int = 900) -> str:
+    """One horizontal bar split into ``(label, value)`` parts, as inline SVG with a legend.
+
+    Zero parts are left out of the bar but kept in the legend (which wraps).
+
+    >>> svg = stacked_bar("time", [("productive", 30.0), ("checkpoint", 5.0)], "s")
+    >>> svg.count("<rect"), "85.7%" in svg
+    (2, True)
+    """
+    total = sum(max(v, 0.0) for _, v in parts)
+    ml, bar_h = 8, 22
+    body: list[str] = []
+    x, pw = float(ml), width - 2 * ml
+    lx, ly = float(ml), 62
+    for k, (label, v) in enumerate(parts):
+        colour = PALETTE[k % len(PALETTE)]
+        frac = max(v, 0.0) / total if total > 0 else 0.0
+        tip = f"{label}: {fmt(v)}{unit} ({100 * frac:.1f}%)"
+        if frac > 0:
+            body.append(f'<rect x="{x:.1f}" y="22" width="{frac * pw:.1f}" height="{bar_h}" '
+                        f'fill="{colour}"><title>{html.escape(tip)}</title></rect>')
+            x += frac * pw
+        tw = 12 + 6.2 * len(tip)
+        if lx + tw > width and lx > ml:
+            lx, ly = float(ml), ly + 15
+        body.append(f'<text x="{lx:.0f}" y="{ly}" fill="{colour}" class="legend">'
+                    f"{html.escape(tip)}</text>")
+        lx += tw
+    h = ly + 8
+    out = [
+        f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+        f'viewBox="0 0 {width} {h}" role="img" aria-label="{html.escape(title)}">',
+        f'<text x="{ml}" y="15" class="title">{html.escape(title)}</text>',
+    ]
+    if total <= 0:
+        out.append(f'<text x="{ml}" y="40" class="empty">no data</text></svg>')
+        return "".join(out)
+    return "".join(out + body) + "</svg>"

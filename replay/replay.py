@@ -13,6 +13,12 @@ Goodput figures (all counterfactual -- the recorded run did not act on the reque
 * ``goodput``: ``(executed - skipped - rolled back) / executed`` where ``executed`` is the number
   of recorded steps up to and including the stop (all of them without a stop).
 
+These are counted from the requested interventions, not read from the monitor's goodput ledger
+(:attr:`stability.monitor.Monitor.goodput`): the ledger books what a trainer acting on the
+returned ``Control`` ran -- every recorded step, also after a stop, and nothing in ``log_only``
+mode -- while these figures stop at the stop and count requests.  On a run without a stop
+and not in ``log_only`` mode the two agree (``tests/test_monitor_goodput.py`` checks it).
+
 Examples
 --------
 >>> discover_runs("/nonexistent/*.parquet")
@@ -26,6 +32,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -37,6 +44,8 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from replay._paths import is_uri
+from replay.schema import RunFormatError
 from stability.types import Alarm, Decision, Intervention
 
 T = TypeVar("T")
@@ -50,33 +59,67 @@ def _has_parts(d: Path) -> bool:
     return any(d.glob("part-*.parquet"))
 
 
+#: file name endings of runs in other formats (see :mod:`replay.io`)
+_RUN_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".csv", ".tsv", ".log", ".out")
+
+
+def _is_run_file(p: Path) -> bool:
+    name = p.name.lower()
+    return p.is_file() and (name.endswith(_RUN_SUFFIXES) or "tfevents" in name
+                            or name == "trainer_state.json")
+
+
+def _is_run_dir(d: Path) -> bool:
+    """A directory that is one run: Parquet parts, TensorBoard events, an HF checkpoint."""
+    if _has_parts(d) or (d / "trainer_state.json").is_file():
+        return True
+    return any("tfevents" in f.name for f in d.rglob("*tfevents*"))
+
+
+def _run_id(p: Path) -> str:
+    name = p.name
+    return name if p.is_dir() or "tfevents" in name else p.stem
+
+
 def discover_runs(spec: str | os.PathLike[str]) -> list[tuple[str, str]]:
     """Resolve a run spec to ``(run_id, path)`` pairs, sorted by run id.
 
-    ``spec`` may be a ``.parquet`` file (one run), a directory of ``part-*.parquet`` files (one
-    run), a directory of runs (files and/or part directories), or a glob of any of these.
-    The run id is the file stem or the directory name.
+    ``spec`` may be a run file in any format :func:`replay.io.load_run` reads (Parquet, JSONL,
+    CSV, a Megatron log, a TensorBoard event file, ``trainer_state.json``), a directory that is
+    one run (``part-*.parquet`` files, TensorBoard event files anywhere below it, an HF
+    checkpoint), a directory of runs (files and/or run directories), a glob of any of these, or
+    a URI (``file://``, ``s3://``, ...: one run).  The run id is the file stem or the directory
+    name.
     """
     text = os.fspath(spec)
+    if is_uri(text):
+        from .io import detect_format
+
+        try:
+            detect_format(text)
+        except RunFormatError:
+            return []
+        return [(Path(text.rstrip("/")).stem or text, text)]
     if any(c in text for c in _GLOB):
         out: list[tuple[str, str]] = []
         for m in sorted(glob.glob(text)):
             p = Path(m)
-            if p.is_file() and p.suffix == ".parquet":
-                out.append((p.stem, str(p)))
-            elif p.is_dir() and _has_parts(p):
-                out.append((p.name, str(p)))
+            if _is_run_file(p) or (p.is_dir() and _is_run_dir(p)):
+                out.append((_run_id(p), str(p)))
         return sorted(out)
     p = Path(text)
     if p.is_file():
-        return [(p.stem, str(p))]
-    if p.is_dir():
-        if _has_parts(p):
-            return [(p.name, str(p))]
-        out = [(f.stem, str(f)) for f in p.glob("*.parquet") if f.is_file()]
-        out += [(d.name, str(d)) for d in p.iterdir() if d.is_dir() and _has_parts(d)]
-        return sorted(out)
-    return []
+        return [(_run_id(p), str(p))]
+    if not p.is_dir():
+        return []
+    if (_has_parts(p) or (p / "trainer_state.json").is_file()
+            or any("tfevents" in f.name and f.is_file() for f in p.iterdir())):
+        return [(p.name, str(p))]
+    out = [(_run_id(f), str(f)) for f in p.iterdir() if _is_run_file(f)]
+    out += [(d.name, str(d)) for d in p.iterdir() if d.is_dir() and _is_run_dir(d)]
+    if not out and _is_run_dir(p):
+        return [(p.name, str(p))]  # TensorBoard events deeper down
+    return sorted(out)
 
 
 def discover_many(specs: Iterable[str]) -> list[tuple[str, str]]:
@@ -198,6 +241,66 @@ class ReplayResult:
             "seconds": round(self.seconds, 3),
         }
 
+    # -------------------------------------------------------------- tables (replay.frames)
+    def to_arrow(self, which: str = "alarms") -> pa.Table:
+        """The alarms, interventions or alarm episodes as an Arrow table, one row each.
+
+        ``which``: ``"alarms"`` (step, kind, signal, detector, severity, score, threshold,
+        cause, message), ``"interventions"`` (step, type, reason, cause, params JSON) or
+        ``"episodes"`` (see :func:`replay.frames.episodes`).
+        """
+        from . import frames
+
+        if which == "alarms":
+            return frames.alarms_table(self.alarms, self.interventions)
+        if which == "interventions":
+            return frames.interventions_table(self.interventions)
+        if which == "episodes":
+            return frames.episodes_table(self.alarms, self.interventions)
+        raise ValueError("The 'which' parameter of ReplayResult.to_arrow must be one of "
+                         f"'alarms', 'interventions', 'episodes'. Got {which!r} instead.")
+
+    def to_pandas(self, which: str = "alarms") -> Any:
+        """:meth:`to_arrow` as a pandas ``DataFrame`` (needs pandas)."""
+        from .frames import to_pandas
+
+        return to_pandas(self.to_arrow(which))
+
+    def episodes(self) -> list[dict[str, Any]]:
+        """Alarms merged into episodes (:func:`replay.frames.episodes`)."""
+        from .frames import episodes
+
+        return episodes(self.alarms, self.interventions)
+
+    def _repr_html_(self) -> str:
+        """A compact summary table for notebooks."""
+        import html
+
+        from .frames import _counts
+
+        s = self.summary()
+        eps = self.episodes()
+        rows = [("run", f"{self.run_id} ({self.n_steps} steps, {s['first_step']}.."
+                        f"{s['last_step']})"),
+                ("alarms", f"{s['alarms']} on {s['alarm_steps']} steps, {len(eps)} episodes"),
+                ("by kind", _counts(s["alarms_by_kind"]) or "none"),
+                ("interventions", _counts(s["interventions_by_type"]) or "none")]
+        for e in eps[:5]:
+            rows.append((f"episode {e['first_step']}..{e['last_step']}",
+                         f"{_counts(e['kinds'])} on {', '.join(list(e['signals'])[:3])}; "
+                         f"peak {e['peak_score']:.3g}"
+                         + (f"; cause {e['cause']}" if e["cause"] else "")
+                         + (f"; {_counts(e['interventions'])}" if e["interventions"] else "")))
+        if len(eps) > 5:
+            rows.append(("", f"... {len(eps) - 5} more episodes (to_pandas('episodes'))"))
+        g = self.goodput.get("goodput")
+        if g is not None:
+            rows.append(("goodput", f"{float(g):.3g}"))
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+                       f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+                       for k, v in rows)
+        return f"<table><caption>ReplayResult</caption>{body}</table>"
+
 
 def goodput(steps: NDArray[np.int64], interventions: Sequence[Intervention]) -> dict[str, Any]:
     """Counterfactual goodput figures (see the module docstring).
@@ -230,6 +333,52 @@ def _monitor(config: Any) -> Any:
     # a replay of history reports what the monitor would have done; it pages nobody: the
     # alerts are in the result (and the event log), not sent to the configured sinks
     return Monitor(config, alert_sinks=[])
+
+
+def unbound_warning(monitor: Any, names: Iterable[str]) -> str | None:
+    """A warning when no metric bound to any detector but the catch-all NaN check, naming the
+    metrics seen and the closest names the config (or the alias table) knows.
+
+    >>> from stability.monitor import Monitor
+    >>> m = Monitor("default", alert_sinks=[])
+    >>> _ = m.replay({"step": [0, 1], "trn_loss": [1.0, 2.0]})
+    >>> print(unbound_warning(m, ["trn_loss"]))  # doctest: +NORMALIZE_WHITESPACE
+    no metric bound to a detector (only the NaN/inf check runs). Metrics seen: trn_loss.
+    Closest known names: trn_loss ~ train_loss (-> loss). Map names with [monitor.aliases],
+    e.g. "trn_loss" = "loss".
+    """
+    import difflib
+
+    from stability.binding import DEFAULT_ALIASES
+
+    specific = [d for d in monitor.config.detectors if any(i.strip("*/") for i in d.inputs)]
+    if not specific or any(monitor.series(d.name) for d in specific):
+        return None
+    seen = [n for n in names if n != "step"]
+    known: dict[str, str] = {}  # candidate name -> canonical name
+    for d in specific:
+        for i in d.inputs:
+            base = i.split("*")[0].rstrip("/")
+            if base:
+                known.setdefault(base, base)
+    for raw, canon in {**DEFAULT_ALIASES, **monitor.config.monitor.aliases}.items():
+        if not raw.endswith("*") and canon.split("/")[0] in known:
+            known.setdefault(raw, canon)
+    hints = []
+    for n in seen[:20]:
+        best = difflib.get_close_matches(n, list(known), n=1, cutoff=0.5)
+        if best:
+            k = best[0]
+            hints.append((n, k, known[k]))
+    msg = ("no metric bound to a detector (only the NaN/inf check runs). Metrics seen: "
+           + (", ".join(seen[:20]) + (", ..." if len(seen) > 20 else "") if seen else "none")
+           + ".")
+    if hints:
+        msg += " Closest known names: " + ", ".join(
+            f"{n} ~ {k}" + (f" (-> {c})" if c != k else "") for n, k, c in hints)
+        n, _, c = hints[0]
+        msg += f'. Map names with [monitor.aliases], e.g. "{n}" = "{c}".'
+    return msg
 
 
 def decisions_to_records(decisions: Iterable[Decision]) -> Iterator[dict[str, Any]]:
@@ -279,12 +428,38 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
     return len(recs)
 
 
+#: rows per chunk when a long replay draws a progress bar
+PROGRESS_ROWS = 100_000
+
+
 def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
-                 events: str | os.PathLike[str] | None = None) -> ReplayResult:
-    """Replay an in-memory run table through a fresh monitor built from ``config``."""
+                 events: str | os.PathLike[str] | None = None,
+                 progress: bool | None = False) -> ReplayResult:
+    """Replay an in-memory run table through a fresh monitor built from ``config``.
+
+    ``progress``: draw a bar over the rows on stderr (``None``: when stderr is a TTY and the run
+    has more than :data:`PROGRESS_ROWS` rows); the run is then fed in chunks, which gives the
+    same decisions (:meth:`~stability.monitor.Monitor.replay_batches`).
+    """
     t0 = time.perf_counter()
     mon = _monitor(config)
-    decisions: list[Decision] = mon.replay(table)
+    n = table.num_rows
+    if progress is None:
+        progress = n > PROGRESS_ROWS and sys.stderr.isatty()
+    if progress:
+        bar = Progress(n, f"replay {run_id}".strip(), True)
+        decisions: list[Decision] = []
+        try:
+            for batch in table.to_batches(max_chunksize=PROGRESS_ROWS):
+                decisions += mon.replay(batch)
+                bar.update(batch.num_rows)
+        finally:
+            bar.close()
+    else:
+        decisions = mon.replay(table)
+    note = unbound_warning(mon, table.column_names)
+    if note is not None:
+        warnings.warn(f"{run_id or path or 'run'}: {note}", UserWarning, stacklevel=2)
     steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
     alarms = [a for d in decisions for a in d.alarms]
     ivs = [i for d in decisions for i in d.interventions]
@@ -298,7 +473,7 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
 
 def replay_run(path: str | os.PathLike[str], config: Any = None, *,
                events: str | os.PathLike[str] | None = None,
-               run_id: str | None = None) -> ReplayResult:
+               run_id: str | None = None, progress: bool | None = False) -> ReplayResult:
     """Replay one recorded run (file or directory of parts) through the monitor.
 
     Parameters
@@ -311,11 +486,19 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
         Optional ``.jsonl`` / ``.parquet`` path for the alarms and interventions.
     run_id
         Defaults to the file stem / directory name.
+    progress
+        Progress bar on stderr for a long run (see :func:`replay_table`).
     """
     p = os.fspath(path)
     rid = run_id if run_id is not None else Path(p).stem
+    said = progress is None and sys.stderr.isatty()
+    if said:
+        sys.stderr.write(f"reading {p} ...")
+        sys.stderr.flush()
     table = read_table(p)
-    return replay_table(table, _default_config(config), rid, p, events)
+    if said:
+        sys.stderr.write("\r\033[K")  # clear the line for the bar / the summary
+    return replay_table(table, _default_config(config), rid, p, events, progress)
 
 
 def _default_config(config: Any) -> Any:
@@ -342,6 +525,15 @@ def replay_many(runs: Sequence[tuple[str, str]], config: Any = None, *, jobs: in
     return parallel_map(_replay_job, jobs_args, jobs, "replay", progress)
 
 
+def _num(x: Any) -> str:
+    """A score for people: 3 significant digits (``460.1076...`` -> ``460``).
+
+    >>> _num(460.10761853489885), _num(0.0123456), _num(float("inf")), _num(None)
+    ('460', '0.0123', 'inf', 'None')
+    """
+    return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
 def format_summary(res: ReplayResult) -> str:
     """Human-readable summary of one replay."""
     s = res.summary()
@@ -353,7 +545,7 @@ def format_summary(res: ReplayResult) -> str:
         fa = s["first_alarm"]
         lines.append(f"  alarms: {s['alarms']} on {s['alarm_steps']} steps; first at step "
                      f"{fa['step']}: {fa['kind']} on {fa['signal']} ({fa['detector']}, "
-                     f"score {fa['score']}, threshold {fa['threshold']})")
+                     f"score {_num(fa['score'])}, threshold {_num(fa['threshold'])})")
         for k, v in s["alarms_by_kind"].items():
             lines.append(f"    {k:<22} {v}")
     if res.interventions:

@@ -28,10 +28,24 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .plotting import KIND_COLOURS, LineChart, Marker, bin_columns, heatmap_png
+from .frames import episodes as alarm_episode_list
+from .plotting import (
+    KIND_COLOURS,
+    LineChart,
+    Marker,
+    bin_columns,
+    ffill_sparse,
+    fmt,
+    heatmap_png,
+    stacked_bar,
+)
 
 MAX_POINTS = 1500
 HEATMAP_BINS = 600
+#: a series with fewer logged rows than this fraction is drawn as points
+SPARSE_FRACTION = 0.5
+#: signals listed per episode row before "+N more"
+EPISODE_SIGNALS = 4
 HEATMAP_FAMILIES = (
     "grad_norm",
     "update_ratio",
@@ -52,8 +66,14 @@ svg .title{font-size:13px;font-weight:600} svg .ytick{font-size:10px;text-anchor
 svg .xtick{font-size:10px;text-anchor:middle;fill:#555} svg .grid{stroke:#eee}
 svg .plot{fill:#fcfcfc;stroke:#ccc} svg .line{stroke-width:1.3} svg .legend{font-size:11px}
 svg .marker{stroke-width:1.2;opacity:.7} svg .empty{font-size:12px;fill:#999}
-.heat img{image-rendering:pixelated;width:900px;height:auto;border:1px solid #ccc}
-.heat .lab{font-size:11px;color:#555} pre{background:#f7f7f7;padding:8px;font-size:12px;
+.heat{margin:10px 0} .heat .lab{font-size:11px;color:#555;margin-bottom:2px}
+.hm{display:flex;align-items:flex-start} .hm img{image-rendering:pixelated;width:760px;
+border:1px solid #ccc} .rows{width:136px;padding-right:4px;font-size:10px;color:#444;
+text-align:right} .rowlab{overflow:hidden;white-space:nowrap;text-overflow:ellipsis}
+svg .episode{opacity:.22} table.episodes{width:100%}
+table.episodes td{overflow-wrap:anywhere} td.num{text-align:right;font-variant-numeric:tabular-nums}
+details summary{cursor:pointer;font-size:13px;margin:6px 0}
+pre{background:#f7f7f7;padding:8px;font-size:12px;
 overflow:auto} .kind{display:inline-block;width:10px;height:10px;margin-right:4px}
 """
 
@@ -140,57 +160,110 @@ def _downsample(steps: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
 
 
+def _present(table: pa.Table, name: str) -> np.ndarray:
+    """Rows where ``name`` was logged (not null)."""
+    col = table.column(name).combine_chunks()
+    return np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=np.bool_)
+
+
+def _episode_label(e: Mapping[str, Any]) -> str:
+    span = (f"step {e['first_step']}" if e["first_step"] == e["last_step"]
+            else f"steps {e['first_step']}-{e['last_step']}")
+    sig = list(e["signals"])
+    more = f" +{len(sig) - EPISODE_SIGNALS} more" if len(sig) > EPISODE_SIGNALS else ""
+    text = (f"{span}: {_counts(e['kinds'])} on {'; '.join(sig[:EPISODE_SIGNALS])}{more}; "
+            f"peak score {fmt(e['peak_score'])} ({e['peak_signal']}, step {e['peak_step']})")
+    if e["cause"]:
+        text += f"; cause {e['cause']}"
+    if e["interventions"]:
+        text += f"; {_counts(e['interventions'])}"
+    return text
+
+
+def _counts(d: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" if v > 1 else str(k) for k, v in d.items())
+
+
 def _markers(
-    alarms: Sequence[Mapping[str, Any]], interventions: Sequence[Mapping[str, Any]]
+    eps: Sequence[Mapping[str, Any]], interventions: Sequence[Mapping[str, Any]]
 ) -> list[Marker]:
+    """One shaded span per alarm episode and one dashed line per intervention step."""
     out: list[Marker] = []
-    seen: set[tuple[int, str]] = set()
-    for a in alarms:
-        key = (int(a["step"]), str(a.get("kind")))
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(
-            Marker(
-                float(a["step"]),
-                KIND_COLOURS.get(str(a.get("kind")), "#888"),
-                f"step {a['step']}: {a.get('kind')} on {a.get('signal')} "
-                f"(score {a.get('score')}, {a.get('detector')})",
-            )
-        )
+    for e in eps:
+        kind = next(iter(e["kinds"]), "")
+        out.append(Marker(float(e["first_step"]), KIND_COLOURS.get(kind, "#888"),
+                          _episode_label(e), end=float(e["last_step"])))
+    by_step: dict[int, list[str]] = {}
     for iv in interventions:
-        out.append(
-            Marker(float(iv["step"]), "#555", f"step {iv['step']}: {iv.get('type')}"
-                   + (f" (cause: {iv['cause']})" if iv.get("cause") else ""), dashed=True)
-        )
+        by_step.setdefault(int(iv["step"]), []).append(
+            str(iv.get("type")) + (f" (cause: {iv['cause']})" if iv.get("cause") else ""))
+    for step, kinds in sorted(by_step.items()):
+        out.append(Marker(float(step), "#555", f"step {step}: {', '.join(kinds)}", dashed=True))
     return out
 
 
-def _family_matrix(table: pa.Table, family: str) -> tuple[list[str], np.ndarray] | None:
+def _family_matrix(
+    table: pa.Table, family: str
+) -> tuple[list[str], np.ndarray, np.ndarray] | None:
     prefix = family + "/"
     names = [c for c in table.column_names if c.startswith(prefix)]
     if not names:
         return None
     mat = np.stack([_column(table, c) for c in names], axis=1)
-    return [c[len(prefix) :] for c in names], mat
+    pres = np.stack([_present(table, c) for c in names], axis=1)
+    return [c[len(prefix) :] for c in names], mat, pres
+
+
+def _heatmap_html(fam: str, steps: np.ndarray, layers: list[str], mat: np.ndarray,
+                  pres: np.ndarray) -> str:
+    """A heat map (rows = layers, labelled) of one per-layer family; sparse columns filled."""
+    filled = ffill_sparse(mat, pres)
+    centres, binned = bin_columns(steps.astype(np.int64), filled, HEATMAP_BINS)
+    n = len(layers)
+    row = max(3, min(16, 640 // max(n, 1)))
+    every = max(1, math.ceil(10 / row))
+    fin = binned[np.isfinite(binned)]
+    # log colour scale for positive magnitudes; signed families (mean, excess kurtosis) linear
+    log = fam not in ("act_mean", "act_kurtosis") and bool(fin.size) and bool(np.all(fin > 0))
+    uri = heatmap_png(binned.T, log=log, cell_h=1)
+    labels = "".join(
+        f'<div class="rowlab" style="height:{row}px;line-height:{row}px;'
+        f'font-size:{min(10, row)}px">{html.escape(name) if k % every == 0 else ""}</div>'
+        for k, name in enumerate(layers)
+    )
+    lo = f"{centres[0]:.0f}" if len(centres) else "-"
+    hi = f"{centres[-1]:.0f}" if len(centres) else "-"
+    sparse = int((pres.mean(axis=0) < SPARSE_FRACTION).sum()) if len(pres) else 0
+    note = f"; {sparse} sparsely logged rows held at their last value" if sparse else ""
+    return (
+        f'<div class="heat" data-family="{html.escape(fam)}"><div class="lab">'
+        f"<b>{html.escape(fam)}</b> per layer ({n} rows), steps {lo} to {hi}; each row scaled "
+        f"to its own 1-99th percentile range{note}</div><div class='hm'><div class='rows'>"
+        f'{labels}</div><img alt="{html.escape(fam)} heat map" style="height:{n * row}px" '
+        f'src="{uri}"></div></div>'
+    )
 
 
 def _summary_rows(
     alarms: Sequence[Mapping[str, Any]],
     interventions: Sequence[Mapping[str, Any]],
+    eps: Sequence[Mapping[str, Any]],
     goodput: Mapping[str, Any],
     label: Mapping[str, Any] | None,
 ) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     by_kind = Counter(str(a.get("kind")) for a in alarms)
-    rows.append(("alarms", str(len(alarms))))
+    n_steps = len({int(a["step"]) for a in alarms})
+    rows.append(("alarms", f"{len(alarms)} on {n_steps} steps in {len(eps)} "
+                 f"episode{'s' if len(eps) != 1 else ''}" if alarms else "0"))
     for kind, n in sorted(by_kind.items()):
         colour = KIND_COLOURS.get(kind, "#888")
         rows.append((f'<span class="kind" style="background:{colour}"></span>{kind}', str(n)))
     first = min((int(a["step"]) for a in alarms), default=None)
     if first is not None:
         fa = next(a for a in alarms if int(a["step"]) == first)
-        rows.append(("first alarm", f"step {first}: {fa.get('kind')} on {fa.get('signal')}"))
+        rows.append(("first alarm", f"step {first}: {fa.get('kind')} on {fa.get('signal')} "
+                                    f"(score {fmt(fa.get('score'))})"))
     else:
         rows.append(("first alarm", "none"))
     by_type = Counter(str(i.get("type")) for i in interventions)
@@ -215,12 +288,117 @@ def _summary_rows(
         if div is not None and first is not None:
             rows.append(("lead time", f"{int(div) - first} steps before divergence ({div})"))
     for k, v in goodput.items():
-        rows.append((f"goodput: {k}", f"{v:.4g}" if isinstance(v, float) else str(v)))
+        if v is None or isinstance(v, (bool, int, float, str)):
+            rows.append((f"goodput: {k}", "none" if v is None else fmt(v)))
     return rows
 
 
 def _isnan(v: Any) -> bool:
     return isinstance(v, float) and math.isnan(v)
+
+
+def _goodput_panel(goodput: Mapping[str, Any]) -> str:
+    """Badput breakdown bars: wall time by bucket (a ``GoodputTracker`` record) and/or steps
+    (productive, skipped, rolled back, after a stop -- a replay's counterfactual figures)."""
+    from stability.goodput import TIME_BUCKETS
+
+    out: list[str] = []
+    times = goodput.get("time_s")
+    if isinstance(times, Mapping) and float(goodput.get("wall_time_s") or 0.0) > 0:
+        out.append(stacked_bar("wall time by bucket (badput breakdown)",
+                               [(b, float(times.get(b, 0.0) or 0.0)) for b in TIME_BUCKETS],
+                               "s"))
+    if "productive" in goodput and "steps" in goodput:
+        prod = int(goodput.get("productive") or 0)
+        skipped = int(goodput.get("skipped") or 0)
+        lost = int(goodput.get("lost_to_rollback") or 0)
+        out.append(stacked_bar("steps", [("productive", prod), ("skipped", skipped),
+                                         ("lost to rollback", lost)]))
+    elif "executed_steps" in goodput:
+        ex = int(goodput.get("executed_steps") or 0)
+        sk = int(goodput.get("skipped_steps") or 0)
+        rb = int(goodput.get("rollback_steps") or 0)
+        after = int(goodput.get("steps_after_stop") or 0)
+        out.append(stacked_bar("steps if the monitor had acted (counterfactual)",
+                               [("productive", max(ex - sk - rb, 0)), ("skipped", sk),
+                                ("rolled back", rb), ("saved by the stop", after)]))
+    return "".join(out)
+
+
+def _episodes_table(eps: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for e in eps:
+        sig = list(e["signals"])
+        more = f" +{len(sig) - EPISODE_SIGNALS} more" if len(sig) > EPISODE_SIGNALS else ""
+        span = (str(e["first_step"]) if e["first_step"] == e["last_step"]
+                else f"{e['first_step']}-{e['last_step']}")
+        rows.append(
+            f"<tr class='episode'><td>{span}</td><td>{html.escape(e['cause'] or '-')}</td>"
+            f"<td>{html.escape(_counts(e['kinds']))}</td>"
+            f"<td>{html.escape('; '.join(sig[:EPISODE_SIGNALS]) + more)}</td>"
+            f"<td class='num'>{fmt(e['first_score'])}</td>"
+            f"<td class='num'>{fmt(e['peak_score'])} <span class='sub'>"
+            f"({html.escape(e['peak_signal'])}, step {e['peak_step']})</span></td>"
+            f"<td>{html.escape(_counts(e['interventions']) or '-')}</td></tr>"
+        )
+    return (
+        "<table class='episodes'><tr><th>steps</th><th>cause</th><th>alarms</th>"
+        "<th>signals</th><th>first score</th><th>peak score</th><th>interventions</th></tr>"
+        + "".join(rows) + "</table>"
+    )
+
+
+def _alarm_rows(alarms: Sequence[Mapping[str, Any]], limit: int = 200) -> str:
+    rows = "".join(
+        f"<tr><td>{a.get('step')}</td><td>{html.escape(str(a.get('kind')))}</td>"
+        f"<td>{html.escape(str(a.get('signal')))}</td><td class='num'>{fmt(a.get('score'))}</td>"
+        f"<td class='num'>{fmt(a.get('threshold'))}</td>"
+        f"<td>{html.escape(str(a.get('severity')))}</td>"
+        f"<td>{html.escape(str(a.get('detector')))}</td></tr>"
+        for a in sorted(alarms, key=lambda a: int(a["step"]))[:limit]
+    )
+    shown = f"first {limit} of {len(alarms)}" if len(alarms) > limit else str(len(alarms))
+    return (
+        f"<details><summary>every alarm ({shown})</summary><table><tr><th>step</th>"
+        "<th>kind</th><th>signal</th><th>score</th><th>threshold</th><th>severity</th>"
+        f"<th>detector</th></tr>{rows}</table></details>"
+    )
+
+
+def _loss_is_log(table: pa.Table, names: Sequence[str]) -> bool:
+    """Log scale when every logged finite value is positive."""
+    vals = [v[np.isfinite(v)] for v in (_column(table, n) for n in names)]
+    allv = np.concatenate(vals) if vals else np.zeros(0)
+    return bool(allv.size) and bool(np.all(allv > 0))
+
+
+def _timeline(table: pa.Table, steps: np.ndarray, markers: list[Marker]) -> list[str]:
+    cols = set(table.column_names)
+    charts: list[str] = []
+    spec = [
+        ("loss and validation loss", ["loss", "val_loss"]),
+        ("learning rate", ["lr"]),
+        ("gradient norm", ["grad_norm"]),
+    ]
+    for chart_title, names in spec:
+        have = [n for n in names if n in cols]
+        log_y = _loss_is_log(table, have) if chart_title != "learning rate" else False
+        if chart_title == "learning rate" and have:
+            lr = _column(table, "lr")
+            fin = lr[np.isfinite(lr)]
+            # LR spanning over a decade (warm-up, a blow-up) reads better on a log axis
+            log_y = bool(fin.size) and bool(np.all(fin > 0)) and fin.max() > 10 * fin.min()
+        chart = LineChart(chart_title, log_y=log_y, markers=markers)
+        for name in have:
+            y = _column(table, name)
+            logged = _present(table, name)
+            sx, sy = steps[logged], y[logged]
+            sparse = logged.mean() < SPARSE_FRACTION if len(logged) else False
+            if len(sx) > MAX_POINTS:
+                sx, sy = _downsample(sx, sy)
+            chart.add(name, sx, sy, points=bool(sparse))
+        charts.append(chart.to_svg())
+    return charts
 
 
 def build_report(
@@ -231,6 +409,7 @@ def build_report(
     interventions: Sequence[Any] = (),
     config: Mapping[str, Any] | None = None,
     label: Mapping[str, Any] | None = None,
+    goodput: Mapping[str, Any] | None = None,
     title: str = "training run",
 ) -> str:
     """Build the report page as an HTML string.
@@ -241,73 +420,41 @@ def build_report(
         The run in the wide schema (``step`` plus metric columns).
     events
         Event-log records (see :func:`split_events`); merged with ``alarms``/``interventions``.
+        The last ``goodput`` record (``GoodputTracker.record()``) gives the badput panel.
     alarms, interventions
         :class:`~stability.types.Alarm` / :class:`~stability.types.Intervention` objects or dicts.
     config
         The monitor configuration used (shown verbatim).
     label
         This run's row from a labels file, to show delay and lead time.
+    goodput
+        Goodput figures to show (a ``GoodputTracker`` record or a replay's counterfactual
+        :func:`replay.replay.goodput`); default: the event log's.
     """
     if "step" not in table.column_names:
         raise ValueError("report: the run has no 'step' column")
     al = [_as_dict(a) for a in alarms]
     iv = [_as_dict(i) for i in interventions]
-    goodput: dict[str, Any] = {}
+    gp: dict[str, Any] = {}
     if events is not None:
-        a2, i2, goodput = split_events(events)
+        a2, i2, gp = split_events(events)
         al += a2
         iv += i2
+    if goodput:
+        gp = dict(goodput)
     steps = np.asarray(table.column("step").to_numpy(zero_copy_only=False), dtype=np.float64)
-    markers = _markers(al, iv)
-    cols = set(table.column_names)
-
-    charts: list[str] = []
-    spec = [
-        ("loss and validation loss", ["loss", "val_loss"], False),
-        ("learning rate", ["lr"], False),
-        ("gradient norm", ["grad_norm"], True),
-    ]
-    for chart_title, names, log_y in spec:
-        chart = LineChart(chart_title, log_y=log_y, markers=markers)
-        for name in names:
-            if name in cols:
-                y = _column(table, name)
-                if name == "val_loss":
-                    sel = ~np.isnan(y) | np.isnan(y)
-                    present = table.column(name).is_valid().to_numpy(zero_copy_only=False)
-                    sel = sel & present
-                    chart.add(name, steps[sel], y[sel])
-                else:
-                    chart.add(name, *_downsample(steps, y))
-        charts.append(chart.to_svg())
+    eps = alarm_episode_list(al, iv)
+    charts = _timeline(table, steps, _markers(eps, iv))
 
     heat: list[str] = []
     for fam in HEATMAP_FAMILIES:
         got = _family_matrix(table, fam)
-        if got is None:
-            continue
-        layers, mat = got
-        centres, binned = bin_columns(steps.astype(np.int64), mat, HEATMAP_BINS)
-        uri = heatmap_png(binned.T, log=fam != "act_mean", cell_h=max(4, 72 // max(len(layers), 1)))
-        lo = f"{centres[0]:.0f}" if len(centres) else "-"
-        hi = f"{centres[-1]:.0f}" if len(centres) else "-"
-        heat.append(
-            f'<div class="heat"><div class="lab"><b>{html.escape(fam)}</b> per layer '
-            f"({len(layers)} rows: {html.escape(', '.join(layers[:12]))}"
-            f"{' ...' if len(layers) > 12 else ''}), steps {lo} to {hi}; each row scaled "
-            f'to its own 1-99th percentile range</div><img alt="{html.escape(fam)} heat map" '
-            f'src="{uri}"></div>'
-        )
+        if got is not None:
+            heat.append(_heatmap_html(fam, steps, *got))
 
-    rows = _summary_rows(al, iv, goodput, label)
+    rows = _summary_rows(al, iv, eps, gp, label)
     table_html = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
-    alarm_rows = "".join(
-        f"<tr><td>{a.get('step')}</td><td>{html.escape(str(a.get('kind')))}</td>"
-        f"<td>{html.escape(str(a.get('signal')))}</td><td>{html.escape(str(a.get('score')))}</td>"
-        f"<td>{html.escape(str(a.get('severity')))}</td>"
-        f"<td>{html.escape(str(a.get('detector')))}</td></tr>"
-        for a in sorted(al, key=lambda a: int(a["step"]))[:200]
-    )
+    panel = _goodput_panel(gp)
     cfg = json.dumps(config, indent=2, default=str) if config else "(not recorded)"
     legend = " ".join(
         f'<span class="kind" style="background:{c}"></span>{k}' for k, c in KIND_COLOURS.items()
@@ -318,17 +465,15 @@ def build_report(
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)} - stability report</title><style>{_CSS}</style></head><body>"
         f"<h1>{html.escape(title)}</h1><div class='sub'>{n_steps} rows, {span}, "
-        f"{len(table.column_names) - 1} metrics. Alarm colours: {legend}; dashed grey lines are "
-        "interventions.</div>"
+        f"{len(table.column_names) - 1} metrics. Shaded bands are alarm episodes (colour: "
+        f"the main alarm kind: {legend}); dashed grey lines are interventions; hover for "
+        "details.</div>"
         f"<h2>Summary</h2><table>{table_html}</table>"
-        f"<h2>Timeline</h2>{''.join(charts)}"
+        + (f"<h2>Goodput</h2>{panel}" if panel else "")
+        + f"<h2>Timeline</h2>{''.join(charts)}"
         + (f"<h2>Per-layer heat maps</h2>{''.join(heat)}" if heat else "")
-        + (
-            "<h2>Alarms (first 200)</h2><table><tr><th>step</th><th>kind</th><th>signal</th>"
-            f"<th>score</th><th>severity</th><th>detector</th></tr>{alarm_rows}</table>"
-            if al
-            else ""
-        )
+        + (f"<h2>Alarm episodes ({len(eps)})</h2>{_episodes_table(eps)}{_alarm_rows(al)}"
+           if al else "")
         + f"<h2>Configuration</h2><pre>{html.escape(cfg)}</pre></body></html>"
     )
 
@@ -368,7 +513,7 @@ def write_png(
             v = _column(table, "val_loss")
             ok = table.column("val_loss").is_valid().to_numpy(zero_copy_only=False)
             ax.plot(steps[ok], v[ok], "o-", ms=2.5, lw=0.9, color="#E69F00", label="val_loss")
-        if name == "grad_norm":
+        if name == "grad_norm" or (name == "loss" and _loss_is_log(table, ["loss"])):
             ax.set_yscale("log")
         for a in alarms:
             ax.axvline(
@@ -441,6 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interventions: list[dict[str, Any]] = []
     events: list[dict[str, Any]] | None = None
     config: dict[str, Any] | None = None
+    replay_goodput: dict[str, Any] | None = None
     if args.events:
         events = _read_events_file(args.events)
     else:
@@ -449,6 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config)
         config = cfg.to_dict()
         res = replay_table(table, cfg, run_id, args.run)
+        replay_goodput = res.goodput
         alarms = [a.to_dict() for a in res.alarms]
         interventions = [i.to_dict() for i in res.interventions]
     label = None
@@ -473,6 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interventions=interventions,
         config=config,
         label=label,
+        goodput=replay_goodput,
         title=title,
     )
     print(f"wrote {out}")

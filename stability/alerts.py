@@ -103,7 +103,7 @@ class AlertSink:
         try:
             self._send(alert)
             self.stats["sent"] += 1
-        except Exception as e:  # noqa: BLE001 - a sink must never break training
+        except Exception as e:
             self._failed(e)
 
     def _send(self, alert: Alert) -> None:
@@ -278,7 +278,7 @@ class WebhookSink(AlertSink):
                 else:
                     self._queue.append((alert, suppressed))
                 self._cond.notify()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._failed(e)
 
     def _run(self) -> None:
@@ -293,7 +293,7 @@ class WebhookSink(AlertSink):
             try:
                 self._post(alert, suppressed)
                 self.stats["sent"] += 1
-            except Exception as e:  # noqa: BLE001 - report once, keep going
+            except Exception as e:
                 self._failed(e)
             finally:
                 with self._cond:
@@ -452,14 +452,14 @@ class AlertRouter:
         for s in self.sinks:
             try:
                 s.send(alert)
-            except Exception as e:  # noqa: BLE001 - user-written sinks too
+            except Exception as e:
                 logger.warning("alert sink %r raised %s: %s", s, type(e).__name__, e)
 
     def close(self, timeout: float | None = 5.0) -> None:
         for s in self.sinks:
             try:
                 s.close(timeout)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 logger.warning("closing alert sink %r raised %s: %s", s, type(e).__name__, e)
 
 
@@ -493,7 +493,7 @@ def sinks_from_config(cfg: Any = None) -> list[AlertSink]:
     >>> sinks_from_config({"log": False})
     []
     """
-    from .config import AlertsConfig  # noqa: PLC0415
+    from .config import AlertsConfig
 
     if cfg is None:
         cfg = AlertsConfig()
@@ -532,7 +532,7 @@ def event_log_from_config(cfg: Any = None) -> Any:
     >>> event_log_from_config() is None
     True
     """
-    from .config import EventLogConfig  # noqa: PLC0415
+    from .config import EventLogConfig
 
     if cfg is None:
         return None
@@ -542,6 +542,6 @@ def event_log_from_config(cfg: Any = None) -> Any:
         cfg = EventLogConfig.from_dict(cfg)
     if cfg.path is None:
         return None
-    from .events import EventLog  # noqa: PLC0415
+    from .events import EventLog
 
     return EventLog(cfg.path, fsync=cfg.fsync)

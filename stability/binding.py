@@ -46,7 +46,7 @@ from collections.abc import Mapping
 import numpy as np
 from numba import njit
 
-from detectors._base import BoolArray, FloatArray
+from detectors import BoolArray, FloatArray
 
 __all__ = ["DEFAULT_ALIASES", "Aliases", "Pattern", "gather_step"]
 

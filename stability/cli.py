@@ -1,4 +1,4 @@
-"""Command line: ``stability replay | eval | tune | report | warmup``.
+"""Command line: ``stability replay | eval | tune | report | watch | goodput | warmup``.
 
 Examples
 --------
@@ -10,6 +10,7 @@ Examples
     stability tune runs/public/runs modded_nanogpt/train_loss --labels labels.parquet \\
         --budget 1.0 -o tuned.toml --folds 5 [--backend ray]
     stability report ...        # provided by replay.report
+    stability watch train.log --state watch.json --on stop='scancel 42'   # replay.watch
 
 ``RUN`` / ``RUNS`` may be a ``.parquet`` file, a directory of ``part-*.parquet`` files, a
 directory of runs or a glob; several may be given.  Heavy modules are imported lazily, so
@@ -30,6 +31,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,6 +96,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="render a report (replay.report)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
 
+    p = sub.add_parser("watch", help="follow a live job's logs through the monitor "
+                       "(replay.watch)")
+    p.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="JSONL/CSV file, Megatron/DeepSpeed log, TensorBoard dir, recorder part "
+                        "dir (local or URI); several = one run")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    p.add_argument("--state", default=None, help="state file: loaded at start, saved "
+                   "periodically and on exit (restarts neither re-warm nor re-judge)")
+    p.add_argument("--events", default=None, help="append alarms/interventions here (.jsonl)")
+    p.add_argument("--on", action="append", default=[], metavar="KIND=CMD",
+                   help="run CMD (shell) for each intervention of KIND (stop, skip_step, ...; "
+                        "alarm; any) with STABILITY_STEP/KIND/REASON/CAUSE/CONTROL set")
+    p.add_argument("--control-file", default=None,
+                   help="write the latest Control as JSON here (atomically) for a trainer")
+    p.add_argument("--once", action="store_true", help="process what is there and exit")
+    p.add_argument("--poll", type=float, default=5.0, help="seconds between polls (%(default)s)")
+    p.add_argument("--save-every", type=float, default=30.0,
+                   help="seconds between state saves (%(default)s)")
+    p.add_argument("--format", default=None,
+                   choices=("jsonl", "csv", "megatron", "tensorboard", "parquet"))
+    p.add_argument("--prometheus-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus metrics on this port (needs prometheus_client)")
+    p.add_argument("--backlog", choices=("act", "quiet"), default="act",
+                   help="what a fresh watcher (no state) finds at start: act on it, or only "
+                        "warm the monitor on it (default %(default)s)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no line per alarm step")
+
+    p = sub.add_parser("ranks", help="per-rank health (which rank or host is the culprit)")
+    p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) of a multi-rank run")
+
     p = sub.add_parser("goodput", help="badput breakdown of an event log (time and steps)")
     p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) written by a monitor")
     p.add_argument("--json", action="store_true", help="print the last goodput record as JSON")
@@ -113,6 +145,14 @@ def _version() -> str:
         from stability import __version__
 
         return __version__
+
+
+def _cmd_ranks(a: argparse.Namespace) -> int:
+    from stability.events import read_events
+    from stability.ranks import format_ranks
+
+    print(format_ranks(read_events(a.events, errors="skip")))
+    return 0
 
 
 def _cmd_goodput(a: argparse.Namespace) -> int:
@@ -179,7 +219,7 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     try:
         if len(runs) == 1:
             rid, path = runs[0]
-            results = [replay_run(path, a.config, events=a.events, run_id=rid)]
+            results = [replay_run(path, a.config, events=a.events, run_id=rid, progress=None)]
         else:
             suffix = ".jsonl"
             if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
@@ -202,6 +242,37 @@ def _cmd_replay(a: argparse.Namespace) -> int:
               f"{sum(r.n_steps for r in results)} steps")
     if a.events:
         print(f"events written to {a.events}")
+    return 0
+
+
+def _cmd_watch(a: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from replay.watch import Watcher, parse_hooks
+
+    w = Watcher(a.sources, a.config, state=a.state, events=a.events, hooks=parse_hooks(a.on),
+                control_file=a.control_file, format=a.format, save_every=a.save_every,
+                backlog=a.backlog,
+                echo=None if a.quiet else lambda line: print(line, flush=True))
+    if a.prometheus_port is not None:
+        from stability.prometheus import PrometheusExporter
+
+        w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port)
+
+    def _stop(signum: int, frame: Any) -> None:
+        w.stop()  # finish the poll under way, save the state, exit 0
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)
+           if main_thread}
+    try:
+        w.run(once=a.once, poll=a.poll, collect=False)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        w.close()
+    print(w.summary() + (f"; state saved to {a.state}" if a.state else ""), file=sys.stderr)
     return 0
 
 
@@ -311,6 +382,15 @@ def describe_error(exc: BaseException) -> str:
     return " ".join(text.split())  # one line
 
 
+def _one_line_warning(command: str) -> Any:
+    """``warnings.showwarning`` printing ``stability COMMAND: warning: MESSAGE`` on stderr."""
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: Any = None) -> None:
+        print(f"stability {command}: warning: {message}", file=sys.stderr)
+
+    return show
+
+
 def _debug_wanted(args: list[str]) -> tuple[bool, list[str]]:
     env = os.environ.get("STABILITY_DEBUG", "").strip() not in ("", "0", "false", "no")
     if "--debug" in args:
@@ -331,8 +411,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune,
-                    "goodput": _cmd_goodput, "warmup": _cmd_warmup}
-        return handlers[a.command](a)
+                    "goodput": _cmd_goodput, "ranks": _cmd_ranks, "watch": _cmd_watch,
+                    "warmup": _cmd_warmup}
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning(command)
+            return handlers[a.command](a)
     except USER_ERRORS as exc:
         if debug:
             traceback.print_exc()

@@ -38,6 +38,7 @@ The schema (``docs/CONTRACTS.md``)::
     [event_log]                      # durable JSONL log of alarms and interventions
     path = "runs/stability-events.jsonl"   # none (default): no event log
     fsync = "critical"               # "critical" | "always" | "never"
+    goodput_every = 1000             # goodput ledger record every N steps and at close (0: close)
 
 Overriding a preset: ``[monitor]`` keys replace the preset's (``aliases`` are merged); a
 ``[[detectors]]`` entry whose ``name`` exists in the preset updates that entry (its ``params``
@@ -107,7 +108,7 @@ _TOP_KEYS = ("preset", "monitor", "detectors", "policy", "alerts", "event_log")
 _ALERT_KEYS = ("log", "file", "min_severity", "webhook")
 _WEBHOOK_KEYS = ("url", "url_env", "format", "max_per_window", "window_s", "escalate", "mention",
                  "min_severity", "timeout", "max_queue")
-_EVENT_LOG_KEYS = ("path", "fsync")
+_EVENT_LOG_KEYS = ("path", "fsync", "goodput_every")
 WEBHOOK_FORMATS = ("slack", "plain")
 FSYNC_MODES = ("critical", "always", "never")
 _MONITOR_KEYS = ("aliases", "log_only", "strict", "max_series", "handler_budget_s")
@@ -332,6 +333,8 @@ class EventLogConfig:
 
     path: str | None = None
     fsync: str = "critical"
+    #: append the monitor's goodput ledger every this many steps (0: only at ``close()``)
+    goodput_every: int = 1000
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "event_log") -> EventLogConfig:
@@ -344,10 +347,14 @@ class EventLogConfig:
         if fsync not in FSYNC_MODES:
             raise ConfigError(f"{where}.fsync: must be one of {', '.join(FSYNC_MODES)}; "
                               f"got {fsync!r}.")
-        return cls(path=path, fsync=str(fsync))
+        every = d.get("goodput_every", 1000)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"{where}.goodput_every: must be an int >= 0 (0: never); "
+                              f"got {every!r}.")
+        return cls(path=path, fsync=str(fsync), goodput_every=int(every))
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"fsync": self.fsync}
+        out: dict[str, Any] = {"fsync": self.fsync, "goodput_every": self.goodput_every}
         if self.path is not None:
             out["path"] = self.path
         return out
@@ -597,7 +604,7 @@ class MonitorConfig:
 
     def validate_policy(self) -> None:
         """Let :class:`stability.policy.Policy` validate ``[policy]``."""
-        from .policy import Policy  # noqa: PLC0415 - policy imports config
+        from .policy import Policy
 
         try:
             Policy(copy.deepcopy(self.policy))

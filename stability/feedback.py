@@ -82,7 +82,7 @@ def _nanmax(values: Any) -> float:
     best = math.nan
     try:
         it = values.tolist() if hasattr(values, "tolist") else list(values)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return best
     for v in it:
         f = float(v)
@@ -135,7 +135,7 @@ def feedback_metrics(monitor: Any, decision: Any = None,
     if policy is not None and hasattr(policy, "level_at"):
         try:
             level = int(policy.level_at(max(int(step), 0)))
-        except Exception:  # noqa: BLE001 - feedback must never kill the run
+        except Exception:
             level = 0
     out[PREFIX + "level"] = float(level)
     alarms = tuple(getattr(decision, "alarms", ()) or ())
@@ -148,7 +148,7 @@ def feedback_metrics(monitor: Any, decision: Any = None,
         for name in _binding_names(monitor):
             try:
                 out[f"{PREFIX}score/{name}"] = _nanmax(monitor.detector(name).score)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 out[f"{PREFIX}score/{name}"] = math.nan
         for a in alarms:  # alarm scores are authoritative (e.g. the nonfinite code)
             key = f"{PREFIX}score/{a.detector}"

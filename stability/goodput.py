@@ -80,6 +80,11 @@ class GoodputTracker:
     clock : callable, optional
         Wall-clock source (default :func:`time.monotonic`); the time between two consecutive
         :meth:`update` calls is attributed to the later step.
+    auto_start : bool
+        ``True`` (default): the first :meth:`update` starts the wall clock.  ``False``: steps
+        are counted without reading the clock until :meth:`start` is called (what a
+        :class:`~stability.monitor.Monitor` does: a replay or a bare ``observe()`` loop counts
+        steps only, deterministically; the trainer adapters call :meth:`start`).
 
     Notes
     -----
@@ -87,8 +92,10 @@ class GoodputTracker:
     :meth:`update` takes a lock only when something was noted.
     """
 
-    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None, *,
+                 auto_start: bool = True) -> None:
         self.clock = clock or time.monotonic
+        self.timing = bool(auto_start)  # the wall clock is read (else steps only)
         self.steps = 0
         self.skipped = 0
         self.lost = 0
@@ -114,15 +121,22 @@ class GoodputTracker:
         self._cum = 0.0             # productive-so-far step time (unskipped, not lost)
         self._history: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
         self._cum_at_checkpoint = 0.0
+        # the last rollback counted from a Control, until the trainer confirms or refuses it:
+        # (step, to_step, lost steps, lost time, popped history, _cum_at_checkpoint before)
+        self._requested: tuple[int, int, int, float, list[tuple[int, float]], float] | None = None
 
     # ------------------------------------------------------------------ steps
     def start(self) -> None:
-        """Set the wall-clock origin now (else it is the first :meth:`update`)."""
+        """Set the wall-clock origin now (else it is the first :meth:`update`) and account
+        wall time from now on (also after a :meth:`load_state_dict`)."""
+        self.timing = True
         if self._last_time is None:
             self._last_time = float(self.clock())
 
     def _close(self) -> float:
         """Close the open interval at the clock: its length less the noted time in it."""
+        if not self.timing:
+            return 0.0
         now = float(self.clock())
         dt = 0.0 if self._last_time is None else max(now - self._last_time, 0.0)
         self._last_time = now
@@ -136,6 +150,7 @@ class GoodputTracker:
 
     def update(self, step: int, *, skipped: bool = False, degraded: bool = False) -> None:
         """Count one optimizer step."""
+        self._requested = None  # a requested rollback is final once the next step runs
         dt = self._close()
         self.steps += 1
         self.time_total += dt
@@ -154,14 +169,48 @@ class GoodputTracker:
         """Count one step from the ``Control`` the trainer acted on.
 
         Degraded = LR cut (``lr_factor < 1``) or a policy clip in force (``clip_norm`` set).
-        A rollback requested in ``control`` is counted via :meth:`note_rollback`.
+        A rollback requested in ``control`` is counted via :meth:`note_rollback`, as requested;
+        until the next step the trainer may replace that count with the rollback it really did
+        (:meth:`rollback_done`) or withdraw it (:meth:`cancel_rollback`).  This is how the
+        monitor feeds the ledger (live and in replay), so an adapter never counts a rollback
+        twice.
         """
         self.update(step, skipped=control.skip_step,
                     degraded=control.lr_factor < 1.0 or control.clip_norm is not None)
         if control.rollback_to is not None:
-            self.note_rollback(step, control.rollback_to)
+            self.note_rollback(step, control.rollback_to, _requested=True)
 
-    def note_rollback(self, step: int, to_step: int, seconds: float = 0.0) -> None:
+    def cancel_rollback(self, step: int) -> bool:
+        """Withdraw the rollback counted from the ``Control`` of ``step`` (the trainer could
+        not carry it out); returns whether there was one to withdraw.
+
+        Only the latest requested rollback, before the next :meth:`update`, can be withdrawn.
+        """
+        req = self._requested
+        if req is None or req[0] != int(step):
+            return False
+        self._requested = None
+        _, _, n, lost, popped, cum_at = req
+        self.rollbacks -= 1
+        self.lost -= n
+        self.time_lost -= lost
+        self._cum += lost
+        self._cum_at_checkpoint = cum_at
+        self._history.extend(reversed(popped))
+        return True
+
+    def rollback_done(self, step: int, to_step: int, seconds: float = 0.0) -> None:
+        """The trainer rolled back at ``step`` to ``to_step`` in ``seconds`` of restore time.
+
+        Replaces the rollback counted from this step's ``Control`` (the checkpoint restored
+        may be older than the one requested), or counts it when none was requested here
+        (e.g. another rank asked): each rollback is counted exactly once.
+        """
+        self.cancel_rollback(step)
+        self.note_rollback(step, to_step, seconds)
+
+    def note_rollback(self, step: int, to_step: int, seconds: float = 0.0, *,
+                      _requested: bool = False) -> None:
         """A rollback at ``step`` restored the state of ``to_step``: ``step - to_step`` are lost.
 
         Their (unskipped) step time moves to the ``rollback`` bucket, with ``seconds`` spent
@@ -170,9 +219,12 @@ class GoodputTracker:
         self.rollbacks += 1
         self.lost += max(int(step) - int(to_step), 0)
         n = max(int(step) - int(to_step), 0)
+        cum_before, cum_at_before = self._cum, self._cum_at_checkpoint
         hist, popped = self._history, None
+        popped_all: list[tuple[int, float]] = []
         while hist and hist[-1][0] > to_step:
             popped = hist.pop()
+            popped_all.append(popped)
         if popped is not None and hist:           # the target is inside the history
             lost = self._cum - hist[-1][1]
         elif popped is not None:                  # older: price the rest at the mean step time
@@ -183,6 +235,8 @@ class GoodputTracker:
         self.time_lost += lost
         self._cum -= lost
         self._cum_at_checkpoint = min(self._cum_at_checkpoint, self._cum)
+        self._requested = ((int(step), int(to_step), n, cum_before - self._cum, popped_all,
+                            cum_at_before) if _requested else None)
         self._note("time_restore", seconds)
 
     def _mean_step(self) -> float:
@@ -335,6 +389,7 @@ class GoodputTracker:
         self._cum, self._cum_at_checkpoint = cum, cum_at
         self._debt = 0.0
         self._history.clear()
+        self._requested = None
 
     def __repr__(self) -> str:
         return (f"GoodputTracker(steps={self.steps}, productive={self.productive}, "

@@ -109,7 +109,7 @@ class _Worker(threading.Thread):
                 continue
             try:
                 call.fn(call.item)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            except BaseException as e:
                 call.error = e
             with pool.lock:
                 call.finished = True

@@ -60,7 +60,7 @@ class LRGuardConfig:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "policy.lr_guard") -> LRGuardConfig:
-        from .policy_config import _bool, _float, _int, _known  # noqa: PLC0415 (one dialect)
+        from .policy_config import _bool, _float, _int, _known
 
         d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
         c = cls()

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_float", "table_columns", "encode_state", "decode_state"]
+__all__ = ["to_float", "is_table", "table_columns", "encode_state", "decode_state"]
 
 _ND = "__ndarray__"
 _STEP_LIMIT = 2**53  # one past the monitor's largest accepted step (stability.monitor.MAX_STEP)
@@ -70,12 +70,12 @@ def to_float(v: Any) -> float | str:
             return f"shape {tuple(shape)}; expected a scalar"
         try:
             return float(v)
-        except Exception as exc:  # noqa: BLE001 -- foreign objects may raise anything
+        except Exception as exc:
             return f"cannot convert {type(v).__name__} to float ({exc})"
     if hasattr(v, "__array__"):
         try:
             return _from_array(np.asarray(v))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return f"cannot convert {type(v).__name__} to float ({exc})"
     return f"not a number ({type(v).__name__})"
 
@@ -107,14 +107,125 @@ _ARROW_NUMERIC = frozenset({"halffloat", "float", "double", "bool", "int8", "int
                             "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
-def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np.ndarray]]]:
-    """``(steps, [(name, values, present), ...])`` of a wide table (pyarrow or dict of arrays).
+def _frame_kind(data: Any) -> str:
+    """``"pandas"`` / ``"polars"`` for their DataFrames (by module name, no import), else ``""``."""
+    mod = type(data).__module__
+    if mod.startswith("pandas") and hasattr(data, "iloc") and hasattr(data, "columns"):
+        return "pandas"
+    if mod.startswith("polars") and hasattr(data, "get_column") and hasattr(data, "columns"):
+        return "polars"
+    return ""
 
-    Numeric columns only (integer / floating); nulls, masked entries and ``None`` are
-    not-present.  The ``step`` column is required and may not contain nulls.
+
+def is_table(data: Any) -> bool:
+    """Whether :func:`table_columns` reads ``data`` as one table (not an iterable of batches).
+
+    >>> is_table({"step": [0]}), is_table([{"step": [0]}])
+    (True, False)
+    """
+    if isinstance(data, Mapping):
+        return True
+    mod = type(data).__module__
+    return (mod.startswith("pyarrow") and hasattr(data, "column_names")) or bool(_frame_kind(data))
+
+
+def _checked(name: Any, nc: tuple[np.ndarray, np.ndarray] | None, n: int,
+             cols: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+    if nc is None:
+        return
+    if nc[0].shape != (n,):
+        raise ValueError(f"replay: column {name!r} has shape {nc[0].shape}; expected ({n},).")
+    cols.append((str(name), nc[0], nc[1]))
+
+
+def _pandas_column(s: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, present) of a pandas Series; NumPy float64 NaN is a NaN value (see below)."""
+    dt = s.dtype
+    kind = getattr(dt, "kind", "O")
+    if isinstance(dt, np.dtype):  # plain NumPy dtype: NaN cannot mean "missing" here
+        return _numeric_column(s.to_numpy())
+    if kind not in "fiub":
+        return None
+    # nullable extension dtypes (Float64, Int64, boolean, double[pyarrow]): NA = not logged
+    present = ~np.asarray(s.isna().to_numpy(), dtype=np.bool_)
+    vals = np.asarray(s.to_numpy(dtype="float64", na_value=np.nan), dtype=np.float64)
+    return np.where(present, vals, 0.0), present
+
+
+def _polars_column(s: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, present) of a polars Series: null = not logged, NaN = NaN."""
+    dt = s.dtype
+    if not (dt.is_numeric() or str(dt) == "Boolean"):
+        return None
+    present = ~np.asarray(s.is_null().to_numpy(), dtype=np.bool_)
+    raw = np.asarray(s.to_numpy())
+    if raw.dtype == object:  # booleans / decimals with nulls
+        vals = np.zeros(raw.shape[0])
+        for i in np.flatnonzero(present):
+            x = to_float(raw[i])
+            vals[i] = np.nan if isinstance(x, str) else x
+        return vals, present
+    return np.where(present, raw.astype(np.float64), 0.0), present
+
+
+def _frame_columns(data: Any, kind: str) -> tuple[np.ndarray,
+                                                     list[tuple[str, np.ndarray, np.ndarray]]]:
+    cols: list[tuple[str, np.ndarray, np.ndarray]] = []
+    names = list(data.columns)
+    if kind == "polars":
+        if "step" not in names:
+            raise ValueError("replay: the table has no 'step' column.")
+        scol = data.get_column("step")
+        if scol.null_count():
+            raise ValueError("replay: the 'step' column contains nulls.")
+        steps = np.asarray(scol.to_numpy())
+        for name in names:
+            if name != "step":
+                _checked(name, _polars_column(data.get_column(name)), steps.shape[0], cols)
+        return steps, cols
+    if "step" in names:
+        scol = data.iloc[:, names.index("step")]
+    elif getattr(data.index, "name", None) == "step":
+        scol = data.index.to_series()
+    else:
+        raise ValueError("replay: the table has no 'step' column (nor a 'step' index).")
+    if bool(scol.isna().any()):
+        raise ValueError("replay: the 'step' column contains nulls.")
+    steps = np.asarray(scol.to_numpy())
+    for k, name in enumerate(names):
+        if name != "step":
+            _checked(name, _pandas_column(data.iloc[:, k]), steps.shape[0], cols)
+    return steps, cols
+
+
+def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np.ndarray]]]:
+    """``(steps, [(name, values, present), ...])`` of a wide table.
+
+    Accepted tables: a pyarrow ``Table`` / ``RecordBatch``, a dict of arrays, a pandas or a
+    polars ``DataFrame`` (all duck-typed: the runtime imports neither pyarrow nor pandas).
+    Numeric columns only (integer / floating / boolean); the rest are ignored.  ``step`` is
+    required (for pandas it may be the index) and may not contain nulls.
+
+    What counts as *not logged* (the monitor skips the metric at that step) and what as a
+    NaN value (a ``nonfinite`` alarm):
+
+    * Arrow, polars and nullable pandas dtypes (``Float64``, ``Int64``, ``boolean``,
+      ``double[pyarrow]``): null / ``pd.NA`` = not logged, NaN = NaN.
+    * dicts: masked entries and ``None`` = not logged, NaN = NaN.
+    * plain NumPy ``float64`` pandas columns cannot tell the two apart; NaN there is a NaN
+      value.  Sparse metrics (an eval every 100 steps) in a pandas frame therefore need a
+      nullable dtype -- ``df.convert_dtypes()`` or ``df.astype({"val_loss": "Float64"})`` --
+      or a dict / Arrow table (in pandas 3 a NaN written into a ``Float64`` column is NA).
+
+    >>> steps, cols = table_columns({"step": [0, 1], "loss": [1.0, None], "tag": ["a", "b"]})
+    >>> steps.tolist(), [(n, v.tolist(), p.tolist()) for n, v, p in cols]
+    ([0, 1], [('loss', [1.0, 0.0], [True, False])])
     """
     cols: list[tuple[str, np.ndarray, np.ndarray]] = []
-    if isinstance(data, Mapping):
+    kind = _frame_kind(data)
+    if kind:
+        steps, cols = _frame_columns(data, kind)
+    elif isinstance(data, Mapping):
         if "step" not in data:
             raise ValueError("replay: the table has no 'step' column.")
         steps = np.asarray(data["step"])

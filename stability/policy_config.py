@@ -271,6 +271,9 @@ DEFAULT_KINDS: dict[str, KindRule] = {
     "weight_corruption": KindRule(skip="always", start_level=3, critical_start_level=3),
     # the stall watchdog: tell a human, never act (a hung step cannot be skipped or rolled back)
     "stall": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
+    # a rank outlier: ControlSync already makes every rank skip a NaN / gradient-outlier step;
+    # the policy only alerts (the machine-health ledger accumulates the evidence)
+    "rank_outlier": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
 }
 
 

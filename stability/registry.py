@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from detectors._base import BankDetector
+from detectors import BankDetector
 
 __all__ = [
     "REGISTRY",
@@ -57,7 +57,7 @@ class RegistryEntry:
     Parameters
     ----------
     target
-        ``"module:Class"`` of the :class:`~detectors._base.BankDetector` subclass.
+        ``"module:Class"`` of the :class:`~detectors.BankDetector` subclass.
     kind
         Default alarm kind (``None`` = inferred from the bound signals, see
         :func:`stability.config.infer_kind`).

@@ -23,6 +23,7 @@ ALARM_KINDS = (
     "level_shift",
     "weight_corruption",
     "stall",
+    "rank_outlier",
 )
 
 #: Severity levels, in increasing order.

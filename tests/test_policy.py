@@ -653,3 +653,116 @@ def test_lr_jump_config_round_trip() -> None:
     cfg = PolicyConfig.from_dict({"lr_jump": {"hold": 7, "detectors": ["a", "b"]}})
     assert PolicyConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.lr_jump.detectors == ("a", "b")
+
+
+# --------------------------------------------------------------------------- typed seams
+def test_policy_context_from_a_mapping_and_as_a_mapping() -> None:
+    from stability.policy import PolicyContext
+
+    led = ledger_with(0)
+    ctx = PolicyContext.coerce({"lr": "0.2", "lr_prev": 0.1, "clip_norm": math.inf,
+                                "grad_norm": "n/a", "grad_norm_recent_median": np.float32(0.5),
+                                "healthy_checkpoints": led, "unknown": 1})
+    assert (ctx.lr, ctx.lr_prev, ctx.clip_norm, ctx.grad_norm) == (0.2, 0.1, None, None)
+    assert ctx.grad_norm_recent_median == 0.5 and ctx.healthy_checkpoints is led
+    # old readers of the dict keep working: only the fields that are set
+    assert dict(ctx) == {"healthy_checkpoints": led, "lr": 0.2, "lr_prev": 0.1,
+                         "grad_norm_recent_median": 0.5}
+    assert ctx.get("clip_norm") is None and "lr" in ctx and "clip_norm" not in ctx
+    with pytest.raises(KeyError):
+        ctx["grad_norm"]
+    assert PolicyContext.coerce(ctx) is ctx
+    assert dict(PolicyContext.coerce(None)) == {} == dict(PolicyContext.coerce({}))
+
+
+def _ctx_stream(seed: int, typed: bool) -> tuple[list[tuple[int, list[dict]]], dict]:
+    """A random alarm stream (LR jumps included) with every context field varying."""
+    from stability.policy import PolicyContext
+
+    rng = np.random.default_rng(seed)
+    ev = _events(seed, n=1500, p=0.03)
+    for s in rng.choice(1500, 15, replace=False).tolist():
+        ev.setdefault(s, []).append(jalarm(s, float(rng.uniform(50, 500))))
+    pol = Policy({**JUMP, "max_rollbacks": 20, "rewind_on_rollback": bool(seed % 2)})
+    led, ctl, out = ledger_with(0, 200, 600, 1000), Control(), []
+    for s in range(1500):
+        ctl.reset_step()
+        raw = {"healthy_checkpoints": led, "lr": float(rng.uniform(0.01, 2.0)),
+               "lr_prev": [None, 0.05, math.nan][s % 3], "clip_norm": [None, 2.0][s % 2],
+               "grad_norm": float(rng.uniform(0.5, 3)),
+               "grad_norm_recent_median": [None, float(rng.uniform(0.5, 3))][s % 5 != 0]}
+        ctx = (PolicyContext(**raw) if typed
+               else {k: v for k, v in raw.items() if v is not None})
+        ivs = pol.step(s, ev.get(s, []), ctl, ctx)
+        if ivs:
+            out.append((s, [i.to_dict() for i in ivs]))
+    return out, pol.state_dict()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_typed_and_mapping_context_decide_identically(seed: int) -> None:
+    typed = _ctx_stream(seed, typed=True)
+    assert typed == _ctx_stream(seed, typed=False)
+    kinds = {iv["type"] for _, ivs in typed[0] for iv in ivs}
+    assert {"set_clip", "reduce_lr", "rollback"} <= kinds
+
+
+def test_checkpoint_ledger_is_a_policy_ledger() -> None:
+    from stability.policy import Ledger
+
+    assert isinstance(CheckpointLedger(), Ledger)
+    assert not isinstance(object(), Ledger)
+
+
+def test_version2_snapshot_loads_into_named_records_and_writes_back_unchanged() -> None:
+    from stability.policy import STATE_VERSION, ClipHold, JumpHold, LRCut, Probation
+    from stability.policy_state import read_state
+
+    # a version-2 snapshot as the positional-tuple implementation wrote it
+    sd = {"version": 2, "level": 2, "last_alarm": 100, "last_response": 100,
+          "kind_last": {"stall": 90}, "onset": 95, "hist": {"nonfinite": [97, 100]},
+          "lr": [100, 0.25, 10, 10], "clip": [1.5, 100, 50], "jump": [8.0, 99, 0.125],
+          "damage_last": 98, "n_rollbacks": 1, "n_responses": 4, "n_merged": 2,
+          "episode": {"consec": 3, "last_seen": 100, "skip_run": 0, "adapt_start": 96,
+                      "adapt_fast": "nan", "cause": "shift"},
+          "probation": [80, 60, 1, "shift"]}
+    assert STATE_VERSION == 2
+    snap = read_state(sd, PolicyConfig.from_dict(None))
+    assert snap.lr == LRCut(start=100, factor=0.25, duration=10, restore=10)
+    assert snap.clip == ClipHold(norm=1.5, start=100, duration=50)
+    assert snap.jump == JumpHold(ratio=8.0, last=99, factor=0.125)
+    assert snap.probation == Probation(resume=80, target=60, n_worse=1, cause="shift")
+    pol = Policy()
+    pol.load_state_dict(sd)
+    assert pol.lr_factor_at(105) == 0.25 and pol.clip_norm_at(149) == 1.5
+    assert pol.clip_norm_at(150) is None and pol.cause == "shift"
+    out = json.loads(json.dumps(pol.state_dict()))
+    assert {k: out[k] for k in sd if k != "episode"} == {k: sd[k] for k in sd if k != "episode"}
+    assert out["episode"] == sd["episode"]
+
+
+def test_monitor_hands_the_policy_a_typed_context() -> None:
+    from stability.monitor import Monitor
+    from stability.policy import PolicyContext
+
+    mon = Monitor()
+    seen: list[object] = []
+    orig = mon.policy.step
+
+    def spy(step, alarms, control, context=None):
+        if alarms:
+            seen.append(context)
+        return orig(step, alarms, control, context)
+
+    mon.policy.step = spy
+    rng = np.random.default_rng(0)
+    for s in range(400):
+        loss = 2.0 + 0.01 * rng.standard_normal() + (50.0 if s in (300, 301) else 0.0)
+        mon.observe(s, {"loss": loss, "grad_norm": 1.0 + 0.05 * rng.standard_normal(),
+                        "lr": 0.1})
+    assert seen and all(isinstance(c, PolicyContext) for c in seen)
+    c = seen[0]
+    assert isinstance(c, PolicyContext)
+    assert c.healthy_checkpoints is mon.checkpoints
+    assert c.lr == c.lr_prev == 0.1 and c.clip_norm is None
+    assert c.grad_norm_recent_median is not None and 0.8 < c.grad_norm_recent_median < 1.2

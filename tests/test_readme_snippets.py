@@ -107,6 +107,9 @@ def _prelude(code: str) -> dict[str, Any]:
     }
     ns["guard"] = stability.torch.attach(model, optimizer, scheduler, Monitor("small"),
                                          checkpoint_every=0, log_interventions=False)
+    for optional in ("pandas", "polars"):  # dev extras; a snippet using one skips without it
+        if f"import {optional}" in code:
+            pytest.importorskip(optional)
     if "lightning" in code:
         ns.update(_lightning_prelude())
     if "adapters.hf" in code:
@@ -162,7 +165,7 @@ def test_python_snippet_runs(code: str, toml: str | None, tmp_path: Path,
         (tmp_path / "monitor.toml").write_text(toml)
     ns = _prelude(code)
     guard_before = ns["guard"]
-    exec(compile(code, str(README), "exec"), ns)  # noqa: S102 - our own README
+    exec(compile(code, str(README), "exec"), ns)
     guard = ns.get("guard")
     if guard is not None and guard is not guard_before:  # the snippet attached its own guard
         assert guard.step_count > 0 and guard.stopped is None

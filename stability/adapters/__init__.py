@@ -12,7 +12,8 @@ name                           module
 ``SignalCollector``            :mod:`stability.adapters.signals`
 ``StabilityCallback``          :mod:`stability.adapters.lightning`
 ``StabilityTrainerCallback``   :mod:`stability.adapters.hf`
-``ControlSync``                :mod:`stability.adapters.distributed`
+``ControlSync``, ``RankSignals``  :mod:`stability.adapters.distributed`
+``register_local_grad_norm_hook``  :mod:`stability.adapters.distributed`
 =============================  =================================================
 """
 
@@ -35,7 +36,10 @@ _WHERE = {
     "StabilityCallback": "lightning",
     "StabilityTrainerCallback": "hf",
     "ControlSync": "distributed",
+    "RankSignals": "distributed",
+    "register_local_grad_norm_hook": "distributed",
     "is_rank_zero": "distributed",
+    "safe_torch_load": "interventions",
 }
 
 __all__ = sorted(_WHERE)

@@ -71,7 +71,7 @@ def scaler_enabled(scaler: Any) -> bool:
     fn = getattr(scaler, "is_enabled", None)
     try:
         return bool(fn()) if callable(fn) else hasattr(scaler, "get_scale")
-    except Exception:  # noqa: BLE001 - reading a scaler must never kill the run
+    except Exception:
         return False
 
 
@@ -84,7 +84,7 @@ def loss_scale(scaler: Any) -> float:
         return math.nan
     try:
         return float(scaler.get_scale())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return math.nan
 
 
@@ -104,7 +104,7 @@ def found_inf(scaler: Any, optimizer: Any) -> bool | None:
         return None
     try:
         return bool(sum(float(v) for v in per_device.values()))
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -148,7 +148,7 @@ def ensure_unscaled(scaler: Any, optimizer: Any) -> bool:
         scaler.unscale_(optimizer)
     except RuntimeError as exc:  # "unscale_() has already been called ..." and the like
         log.debug("scaler.unscale_ skipped: %s", exc)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.debug("scaler.unscale_ failed", exc_info=True)
         return False
     return True
@@ -198,7 +198,7 @@ def autocast_dtype(precision: str) -> Any:
     ``"fp32"``/``"32"`` -> ``None``; ``"fp16"``/``"16-mixed"`` -> ``torch.float16``;
     ``"bf16"``/``"bf16-mixed"`` -> ``torch.bfloat16``.
     """
-    import torch  # noqa: PLC0415
+    import torch
 
     p = str(precision).lower()
     if p in ("fp32", "32", "32-true", "float32", "full"):

@@ -104,7 +104,7 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
     """
     st = os.path.join(path, "model.safetensors")
     if os.path.exists(st):
-        from safetensors.torch import load_file  # noqa: PLC0415
+        from safetensors.torch import load_file
 
         sd = load_file(st)
     else:
@@ -225,7 +225,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             return
         saved = self._saved_state(state) if state.global_step > 0 else None
         if self.monitor is None:
-            from ..monitor import Monitor  # noqa: PLC0415
+            from ..monitor import Monitor
 
             mon_sd = (saved or {}).get("guard", {}).get("monitor") or {}
             self.monitor = Monitor(mon_sd.get("config"))
@@ -276,6 +276,9 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             self._hook = None
         if self.guard is not None:
             self.guard.detach()
+        record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
+        if record is not None:
+            record()
 
     # ------------------------------------------------------------------ per step
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -97,7 +97,7 @@ def _logs_this_step(trainer: pl.Trainer) -> bool:
     conn = getattr(trainer, "_logger_connector", None)
     try:
         return bool(conn.should_update_logs) if conn is not None else True
-    except Exception:  # noqa: BLE001 - a Lightning without it: log every step
+    except Exception:
         return True
 
 
@@ -184,7 +184,7 @@ class StabilityCallback(pl.Callback):
                              f"{len(trainer.optimizers)}.")
         self._trainer = trainer
         if self.monitor is None:
-            from ..monitor import Monitor  # noqa: PLC0415
+            from ..monitor import Monitor
 
             mon_sd = dict((self._pending_state or {}).get("guard", {})).get("monitor") or {}
             self.monitor = Monitor(mon_sd.get("config"))
@@ -212,6 +212,9 @@ class StabilityCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None:
             self.guard.detach()
+        record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
+        if record is not None:
+            record()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:

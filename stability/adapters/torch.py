@@ -45,6 +45,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -111,8 +112,9 @@ class TorchGuard:
         when a ratio is due (see :mod:`stability.adapters.signals`).
     recorder : object with ``log(step, metrics)``, optional
         Gets every step's signals (rank 0 only), e.g. ``replay.recorder.RunRecorder``.
-    distributed : bool, optional
-        Reduce decisions across ranks (default: when torch.distributed is initialised).
+    distributed : bool or ControlSync, optional
+        Reduce decisions across ranks (default: when torch.distributed is initialised); pass
+        ``ControlSync(ranks=True, signals=...)`` to also name the culprit rank.
     raise_on_stop : bool
         Raise :class:`TrainingStopped` from :meth:`finish` when asked to stop.
     scaler : torch.amp.GradScaler, optional
@@ -145,7 +147,7 @@ class TorchGuard:
         activations: Any = None,
         activation_every: int = 10,
         recorder: Any = None,
-        distributed: bool | None = None,
+        distributed: bool | ControlSync | None = None,
         raise_on_stop: bool = True,
         start_step: int = 0,
         scaler: Any = None,
@@ -166,6 +168,11 @@ class TorchGuard:
         self.raise_on_stop = raise_on_stop
         if monitor is not None and hasattr(monitor, "trainer_clip_norm"):
             monitor.trainer_clip_norm = clip_norm  # the policy never loosens the loop's clip
+        # the monitor's goodput ledger counts every step from its Control (rollbacks as
+        # requested); the guard adds what only it knows: the wall clock, checkpoint save
+        # times, and the rollback it really did (which replaces the requested one)
+        self.goodput: Any = getattr(monitor, "goodput", None)
+        self._goodput("start")
         self.collector = SignalCollector(
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
             activations=_activation_names(model, activations), activation_every=activation_every,
@@ -175,7 +182,8 @@ class TorchGuard:
         self.log_interventions = log_interventions
         self.tally = InterventionTally()
         self.amp_overflow = False  # the current step overflowed in the scaler
-        self.sync = ControlSync() if distributed in (None, True) else None
+        self.sync = distributed if isinstance(distributed, ControlSync) else (
+            ControlSync() if distributed in (None, True) else None)
         if self.sync is not None and not self.sync.active:
             self.sync = None
         rank = self.sync.rank if self.sync is not None else -1
@@ -319,7 +327,9 @@ class TorchGuard:
         control = decision.control
         alarmed = bool(decision.alarms)
         if self.sync is not None:
-            control, alarmed = self.sync.reduce(control, step, alarmed)
+            control, alarmed = self.sync.reduce(control, step, alarmed,
+                                                loss=sig.scalars.get("loss"),
+                                                grad_norm=sig.scalars.get("grad_norm"))
         self.decision, self.control, self.healthy = decision, control, not alarmed
         self.interventions.extend(decision.interventions)
         if decision.interventions:
@@ -478,11 +488,13 @@ class TorchGuard:
         step = self.step_count if step is None else step
         pos = self._pos_of_step.get(step, self.data_position) + 1
         self._flush_recorder()
+        t0 = time.monotonic()
         with self.base_lr():  # the optimizer state holds the scheduler's own LR, not the cut
             entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
                                     data_position=pos, healthy=healthy, reason=reason,
                                     monitor_state=self._monitor_state(),
                                     protect=self._rollback_targets())
+        self._goodput("note_checkpoint", time.monotonic() - t0)
         self.checkpoints_taken += 1
         led = find_ledger(self.monitor) if register else None
         if led is not None:
@@ -589,7 +601,10 @@ class TorchGuard:
             for s in range(int(skip[0]), int(skip[1]) + 1):
                 if s in self._pos_of_step:
                     self.skip_positions.add(self._pos_of_step[s])
+        t0 = time.monotonic()
         snap = self.store.restore(entry.step, self.model, self.optimizer, self.scheduler)
+        # counted once: replaces the rollback the ledger counted from this step's Control
+        self._goodput("rollback_done", self.step_count, entry.step, time.monotonic() - t0)
         issued = self.decision is not None and any(
             getattr(iv, "type", "") == "rollback" for iv in self.decision.interventions)
         if self.monitor is not None and hasattr(self.monitor, "rewind"):
@@ -608,6 +623,15 @@ class TorchGuard:
         self.optimizer.zero_grad(set_to_none=True)
         log.warning("rolled back to step %d (%d steps lost), skipping %s", entry.step, lost, skip)
         return True
+
+    def _goodput(self, method: str, *args: Any) -> None:
+        """Call ``method`` of the monitor's goodput ledger (if any); never raises."""
+        if self.goodput is None:
+            return
+        try:
+            getattr(self.goodput, method)(*args)
+        except Exception:  # noqa: BLE001 -- bookkeeping must never kill the run
+            log.debug("goodput ledger %s failed", method, exc_info=True)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

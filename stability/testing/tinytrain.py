@@ -279,11 +279,12 @@ class MLP(nn.Sequential):
                          nn.Linear(h, classes))
 
 
-def _gpt_task(seed: int, batch_size: int) -> Task:
+def _gpt_task(seed: int, batch_size: int, ctx: int = 64,
+              model_factory: Callable[[], nn.Module] | None = None, name: str = "gpt") -> Task:
+    """The character-LM task (``model_factory`` and ``ctx``: another model on the same text)."""
     data = _ascii_ids(stdlib_text())
     n_val = len(data) // 10
     train, val = data[:-n_val], data[-n_val:]
-    ctx = 64
 
     def sample(src: torch.Tensor, rng: np.random.Generator, n: int) -> tuple[torch.Tensor,
                                                                            torch.Tensor]:
@@ -320,9 +321,9 @@ def _gpt_task(seed: int, batch_size: int) -> Task:
 
     def make_model() -> nn.Module:
         torch.manual_seed(seed)
-        return TinyGPT()
+        return TinyGPT() if model_factory is None else model_factory()
 
-    return Task("gpt", seed, batch_size, make_model, batch, val_batches, loss_fn, 3e-3, corrupt,
+    return Task(name, seed, batch_size, make_model, batch, val_batches, loss_fn, 3e-3, corrupt,
                 shift)
 
 
@@ -364,12 +365,17 @@ def _mlp_task(seed: int, batch_size: int) -> Task:
 
 
 def make_task(model: str, seed: int = 0, batch_size: int | None = None) -> Task:
-    """The :class:`Task` for ``"gpt"`` or ``"mlp"``."""
+    """The :class:`Task` for ``"gpt"``, ``"mlp"`` or a model of :data:`.models.TASKS`."""
     if model == "gpt":
         return _gpt_task(seed, batch_size or 16)
     if model == "mlp":
         return _mlp_task(seed, batch_size or 64)
-    raise ValueError(f"The 'model' parameter of make_task must be 'gpt' or 'mlp'. Got {model!r}.")
+    from .models import TASKS
+
+    if model in TASKS:
+        return TASKS[model](seed, batch_size)
+    raise ValueError(f"The 'model' parameter of make_task must be one of "
+                     f"{('gpt', 'mlp', *TASKS)}. Got {model!r} instead.")
 
 
 def warmup_cosine(total: int, warmup: int, floor: float = 0.1) -> Callable[[int], float]:
@@ -515,6 +521,9 @@ def spike_module(net: nn.Module) -> nn.Module:
     MLP: the second linear layer (hidden -> hidden); GPT: the first block's feed-forward output
     projection (before the residual add, so the final LayerNorm cannot simply undo it).
     """
+    target = getattr(net, "spike_target", None)
+    if callable(target):
+        return target()  # type: ignore[no-any-return]
     if isinstance(net, TinyGPT):
         blk: Any = net.blocks[0]
         return blk.linear2  # type: ignore[no-any-return]
@@ -586,6 +595,9 @@ def train_run(
     guard_kwargs: Mapping[str, Any] | None = None,
     max_iterations: int | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    schedule: str = "warmup_cosine",
 ) -> RunResult:
     """Train a tiny model for ``steps`` data positions, optionally with a fault and a monitor.
 
@@ -614,6 +626,9 @@ def train_run(
         Hard cap on iterations (default ``3 * steps``).
     on_step : callable, optional
         ``on_step(iteration, loss)`` after each iteration.
+    optimizer, precision, schedule : str
+        See :data:`.models.OPTIMIZERS`, :data:`.models.PRECISIONS` and
+        :data:`.models.SCHEDULES` (defaults: AdamW, fp32, warm-up + cosine).
 
     Returns
     -------
@@ -622,10 +637,12 @@ def train_run(
     task = make_task(model, seed, batch_size)
     net = task.make_model()
     net.train()
-    base_lr = lr or task.lr
-    opt = torch.optim.AdamW(net.parameters(), lr=base_lr, weight_decay=0.01)
+    from .models import make_optimizer, make_schedule, precision_context
+
+    opt = make_optimizer(optimizer, net.parameters(), lr, task.lr)
     clock = {"it": 0, "lr_it": 0}  # lr_it: the iteration the scheduler computes the LR for
-    sched_fn = warmup_cosine(steps, max(1, steps // 10))
+    sched_fn = make_schedule(schedule, steps)
+    autocast, scaler = precision_context(precision)
     inj = FaultInjector(fault, task, net)
 
     def lam(s: int) -> float:
@@ -635,7 +652,7 @@ def train_run(
     res = RunResult(model, seed, steps, fault)
     guard: TorchGuard | None = None
     if monitor is not None or recorder is not None:
-        kw = dict(checkpoint_every=checkpoint_every, clip_norm=clip_norm)
+        kw = dict(checkpoint_every=checkpoint_every, clip_norm=clip_norm, scaler=scaler)
         kw.update(guard_kwargs or {})
         guard = TorchGuard(net, opt, sched, monitor, recorder=recorder, **kw)  # type: ignore[arg-type]
     cap = max_iterations or 3 * steps
@@ -656,17 +673,24 @@ def train_run(
             inj.before_forward(it)
             x, y = inj.batch(pos)
             ts = time.perf_counter()
-            loss = task.loss_fn(net, x, y)
-            loss.backward()
+            with autocast():
+                loss = task.loss_fn(net, x, y)
+            (loss if scaler is None else scaler.scale(loss)).backward()
             inj.after_backward(it)
             step_lr[0] = math.nan
             clock["lr_it"] = it + 1
             if guard is not None:
                 guard.step(loss)
             else:
+                if scaler is not None:
+                    scaler.unscale_(opt)
                 if clip_norm is not None:
                     torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
-                opt.step()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
             t_steps += time.perf_counter() - ts

@@ -191,7 +191,7 @@ def test_monitor_skip_on_overflow_step_keeps_the_scaler_consistent() -> None:
 
 def test_scaler_without_found_inf_record_falls_back_to_the_grad_norm() -> None:
     class _Opaque(torch.amp.GradScaler):
-        def _found_inf_per_device(self, optimizer):  # noqa: ANN001, ANN202
+        def _found_inf_per_device(self, optimizer):
             raise AttributeError("no record here")
 
     model = _model()

@@ -45,7 +45,7 @@ def _run_bounded(fn: Any, timeout: float = LIVENESS_S) -> Any:
     def target() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 -- re-raised below
+        except BaseException as e:
             box["error"] = e
 
     t = threading.Thread(target=target, daemon=True)
@@ -149,7 +149,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     mode = "500"
     hits = 0
 
-    def do_POST(self) -> None:  # noqa: N802 -- http.server API
+    def do_POST(self) -> None:
         type(self).hits += 1
         n = int(self.headers.get("Content-Length", 0))
         self.rfile.read(n)
@@ -250,11 +250,11 @@ def test_event_log_disk_fills_up_mid_record(tmp_path: Path, monkeypatch: pytest.
     state = {"full": True}
 
     def full_write(fd: int, data: Any) -> int:
-        if fd == log._fd and state["full"]:  # noqa: SLF001
+        if fd == log._fd and state["full"]:
             real_write(fd, bytes(data)[:7])  # a short write, then the disk is full
             state["full"] = False  # the next call fails outright
             return 7
-        if fd == log._fd and not state.get("recovered"):  # noqa: SLF001
+        if fd == log._fd and not state.get("recovered"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 

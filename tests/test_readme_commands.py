@@ -1,0 +1,54 @@
+"""Every ``stability ...`` command of the README's shell blocks runs as written on the bundled data.
+
+Commands on placeholder paths (``/jobs/...``, ``RUN``) and multi-line ones are skipped; the rest
+run in order in one temporary directory (``data/`` linked in), so a command may use a file an
+earlier one wrote (``tuned.toml``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_FENCE = re.compile(r"^```(?:bash|sh|console)[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def _commands() -> list[str]:
+    out: list[str] = []
+    for block in _FENCE.findall((ROOT / "README.md").read_text()):
+        for line in block.splitlines():
+            line = line.strip()
+            if "&&" in line:  # install one-liners: only their final stability command
+                line = line.rsplit("&&", 1)[1].strip()
+            if not line.startswith("stability ") or line.endswith("\\") or "/jobs/" in line:
+                continue
+            cmd = line.split("  #")[0].split(" # ")[0].strip()
+            if cmd not in out:
+                out.append(cmd)
+    return out
+
+
+COMMANDS = _commands()
+
+
+def test_the_readme_has_commands_to_check() -> None:
+    assert any(c.startswith("stability replay") for c in COMMANDS)
+    assert any(c.startswith("stability watch") for c in COMMANDS)
+
+
+def test_readme_commands_run(tmp_path: Path) -> None:
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    for cmd in COMMANDS:
+        args = shlex.split(cmd)[1:]
+        res = subprocess.run([sys.executable, "-m", "stability.cli", *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
+        if res.returncode != 0 and "No module named" in res.stderr:
+            pytest.skip(f"{cmd}: optional dependency missing ({res.stderr.strip()[-200:]})")
+        assert res.returncode == 0, f"{cmd}\n{res.stdout[-1500:]}\n{res.stderr[-1500:]}"
+        assert res.stdout.strip() or res.stderr.strip(), f"{cmd}: printed nothing"
