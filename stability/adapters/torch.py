@@ -107,9 +107,9 @@ class TorchGuard:
     layer_depth, update_ratio_every, activations, activation_every
         Passed to :class:`~stability.adapters.signals.SignalCollector`.
     update_ratio : {"sampled", "exact"}
-        How update ratios are measured: ``"sampled"`` (default) copies no full parameter (a
-        strided subset of each tensor, about 1% error), ``"exact"`` copies every parameter
-        when a ratio is due (see :mod:`stability.adapters.signals`).
+        How update ratios are measured: ``"sampled"`` (default) copies no full parameter (about
+        4096 elements per tensor; ~1% error with AdamW, a few % with SGD), ``"exact"`` copies
+        every parameter when a ratio is due (see :mod:`stability.adapters.signals`).
     recorder : object with ``log(step, metrics)``, optional
         Gets every step's signals (rank 0 only), e.g. ``replay.recorder.RunRecorder``.
     distributed : bool or ControlSync, optional
