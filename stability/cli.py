@@ -1,4 +1,4 @@
-"""Command line: ``stability replay | eval | tune | report | watch | goodput``.
+"""Command line: ``stability replay | eval | tune | report | watch | goodput | warmup``.
 
 Examples
 --------
@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("goodput", help="badput breakdown of an event log (time and steps)")
     p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) written by a monitor")
     p.add_argument("--json", action="store_true", help="print the last goodput record as JSON")
+
+    p = sub.add_parser("warmup", help="compile and cache the Numba kernels a config uses "
+                       "(honours NUMBA_CACHE_DIR)")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
     return parser
 
 
@@ -164,6 +168,42 @@ def _cmd_goodput(a: argparse.Namespace) -> int:
         print(json.dumps(last[0] if last else None, indent=1, default=_json_default))
         return 0 if last else 1
     print(format_goodput(records))
+    return 0
+
+
+def _cmd_warmup(a: argparse.Namespace) -> int:
+    """Compile (or load from the cache) every kernel the config uses, one line per detector.
+
+    Each detector is built alone with one series and updated once: the arrays have the types
+    the monitor passes (float64 / bool, C-contiguous), so the cached specialisation is the one
+    a training run loads.  A one-step ``observe`` then compiles the monitor's own gather kernel.
+    """
+    import time
+
+    import numba
+
+    from stability.config import load_config
+    from stability.monitor import Monitor
+    from stability.registry import make_detector
+
+    cfg = load_config(a.config)
+    cache_dir = getattr(numba.config, "CACHE_DIR", "")
+    print(f"numba cache: {cache_dir or '(next to the sources, __pycache__)'}")
+    t_all = time.perf_counter()
+    done: set[str] = set()
+    for spec in cfg.detectors:
+        if spec.detector in done:
+            continue
+        done.add(spec.detector)
+        t0 = time.perf_counter()
+        det = make_detector(spec.detector, spec.params, n_series=1,
+                            n_inputs=len(spec.inputs), where=f"detectors[{spec.name}]")
+        det.update(*([1.0] * det.n_inputs))
+        print(f"  {spec.detector:<18} {time.perf_counter() - t0:6.2f} s")
+    t0 = time.perf_counter()
+    Monitor(cfg).observe(0, {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0})
+    print(f"  {'monitor':<18} {time.perf_counter() - t0:6.2f} s")
+    print(f"warm: {len(done)} detector kernels in {time.perf_counter() - t_all:.2f} s")
     return 0
 
 
@@ -389,7 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune,
-                    "goodput": _cmd_goodput, "ranks": _cmd_ranks, "watch": _cmd_watch}
+                    "goodput": _cmd_goodput, "ranks": _cmd_ranks, "watch": _cmd_watch,
+                    "warmup": _cmd_warmup}
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warning(command)
             return handlers[a.command](a)

@@ -1,0 +1,376 @@
+"""Cost of being attached: the guard's per-step overhead, extra memory, host syncs, cold start.
+
+For three models trained on CPU with ``torch.set_num_threads(1)`` -- the MLP and the char-GPT of
+:mod:`stability.testing.tinytrain` and a >= 10M-parameter transformer built here -- a bare copy
+and a guarded copy of the same model (same initial weights, same batches) take steps in turn in
+one process (bare, guarded, bare, guarded, ...), so that the load of a shared machine hits both
+alike.  The guard runs with its default settings (``TorchGuard(model, opt, monitor=Monitor())``:
+sampled update ratios every step, no activation hooks, in-memory checkpoint every 100 steps --
+the benchmark's steps stay below 100 after the warm-up, so no checkpoint is timed).
+
+Printed per model:
+
+* ``overhead``: median over step pairs of ``(guarded - bare) / median(bare)``; also in ms
+  (the order within a pair alternates).  ``work``: the time spent in ``guard.step()`` minus the
+  optimizer's own ``step()`` (optimizer step hooks), as a fraction of the bare step -- the
+  guard's own work measured directly, far less noisy than a difference of two steps.
+  On CPU the times are the thread's CPU time (``time.thread_time``: with one torch thread all
+  the work runs on it), which other processes' load disturbs far less than wall time; the
+  wall-time fraction is printed beside it.
+* ``copied/step``: bytes the guard copies per step (``Tensor.clone`` / ``copy_`` /
+  ``contiguous`` / ``to`` / ``torch.take`` counted by a patch), next to the parameter bytes --
+  a full parameter copy would show as 100% (small models are mostly made of tensors below
+  the 4096-element sample, which are copied whole).
+* ``py peak``: ``tracemalloc`` peak of the guard's Python-side allocations in one step.
+* ``syncs/step``: calls that would wait for an accelerator (``item``, ``tolist``, ``cpu``,
+  ``numpy``, ``float()``/``int()``/``bool()`` of a tensor), counted by a patch during the
+  guard's part of a step (``optimizer.step()`` itself excluded: AdamW's own ``.item()`` calls
+  are not the guard's).
+
+Then the first ``observe()`` of a fresh process (import + ``Monitor("default")`` + first observe
+with the guard's families), once with an empty ``NUMBA_CACHE_DIR`` (``mktemp -d``) and once
+again with that directory warm.
+
+Run::
+
+    python benchmarks/bench_overhead.py [--pairs 12] [--models mlp,gpt,big] [--no-cold]
+        [--exact]   # also time update_ratio="exact" (the full-copy measurement) for comparison
+
+Targets: <= 3% on the >= 10M model, no extra full copy, first observe <= 3 s with an empty
+cache and <= 0.5 s warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from stability.adapters.torch import TorchGuard  # noqa: E402
+from stability.monitor import Monitor  # noqa: E402
+from stability.testing.tinytrain import make_task  # noqa: E402
+
+TARGET_BIG = 0.03
+TARGET_COLD_S = 3.0
+TARGET_WARM_S = 0.5
+
+
+# ---------------------------------------------------------------------------------- models
+class BigLM(nn.Module):
+    """A GPT-like causal transformer, ~12.7M parameters at the defaults."""
+
+    def __init__(self, vocab: int = 256, ctx: int = 64, d: int = 512, n_layer: int = 4,
+                 n_head: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(ctx, d)
+        layer = nn.TransformerEncoderLayer(d, n_head, 4 * d, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.ln(h))  # type: ignore[no-any-return]
+
+
+Setup = tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+              Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], float]
+
+
+def setup(name: str, rows: int = 4) -> Setup:
+    """``(make_model, batch(i), loss_fn, lr)`` for ``mlp``, ``gpt`` or ``big`` (``rows`` x 32
+    tokens per step)."""
+    if name in ("mlp", "gpt"):
+        task = make_task(name, seed=0)
+        return task.make_model, task.batch, task.loss_fn, task.lr
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (16 * rows, 33), generator=gen)
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        at = (rows * i) % (16 * rows)
+        part = data[at:at + rows]
+        return part[:, :-1], part[:, 1:]
+
+    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return BigLM()
+
+    return make, batch, loss_fn, 3e-4
+
+
+# ---------------------------------------------------------------------------------- counters
+class Counters:
+    """Patched tensor methods: bytes copied and would-be host syncs while ``active``."""
+
+    COPY = ("clone", "copy_", "contiguous", "to")
+    SYNC = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.copied = 0
+        self.syncs = 0
+        self._orig: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Counters]:
+        for name in (*self.COPY, *self.SYNC):
+            self._orig[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._wrap(name, self._orig[name]))
+        take = torch.take
+
+        def counted_take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            if self.active:
+                self.copied += idx.numel() * t.element_size()
+            return take(t, idx)
+
+        torch.take = counted_take
+        try:
+            yield self
+        finally:
+            for name, fn in self._orig.items():
+                setattr(torch.Tensor, name, fn)
+            torch.take = take
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        counter = self
+        copy = name in self.COPY
+
+        def wrapped(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+            out = fn(t, *a, **k)
+            if counter.active:
+                if not copy:
+                    counter.syncs += 1
+                elif name == "copy_" or (out is not t and isinstance(out, torch.Tensor)):
+                    counter.copied += t.numel() * t.element_size()
+            return out
+
+        return wrapped
+
+
+# ---------------------------------------------------------------------------------- timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
+                update_ratio: str = "sampled", rows: int = 4) -> dict[str, Any]:
+    """Interleaved bare/guarded steps of one model; the figures of the module docstring."""
+    make, batch, loss_fn, lr = setup(name, rows)
+    bare, guarded = make().to(device), make().to(device)
+    guarded.load_state_dict(bare.state_dict())
+    opt_b = torch.optim.AdamW(bare.parameters(), lr=lr, weight_decay=0.01)
+    opt_g = torch.optim.AdamW(guarded.parameters(), lr=lr, weight_decay=0.01)
+    guard = TorchGuard(guarded, opt_g, monitor=Monitor("default"), log_interventions=False,
+                       update_ratio=update_ratio)
+    n_params = sum(p.numel() for p in guarded.parameters())
+    p_bytes = sum(p.numel() * p.element_size() for p in guarded.parameters())
+    counters = Counters()
+
+    def pause(*_: Any) -> None:  # the optimizer's own work is not the guard's
+        counters.active = False
+
+    def resume(*_: Any) -> None:
+        counters.active = True
+
+    opt_g.register_step_pre_hook(pause)
+    opt_g.register_step_post_hook(resume)
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    t_bare: list[float] = []
+    t_guard: list[float] = []
+    w_bare: list[float] = []
+    w_guard: list[float] = []
+    opt_t = [0.0, 0.0]
+    hooks = [opt_g.register_step_pre_hook(lambda *_: opt_t.__setitem__(0, clock())),
+             opt_g.register_step_post_hook(lambda *_: opt_t.__setitem__(1, clock()))]
+    work: list[float] = []
+
+    def bare_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = loss_fn(bare, x, y)
+        loss.backward()
+        opt_b.step()
+        opt_b.zero_grad(set_to_none=True)
+        _sync(device)
+
+    def guarded_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = loss_fn(guarded, x, y)
+        loss.backward()
+        _sync(device)
+        t0 = clock()
+        guard.step(loss)
+        _sync(device)
+        work.append(clock() - t0 - (opt_t[1] - opt_t[0]))
+
+    for i in range(warmup + pairs):  # timed without the counting patches
+        x, y = (t.to(device) for t in batch(i))
+        _sync(device)
+        order = ((bare_step, t_bare, w_bare), (guarded_step, t_guard, w_guard))
+        for fn, ts, ws in order if i % 2 == 0 else order[::-1]:  # alternate who goes first
+            t0, w0 = clock(), time.perf_counter()
+            fn(x, y)
+            t1, w1 = clock(), time.perf_counter()
+            ts.append(t1 - t0)
+            ws.append(w1 - w0)
+    for h in hooks:
+        h.remove()
+    for lst in (t_bare, t_guard, w_bare, w_guard, work):
+        del lst[:warmup]
+    copied: list[int] = []
+    syncs: list[int] = []
+    with counters.installed():  # then a few counted guarded steps
+        for i in range(warmup + pairs, warmup + pairs + 3):
+            x, y = (t.to(device) for t in batch(i))
+            loss = loss_fn(guarded, x, y)
+            loss.backward()
+            counters.active, counters.copied, counters.syncs = True, 0, 0
+            guard.step(loss)
+            counters.active = False
+            copied.append(counters.copied)
+            syncs.append(counters.syncs)
+    # Python-side peak of the guard alone (tracemalloc slows it: not timed)
+    x, y = batch(warmup + pairs + 3)
+    loss = loss_fn(guarded, x.to(device), y.to(device))
+    loss.backward()
+    tracemalloc.start()
+    guard.step(loss)
+    py_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    med_bare = statistics.median(t_bare)
+    diffs = [g - b for g, b in zip(t_guard, t_bare, strict=True)]
+    over = statistics.median(diffs)
+    w_over = statistics.median([g - b for g, b in zip(w_guard, w_bare, strict=True)])
+    return {
+        "model": (name if rows == 4 or name != "big" else f"big x{rows}")
+        + ("" if update_ratio == "sampled" else f" ({update_ratio})"),
+        "params": n_params, "param_bytes": p_bytes,
+        "bare_ms": 1e3 * med_bare, "guard_ms": 1e3 * over, "overhead": over / med_bare,
+        "work_ms": 1e3 * statistics.median(work),
+        "work_overhead": statistics.median(work) / med_bare,
+        "wall_overhead": w_over / statistics.median(w_bare),
+        "copied_bytes": statistics.median(copied), "syncs": max(syncs),
+        "py_peak_bytes": py_peak, "pairs": pairs,
+    }
+
+
+# ---------------------------------------------------------------------------------- cold start
+_FIRST_OBSERVE = """
+import json, time
+t0 = time.perf_counter()
+import numpy as np
+from stability.monitor import Monitor
+t1 = time.perf_counter()
+mon = Monitor("default")
+for fam in ("grad_norm", "update_ratio"):
+    mon.declare_family(fam, ["a", "b", "c"])
+t2 = time.perf_counter()
+mon.observe(0, {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "param_norm": 10.0},
+            families={"grad_norm": np.ones(3), "update_ratio": np.full(3, 1e-3)})
+t3 = time.perf_counter()
+print(json.dumps({"import": t1 - t0, "build": t2 - t1, "first_observe": t3 - t2}))
+"""
+
+
+def first_observe(cache_dir: str) -> dict[str, float]:
+    """Times of a fresh process with ``NUMBA_CACHE_DIR=cache_dir``."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", _FIRST_OBSERVE], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------------- main
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", type=int, default=12, help="timed bare/guarded step pairs")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
+    ap.add_argument("--models", default="mlp,gpt,big")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--big-rows", type=int, default=4,
+                    help="sequences of 32 tokens per step of the big model (default 4)")
+    ap.add_argument("--exact", action="store_true",
+                    help="also time update_ratio='exact' (full copy) for comparison")
+    ap.add_argument("--no-cold", action="store_true", help="skip the first-observe timings")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    device = torch.device(a.device)
+    rows = []
+    for name in a.models.split(","):
+        big = name == "big"
+        pairs = 3 * a.pairs if big else a.pairs * 10
+        rows.append(bench_model(name, pairs, a.warmup, device, rows=a.big_rows))
+        if a.exact:
+            rows.append(bench_model(name, pairs, a.warmup, device, update_ratio="exact",
+                                    rows=a.big_rows))
+    print(f"guard overhead per step ({device}, 1 thread, median of interleaved pairs, default "
+          "guard; bare/guard/overhead in thread CPU time on CPU, 'wall' = the same in wall time)")
+    print(f"{'model':<14}{'params':>11}{'bare':>10}{'guard':>10}{'overhead':>10}{'wall':>8}"
+          f"{'work':>9}{'work %':>8}"
+          f"{'copied/step':>24}{'py peak':>11}{'syncs/step':>11}")
+    for r in rows:
+        frac = r["copied_bytes"] / r["param_bytes"]
+        print(f"{r['model']:<14}{r['params']:>11,}{r['bare_ms']:>8.2f}ms{r['guard_ms']:>8.2f}ms"
+              f"{100 * r['overhead']:>9.1f}%{100 * r['wall_overhead']:>7.1f}%"
+              f"{r['work_ms']:>7.2f}ms{100 * r['work_overhead']:>7.1f}%"
+              f"{_mib(r['copied_bytes']):>13} ({100 * frac:5.1f}%)"
+              f"{_mib(r['py_peak_bytes']):>11}{r['syncs']:>11}")
+    big_rows = [r for r in rows if r["model"].startswith("big") and "(" not in r["model"]]
+    if big_rows:
+        r = big_rows[0]
+        est = max(r["overhead"], r["work_overhead"])
+        print(f"target: <= {100 * TARGET_BIG:.0f}% on the >= 10M model: step difference "
+              f"{100 * r['overhead']:.1f}%, guard work {100 * r['work_overhead']:.1f}% "
+              f"({'met' if est <= TARGET_BIG else 'MISSED'} on the larger of the two)")
+    for r in rows:
+        if "(" not in r["model"]:
+            frac = r["copied_bytes"] / r["param_bytes"]
+            print(f"target: no extra full parameter copy ({r['model']}): "
+                  f"{100 * frac:.1f}% of the parameter bytes copied per step "
+                  f"({'met' if frac < 1.0 else 'MISSED'}); host syncs per step: {r['syncs']} "
+                  f"(target 1: {'met' if r['syncs'] <= 1 else 'MISSED'})")
+    cold: dict[str, Any] = {}
+    if not a.no_cold:
+        with tempfile.TemporaryDirectory() as d:
+            cold["empty"] = first_observe(d)
+            cold["warm"] = first_observe(d)
+        print("first observe of a fresh process (import / Monitor + families / first observe):")
+        for k, target in (("empty", TARGET_COLD_S), ("warm", TARGET_WARM_S)):
+            c = cold[k]
+            ok = "met" if c["first_observe"] <= target else "MISSED"
+            print(f"  {k + ' cache':<12} import {c['import']:.2f} s, build {c['build']:.2f} s, "
+                  f"first observe {c['first_observe']:.2f} s (target <= {target} s: {ok})")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "cold": cold}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
