@@ -137,7 +137,7 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     base_cfg = load_config(base).to_dict()
     cands = make_candidates(base_cfg["detectors"])
     aliases = base_cfg.get("monitor", {}).get("aliases", {})
-    scores = score_runs(runs, cands, aliases, jobs=jobs, progress=progress)
+    scores = score_runs(runs, cands, aliases, jobs=jobs, progress=False)
     t_score = time.perf_counter() - t0
     es = EvalSettings(window=window)
     tuner = Tuner(scores, cands, labels, budget, es, n_thresholds)
