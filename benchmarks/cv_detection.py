@@ -119,9 +119,15 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
                    long_runs: Sequence[tuple[str, str]], *, base: Any = "default",
                    budget: float = 0.5, kinds: Sequence[str] = ("arch", "class"),
                    window: int = 200, n_thresholds: int = 1000, jobs: int | None = 1,
-                   max_class_folds: int | None = None, progress: bool = False
+                   max_class_folds: int | None = None, thresholds_only: bool = False,
+                   long_train: bool = False, progress: bool = False
                    ) -> tuple[list[FoldResult], dict[str, Any]]:
     """Tune on each fold's training part, replay tuned and base config on its held-out part.
+
+    ``thresholds_only`` keeps every binding's parameters and tunes its threshold only (no
+    parameter grid). ``long_train`` puts every other long clean run (the 1st, 3rd, ...) into
+    every fold's training part, so the false-alarm budget also sees long clean stretches; the
+    long-run figures then come from the other half only.
 
     Returns
     -------
@@ -135,13 +141,19 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
 
     t0 = time.perf_counter()
     base_cfg = load_config(base).to_dict()
-    cands = make_candidates(base_cfg["detectors"])
+    cands = make_candidates(base_cfg["detectors"], {} if thresholds_only else None)
     aliases = base_cfg.get("monitor", {}).get("aliases", {})
     scores = score_runs(runs, cands, aliases, jobs=jobs, progress=False)
+    run_ids = [s.run_id for s in scores]
+    long_rows: list[int] = []
+    if long_train:
+        long_tr, long_runs = list(long_runs[::2]), list(long_runs[1::2])
+        long_scores = score_runs(long_tr, cands, aliases, jobs=jobs, progress=False)
+        long_rows = list(range(len(scores), len(scores) + len(long_scores)))
+        scores = [*scores, *long_scores]
     t_score = time.perf_counter() - t0
     es = EvalSettings(window=window)
     tuner = Tuner(scores, cands, labels, budget, es, n_thresholds)
-    run_ids = [s.run_id for s in scores]
     by_id = dict(runs)
     # the base config once on everything (subsets below)
     base_all, base_res = _eval(base, runs, labels, window, jobs)
@@ -152,7 +164,7 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     out = []
     for kind, name, train, test in _fold_rows(run_ids, labels, kinds,
                                                      max_class_folds):
-        choices = tuner.search(train)
+        choices = tuner.search([*train, *long_rows])
         cfg = build_config(base_cfg, cands, choices)
         test_runs = [(run_ids[i], by_id[run_ids[i]]) for i in test]
         tuned, tuned_res = _eval(cfg, test_runs, labels, window, jobs)
@@ -249,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="a tiny run: configurations 0-7 of the set, 4 long runs, arch folds "
                         "and 3 class folds, 100 thresholds")
+    p.add_argument("--thresholds-only", action="store_true",
+                   help="tune thresholds only (keep every binding's other parameters)")
+    p.add_argument("--long-train", action="store_true",
+                   help="also train on every other long clean run (FA evidence for the budget); "
+                        "long-run figures from the other half")
     p.add_argument("--write-tuned", default=None,
                    help="also tune on every run and write the config here (.toml / .json)")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
@@ -269,10 +286,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     folds, extra = cross_validate(runs, labels, long_runs, base=a.base, budget=a.budget,
                                   kinds=kinds, window=a.window, n_thresholds=a.thresholds,
                                   jobs=a.jobs, max_class_folds=3 if a.quick else None,
+                                  thresholds_only=a.thresholds_only, long_train=a.long_train,
                                   progress=not a.quick)
     n_long = sum(1 for _ in long_runs)
-    print(f"{len(runs)} runs from {a.runs}; {n_long} long clean runs from {a.long or '-'}; "
-          f"base {a.base}; budget {a.budget} FA/10k; window {a.window}")
+    print(f"{len(runs)} runs from {a.runs}; {n_long} long clean runs from {a.long or '-'}"
+          f"{' (half trained on)' if a.long_train else ''}; base {a.base}; "
+          f"{'thresholds only' if a.thresholds_only else 'thresholds + grid'}; "
+          f"budget {a.budget} FA/10k; window {a.window}")
     print()
     print("per fold (held-out part; tuned on the rest):")
     print(format_folds(folds))
