@@ -396,7 +396,7 @@ class _DeadlineHTTPConnection(http.client.HTTPConnection):
     def connect(self) -> None:
         self.timeout = max(self.deadline - time.monotonic(), 1e-3)
         super().connect()
-        self.sock = _DeadlineSocket(self.sock, self.deadline)  # type: ignore[assignment]
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
 
 
 class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
@@ -405,7 +405,7 @@ class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
     def connect(self) -> None:
         self.timeout = max(self.deadline - time.monotonic(), 1e-3)
         super().connect()  # TCP connect and TLS handshake, each with the time left
-        self.sock = _DeadlineSocket(self.sock, self.deadline)  # type: ignore[assignment]
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
 
 
 def deadline_opener(deadline: float) -> urllib.request.OpenerDirector:

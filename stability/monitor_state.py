@@ -232,7 +232,7 @@ def _checked_goodput(sd: Any) -> Mapping[str, Any]:
     except ValueError as exc:
         raise ValueError(str(exc).replace("GoodputTracker.load_state_dict(): '",
                                           "Monitor.load_state_dict(): 'goodput.")) from None
-    return sd  # type: ignore[no-any-return]
+    return sd
 
 
 def _read_layout(f: Fields) -> tuple[list[str], list[str], dict[str, list[str]]]:

@@ -47,7 +47,7 @@ def open_binary(path: str) -> IO[bytes]:
     try:
         if is_uri(path):
             fs, inner = pafs.FileSystem.from_uri(path)
-            return fs.open_input_stream(inner)  # type: ignore[no-any-return]
+            return fs.open_input_stream(inner)
         if os.path.isdir(path):
             raise RunFormatError(path, "cannot read (is a directory)")
         return open(path, "rb")

@@ -449,7 +449,7 @@ def save_checkpoint(
         "rng": torch.get_rng_state(),
     }
     if path is None:
-        return _cpu_copy(snap)  # type: ignore[no-any-return]
+        return _cpu_copy(snap)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)

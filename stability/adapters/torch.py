@@ -320,7 +320,7 @@ class TorchGuard:
                 dev = infs[0].device
                 out[AMP_OVERFLOW] = (torch.stack([t.to(dev).reshape(()) for t in infs]).sum()
                                      > 0).float()
-        except Exception:  # noqa: BLE001 - a scaler-like object without the record
+        except Exception:  # a scaler-like object without the record
             log.debug("no found-inf record on the scaler", exc_info=True)
         scale = getattr(scaler, "_scale", None)
         out[LOSS_SCALE] = scale if isinstance(scale, torch.Tensor) else scaler.get_scale()  # type: ignore
@@ -467,11 +467,11 @@ class TorchGuard:
             extra["amp_overflows"] = float(self.amp_overflows)
             try:
                 extra["loss_scale"] = float(self.scaler.get_scale())
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("could not read the loss scale", exc_info=True)
         try:
             return feedback_metrics(self.monitor, self.decision, extra, scores=scores)
-        except Exception:  # noqa: BLE001 - feedback must never kill the run
+        except Exception:  # feedback must never kill the run
             log.debug("feedback metrics failed", exc_info=True)
             return {f"stability/{k}": float(v) for k, v in extra.items()}
 
@@ -490,12 +490,12 @@ class TorchGuard:
             d = mon.observe(step, sig.scalars, families=sig.families)
         else:
             d = mon.observe(step, sig.flat(self.collector.layers))
-        return d  # type: ignore[no-any-return]
+        return d
 
     def _monitor_state(self) -> dict[str, Any] | None:
         if self.monitor is None or not hasattr(self.monitor, "state_dict"):
             return None
-        return self.monitor.state_dict()  # type: ignore[no-any-return]
+        return self.monitor.state_dict()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, healthy: bool, reason: str = "", step: int | None = None,
@@ -649,7 +649,7 @@ class TorchGuard:
             return
         try:
             getattr(self.goodput, method)(*args)
-        except Exception:  # noqa: BLE001 -- bookkeeping must never kill the run
+        except Exception:  # bookkeeping must never kill the run
             log.debug("goodput ledger %s failed", method, exc_info=True)
 
     # ------------------------------------------------------------------ state
