@@ -103,7 +103,7 @@ class AlertSink:
         try:
             self._send(alert)
             self.stats["sent"] += 1
-        except Exception as e:
+        except Exception as e:  # a sink must never break training
             self._failed(e)
 
     def _send(self, alert: Alert) -> None:
@@ -293,7 +293,7 @@ class WebhookSink(AlertSink):
             try:
                 self._post(alert, suppressed)
                 self.stats["sent"] += 1
-            except Exception as e:
+            except Exception as e:  # user-written sinks too
                 self._failed(e)
             finally:
                 with self._cond:

@@ -108,7 +108,7 @@ class StateMixin(LayoutMixin):
         backup = self.state_dict()
         try:
             self._load_state(state, strict)
-        except Exception as exc:
+        except Exception as exc:  # a hostile encoding may raise anything
             self._load_state(backup, True)  # a failed load changes nothing
             if isinstance(exc, ValueError):
                 raise

@@ -50,7 +50,7 @@ def open_binary(path: str) -> IO[bytes]:
             return fs.open_input_stream(inner)
         if os.path.isdir(path):
             raise RunFormatError(path, "cannot read (is a directory)")
-        return open(path, "rb")
+        return open(path, "rb")  # the caller closes it
     except FileNotFoundError:
         raise RunFormatError(path, "cannot read (No such file or directory)") from None
     except (OSError, pa.ArrowException, ValueError) as exc:

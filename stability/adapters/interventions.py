@@ -62,7 +62,7 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
     >>> safe_torch_load(p)["w"].tolist()
     [1.0, 1.0]
     """
-    import pickle
+    import pickle  # only for the exception type
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -227,7 +227,7 @@ class LRMultiplier:
             if flag is not None:
                 sched._get_lr_called_within_step = True
             return [float(v) for v in sched.get_lr()]
-        except Exception:
+        except Exception:  # fall back to taking the written value
             return None
         finally:
             if flag is not None:
