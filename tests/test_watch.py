@@ -388,9 +388,9 @@ def test_state_file_is_written_atomically(tmp_path: Path, rows: list[Any]) -> No
 
 def test_a_long_backlog_is_read_over_several_polls(tmp_path: Path, rows: list[Any],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import replay.watch
+    import replay.watch_sources
 
-    monkeypatch.setattr(replay.watch, "POLL_BYTES", 3000)  # about 30 lines per poll
+    monkeypatch.setattr(replay.watch_sources, "POLL_BYTES", 3000)  # about 30 lines per poll
     log = tmp_path / "train.log"
     log.write_text(_megatron(rows))
     w = Watcher([str(log)], "default", echo=None)
@@ -406,9 +406,9 @@ def test_a_long_backlog_is_read_over_several_polls(tmp_path: Path, rows: list[An
 def test_backlog_quiet_warms_on_history_and_acts_on_new_steps(
         tmp_path: Path, rows: list[Any], poll_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import replay.watch
+    import replay.watch_sources
 
-    monkeypatch.setattr(replay.watch, "POLL_BYTES", poll_bytes)
+    monkeypatch.setattr(replay.watch_sources, "POLL_BYTES", poll_bytes)
     log, hooks_out = tmp_path / "train.jsonl", tmp_path / "hooks.txt"
     log.write_text(_jsonl(rows[:200]))  # history, with the spike at 150
     sent: list[Any] = []
