@@ -6,21 +6,32 @@ keeps a per-series count of non-finite observations (a NaN streak length is in t
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float
+from ._kernel import indices
 from ._state import StateCheck
 
 # state rows: total non-finite count, current streak, last kind (1 nan, 2 +inf, 3 -inf)
 _TOTAL, _STREAK, _LAST = 0, 1, 2
 
 
+class NonFiniteParams(NamedTuple):
+    """Layout of :class:`NonFiniteGuard`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+
+
+_P = indices(NonFiniteParams)
+
+
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
+    threshold = params[_P.threshold]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             if miss[t, 0, i]:
@@ -102,6 +113,7 @@ class NonFiniteGuard(BankDetector):
         return np.zeros((3, n))
 
     kernel = staticmethod(_kernel)
+    param_layout = NonFiniteParams
     state_hyperparameters = ()
 
     def _check_state(self, c: StateCheck) -> None:
