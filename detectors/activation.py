@@ -36,7 +36,7 @@ from ._base import (
     check_float,
     check_int,
 )
-from ._kernel import indices
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 
 AGGREGATES = {"rms": 0.0, "max": 1.0}
@@ -128,7 +128,7 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             for j in range(k):
                 if miss[t, j, i]:
@@ -385,14 +385,8 @@ def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
     c0 = e0 + (nb + 1) + (nb + 2)
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             if state[_H_COUNT, i] < warmup:
                 state[_H_COUNT, i] += 1.0
@@ -439,7 +433,7 @@ def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             buf[w + pos, i] = x
             buf[c0 + b_old, i] -= 1.0

@@ -48,7 +48,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
-from ._kernel import indices
+from ._kernel import indices, skip_value
 from ._state import StateCheck
 
 #: relative safety margin of the division-free cut screen (>> the few ulps it must cover)
@@ -256,14 +256,8 @@ def _run_series(X, miss, i, b, st, params, scores, alarms):  # type: ignore[no-u
     n_drift = st[_NDRIFT]
     c0 = int(b[cnt0])  # row 0's bucket count, kept in a register
     for t in range(X.shape[0]):
-        if miss[t, 0, i]:
-            scores[t, i] = np.nan
-            alarms[t, i] = False
-            continue
         x = X[t, 0, i]
-        if not np.isfinite(x):
-            scores[t, i] = np.inf
-            alarms[t, i] = True
+        if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
             continue
         inc = 0.0
         d = 0.0

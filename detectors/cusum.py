@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
-from ._kernel import indices
+from ._kernel import indices, skip_value
 from ._state import StateCheck
 from .ewma import LOG_FLOOR, ew_update
 
@@ -78,14 +78,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
         s_down = state[_S_DOWN, i]
         std = max(math.sqrt(var), min_std * abs(mean), 1e-300)  # refreshed when they change
         for t in range(X.shape[0]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             y = math.log(max(x, LOG_FLOOR)) if log_space else x
             if count < warmup:

@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from ._base import LOG_FLOOR, MAD_SCALE, BankDetector, FloatArray, check_float, check_int
-from ._kernel import indices
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 
 # TrainValDivergence state rows
@@ -127,7 +127,7 @@ def _tv_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             state[_TM, i] = tm
             state[_TCOUNT, i] = tc
@@ -265,14 +265,8 @@ def _vs_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-
     min_scale = params[_P_VALSPIKE.min_scale]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             v = math.log(max(x, LOG_FLOOR))
             nval = state[_VS_NVAL, i]
@@ -293,7 +287,7 @@ def _vs_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             pos = int(state[_VS_POS, i])
             buf[pos, i] = abs(dv)

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
-from ._kernel import indices
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
@@ -60,14 +60,8 @@ def _jump_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
     direction = params[_P_LRJUMP.direction]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             if x <= 0.0:
                 state[_J_HAS, i] = 0.0
@@ -96,7 +90,7 @@ def _jump_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             ad = abs(d)
             if count >= warmup and clip < np.inf:
@@ -281,7 +275,7 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             if count >= 2.0:
                 buf[pos, i] = a
@@ -461,7 +455,7 @@ def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             state[_L_PREV, i] = y
             state[_L_MEAN, i] = new_mean

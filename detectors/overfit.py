@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_float, check_int
-from ._kernel import indices
+from ._kernel import indices, learns
 from ._state import StateCheck
 
 LOG_FLOOR = 1e-30
@@ -113,7 +113,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             state[_TM, i] = tm
             state[_TCOUNT, i] = tc

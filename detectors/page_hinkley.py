@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
-from ._kernel import indices
+from ._kernel import indices, skip_value
 from ._state import StateCheck
 
 MODES = {"up": 1.0, "down": -1.0, "both": 0.0}
@@ -69,14 +69,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
         min_up = state[_MIN_UP, i]
         max_down = state[_MAX_DOWN, i]
         for t in range(X.shape[0]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             n1 = n + 1.0
             mean1 = mean + (1.0 / n1) * (x - mean)

@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_int
-from ._kernel import indices
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 from .robust import sorted_median, sorted_push
 
@@ -79,14 +79,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     alpha = 2.0 / (window + 1.0)
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             count = state[_COUNT, i]
             ratio = 0.0
@@ -111,7 +105,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             if ring:
                 pos = int(state[_POS, i])

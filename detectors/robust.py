@@ -34,7 +34,7 @@ from ._base import (
     check_float,
     check_int,
 )
-from ._kernel import indices
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
 
@@ -180,14 +180,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     direction = params[_P.direction]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             y = math.log(max(x, LOG_FLOOR)) if log_space else x
             count = int(state[_COUNT, i])
@@ -217,7 +211,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             pos = int(state[_POS, i])
             if robust:
