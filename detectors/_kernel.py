@@ -21,9 +21,12 @@ Prologue
 --------
 :func:`skip_value` is the missing / non-finite handling of the kernel contract
 (``detectors/_base.py``): a missing value scores ``nan`` without an alarm, a non-finite one
-``+inf`` with an alarm, and neither enters the state.  :func:`learns` is the
-freeze-on-alarm rule.  Both are ``inline="always"``: inlined into the kernel's own IR, they
-compile to the same code as the hand-written copies they replace.
+``+inf`` with an alarm, and neither enters the state (:func:`skip_pair`: the same for a
+detector that needs both of its two inputs on every step).  :func:`learns` is the
+freeze-on-alarm rule.  All are ``inline="always"``: inlined into the kernel's own IR, they
+compile to the same code as the hand-written copies they replace.  Kernels whose inputs may
+be missing independently (``TrainValDivergence``, ``OverfitGap``, ``ActivationShift``) and
+``NonFiniteGuard`` (which scores non-finite values) keep their own handling.
 """
 
 from __future__ import annotations
@@ -81,3 +84,17 @@ def skip_value(missing, x, scores, alarms, t, i):  # type: ignore[no-untyped-def
 def learns(alarm, freeze):  # type: ignore[no-untyped-def]
     """Whether a series updates its statistics: not while in alarm with ``freeze_on_alarm``."""
     return not (alarm and freeze)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def skip_pair(missing0, missing1, x0, x1, scores, alarms, t, i):  # type: ignore[no-untyped-def]
+    """:func:`skip_value` for a detector that needs both of its two inputs on every step."""
+    if missing0 or missing1:
+        scores[t, i] = np.nan
+        alarms[t, i] = False
+        return True
+    if not (np.isfinite(x0) and np.isfinite(x1)):
+        scores[t, i] = np.inf
+        alarms[t, i] = True
+        return True
+    return False

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
-from ._kernel import indices, learns, skip_value
+from ._kernel import indices, learns, skip_pair, skip_value
 from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
@@ -219,15 +219,9 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
     min_loss_std = params[_P_LRCORR.min_loss_std]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i] or miss[t, 1, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             loss = X[t, 0, i]
             lr = X[t, 1, i]
-            if not (np.isfinite(loss) and np.isfinite(lr)):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_pair(miss[t, 0, i], miss[t, 1, i], loss, lr, scores, alarms, t, i):
                 continue
             y = math.log(max(loss, LOG_FLOOR))
             count = state[_C_COUNT, i]
@@ -416,15 +410,9 @@ def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
     min_var = params[_P_LRLEVEL.min_var]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i] or miss[t, 1, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             loss = X[t, 0, i]
             lr = X[t, 1, i]
-            if not (np.isfinite(loss) and np.isfinite(lr)):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_pair(miss[t, 0, i], miss[t, 1, i], loss, lr, scores, alarms, t, i):
                 continue
             y = math.log(max(loss, LOG_FLOOR))
             count = state[_L_COUNT, i]
