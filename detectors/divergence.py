@@ -241,6 +241,7 @@ class TrainValDivergence(BankDetector):
 
 # ValSpike state rows
 _VS_PREV, _VS_NVAL, _VS_POS, _VS_NINC = 0, 1, 2, 3
+_VS_FIELDS = 4
 
 
 class ValSpikeParams(NamedTuple):
@@ -353,7 +354,7 @@ class ValSpike(BankDetector):
 
 
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((4, n))
+        return np.zeros((_VS_FIELDS, n))
 
     def _init_buf(self, n: int) -> FloatArray:
         return np.zeros((self.window, n))

@@ -32,6 +32,7 @@ DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
 # LRJump state rows
 _J_PREV, _J_HAS, _J_TYP, _J_COUNT = 0, 1, 2, 3
+_J_FIELDS = 4
 
 
 class LRJumpParams(NamedTuple):
@@ -176,7 +177,7 @@ class LRJump(BankDetector):
         return {"direction": DIRECTIONS[self.direction]}
 
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((4, n))
+        return np.zeros((_J_FIELDS, n))
 
     kernel = staticmethod(_jump_kernel)
     param_layout = LRJumpParams
@@ -191,6 +192,7 @@ class LRJump(BankDetector):
 
 # LRLossCorrelation state rows
 _C_Y, _C_COUNT, _C_LR1, _C_LR2, _C_POS, _C_N = 0, 1, 2, 3, 4, 5
+_C_FIELDS = 6
 
 
 class LRCorrParams(NamedTuple):
@@ -358,7 +360,7 @@ class LRLossCorrelation(BankDetector):
 
 
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((6, n))
+        return np.zeros((_C_FIELDS, n))
 
     def _init_buf(self, n: int) -> FloatArray:
         return np.zeros((2 * self.window, n))
@@ -380,6 +382,7 @@ class LRLossCorrelation(BankDetector):
 
 # LRLevelInstability state rows
 _L_PREV, _L_MEAN, _L_VAR, _L_BASE, _L_MAXLR, _L_COUNT, _L_LR, _L_PEAKED = 0, 1, 2, 3, 4, 5, 6, 7
+_L_FIELDS = 8
 
 
 class LRLevelParams(NamedTuple):
@@ -551,7 +554,7 @@ class LRLevelInstability(BankDetector):
 
 
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((8, n))
+        return np.zeros((_L_FIELDS, n))
 
     kernel = staticmethod(_level_kernel)
     param_layout = LRLevelParams

@@ -17,6 +17,7 @@ from ._state import StateCheck
 
 # state rows: total non-finite count, current streak, last kind (1 nan, 2 +inf, 3 -inf)
 _TOTAL, _STREAK, _LAST = 0, 1, 2
+_N_FIELDS = 3
 
 
 class NonFiniteParams(NamedTuple):
@@ -110,7 +111,7 @@ class NonFiniteGuard(BankDetector):
         super().set_threshold(check_float(name, "threshold", threshold, 0.0, 1.0, high_open=True))
 
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((3, n))
+        return np.zeros((_N_FIELDS, n))
 
     kernel = staticmethod(_kernel)
     param_layout = NonFiniteParams
