@@ -10,7 +10,9 @@ Every detector in this package is one Numba kernel with the signature::
 * ``state``  float64 ``(n_fields, n_series)``    -- running statistics, updated in place.
 * ``buf``    float64 ``(k, n_series)``           -- ring buffers / histograms (``k`` may be 0).
 * ``params`` float64 ``(n_params,)``             -- ``params[0]`` is the threshold and
-  ``params[1]`` the freeze-on-alarm flag; the rest are the detector's own hyperparameters.
+  ``params[1]`` the freeze-on-alarm flag; the rest are the detector's own hyperparameters,
+  in the order of its :attr:`BankDetector.param_layout` (a ``NamedTuple``; the kernel reads
+  ``params[P.alpha]`` with ``P = indices(layout)``, see ``detectors/_kernel.py``).
 * ``scores`` float64 ``(T, n_series)`` and ``alarms`` bool ``(T, n_series)`` -- outputs.
 
 Streaming :meth:`BankDetector.update` calls the *same* kernel with ``T == 1``; batch
@@ -24,6 +26,9 @@ Conventions shared by all kernels:
 * a missing input gives ``score = nan`` and no alarm;
 * ``alarm = score > threshold``; while warming up the score is ``0.0``;
 * with ``freeze_on_alarm`` a series in alarm does not update its statistics.
+
+The missing / non-finite / freeze rules are shared inline helpers
+(``detectors/_kernel.py``: ``skip_value``, ``skip_pair``, ``learns``).
 """
 
 from __future__ import annotations

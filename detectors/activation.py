@@ -530,7 +530,6 @@ class HistogramDrift(BankDetector):
         self.smoothing = check_float(name, "smoothing", smoothing, 0.0, low_open=True)
         self._setup()
 
-
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_H_FIELDS, n))
 

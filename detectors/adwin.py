@@ -418,7 +418,6 @@ class ADWIN(BankDetector):
         self.max_rows = check_int(name, "max_rows", max_rows, 1, 62)
         self._setup()
 
-
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))
         state[_NROWS] = 1.0

@@ -212,7 +212,6 @@ class TrainValDivergence(BankDetector):
         self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
         self._setup()
 
-
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_TV_FIELDS, n))
 
@@ -351,7 +350,6 @@ class ValSpike(BankDetector):
         self.warmup = check_int(name, "warmup", warmup, 1)
         self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
         self._setup()
-
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_VS_FIELDS, n))

@@ -358,7 +358,6 @@ class LRLossCorrelation(BankDetector):
         self.min_loss_std = check_float(name, "min_loss_std", min_loss_std, 0.0)
         self._setup()
 
-
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_C_FIELDS, n))
 
@@ -551,7 +550,6 @@ class LRLevelInstability(BankDetector):
         self.stable_ratio = check_float(name, "stable_ratio", stable_ratio, 0.0, low_open=True)
         self.min_var = check_float(name, "min_var", min_var, 0.0)
         self._setup()
-
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_L_FIELDS, n))
