@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         rows[resume] = mod.run_cell(prec, fault_name(mod, fault), resume,
                                                     seed=args.seed)
-                    except Exception as exc:
+                    except Exception as exc:  # report the cell, go on
                         rows[resume] = {"error": f"{type(exc).__name__}: {exc}"}
                 for resume, row in rows.items():
                     if "error" in row:

@@ -22,6 +22,8 @@ Usage::
 
     python benchmarks/make_benchmark.py --out benchmarks/data/bench14 --jobs 2   # full set
     python benchmarks/make_benchmark.py --quick --out /tmp/b                     # 40 runs
+    python benchmarks/make_benchmark.py --clean-long 24 --steps 1200 \\
+        --out benchmarks/data/bench14_clean_long --jobs 2          # long clean runs (FA check)
 
 Output: ``runs/*.parquet``, ``labels.parquet``, ``labels.json``, ``manifest.json`` (sha256 of
 every file, the generator arguments, library versions).
@@ -159,6 +161,33 @@ def plan(n_configs: int, faults_per_config: int, steps: int, seed: int
         ids = [f"bench_{i:03d}_{c}" for c in "abcdefgh"[:faults_per_config + 1]]
         perm = rng.permutation(len(ids))  # the run id says nothing about the scenario
         out.append((cfg, faults, [ids[j] for j in perm]))
+    return out
+
+
+def plan_clean_long(n_runs: int, steps: int, seed: int
+                    ) -> list[tuple[Config, list[Fault], list[str]]]:
+    """``n_runs`` clean runs for false-alarm evidence, deterministic in the arguments.
+
+    Architectures cycle fastest, precisions (fp32, bf16, fp16) next (12 runs cover every
+    architecture x precision pair), optimizers and schedules rotate so every architecture meets
+    every optimizer within 16 runs. Seeds are disjoint from :func:`plan`'s (offset 50,000), run
+    ids ``long_<i>``.
+
+    Examples
+    --------
+    >>> p = plan_clean_long(4, 1200, 14)
+    >>> [(c.arch, c.precision, c.optimizer) for c, _, _ in p][:2]
+    [('mlp', 'fp32', 'adamw'), ('gpt_pre', 'bf16', 'sgd')]
+    >>> p[0][1], p[0][2]
+    ([], ['long_000'])
+    """
+    out = []
+    na, no = len(ARCHS), len(OPTIMIZERS)
+    for i in range(n_runs):
+        cfg = Config(i, ARCHS[i % na], OPTIMIZERS[(i + i // na) % no],
+                     SCHEDULES[(i // na + i // (na * no)) % len(SCHEDULES)],
+                     PRECISIONS[i % len(PRECISIONS)], seed * 100_003 + 50_000 + i, steps)
+        out.append((cfg, [], [f"long_{i:03d}"]))
     return out
 
 
@@ -472,6 +501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="configurations trained in parallel")
     p.add_argument("--quick", action="store_true",
                    help="a small set for tests: 10 configurations x 4 runs of 160 steps")
+    p.add_argument("--clean-long", type=int, default=0, metavar="N",
+                   help="instead of the benchmark: N clean runs of --steps steps over every "
+                        "architecture, optimizer, schedule and precision (false-alarm evidence)")
     p.add_argument("--only", default=None, help="comma-separated config indices (debugging)")
     p.add_argument("--labels-only", action="store_true",
                    help="only re-derive labels.* and manifest.json from the runs in --out")
@@ -485,7 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if runs_dir.exists() and not a.labels_only:
         shutil.rmtree(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    todo = plan(a.configs, a.faults_per_config, a.steps, a.seed)
+    if a.clean_long:
+        todo = plan_clean_long(a.clean_long, a.steps, a.seed)
+    else:
+        todo = plan(a.configs, a.faults_per_config, a.steps, a.seed)
     if a.only:
         keep = {int(x) for x in a.only.split(",")}
         todo = [t for t in todo if t[0].index in keep]

@@ -63,7 +63,7 @@ def same_value(a: Any, b: Any) -> bool:
         return False
     try:
         return bool(a == b)
-    except Exception:  # noqa: BLE001 -- foreign objects may raise anything
+    except Exception:  # foreign objects may raise anything
         return False
 
 

@@ -858,7 +858,7 @@ class Watcher:
         if self.exporter is not None:
             try:
                 self.exporter.update(d)
-            except Exception as exc:
+            except Exception as exc:  # metrics must not stop the watcher
                 logger.warning("exporter update failed: %s: %s", type(exc).__name__, exc)
         if not (d.alarms or d.interventions):
             return

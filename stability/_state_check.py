@@ -97,7 +97,7 @@ class Fields:
             if hasattr(v, "__index__") and not isinstance(v, bool):
                 try:
                     iv = v.__index__()
-                except Exception:
+                except Exception:  # foreign objects may raise anything
                     iv = None
                 if iv is not None and lo <= iv <= hi:
                     return int(iv)

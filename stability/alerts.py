@@ -103,7 +103,7 @@ class AlertSink:
         try:
             self._send(alert)
             self.stats["sent"] += 1
-        except Exception as e:
+        except Exception as e:  # a sink must never break training
             self._failed(e)
 
     def _send(self, alert: Alert) -> None:
@@ -293,7 +293,7 @@ class WebhookSink(AlertSink):
             try:
                 self._post(alert, suppressed)
                 self.stats["sent"] += 1
-            except Exception as e:
+            except Exception as e:  # user-written sinks too
                 self._failed(e)
             finally:
                 with self._cond:
@@ -396,7 +396,7 @@ class _DeadlineHTTPConnection(http.client.HTTPConnection):
     def connect(self) -> None:
         self.timeout = max(self.deadline - time.monotonic(), 1e-3)
         super().connect()
-        self.sock = _DeadlineSocket(self.sock, self.deadline)  # type: ignore[assignment]
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
 
 
 class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
@@ -405,7 +405,7 @@ class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
     def connect(self) -> None:
         self.timeout = max(self.deadline - time.monotonic(), 1e-3)
         super().connect()  # TCP connect and TLS handshake, each with the time left
-        self.sock = _DeadlineSocket(self.sock, self.deadline)  # type: ignore[assignment]
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
 
 
 def deadline_opener(deadline: float) -> urllib.request.OpenerDirector:

@@ -604,7 +604,7 @@ class MonitorConfig:
 
     def validate_policy(self) -> None:
         """Let :class:`stability.policy.Policy` validate ``[policy]``."""
-        from .policy import Policy
+        from .policy import Policy  # policy imports config
 
         try:
             Policy(copy.deepcopy(self.policy))

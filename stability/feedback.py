@@ -135,7 +135,7 @@ def feedback_metrics(monitor: Any, decision: Any = None,
     if policy is not None and hasattr(policy, "level_at"):
         try:
             level = int(policy.level_at(max(int(step), 0)))
-        except Exception:
+        except Exception:  # feedback must never kill the run
             level = 0
     out[PREFIX + "level"] = float(level)
     alarms = tuple(getattr(decision, "alarms", ()) or ())

@@ -109,7 +109,7 @@ class _Worker(threading.Thread):
                 continue
             try:
                 call.fn(call.item)
-            except BaseException as e:
+            except BaseException as e:  # handed to the caller's thread
                 call.error = e
             with pool.lock:
                 call.finished = True

@@ -156,7 +156,7 @@ class Monitor(ReplayMixin, StateMixin):
             _Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
         ]
         self.policy = _make_policy(self.config.policy)
-        from .alerts import event_log_from_config, sinks_from_config  # noqa: PLC0415
+        from .alerts import event_log_from_config, sinks_from_config
         # config-driven by default: a logging sink unless ``[alerts] log = false``, and the
         # ``[event_log]`` file when one is configured; explicit arguments win
         self._owns_event_log = event_log is None  # close() closes only what it opened
@@ -171,7 +171,7 @@ class Monitor(ReplayMixin, StateMixin):
             alert_sinks = sinks_from_config(self.config)
         self.alert_sinks = list(alert_sinks) if isinstance(alert_sinks, (list, tuple)) else [
             alert_sinks]
-        from .handlers import HandlerRegistry  # noqa: PLC0415
+        from .handlers import HandlerRegistry
         if handler_timeout is _FROM_CONFIG:
             handler_timeout = self.config.monitor.handler_budget_s
         self.max_series = self.config.monitor.max_series
@@ -331,7 +331,7 @@ class Monitor(ReplayMixin, StateMixin):
             return
         try:
             self.goodput.sync()
-        except Exception:  # noqa: BLE001 -- bookkeeping never kills the run
+        except Exception:  # bookkeeping never kills the run
             logger.debug("could not sync the goodput ledger", exc_info=True)
         self._log_goodput()
 
@@ -350,13 +350,13 @@ class Monitor(ReplayMixin, StateMixin):
         if self.event_log is not None:
             try:
                 self.goodput.sync()
-            except Exception:  # noqa: BLE001 -- bookkeeping never kills the run
+            except Exception:  # bookkeeping never kills the run
                 logger.debug("could not sync the goodput ledger", exc_info=True)
             self._log_goodput()
             if self._owns_event_log:
                 try:
                     self.event_log.close()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.debug("could not close the event log", exc_info=True)
         if self._owns_sinks:
             for sink in self.alert_sinks:
@@ -364,7 +364,7 @@ class Monitor(ReplayMixin, StateMixin):
                 try:
                     if shut is not None:
                         shut()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     logger.debug("could not close alert sink %r", sink, exc_info=True)
 
     def __enter__(self) -> Monitor:
@@ -508,7 +508,7 @@ class Monitor(ReplayMixin, StateMixin):
     def calibrate(self, data: Any) -> int:
         """Prime every detector from earlier history without alarming or acting; returns the
         number of rows fed (see :func:`stability.calibrate.calibrate`)."""
-        from .calibrate import calibrate  # noqa: PLC0415
+        from .calibrate import calibrate
         return calibrate(self, data)
 
 

@@ -70,7 +70,7 @@ def to_float(v: Any) -> float | str:
             return f"shape {tuple(shape)}; expected a scalar"
         try:
             return float(v)
-        except Exception as exc:
+        except Exception as exc:  # foreign objects may raise anything
             return f"cannot convert {type(v).__name__} to float ({exc})"
     if hasattr(v, "__array__"):
         try:

@@ -409,7 +409,7 @@ class LayoutMixin:
             if [a.shape for a in arrs] != shapes:
                 return False
             np.concatenate(arrs, out=self._vals[lo:hi], casting="same_kind")
-        except Exception:
+        except Exception:  # anything unusual goes through the checked path
             return False
         self._present[lo:hi] = True
         return True
@@ -435,7 +435,7 @@ class LayoutMixin:
                     if a.dtype.kind not in "fiub":
                         raise TypeError(f"dtype {a.dtype} is not numeric")
                     a = a.astype(np.float64, copy=False)
-                except Exception as exc:
+                except Exception as exc:  # any conversion failure is a bad value
                     self._bad(f"families[{name!r}]: cannot convert ({exc}); skipped", skipped)
                     continue
                 if a.shape != (len(layers),):

@@ -108,7 +108,7 @@ class StateMixin(LayoutMixin):
         backup = self.state_dict()
         try:
             self._load_state(state, strict)
-        except Exception as exc:
+        except Exception as exc:  # a hostile encoding may raise anything
             self._load_state(backup, True)  # a failed load changes nothing
             if isinstance(exc, ValueError):
                 raise
@@ -232,7 +232,7 @@ def _checked_goodput(sd: Any) -> Mapping[str, Any]:
     except ValueError as exc:
         raise ValueError(str(exc).replace("GoodputTracker.load_state_dict(): '",
                                           "Monitor.load_state_dict(): 'goodput.")) from None
-    return sd  # type: ignore[no-any-return]
+    return sd
 
 
 def _read_layout(f: Fields) -> tuple[list[str], list[str], dict[str, list[str]]]:

@@ -59,7 +59,7 @@ class WandbSink(AlertSink):
     def _send(self, alert: Alert) -> None:
         if _rank(alert.severity) < _rank(self.min_severity):
             return
-        import wandb
+        import wandb  # optional dependency, imported when an alert is sent
 
         levels = getattr(wandb, "AlertLevel", None)
         name = _LEVELS.get(alert.severity, "WARN")

@@ -165,7 +165,7 @@ def test_python_snippet_runs(code: str, toml: str | None, tmp_path: Path,
         (tmp_path / "monitor.toml").write_text(toml)
     ns = _prelude(code)
     guard_before = ns["guard"]
-    exec(compile(code, str(README), "exec"), ns)
+    exec(compile(code, str(README), "exec"), ns)  # our own README
     guard = ns.get("guard")
     if guard is not None and guard is not guard_before:  # the snippet attached its own guard
         assert guard.step_count > 0 and guard.stopped is None

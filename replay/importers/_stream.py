@@ -47,10 +47,10 @@ def open_binary(path: str) -> IO[bytes]:
     try:
         if is_uri(path):
             fs, inner = pafs.FileSystem.from_uri(path)
-            return fs.open_input_stream(inner)  # type: ignore[no-any-return]
+            return fs.open_input_stream(inner)
         if os.path.isdir(path):
             raise RunFormatError(path, "cannot read (is a directory)")
-        return open(path, "rb")
+        return open(path, "rb")  # the caller closes it
     except FileNotFoundError:
         raise RunFormatError(path, "cannot read (No such file or directory)") from None
     except (OSError, pa.ArrowException, ValueError) as exc:

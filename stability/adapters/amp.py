@@ -71,7 +71,7 @@ def scaler_enabled(scaler: Any) -> bool:
     fn = getattr(scaler, "is_enabled", None)
     try:
         return bool(fn()) if callable(fn) else hasattr(scaler, "get_scale")
-    except Exception:
+    except Exception:  # reading a scaler must never kill the run
         return False
 
 

@@ -135,7 +135,7 @@ def _callback_handler() -> CallbackHandler | None:
     return None
 
 
-class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignore[misc]
+class StabilityTrainerCallback(TrainerCallback, ExportableState):
     """Measure, decide and act on the Trainer's model, optimizer and scheduler.
 
     Parameters
@@ -173,7 +173,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
             live = [c for c in list(_LIVE) if type(c) is cls and not c._started]
             if len(live) == 1:
                 return live[0]
-        return super().__new__(cls)  # type: ignore[no-any-return]
+        return super().__new__(cls)
 
     def __init__(self, monitor: Any = None, *, take_over_clipping: bool = True,
                  checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
@@ -242,7 +242,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):  # type: ignor
                                   "scaler": getattr(opt, "scaler", None)}  # fp16 GradScaler
         kwargs.update(self.guard_kwargs)
         self.guard = TorchGuard(model, inner, sched, self.monitor, **kwargs)
-        self.guard.store = self.store  # type: ignore[assignment]  # HF's own checkpoints
+        self.guard.store = self.store  # HF's own checkpoints
         self.store.on_drop = self.guard._forget_checkpoint
         if saved is not None:
             self._load(saved, state.global_step)

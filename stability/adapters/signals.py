@@ -258,7 +258,7 @@ class SignalCollector:
         device = self.params[0].device if self.params else torch.device("cpu")
         mask = tuple(p.grad is not None for p in self.params)
         grads = [p.grad for p in self.params if p.grad is not None]
-        layer = self._group_norms(grads, mask, device)  # type: ignore[arg-type]
+        layer = self._group_norms(grads, mask, device)
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
         if self.params:

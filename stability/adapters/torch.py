@@ -56,6 +56,7 @@ from .._state_check import Fields
 from ..feedback import InterventionTally, feedback_metrics, log_interventions
 from ..preemption import install_sigterm_checkpoint
 from ..types import Control, Decision
+from ..watchdog import StallWatchdog
 from .amp import AMP_OVERFLOW, LOSS_SCALE, ensure_unscaled, scaler_enabled
 from .distributed import ControlSync
 from .interventions import (
@@ -124,6 +125,11 @@ class TorchGuard:
         ``loss_scale`` and *without* gradient norms (see :mod:`stability.adapters.amp`).
     log_interventions : bool
         Log one INFO line per acting intervention on the ``stability.adapters`` logger.
+    watchdog : bool or StallWatchdog, optional
+        Stall watchdog (:mod:`stability.watchdog`): ``True`` builds one reporting through the
+        monitor's sinks and event log (``StallWatchdog.for_monitor``); the guard beats it after
+        every step and passes its ``step_time`` (and throughput / MFU when configured) to the
+        monitor.  Stopped by :meth:`detach`.
     checkpoint_on_sigterm : bool
         Preemption: on SIGTERM, checkpoint at the end of the current step (never mid-update),
         then hand the signal to the previous handler (default: the process exits).  Main
@@ -154,6 +160,7 @@ class TorchGuard:
         log_interventions: bool = True,
         checkpoint_on_sigterm: bool = False,
         update_ratio: str = "sampled",
+        watchdog: bool | StallWatchdog | None = None,
     ) -> None:
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
@@ -217,6 +224,9 @@ class TorchGuard:
         self.collector.begin_step(self.step_count)
         self._sigterm = (install_sigterm_checkpoint(lambda: None, chain=False)
                          if checkpoint_on_sigterm else None)
+        self.watchdog: StallWatchdog | None = (
+            watchdog if isinstance(watchdog, StallWatchdog)
+            else StallWatchdog.for_monitor(self.monitor) if watchdog else None)
 
     # ------------------------------------------------------------------ data
     def batches(self, n_batches: int, max_iterations: int | None = None) -> Iterator[int]:
@@ -274,6 +284,8 @@ class TorchGuard:
             self.optimizer.zero_grad(set_to_none=True)
         self.finish()
         self.multiplier.show()  # between steps param_groups show the LR really applied
+        if self.watchdog is not None:
+            self.watchdog.beat(decision.step)
         return decision
 
     def collect(self, loss: Any, metrics: Mapping[str, Any] | None = None) -> Signals:
@@ -283,6 +295,8 @@ class TorchGuard:
             extra.update(self._amp_extra())
         extra.update(self._pending)
         self._pending = {}
+        if self.watchdog is not None:
+            extra.update(self.watchdog.metrics())
         if metrics:
             extra.update(metrics)
         sig = self.collector.collect(loss, extra)
@@ -306,7 +320,7 @@ class TorchGuard:
                 dev = infs[0].device
                 out[AMP_OVERFLOW] = (torch.stack([t.to(dev).reshape(()) for t in infs]).sum()
                                      > 0).float()
-        except Exception:  # noqa: BLE001 - a scaler-like object without the record
+        except Exception:  # a scaler-like object without the record
             log.debug("no found-inf record on the scaler", exc_info=True)
         scale = getattr(scaler, "_scale", None)
         out[LOSS_SCALE] = scale if isinstance(scale, torch.Tensor) else scaler.get_scale()  # type: ignore
@@ -330,6 +344,11 @@ class TorchGuard:
             control, alarmed = self.sync.reduce(control, step, alarmed,
                                                 loss=sig.scalars.get("loss"),
                                                 grad_norm=sig.scalars.get("grad_norm"))
+            ranked = self.sync.rank_alarms
+            if ranked and self.sync.rank == 0:  # identical everywhere: rank 0 records them
+                report = getattr(self.monitor, "report_alarms", None)  # scripted monitors lack it
+                if report is not None:
+                    report(step, ranked)
         self.decision, self.control, self.healthy = decision, control, not alarmed
         self.interventions.extend(decision.interventions)
         if decision.interventions:
@@ -448,11 +467,11 @@ class TorchGuard:
             extra["amp_overflows"] = float(self.amp_overflows)
             try:
                 extra["loss_scale"] = float(self.scaler.get_scale())
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("could not read the loss scale", exc_info=True)
         try:
             return feedback_metrics(self.monitor, self.decision, extra, scores=scores)
-        except Exception:  # noqa: BLE001 - feedback must never kill the run
+        except Exception:  # feedback must never kill the run
             log.debug("feedback metrics failed", exc_info=True)
             return {f"stability/{k}": float(v) for k, v in extra.items()}
 
@@ -471,12 +490,12 @@ class TorchGuard:
             d = mon.observe(step, sig.scalars, families=sig.families)
         else:
             d = mon.observe(step, sig.flat(self.collector.layers))
-        return d  # type: ignore[no-any-return]
+        return d
 
     def _monitor_state(self) -> dict[str, Any] | None:
         if self.monitor is None or not hasattr(self.monitor, "state_dict"):
             return None
-        return self.monitor.state_dict()  # type: ignore[no-any-return]
+        return self.monitor.state_dict()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, healthy: bool, reason: str = "", step: int | None = None,
@@ -630,7 +649,7 @@ class TorchGuard:
             return
         try:
             getattr(self.goodput, method)(*args)
-        except Exception:  # noqa: BLE001 -- bookkeeping must never kill the run
+        except Exception:  # bookkeeping must never kill the run
             log.debug("goodput ledger %s failed", method, exc_info=True)
 
     # ------------------------------------------------------------------ state
@@ -713,9 +732,11 @@ class TorchGuard:
             log.debug("could not reconcile the checkpoint ledger", exc_info=True)
 
     def detach(self) -> None:
-        """Remove every hook this guard installed."""
+        """Remove every hook this guard installed (and stop its watchdog)."""
         self.multiplier.remove()
         self.collector.remove()
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
 
 _COUNTERS = ("steps_skipped", "batches_skipped", "rollbacks", "steps_lost", "checkpoints_taken",

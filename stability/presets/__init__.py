@@ -36,7 +36,7 @@ def list_presets() -> list[str]:
 
 def load_preset(name: str) -> dict[str, Any]:
     """The parsed (unvalidated) preset document; raises ``ConfigError`` for unknown names."""
-    from ..registry import ConfigError, did_you_mean  # noqa: PLC0415
+    from ..registry import ConfigError, did_you_mean
 
     known = list_presets()
     if name not in known:

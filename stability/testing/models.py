@@ -79,13 +79,13 @@ class CausalConvLM(nn.Module):
     def spike_target(self) -> nn.Module:
         """The module ``activation_spike`` scales: the first block's output projection."""
         blk: Any = self.blocks[0]
-        return blk.proj  # type: ignore[no-any-return]
+        return blk.proj
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx).transpose(1, 2)
         for blk in self.blocks:
             x = blk(x)
-        return self.head(self.ln(x.transpose(1, 2)))  # type: ignore[no-any-return]
+        return self.head(self.ln(x.transpose(1, 2)))
 
 
 def _char_task(name: str, factory: Callable[[], nn.Module]) -> Callable[[int, int | None], Task]:

@@ -268,7 +268,7 @@ class TinyGPT(nn.Module):
         mask: torch.Tensor = self.mask  # type: ignore[assignment]
         for blk in self.blocks:
             x = blk(x, src_mask=mask[:t, :t], is_causal=True)
-        return self.head(self.ln(x))  # type: ignore[no-any-return]
+        return self.head(self.ln(x))
 
 
 class MLP(nn.Sequential):
@@ -523,10 +523,10 @@ def spike_module(net: nn.Module) -> nn.Module:
     """
     target = getattr(net, "spike_target", None)
     if callable(target):
-        return target()  # type: ignore[no-any-return]
+        return target()
     if isinstance(net, TinyGPT):
         blk: Any = net.blocks[0]
-        return blk.linear2  # type: ignore[no-any-return]
+        return blk.linear2
     mods = [m for m in net.modules() if isinstance(m, nn.Linear)]
     return mods[1] if len(mods) > 2 else mods[0]
 
@@ -654,7 +654,7 @@ def train_run(
     if monitor is not None or recorder is not None:
         kw = dict(checkpoint_every=checkpoint_every, clip_norm=clip_norm, scaler=scaler)
         kw.update(guard_kwargs or {})
-        guard = TorchGuard(net, opt, sched, monitor, recorder=recorder, **kw)  # type: ignore[arg-type]
+        guard = TorchGuard(net, opt, sched, monitor, recorder=recorder, **kw)
     cap = max_iterations or 3 * steps
     step_lr = [math.nan]
 

@@ -165,7 +165,7 @@ def train(workdir: str, kill_step: int = -1, phase: str = "", resume: bool = Fal
                        "monitor": json.dumps(mon.state_dict(), allow_nan=False)}
             _save_ckpt(ckpt, payload, torn=(s == kill_step and phase == "ckpt_write"))
         if s == kill_step and phase == "torn_event":
-            os.write(log._fd, b'{"type":"alarm","step":')
+            os.write(log._fd, b'{"type":"alarm","step":')  # simulate a torn write
             _die()
     rec.close()
     log.close()

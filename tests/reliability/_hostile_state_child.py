@@ -159,7 +159,7 @@ def main() -> int:
                 rejected += 1
                 start = HISTORY
             check(mon, rng, start)
-        except Exception as exc:
+        except Exception as exc:  # every other outcome is a failure
             print("FAIL", json.dumps(plan), type(exc).__name__, exc, flush=True)
             traceback.print_exc()
             return 1

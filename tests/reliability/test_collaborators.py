@@ -45,7 +45,7 @@ def _run_bounded(fn: Any, timeout: float = LIVENESS_S) -> Any:
     def target() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:
+        except BaseException as e:  # re-raised below
             box["error"] = e
 
     t = threading.Thread(target=target, daemon=True)
@@ -149,7 +149,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     mode = "500"
     hits = 0
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # http.server API
         type(self).hits += 1
         n = int(self.headers.get("Content-Length", 0))
         self.rfile.read(n)

@@ -46,7 +46,7 @@ FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
 def clear_error(fn: Callable[[], Any], path: Path | str, exc: type[Exception] = RunFormatError
                 ) -> Exception:
     """``fn()`` must raise ``exc`` naming ``path``; returns the exception."""
-    with pytest.raises(Exception) as info:
+    with pytest.raises(Exception) as info:  # the type is checked below
         fn()
     e = info.value
     assert isinstance(e, exc), f"{type(e).__name__} instead of {exc.__name__}: {e}"

@@ -187,7 +187,7 @@ def test_series_cap_bounds_the_wildcard_bank(caplog: pytest.LogCaptureFixture) -
     assert mon.counters["skipped_values"] == n_skipped
     warnings = [r for r in caplog.records if "max_series" in r.getMessage()]
     assert len(warnings) == 1  # one warning per bank
-    assert len(mon._cache) <= cap + 1
+    assert len(mon._cache) <= cap + 1  # names past the cap are not cached
     _still_watching(mon, 400)  # names already in the bank are still watched
     d = mon.observe(401, {"new_metric_3": math.nan})
     assert [a.signal for a in d.alarms] == ["new_metric_3"]

@@ -129,7 +129,7 @@ def alarms_of(decisions: list[Any]) -> list[tuple[Any, ...]]:
 
 
 def assert_state_finite(mon: Monitor) -> None:
-    sd_bindings = mon._bindings
+    sd_bindings = mon._bindings  # white-box: every bank's state arrays
     for b in sd_bindings:
         st_ = b.det._state
         fresh = b.det._init_state(st_.shape[1])  # sentinel fields (e.g. +-inf minima) allowed
