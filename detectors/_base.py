@@ -10,7 +10,9 @@ Every detector in this package is one Numba kernel with the signature::
 * ``state``  float64 ``(n_fields, n_series)``    -- running statistics, updated in place.
 * ``buf``    float64 ``(k, n_series)``           -- ring buffers / histograms (``k`` may be 0).
 * ``params`` float64 ``(n_params,)``             -- ``params[0]`` is the threshold and
-  ``params[1]`` the freeze-on-alarm flag; the rest are the detector's own hyperparameters.
+  ``params[1]`` the freeze-on-alarm flag; the rest are the detector's own hyperparameters,
+  in the order of its :attr:`BankDetector.param_layout` (a ``NamedTuple``; the kernel reads
+  ``params[P.alpha]`` with ``P = indices(layout)``, see ``detectors/_kernel.py``).
 * ``scores`` float64 ``(T, n_series)`` and ``alarms`` bool ``(T, n_series)`` -- outputs.
 
 Streaming :meth:`BankDetector.update` calls the *same* kernel with ``T == 1``; batch
@@ -24,6 +26,9 @@ Conventions shared by all kernels:
 * a missing input gives ``score = nan`` and no alarm;
 * ``alarm = score > threshold``; while warming up the score is ``0.0``;
 * with ``freeze_on_alarm`` a series in alarm does not update its statistics.
+
+The missing / non-finite / freeze rules are shared inline helpers
+(``detectors/_kernel.py``: ``skip_value``, ``skip_pair``, ``learns``).
 """
 
 from __future__ import annotations
@@ -165,6 +170,10 @@ class BankDetector:
     #: the hyperparameters whose value shapes the state (a snapshot taken with other values is
     #: incompatible); the others (threshold, alpha, ...) may differ and this detector's win
     state_hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: the ``params`` layout: a ``NamedTuple`` class whose fields, in order, name the entries of
+    #: the kernel's float64 ``params`` array, ``threshold`` and ``freeze_on_alarm`` first (see
+    #: ``detectors/_kernel.py``); ``None``: the subclass overrides :meth:`_extra_params`
+    param_layout: ClassVar[type[tuple[float, ...]] | None] = None
 
     def __init__(self, n_series: int = 1, threshold: float = 6.0, freeze_on_alarm: bool = False):
         name = type(self).__name__
@@ -174,8 +183,26 @@ class BankDetector:
 
     # ------------------------------------------------------------------ subclass hooks
     def _extra_params(self) -> list[float]:
-        """Detector-specific hyperparameters, in the order the kernel reads them."""
-        return []
+        """Detector-specific hyperparameters, in the order the kernel reads them.
+
+        By default the fields of :attr:`param_layout` after ``threshold, freeze_on_alarm``:
+        the value of :meth:`_param_values` where it has the field, else the attribute of the
+        same name, as a float.
+        """
+        layout = self.param_layout
+        if layout is None:
+            return []
+        fields: tuple[str, ...] = layout._fields  # type: ignore[attr-defined]
+        given = self._param_values()
+        unknown = set(given) - set(fields)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: no params field(s) {sorted(unknown)}.")
+        return [float(given[f] if f in given else getattr(self, f)) for f in fields[2:]]
+
+    def _param_values(self) -> dict[str, float]:
+        """Values of :attr:`param_layout` fields that are not plain attributes (e.g. an enum
+        mapped to a float)."""
+        return {}
 
     def _init_state(self, n: int) -> FloatArray:
         """Fresh state for ``n`` series, shape ``(n_fields, n)``."""
@@ -342,6 +369,28 @@ class BankDetector:
             self._score1[0] = scores[-1]
             self._alarm1[0] = alarms[-1]
         return scores, alarms
+
+    def bind_outputs(self, scores: FloatArray, alarms: BoolArray) -> None:
+        """Write the outputs of :meth:`update` / :meth:`update_array` into the caller's arrays.
+
+        ``scores`` (float64) and ``alarms`` (bool) have shape ``(1, n_series)`` and may be views
+        of larger arrays (the monitor binds slices of its own).  Their current contents become
+        :attr:`score` / :attr:`alarm`, so copy the last outputs in first to keep them.
+        :meth:`grow`, :meth:`reset` and loading a state allocate fresh arrays (bind again).
+        """
+        n = self.n_series
+        if scores.shape != (1, n) or scores.dtype != np.float64:
+            raise ValueError(
+                f"{type(self).__name__}.bind_outputs(): scores must be float64 of shape "
+                f"(1, {n}); got {scores.dtype} {scores.shape}."
+            )
+        if alarms.shape != (1, n) or alarms.dtype != np.bool_:
+            raise ValueError(
+                f"{type(self).__name__}.bind_outputs(): alarms must be bool of shape "
+                f"(1, {n}); got {alarms.dtype} {alarms.shape}."
+            )
+        self._score1 = scores
+        self._alarm1 = alarms
 
     @property
     def score(self) -> FloatArray:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -35,14 +36,13 @@ from ._base import (
     check_float,
     check_int,
 )
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 
 AGGREGATES = {"rms": 0.0, "max": 1.0}
 
 # ActivationShift state rows, per feature j: 3*j + field
 _LOC, _SCALE, _COUNT = 0, 1, 2
-# params: [threshold, freeze, alpha, warmup, min_scale, clip, aggregate, log_0 .. log_{k-1}]
-_AS_LOG0 = 7
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -51,15 +51,33 @@ def _floored_scale(loc: float, scale: float, log_space: bool, min_scale: float) 
     return max(scale * MEAN_AD_SCALE, floor, 1e-300)
 
 
+class ShiftParams(NamedTuple):
+    """Layout of :class:`ActivationShift`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    warmup: float
+    min_scale: float
+    clip: float
+    aggregate: float
+    # followed by one log-space flag per feature: params[_AS_LOG0 + j]
+
+
+_P_SHIFT = indices(ShiftParams)
+#: index of feature 0's log-space flag, after the fixed fields
+_AS_LOG0 = len(ShiftParams._fields)
+
+
 @njit(cache=True, error_model="numpy")
 def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    alpha = params[2]
-    warmup = params[3]
-    min_scale = params[4]
-    clip = params[5]
-    use_max = params[6] != 0.0
+    threshold = params[_P_SHIFT.threshold]
+    freeze = params[_P_SHIFT.freeze_on_alarm] != 0.0
+    alpha = params[_P_SHIFT.alpha]
+    warmup = params[_P_SHIFT.warmup]
+    min_scale = params[_P_SHIFT.min_scale]
+    clip = params[_P_SHIFT.clip]
+    use_max = params[_P_SHIFT.aggregate] != 0.0
     k = X.shape[1]
     ys = np.empty(k)  # transformed inputs, computed once per layer and step
     for t in range(X.shape[0]):
@@ -110,7 +128,7 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             for j in range(k):
                 if miss[t, j, i]:
@@ -245,20 +263,17 @@ class ActivationShift(BankDetector):
         setattr(self, "input_names", tuple(f"x{j}" for j in range(self.n_features)))  # noqa: B010
         self._setup()
 
+    def _param_values(self) -> dict[str, float]:
+        return {"aggregate": AGGREGATES[self.aggregate]}
+
     def _extra_params(self) -> list[float]:
-        return [
-            self.alpha,
-            float(self.warmup),
-            self.min_scale,
-            self.clip,
-            AGGREGATES[self.aggregate],
-            *(float(bool(b)) for b in self.log_space),
-        ]
+        return [*super()._extra_params(), *(float(bool(b)) for b in self.log_space)]
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((3 * self.n_features, n))
 
     kernel = staticmethod(_shift_kernel)
+    param_layout = ShiftParams
     state_hyperparameters = ("n_features", "log_space")
 
     def _check_state(self, c: StateCheck) -> None:
@@ -282,7 +297,6 @@ class ActivationShift(BankDetector):
 # state rows
 _H_COUNT, _H_NREF, _H_POS, _H_NCUR, _H_SCORE, _H_SINCE = 0, 1, 2, 3, 4, 5
 _H_FIELDS = 6
-# params: [threshold, freeze, window, n_bins, warmup, stride, refresh, smoothing]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -341,28 +355,38 @@ def _psi(buf, i, w, nb, smoothing, b_add, b_del):  # type: ignore[no-untyped-def
     return out
 
 
+class HistogramParams(NamedTuple):
+    """Layout of :class:`HistogramDrift`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    window: float
+    n_bins: float
+    warmup: float
+    stride: float
+    refresh: float
+    smoothing: float
+
+
+_P_HISTOGRAM = indices(HistogramParams)
+
+
 @njit(cache=True, error_model="numpy")
 def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    w = int(params[2])
-    nb = int(params[3])
-    warmup = params[4]
-    stride = int(params[5])
-    refresh = int(params[6])
-    smoothing = params[7]
+    threshold = params[_P_HISTOGRAM.threshold]
+    freeze = params[_P_HISTOGRAM.freeze_on_alarm] != 0.0
+    w = int(params[_P_HISTOGRAM.window])
+    nb = int(params[_P_HISTOGRAM.n_bins])
+    warmup = params[_P_HISTOGRAM.warmup]
+    stride = int(params[_P_HISTOGRAM.stride])
+    refresh = int(params[_P_HISTOGRAM.refresh])
+    smoothing = params[_P_HISTOGRAM.smoothing]
     e0 = 2 * w
     c0 = e0 + (nb + 1) + (nb + 2)
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             if state[_H_COUNT, i] < warmup:
                 state[_H_COUNT, i] += 1.0
@@ -409,7 +433,7 @@ def _hist_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             buf[w + pos, i] = x
             buf[c0 + b_old, i] -= 1.0
@@ -506,16 +530,6 @@ class HistogramDrift(BankDetector):
         self.smoothing = check_float(name, "smoothing", smoothing, 0.0, low_open=True)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            float(self.window),
-            float(self.n_bins),
-            float(self.warmup),
-            float(self.stride),
-            float(self.refresh),
-            self.smoothing,
-        ]
-
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_H_FIELDS, n))
 
@@ -525,6 +539,7 @@ class HistogramDrift(BankDetector):
         return np.zeros((2 * self.window + 3 * self.n_bins + 5, n))
 
     kernel = staticmethod(_hist_kernel)
+    param_layout = HistogramParams
     state_hyperparameters = ("window", "n_bins")
 
     def _check_state(self, c: StateCheck) -> None:

@@ -42,10 +42,13 @@ limits, so the drift indices stay identical to river's.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._kernel import indices, skip_value
 from ._state import StateCheck
 
 #: relative safety margin of the division-free cut screen (>> the few ulps it must cover)
@@ -58,8 +61,6 @@ ROUNDING = 1e-12
 # state rows
 _TOTAL, _VARIANCE, _WIDTH, _TICK, _NROWS, _NDRIFT = 0, 1, 2, 3, 4, 5
 _N_FIELDS = 6
-# params: [threshold, freeze, delta, clock, max_buckets, min_window_length, grace_period,
-#          reset_on_drift, max_rows]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -217,17 +218,34 @@ def _detect(b, cap, rows, n_rows, width, total, variance, delta, mwl):  # type: 
     return change, best, n_rows, width, total, variance
 
 
+class ADWINParams(NamedTuple):
+    """Layout of :class:`ADWIN`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    delta: float
+    clock: float
+    max_buckets: float
+    min_window_length: float
+    grace_period: float
+    reset_on_drift: float
+    max_rows: float
+
+
+_P = indices(ADWINParams)
+
+
 @njit(cache=True, error_model="numpy")
 def _run_series(X, miss, i, b, st, params, scores, alarms):  # type: ignore[no-untyped-def]
     """Run series ``i`` over all steps; ``b`` is its buffer column, ``st`` its state column."""
-    threshold = params[0]
-    delta = params[2]
-    clock = params[3]
-    cap = int(params[4]) + 1
-    mwl = params[5]
-    grace = params[6]
-    reset = params[7] != 0.0
-    rows = int(params[8])
+    threshold = params[_P.threshold]
+    delta = params[_P.delta]
+    clock = params[_P.clock]
+    cap = int(params[_P.max_buckets]) + 1
+    mwl = params[_P.min_window_length]
+    grace = params[_P.grace_period]
+    reset = params[_P.reset_on_drift] != 0.0
+    rows = int(params[_P.max_rows])
     vo = rows * cap
     cnt0 = 2 * vo
     total = st[_TOTAL]
@@ -238,14 +256,8 @@ def _run_series(X, miss, i, b, st, params, scores, alarms):  # type: ignore[no-u
     n_drift = st[_NDRIFT]
     c0 = int(b[cnt0])  # row 0's bucket count, kept in a register
     for t in range(X.shape[0]):
-        if miss[t, 0, i]:
-            scores[t, i] = np.nan
-            alarms[t, i] = False
-            continue
         x = X[t, 0, i]
-        if not np.isfinite(x):
-            scores[t, i] = np.inf
-            alarms[t, i] = True
+        if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
             continue
         inc = 0.0
         d = 0.0
@@ -406,17 +418,6 @@ class ADWIN(BankDetector):
         self.max_rows = check_int(name, "max_rows", max_rows, 1, 62)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            self.delta,
-            float(self.clock),
-            float(self.max_buckets),
-            float(self.min_window_length),
-            float(self.grace_period),
-            float(self.reset_on_drift),
-            float(self.max_rows),
-        ]
-
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))
         state[_NROWS] = 1.0
@@ -427,6 +428,7 @@ class ADWIN(BankDetector):
         return np.zeros((self.max_rows * (2 * cap + 1), n))
 
     kernel = staticmethod(_kernel)
+    param_layout = ADWINParams
     state_hyperparameters = ("max_buckets", "max_rows", "clock")
 
     def _check_state(self, c: StateCheck) -> None:

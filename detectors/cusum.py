@@ -25,11 +25,13 @@ the statistics: it scores ``+inf``, alarms, and the series restarts its warm-up 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._kernel import indices, skip_value
 from ._state import StateCheck
 from .ewma import LOG_FLOOR, ew_update
 
@@ -38,20 +40,36 @@ DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 # state rows: reference mean, M2 (warm-up) / variance (after), count, upper and lower sums
 _MEAN, _VAR, _COUNT, _S_UP, _S_DOWN = 0, 1, 2, 3, 4
 _N_FIELDS = 5
-# params: [threshold, freeze, k, warmup, alpha, min_std, direction, log_space, reset_on_alarm]
+
+
+class CUSUMParams(NamedTuple):
+    """Layout of :class:`CUSUM`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    k: float
+    warmup: float
+    alpha: float
+    min_std: float
+    direction: float
+    log_space: float
+    reset_on_alarm: float
+
+
+_P = indices(CUSUMParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    k = params[2]
-    warmup = params[3]
-    alpha = params[4]
-    min_std = params[5]
-    direction = params[6]
-    log_space = params[7] != 0.0
-    reset = params[8] != 0.0
+    threshold = params[_P.threshold]
+    freeze = params[_P.freeze_on_alarm] != 0.0
+    k = params[_P.k]
+    warmup = params[_P.warmup]
+    alpha = params[_P.alpha]
+    min_std = params[_P.min_std]
+    direction = params[_P.direction]
+    log_space = params[_P.log_space] != 0.0
+    reset = params[_P.reset_on_alarm] != 0.0
     for i in range(X.shape[2]):
         mean = state[_MEAN, i]
         var = state[_VAR, i]
@@ -60,14 +78,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
         s_down = state[_S_DOWN, i]
         std = max(math.sqrt(var), min_std * abs(mean), 1e-300)  # refreshed when they change
         for t in range(X.shape[0]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             y = math.log(max(x, LOG_FLOOR)) if log_space else x
             if count < warmup:
@@ -219,21 +231,14 @@ class CUSUM(BankDetector):
         self.reset_on_alarm = check_bool(name, "reset_on_alarm", reset_on_alarm)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            self.k,
-            float(self.warmup),
-            self.alpha,
-            self.min_std,
-            DIRECTIONS[self.direction],
-            float(self.log_space),
-            float(self.reset_on_alarm),
-        ]
+    def _param_values(self) -> dict[str, float]:
+        return {"direction": DIRECTIONS[self.direction]}
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))
 
     kernel = staticmethod(_kernel)
+    param_layout = CUSUMParams
     state_hyperparameters = ("log_space", "warmup")
 
     def _check_state(self, c: StateCheck) -> None:

@@ -30,27 +30,42 @@ drifts on a plateau from producing large t-values.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from ._base import LOG_FLOOR, MAD_SCALE, BankDetector, FloatArray, check_float, check_int
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 
 # TrainValDivergence state rows
 _TM, _TCOUNT, _PREV_V, _PREV_M, _NVAL, _POS, _NINC, _HAS_M = 0, 1, 2, 3, 4, 5, 6, 7
 _TV_FIELDS = 8
-# params: [threshold, freeze, alpha, n_points, warmup, min_scale]
+
+
+class TrainValParams(NamedTuple):
+    """Layout of :class:`TrainValDivergence`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    n_points: float
+    warmup: float
+    min_scale: float
+
+
+_P_TRAINVAL = indices(TrainValParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _tv_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    alpha = params[2]
-    m_pts = int(params[3])
-    warmup = params[4]
-    min_scale = params[5]
+    threshold = params[_P_TRAINVAL.threshold]
+    freeze = params[_P_TRAINVAL.freeze_on_alarm] != 0.0
+    alpha = params[_P_TRAINVAL.alpha]
+    m_pts = int(params[_P_TRAINVAL.n_points])
+    warmup = params[_P_TRAINVAL.warmup]
+    min_scale = params[_P_TRAINVAL.min_scale]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             has_l = not miss[t, 0, i]
@@ -112,7 +127,7 @@ def _tv_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             state[_TM, i] = tm
             state[_TCOUNT, i] = tc
@@ -197,9 +212,6 @@ class TrainValDivergence(BankDetector):
         self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [self.alpha, float(self.n_points), float(self.warmup), self.min_scale]
-
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_TV_FIELDS, n))
 
@@ -207,6 +219,7 @@ class TrainValDivergence(BankDetector):
         return np.zeros((self.n_points, n))
 
     kernel = staticmethod(_tv_kernel)
+    param_layout = TrainValParams
     state_hyperparameters = ("n_points",)
 
     def _check_state(self, c: StateCheck) -> None:
@@ -227,26 +240,33 @@ class TrainValDivergence(BankDetector):
 
 # ValSpike state rows
 _VS_PREV, _VS_NVAL, _VS_POS, _VS_NINC = 0, 1, 2, 3
-# params: [threshold, freeze, window, warmup, min_scale]
+_VS_FIELDS = 4
+
+
+class ValSpikeParams(NamedTuple):
+    """Layout of :class:`ValSpike`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    window: float
+    warmup: float
+    min_scale: float
+
+
+_P_VALSPIKE = indices(ValSpikeParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _vs_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    w = int(params[2])
-    warmup = params[3]
-    min_scale = params[4]
+    threshold = params[_P_VALSPIKE.threshold]
+    freeze = params[_P_VALSPIKE.freeze_on_alarm] != 0.0
+    w = int(params[_P_VALSPIKE.window])
+    warmup = params[_P_VALSPIKE.warmup]
+    min_scale = params[_P_VALSPIKE.min_scale]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             v = math.log(max(x, LOG_FLOOR))
             nval = state[_VS_NVAL, i]
@@ -267,7 +287,7 @@ def _vs_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             pos = int(state[_VS_POS, i])
             buf[pos, i] = abs(dv)
@@ -331,16 +351,14 @@ class ValSpike(BankDetector):
         self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [float(self.window), float(self.warmup), self.min_scale]
-
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((4, n))
+        return np.zeros((_VS_FIELDS, n))
 
     def _init_buf(self, n: int) -> FloatArray:
         return np.zeros((self.window, n))
 
     kernel = staticmethod(_vs_kernel)
+    param_layout = ValSpikeParams
     state_hyperparameters = ("window",)
 
     def _check_state(self, c: StateCheck) -> None:

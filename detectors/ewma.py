@@ -14,6 +14,7 @@ heavy-tailed loss and gradient-norm streams.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -26,6 +27,7 @@ from ._base import (
     check_float,
     check_int,
 )
+from ._kernel import indices, skip_value
 from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
@@ -33,7 +35,23 @@ DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 # state rows
 _MEAN, _VAR, _COUNT = 0, 1, 2
 _N_FIELDS = 3
-# params: [threshold, freeze, alpha, warmup, log_space, min_std, direction, clip, debias]
+
+
+class EWMAParams(NamedTuple):
+    """Layout of :class:`EWMAZScore`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    warmup: float
+    log_space: float
+    min_std: float
+    direction: float  # DIRECTIONS value
+    clip: float
+    debias: float
+
+
+_P = indices(EWMAParams)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -92,22 +110,22 @@ def _step(y, mean, var, count, p, debias):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, error_model="numpy", inline="always")
 def _unpack(params):  # type: ignore[no-untyped-def]
-    alpha = params[2]
+    alpha = params[_P.alpha]
     # From this count on max(alpha, 1 / (count + 1)) == alpha exactly: 1 / (count + 1) < alpha
     # in real arithmetic, and rounding is monotone (inf where 2 / alpha would overflow).
     debias_until = 0.0
-    if params[8] != 0.0:
+    if params[_P.debias] != 0.0:
         debias_until = 2.0 / alpha + 2.0 if alpha > 1e-300 else np.inf
     return (
-        params[0],
-        params[1] != 0.0,
+        params[_P.threshold],
+        params[_P.freeze_on_alarm] != 0.0,
         alpha,
-        params[3],
-        params[4] != 0.0,
-        params[5],
-        params[6],
-        params[7],
-        params[7] < np.inf,
+        params[_P.warmup],
+        params[_P.log_space] != 0.0,
+        params[_P.min_std],
+        params[_P.direction],
+        params[_P.clip],
+        params[_P.clip] < np.inf,
         debias_until,
     )
 
@@ -123,19 +141,12 @@ def _series_steps(X, miss, ys, t_lo, scores, alarms, i, t, t_hi, mean, var, coun
     while t < t_hi:
         if debias and count >= p[9]:
             break
-        if miss[t, 0, i]:
-            scores[t, i] = np.nan
-            alarms[t, i] = False
-        else:
-            x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
-            else:
-                y = ys[t - t_lo] if log_space else x
-                s, a, mean, var, count = _step(y, mean, var, count, p, debias)
-                scores[t, i] = s
-                alarms[t, i] = a
+        x = X[t, 0, i]
+        if not skip_value(miss[t, 0, i], x, scores, alarms, t, i):
+            y = ys[t - t_lo] if log_space else x
+            s, a, mean, var, count = _step(y, mean, var, count, p, debias)
+            scores[t, i] = s
+            alarms[t, i] = a
         t += 1
     return t, mean, var, count
 
@@ -179,14 +190,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             for i in range(n):
                 ys[i] = math.log(max(X[t, 0, i], LOG_FLOOR))
         for i in range(n):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             y = ys[i] if log_space else x
             count = state[_COUNT, i]
@@ -245,6 +250,7 @@ class EWMAZScore(BankDetector):
     """
 
     kind = "spike"
+    param_layout = EWMAParams
     hyperparameters = (
         "alpha",
         "warmup",
@@ -284,16 +290,8 @@ class EWMAZScore(BankDetector):
         self.debias = check_bool(name, "debias", debias)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            self.alpha,
-            float(self.warmup),
-            float(self.log_space),
-            self.min_std,
-            DIRECTIONS[self.direction],
-            self.clip,
-            float(self.debias),
-        ]
+    def _param_values(self) -> dict[str, float]:
+        return {"direction": DIRECTIONS[self.direction]}
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))

@@ -19,39 +19,50 @@ scores 0 in :class:`LRJump` and contributes no LR change in :class:`LRLossCorrel
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
+from ._kernel import indices, learns, skip_pair, skip_value
 from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
 # LRJump state rows
 _J_PREV, _J_HAS, _J_TYP, _J_COUNT = 0, 1, 2, 3
-# params: [threshold, freeze, alpha, warmup, min_delta, clip, direction]
+_J_FIELDS = 4
+
+
+class LRJumpParams(NamedTuple):
+    """Layout of :class:`LRJump`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    warmup: float
+    min_delta: float
+    clip: float
+    direction: float
+
+
+_P_LRJUMP = indices(LRJumpParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _jump_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    alpha = params[2]
-    warmup = params[3]
-    min_delta = params[4]
-    clip = params[5]
-    direction = params[6]
+    threshold = params[_P_LRJUMP.threshold]
+    freeze = params[_P_LRJUMP.freeze_on_alarm] != 0.0
+    alpha = params[_P_LRJUMP.alpha]
+    warmup = params[_P_LRJUMP.warmup]
+    min_delta = params[_P_LRJUMP.min_delta]
+    clip = params[_P_LRJUMP.clip]
+    direction = params[_P_LRJUMP.direction]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             if x <= 0.0:
                 state[_J_HAS, i] = 0.0
@@ -80,7 +91,7 @@ def _jump_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             ad = abs(d)
             if count >= warmup and clip < np.inf:
@@ -162,19 +173,14 @@ class LRJump(BankDetector):
         self.direction = direction
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            self.alpha,
-            float(self.warmup),
-            self.min_delta,
-            self.clip,
-            DIRECTIONS[self.direction],
-        ]
+    def _param_values(self) -> dict[str, float]:
+        return {"direction": DIRECTIONS[self.direction]}
 
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((4, n))
+        return np.zeros((_J_FIELDS, n))
 
     kernel = staticmethod(_jump_kernel)
+    param_layout = LRJumpParams
     state_hyperparameters = ()
 
     def _check_state(self, c: StateCheck) -> None:
@@ -186,29 +192,38 @@ class LRJump(BankDetector):
 
 # LRLossCorrelation state rows
 _C_Y, _C_COUNT, _C_LR1, _C_LR2, _C_POS, _C_N = 0, 1, 2, 3, 4, 5
-# params: [threshold, freeze, window, alpha, min_lr_ratio, min_lr_std, min_loss_std]
+_C_FIELDS = 6
+
+
+class LRCorrParams(NamedTuple):
+    """Layout of :class:`LRLossCorrelation`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    window: float
+    alpha: float
+    min_lr_ratio: float
+    min_lr_std: float
+    min_loss_std: float
+
+
+_P_LRCORR = indices(LRCorrParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    w = int(params[2])
-    alpha = params[3]
-    log_ratio = math.log(params[4])
-    min_lr_std = params[5]
-    min_loss_std = params[6]
+    threshold = params[_P_LRCORR.threshold]
+    freeze = params[_P_LRCORR.freeze_on_alarm] != 0.0
+    w = int(params[_P_LRCORR.window])
+    alpha = params[_P_LRCORR.alpha]
+    log_ratio = math.log(params[_P_LRCORR.min_lr_ratio])
+    min_lr_std = params[_P_LRCORR.min_lr_std]
+    min_loss_std = params[_P_LRCORR.min_loss_std]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i] or miss[t, 1, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             loss = X[t, 0, i]
             lr = X[t, 1, i]
-            if not (np.isfinite(loss) and np.isfinite(lr)):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_pair(miss[t, 0, i], miss[t, 1, i], loss, lr, scores, alarms, t, i):
                 continue
             y = math.log(max(loss, LOG_FLOOR))
             count = state[_C_COUNT, i]
@@ -256,7 +271,7 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             if count >= 2.0:
                 buf[pos, i] = a
@@ -343,22 +358,14 @@ class LRLossCorrelation(BankDetector):
         self.min_loss_std = check_float(name, "min_loss_std", min_loss_std, 0.0)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            float(self.window),
-            self.alpha,
-            self.min_lr_ratio,
-            self.min_lr_std,
-            self.min_loss_std,
-        ]
-
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((6, n))
+        return np.zeros((_C_FIELDS, n))
 
     def _init_buf(self, n: int) -> FloatArray:
         return np.zeros((2 * self.window, n))
 
     kernel = staticmethod(_corr_kernel)
+    param_layout = LRCorrParams
     state_hyperparameters = ("window",)
 
     def _check_state(self, c: StateCheck) -> None:
@@ -374,30 +381,40 @@ class LRLossCorrelation(BankDetector):
 
 # LRLevelInstability state rows
 _L_PREV, _L_MEAN, _L_VAR, _L_BASE, _L_MAXLR, _L_COUNT, _L_LR, _L_PEAKED = 0, 1, 2, 3, 4, 5, 6, 7
-# params: [threshold, freeze, alpha, base_alpha, warmup, margin, stable_ratio, min_var]
+_L_FIELDS = 8
+
+
+class LRLevelParams(NamedTuple):
+    """Layout of :class:`LRLevelInstability`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    base_alpha: float
+    warmup: float
+    margin: float
+    stable_ratio: float
+    min_var: float
+
+
+_P_LRLEVEL = indices(LRLevelParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    alpha = params[2]
-    base_alpha = params[3]
-    warmup = params[4]
-    margin = params[5]
-    stable_ratio = params[6]
-    min_var = params[7]
+    threshold = params[_P_LRLEVEL.threshold]
+    freeze = params[_P_LRLEVEL.freeze_on_alarm] != 0.0
+    alpha = params[_P_LRLEVEL.alpha]
+    base_alpha = params[_P_LRLEVEL.base_alpha]
+    warmup = params[_P_LRLEVEL.warmup]
+    margin = params[_P_LRLEVEL.margin]
+    stable_ratio = params[_P_LRLEVEL.stable_ratio]
+    min_var = params[_P_LRLEVEL.min_var]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i] or miss[t, 1, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             loss = X[t, 0, i]
             lr = X[t, 1, i]
-            if not (np.isfinite(loss) and np.isfinite(lr)):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_pair(miss[t, 0, i], miss[t, 1, i], loss, lr, scores, alarms, t, i):
                 continue
             y = math.log(max(loss, LOG_FLOOR))
             count = state[_L_COUNT, i]
@@ -428,7 +445,7 @@ def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             state[_L_PREV, i] = y
             state[_L_MEAN, i] = new_mean
@@ -534,20 +551,11 @@ class LRLevelInstability(BankDetector):
         self.min_var = check_float(name, "min_var", min_var, 0.0)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            self.alpha,
-            self.base_alpha,
-            float(self.warmup),
-            self.margin,
-            self.stable_ratio,
-            self.min_var,
-        ]
-
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((8, n))
+        return np.zeros((_L_FIELDS, n))
 
     kernel = staticmethod(_level_kernel)
+    param_layout = LRLevelParams
     state_hyperparameters = ()
 
     def _check_state(self, c: StateCheck) -> None:

@@ -6,21 +6,33 @@ keeps a per-series count of non-finite observations (a NaN streak length is in t
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float
+from ._kernel import indices
 from ._state import StateCheck
 
 # state rows: total non-finite count, current streak, last kind (1 nan, 2 +inf, 3 -inf)
 _TOTAL, _STREAK, _LAST = 0, 1, 2
+_N_FIELDS = 3
+
+
+class NonFiniteParams(NamedTuple):
+    """Layout of :class:`NonFiniteGuard`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+
+
+_P = indices(NonFiniteParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
+    threshold = params[_P.threshold]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             if miss[t, 0, i]:
@@ -99,9 +111,10 @@ class NonFiniteGuard(BankDetector):
         super().set_threshold(check_float(name, "threshold", threshold, 0.0, 1.0, high_open=True))
 
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((3, n))
+        return np.zeros((_N_FIELDS, n))
 
     kernel = staticmethod(_kernel)
+    param_layout = NonFiniteParams
     state_hyperparameters = ()
 
     def _check_state(self, c: StateCheck) -> None:

@@ -31,11 +31,13 @@ statistic.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_float, check_int
+from ._kernel import indices, learns
 from ._state import StateCheck
 
 LOG_FLOOR = 1e-30
@@ -44,16 +46,28 @@ LOG_FLOOR = 1e-30
 # increments
 _TM, _TCOUNT, _PREV_G, _NVAL, _POS, _NINC = 0, 1, 2, 3, 4, 5
 _N_FIELDS = 6
-# params: [threshold, freeze, alpha, n_points, warmup]
+
+
+class OverfitParams(NamedTuple):
+    """Layout of :class:`OverfitGap`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    n_points: float
+    warmup: float
+
+
+_P = indices(OverfitParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    alpha = params[2]
-    n_inc = int(params[3]) - 1  # increments in the window (= rows of buf)
-    warmup = params[4]
+    threshold = params[_P.threshold]
+    freeze = params[_P.freeze_on_alarm] != 0.0
+    alpha = params[_P.alpha]
+    n_inc = int(params[_P.n_points]) - 1  # increments in the window (= rows of buf)
+    warmup = params[_P.warmup]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             has_l = not miss[t, 0, i]
@@ -99,7 +113,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             state[_TM, i] = tm
             state[_TCOUNT, i] = tc
@@ -171,9 +185,6 @@ class OverfitGap(BankDetector):
         self.warmup = check_int(name, "warmup", warmup, 0)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [self.alpha, float(self.n_points), float(self.warmup)]
-
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))
 
@@ -181,6 +192,7 @@ class OverfitGap(BankDetector):
         return np.zeros((self.n_points - 1, n))
 
     kernel = staticmethod(_kernel)
+    param_layout = OverfitParams
     state_hyperparameters = ("n_points",)
 
     def _check_state(self, c: StateCheck) -> None:

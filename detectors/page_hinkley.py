@@ -22,10 +22,13 @@ identical to river's.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._kernel import indices, skip_value
 from ._state import StateCheck
 
 MODES = {"up": 1.0, "down": -1.0, "both": 0.0}
@@ -33,17 +36,31 @@ MODES = {"up": 1.0, "down": -1.0, "both": 0.0}
 # state rows
 _N, _MEAN, _S_UP, _S_DOWN, _MIN_UP, _MAX_DOWN = 0, 1, 2, 3, 4, 5
 _N_FIELDS = 6
-# params: [threshold, freeze, min_instances, delta, alpha, mode, reset_on_drift]
+
+
+class PageHinkleyParams(NamedTuple):
+    """Layout of :class:`PageHinkley`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    min_instances: float
+    delta: float
+    alpha: float
+    mode: float
+    reset_on_drift: float
+
+
+_P = indices(PageHinkleyParams)
 
 
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    min_instances = params[2]
-    delta = params[3]
-    alpha = params[4]
-    mode = params[5]
-    reset = params[6] != 0.0
+    threshold = params[_P.threshold]
+    min_instances = params[_P.min_instances]
+    delta = params[_P.delta]
+    alpha = params[_P.alpha]
+    mode = params[_P.mode]
+    reset = params[_P.reset_on_drift] != 0.0
     for i in range(X.shape[2]):
         n = state[_N, i]
         mean = state[_MEAN, i]
@@ -52,14 +69,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
         min_up = state[_MIN_UP, i]
         max_down = state[_MAX_DOWN, i]
         for t in range(X.shape[0]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             n1 = n + 1.0
             mean1 = mean + (1.0 / n1) * (x - mean)
@@ -175,14 +186,8 @@ class PageHinkley(BankDetector):
         self.reset_on_drift = check_bool(name, "reset_on_drift", reset_on_drift)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            float(self.min_instances),
-            self.delta,
-            self.alpha,
-            MODES[self.mode],
-            float(self.reset_on_drift),
-        ]
+    def _param_values(self) -> dict[str, float]:
+        return {"mode": MODES[self.mode]}
 
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))
@@ -191,6 +196,7 @@ class PageHinkley(BankDetector):
         return state
 
     kernel = staticmethod(_kernel)
+    param_layout = PageHinkleyParams
     state_hyperparameters = ()
 
     def _check_state(self, c: StateCheck) -> None:

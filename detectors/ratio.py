@@ -25,10 +25,13 @@ sooner than 5 while still ignoring one- and two-step blips of heavy-tailed gradi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
 from ._base import BankDetector, FloatArray, check_int
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 from .robust import sorted_median, sorted_push
 
@@ -45,32 +48,39 @@ TINY = 1e-300
 # state rows: ring write position, accepted values, EW mean / running max, ratio-ring position
 _POS, _COUNT, _REF, _RPOS = 0, 1, 2, 3
 _N_FIELDS = 4
-# params: [threshold, freeze, window, warmup, patience, reference]
 # buf rows: [0, window) value ring ("mean"/"median"), [window, 2 window) the ring sorted
 # ("median"), then `patience` recent ratios
 
 
+class RatioParams(NamedTuple):
+    """Layout of :class:`RatioToMean`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    window: float
+    warmup: float
+    patience: float
+    reference: float
+
+
+_P = indices(RatioParams)
+
+
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    window = int(params[2])
-    warmup = params[3]
-    patience = int(params[4])
-    mode = int(params[5])
+    threshold = params[_P.threshold]
+    freeze = params[_P.freeze_on_alarm] != 0.0
+    window = int(params[_P.window])
+    warmup = params[_P.warmup]
+    patience = int(params[_P.patience])
+    mode = int(params[_P.reference])
     ring = mode == _MEAN or mode == _MEDIAN
     off = 2 * window if mode == _MEDIAN else (window if ring else 0)
     alpha = 2.0 / (window + 1.0)
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             count = state[_COUNT, i]
             ratio = 0.0
@@ -95,7 +105,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             if ring:
                 pos = int(state[_POS, i])
@@ -205,13 +215,8 @@ class RatioToMean(BankDetector):
         self.warmup = check_int(name, "warmup", warmup, 1, high)
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            float(self.window),
-            float(self.warmup),
-            float(self.patience),
-            REFERENCES[self.reference],
-        ]
+    def _param_values(self) -> dict[str, float]:
+        return {"reference": REFERENCES[self.reference]}
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))
@@ -221,6 +226,7 @@ class RatioToMean(BankDetector):
         return np.zeros((ring + self.patience, n))
 
     kernel = staticmethod(_kernel)
+    param_layout = RatioParams
     state_hyperparameters = ("window", "patience", "reference")
 
     def _check_state(self, c: StateCheck) -> None:

@@ -21,6 +21,7 @@ cheap.  Both equal ``np.median`` on the window bit for bit.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -33,6 +34,7 @@ from ._base import (
     check_float,
     check_int,
 )
+from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
 
@@ -45,7 +47,6 @@ MAX_WINDOW = 1_000_000
 # state rows: next write position in the ring, number of valid values in the ring (<= window)
 _POS, _COUNT = 0, 1
 _N_FIELDS = 2
-# params: [threshold, freeze, window, warmup, robust, log_space, min_std, direction]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -151,26 +152,36 @@ def sorted_mad(buf: FloatArray, off: int, n: int, i: int, m: float) -> float:
     return (_kth_deviation(buf, off, n, i, m, jr, k - 1) + cur) / 2.0
 
 
+class RobustParams(NamedTuple):
+    """Layout of :class:`RobustZScore`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    window: float
+    warmup: float
+    robust: float
+    log_space: float
+    min_std: float
+    direction: float
+
+
+_P = indices(RobustParams)
+
+
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
-    threshold = params[0]
-    freeze = params[1] != 0.0
-    window = int(params[2])
-    warmup = params[3]
-    robust = params[4] != 0.0
-    log_space = params[5] != 0.0
-    min_std = params[6]
-    direction = params[7]
+    threshold = params[_P.threshold]
+    freeze = params[_P.freeze_on_alarm] != 0.0
+    window = int(params[_P.window])
+    warmup = params[_P.warmup]
+    robust = params[_P.robust] != 0.0
+    log_space = params[_P.log_space] != 0.0
+    min_std = params[_P.min_std]
+    direction = params[_P.direction]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
-            if miss[t, 0, i]:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
             x = X[t, 0, i]
-            if not np.isfinite(x):
-                scores[t, i] = np.inf
-                alarms[t, i] = True
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             y = math.log(max(x, LOG_FLOOR)) if log_space else x
             count = int(state[_COUNT, i])
@@ -200,7 +211,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            if alarm and freeze:
+            if not learns(alarm, freeze):
                 continue
             pos = int(state[_POS, i])
             if robust:
@@ -297,15 +308,8 @@ class RobustZScore(BankDetector):
         self.direction = direction
         self._setup()
 
-    def _extra_params(self) -> list[float]:
-        return [
-            float(self.window),
-            float(self.warmup),
-            float(self.robust),
-            float(self.log_space),
-            self.min_std,
-            DIRECTIONS[self.direction],
-        ]
+    def _param_values(self) -> dict[str, float]:
+        return {"direction": DIRECTIONS[self.direction]}
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))
@@ -314,6 +318,7 @@ class RobustZScore(BankDetector):
         return np.zeros((2 * self.window if self.robust else self.window, n))
 
     kernel = staticmethod(_kernel)
+    param_layout = RobustParams
     state_hyperparameters = ("window", "robust", "log_space")
 
     def _check_state(self, c: StateCheck) -> None:

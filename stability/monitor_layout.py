@@ -279,11 +279,12 @@ class LayoutMixin:
             b.inputs = x_all[lo:hi].reshape(1, b.n_inputs, n)
             b.missing = m_all[lo:hi].reshape(1, b.n_inputs, n)
             so, se = int(soff[k]), int(soff[k + 1])
-            s_all[so:se] = b.det._score1[0]
-            a_all[so:se] = b.det._alarm1[0]
+            s_all[so:se] = b.det.score
+            a_all[so:se] = b.det.alarm
             # the bank writes its outputs straight into the monitor's shared vectors
-            b.scores = b.det._score1 = s_all[so:se].reshape(1, n)
-            b.alarms = b.det._alarm1 = a_all[so:se].reshape(1, n)
+            b.scores = s_all[so:se].reshape(1, n)
+            b.alarms = a_all[so:se].reshape(1, n)
+            b.det.bind_outputs(b.scores, b.alarms)
             calls.append((b.det.update_array, b.inputs, b.missing))
         self._gather = GatherPlan(gidx, boff, soff, x_all, m_all, s_all, a_all,
                                   np.zeros(len(bs), dtype=np.bool_))
