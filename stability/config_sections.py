@@ -69,6 +69,44 @@ def _plain(v: Any, where: str) -> Any:
     )
 
 
+def _known(v: Any, allowed: tuple[str, ...], where: str) -> dict[str, Any]:
+    """:func:`_table` and :func:`_check_keys` in one: a table of known keys only."""
+    d = _table(v, where)
+    _check_keys(d, allowed, where)
+    return d
+
+
+def _choice(v: Any, where: str, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise ConfigError(f"{where}: must be one of {', '.join(choices)}; got {v!r}.")
+    return str(v)
+
+
+def _severity(v: Any, where: str) -> str:
+    return _choice(v, where, SEVERITIES)
+
+
+def _int(v: Any, where: str, low: int = 1, high: float = math.inf, note: str = "") -> int:
+    """An int (``bool`` excluded) in ``[low, high]``; ``note`` is appended to the rule."""
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        rule = f">= {low}" if math.isinf(high) else f"in [{low}, {int(high)}]"
+        raise ConfigError(f"{where}: must be an int {rule}{note}; got {v!r}.")
+    return int(v)
+
+
+def _number(v: Any, where: str, low: float, low_open: bool = False,
+            high: float = math.inf) -> float:
+    """A finite float ``>= low`` (``> low`` with ``low_open``) and ``<= high``."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v < low or (low_open and v == low) or v > high:
+        if math.isinf(high):
+            rule = f"{'>' if low_open else '>='} {low}"
+        else:
+            rule = f"in {'(' if low_open else '['}{low}, {high}]"
+        raise ConfigError(f"{where}: must be a finite number {rule}; got {v!r}.")
+    return float(v)
+
+
 @dataclass(frozen=True)
 class MonitorSettings:
     """The ``[monitor]`` table."""
@@ -83,8 +121,7 @@ class MonitorSettings:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "monitor") -> MonitorSettings:
-        d = _table(d, where)
-        _check_keys(d, _MONITOR_KEYS, where)
+        d = _known(d, _MONITOR_KEYS, where)
         aliases = _table(d.get("aliases", {}), f"{where}.aliases")
         for k, v in aliases.items():
             _str(k, f"{where}.aliases")
@@ -97,7 +134,7 @@ class MonitorSettings:
             aliases=aliases,
             log_only=_bool(d.get("log_only", False), f"{where}.log_only"),
             strict=_bool(d.get("strict", False), f"{where}.strict"),
-            max_series=_pos_int(d.get("max_series", 4096), f"{where}.max_series"),
+            max_series=_int(d.get("max_series", 4096), f"{where}.max_series"),
             handler_budget_s=_number(d.get("handler_budget_s", 1.0), f"{where}.handler_budget_s",
                                      0.0, True),
         )
@@ -105,26 +142,6 @@ class MonitorSettings:
     def to_dict(self) -> dict[str, Any]:
         return {"aliases": dict(self.aliases), "log_only": self.log_only, "strict": self.strict,
                 "max_series": self.max_series, "handler_budget_s": self.handler_budget_s}
-
-
-def _number(v: Any, where: str, low: float, low_open: bool = False) -> float:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if not ok or v < low or (low_open and v == low):
-        rel = ">" if low_open else ">="
-        raise ConfigError(f"{where}: must be a finite number {rel} {low}; got {v!r}.")
-    return float(v)
-
-
-def _severity(v: Any, where: str) -> str:
-    if v not in SEVERITIES:
-        raise ConfigError(f"{where}: must be one of {', '.join(SEVERITIES)}; got {v!r}.")
-    return str(v)
-
-
-def _pos_int(v: Any, where: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"{where}: must be an int >= 1; got {v!r}.")
-    return int(v)
 
 
 @dataclass(frozen=True)
@@ -144,8 +161,7 @@ class WebhookConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "alerts.webhook") -> WebhookConfig:
-        d = _table(d, where)
-        _check_keys(d, _WEBHOOK_KEYS, where)
+        d = _known(d, _WEBHOOK_KEYS, where)
         url = d.get("url")
         url_env = d.get("url_env")
         if url is None and url_env is None:
@@ -156,22 +172,19 @@ class WebhookConfig:
             raise ConfigError(f"{where}.url: must be an http(s) URL; got {url!r}.")
         if url_env is not None:
             _str(url_env, f"{where}.url_env")
-        fmt = d.get("format", "slack")
-        if fmt not in WEBHOOK_FORMATS:
-            raise ConfigError(f"{where}.format: must be one of {', '.join(WEBHOOK_FORMATS)}; "
-                              f"got {fmt!r}.")
+        fmt = _choice(d.get("format", "slack"), f"{where}.format", WEBHOOK_FORMATS)
         mention = d.get("mention", "")
         if not isinstance(mention, str):
             raise ConfigError(f"{where}.mention: must be a string; got {mention!r}.")
-        return cls(url=url, url_env=url_env, format=str(fmt),
-                   max_per_window=_pos_int(d.get("max_per_window", 5), f"{where}.max_per_window"),
+        return cls(url=url, url_env=url_env, format=fmt,
+                   max_per_window=_int(d.get("max_per_window", 5), f"{where}.max_per_window"),
                    window_s=_number(d.get("window_s", 60.0), f"{where}.window_s", 0.0, True),
                    escalate=_bool(d.get("escalate", True), f"{where}.escalate"),
                    mention=mention,
                    min_severity=_severity(d.get("min_severity", "warning"),
                                           f"{where}.min_severity"),
                    timeout=_number(d.get("timeout", 5.0), f"{where}.timeout", 0.0, True),
-                   max_queue=_pos_int(d.get("max_queue", 100), f"{where}.max_queue"))
+                   max_queue=_int(d.get("max_queue", 100), f"{where}.max_queue"))
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in _WEBHOOK_KEYS}
@@ -195,8 +208,7 @@ class AlertsConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "alerts") -> AlertsConfig:
-        d = _table(d, where)
-        _check_keys(d, _ALERT_KEYS, where)
+        d = _known(d, _ALERT_KEYS, where)
         file = d.get("file")
         if file is not None:
             _str(file, f"{where}.file")
@@ -231,20 +243,13 @@ class EventLogConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "event_log") -> EventLogConfig:
-        d = _table(d, where)
-        _check_keys(d, _EVENT_LOG_KEYS, where)
+        d = _known(d, _EVENT_LOG_KEYS, where)
         path = d.get("path")
         if path is not None:
             _str(path, f"{where}.path")
-        fsync = d.get("fsync", "critical")
-        if fsync not in FSYNC_MODES:
-            raise ConfigError(f"{where}.fsync: must be one of {', '.join(FSYNC_MODES)}; "
-                              f"got {fsync!r}.")
-        every = d.get("goodput_every", 1000)
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ConfigError(f"{where}.goodput_every: must be an int >= 0 (0: never); "
-                              f"got {every!r}.")
-        return cls(path=path, fsync=str(fsync), goodput_every=int(every))
+        fsync = _choice(d.get("fsync", "critical"), f"{where}.fsync", FSYNC_MODES)
+        every = _int(d.get("goodput_every", 1000), f"{where}.goodput_every", 0, note=" (0: never)")
+        return cls(path=path, fsync=fsync, goodput_every=every)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"fsync": self.fsync, "goodput_every": self.goodput_every}

@@ -60,19 +60,20 @@ class LRGuardConfig:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "policy.lr_guard") -> LRGuardConfig:
-        from .policy_config import _bool, _float, _int, _known
+        from .config_sections import _bool, _int, _known, _number
 
-        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        d = _known(d, tuple(sorted(f.name for f in dataclasses.fields(cls))), path)
         c = cls()
         return cls(
-            enabled=_bool(f"{path}.enabled", d.get("enabled", c.enabled)),
-            tolerance=_float(f"{path}.tolerance", d.get("tolerance", c.tolerance), 1.0, 1e6),
-            warmup_jump=_float(f"{path}.warmup_jump", d.get("warmup_jump", c.warmup_jump),
-                               1.0, 1e6),
-            settle=_int(f"{path}.settle", d.get("settle", c.settle), 1),
-            min_steps=_int(f"{path}.min_steps", d.get("min_steps", c.min_steps), 1),
-            allow_restarts=_bool(f"{path}.allow_restarts",
-                                 d.get("allow_restarts", c.allow_restarts)),
+            enabled=_bool(d.get("enabled", c.enabled), f"{path}.enabled"),
+            tolerance=_number(d.get("tolerance", c.tolerance), f"{path}.tolerance", 1.0,
+                              high=1e6),
+            warmup_jump=_number(d.get("warmup_jump", c.warmup_jump), f"{path}.warmup_jump",
+                                1.0, high=1e6),
+            settle=_int(d.get("settle", c.settle), f"{path}.settle", 1),
+            min_steps=_int(d.get("min_steps", c.min_steps), f"{path}.min_steps", 1),
+            allow_restarts=_bool(d.get("allow_restarts", c.allow_restarts),
+                                 f"{path}.allow_restarts"),
         )
 
 

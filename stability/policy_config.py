@@ -12,19 +12,20 @@ Examples
 >>> PolicyConfig.from_dict({"cooldwn": 10})  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-ValueError: policy: unknown key 'cooldwn'; allowed: checkpoint_margin, clip, cooldown, ...
+stability.registry.ConfigError: policy: unknown key 'cooldwn' (did you mean 'cooldown'?); ...
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config_sections import _bool, _choice, _int, _known, _number
 from .lr_guard import LRGuardConfig
 from .lr_schedule import RAMP_SHAPES
+from .registry import ConfigError
 from .types import ALARM_KINDS, SEVERITIES
 
 #: Action names usable in a ladder level.
@@ -43,67 +44,34 @@ DEFAULT_LADDER: Ladder = (
 
 
 # ------------------------------------------------------------------------------- validators
-def _known(path: str, d: Any, keys: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(d, Mapping):
-        raise ValueError(f"{path}: must be a table (dict); got {d!r}.")
-    for k in d:
-        if k not in keys:
-            raise ValueError(f"{path}: unknown key {k!r}; allowed: {', '.join(sorted(keys))}.")
-    return d
+def _fields(cls: Any) -> tuple[str, ...]:
+    """The keys of a section: its dataclass fields, sorted (as error messages list them)."""
+    return tuple(sorted(f.name for f in dataclasses.fields(cls)))
 
 
-def _int(path: str, v: Any, low: int, high: float = math.inf) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        hi = "inf)" if math.isinf(high) else f"{int(high)}]"
-        raise ValueError(f"{path}: must be an int in [{low}, {hi}; got {v!r}.")
-    return int(v)
-
-
-def _float(path: str, v: Any, low: float, high: float, *, low_open: bool = False) -> float:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if ok:
-        ok = (v > low if low_open else v >= low) and v <= high
-    if not ok:
-        lo = "(" if low_open else "["
-        raise ValueError(f"{path}: must be a finite number in {lo}{low}, {high}]; got {v!r}.")
-    return float(v)
-
-
-def _choice(path: str, v: Any, choices: tuple[str, ...]) -> str:
-    if v not in choices:
-        raise ValueError(f"{path}: must be one of {', '.join(choices)}; got {v!r}.")
-    return str(v)
-
-
-def _bool(path: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"{path}: must be true or false; got {v!r}.")
-    return v
-
-
-def _names(path: str, v: Any, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
+def _names(v: Any, path: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
     if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not all(
             isinstance(x, str) for x in v):
-        raise ValueError(f"{path}: must be a list of names; got {v!r}.")
+        raise ConfigError(f"{path}: must be a list of names; got {v!r}.")
     if allowed is not None:
         for x in v:
             if x not in allowed:
-                raise ValueError(f"{path}: unknown name {x!r}; allowed: {', '.join(allowed)}.")
+                raise ConfigError(f"{path}: unknown name {x!r}; allowed: {', '.join(allowed)}.")
     return tuple(v)
 
 
-def _ladder(path: str, v: Any) -> Ladder:
+def _ladder(v: Any, path: str) -> Ladder:
     if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not v:
-        raise ValueError(f"{path}: must be a non-empty list of levels (lists of actions); "
-                         f"got {v!r}.")
+        raise ConfigError(f"{path}: must be a non-empty list of levels (lists of actions); "
+                          f"got {v!r}.")
     out = []
     for i, level in enumerate(v):
         if isinstance(level, str) or not isinstance(level, (list, tuple)):
-            raise ValueError(f"{path}[{i}]: must be a list of actions; got {level!r}.")
+            raise ConfigError(f"{path}[{i}]: must be a list of actions; got {level!r}.")
         for a in level:
             if a not in ACTIONS:
-                raise ValueError(f"{path}[{i}]: unknown action {a!r}; "
-                                 f"allowed: {', '.join(ACTIONS)}.")
+                raise ConfigError(f"{path}[{i}]: unknown action {a!r}; "
+                                  f"allowed: {', '.join(ACTIONS)}.")
         out.append(tuple(str(a) for a in level))
     return tuple(out)
 
@@ -121,16 +89,18 @@ class ClipConfig:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "policy.clip") -> ClipConfig:
-        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        d = _known(d, _fields(cls), path)
         c = cls()
         mx = d.get("max_norm", c.max_norm)
         return cls(
-            factor=_float(f"{path}.factor", d.get("factor", c.factor), 0.0, 1e12, low_open=True),
-            tighten=_float(f"{path}.tighten", d.get("tighten", c.tighten), 0.0, 1.0, low_open=True),
-            min_norm=_float(f"{path}.min_norm", d.get("min_norm", c.min_norm), 0.0, 1e12),
-            max_norm=None if mx is None else _float(f"{path}.max_norm", mx, 0.0, 1e12,
-                                                    low_open=True),
-            duration=_int(f"{path}.duration", d.get("duration", c.duration), 0),
+            factor=_number(d.get("factor", c.factor), f"{path}.factor", 0.0, low_open=True,
+                           high=1e12),
+            tighten=_number(d.get("tighten", c.tighten), f"{path}.tighten", 0.0, low_open=True,
+                            high=1.0),
+            min_norm=_number(d.get("min_norm", c.min_norm), f"{path}.min_norm", 0.0, high=1e12),
+            max_norm=None if mx is None else _number(mx, f"{path}.max_norm", 0.0, low_open=True,
+                                                     high=1e12),
+            duration=_int(d.get("duration", c.duration), f"{path}.duration", 0),
         )
 
 
@@ -146,19 +116,20 @@ class LRConfig:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "policy.lr") -> LRConfig:
-        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        d = _known(d, _fields(cls), path)
         c = cls()
         out = cls(
-            factor=_float(f"{path}.factor", d.get("factor", c.factor), 0.0, 1.0, low_open=True),
-            duration=_int(f"{path}.duration", d.get("duration", c.duration), 0),
-            restore_steps=_int(f"{path}.restore_steps", d.get("restore_steps", c.restore_steps), 0),
-            shape=_choice(f"{path}.shape", d.get("shape", c.shape), RAMP_SHAPES),
-            min_factor=_float(f"{path}.min_factor", d.get("min_factor", c.min_factor), 0.0, 1.0,
-                              low_open=True),
+            factor=_number(d.get("factor", c.factor), f"{path}.factor", 0.0, low_open=True,
+                           high=1.0),
+            duration=_int(d.get("duration", c.duration), f"{path}.duration", 0),
+            restore_steps=_int(d.get("restore_steps", c.restore_steps), f"{path}.restore_steps", 0),
+            shape=_choice(d.get("shape", c.shape), f"{path}.shape", RAMP_SHAPES),
+            min_factor=_number(d.get("min_factor", c.min_factor), f"{path}.min_factor", 0.0,
+                               low_open=True, high=1.0),
         )
         if out.min_factor > out.factor:
-            raise ValueError(f"{path}.min_factor: must be <= {path}.factor ({out.factor}); "
-                             f"got {out.min_factor}.")
+            raise ConfigError(f"{path}.min_factor: must be <= {path}.factor ({out.factor}); "
+                              f"got {out.min_factor}.")
         return out
 
 
@@ -191,26 +162,24 @@ class LRJumpConfig:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "policy.lr_jump") -> LRJumpConfig:
-        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        d = _known(d, _fields(cls), path)
         c = cls()
         return cls(
-            enabled=_bool(f"{path}.enabled", d.get("enabled", c.enabled)),
-            detectors=_names(f"{path}.detectors", d.get("detectors", c.detectors)),
-            min_severity=_choice(f"{path}.min_severity", d.get("min_severity", c.min_severity),
+            enabled=_bool(d.get("enabled", c.enabled), f"{path}.enabled"),
+            detectors=_names(d.get("detectors", c.detectors), f"{path}.detectors"),
+            min_severity=_choice(d.get("min_severity", c.min_severity), f"{path}.min_severity",
                                  SEVERITIES),
-            log_unit=_float(f"{path}.log_unit", d.get("log_unit", c.log_unit), 0.0, 1e3,
-                            low_open=True),
-            hold=_int(f"{path}.hold", d.get("hold", c.hold), 1),
-            restore_steps=_int(f"{path}.restore_steps", d.get("restore_steps", c.restore_steps),
-                               0),
-            rearm_tolerance=_float(f"{path}.rearm_tolerance",
-                                   d.get("rearm_tolerance", c.rearm_tolerance), 1.0, 1e12),
-            rollback_on_damage=_bool(f"{path}.rollback_on_damage",
-                                     d.get("rollback_on_damage", c.rollback_on_damage)),
-            damage_kinds=_names(f"{path}.damage_kinds", d.get("damage_kinds", c.damage_kinds),
+            log_unit=_number(d.get("log_unit", c.log_unit), f"{path}.log_unit", 0.0, low_open=True,
+                             high=1e3),
+            hold=_int(d.get("hold", c.hold), f"{path}.hold", 1),
+            restore_steps=_int(d.get("restore_steps", c.restore_steps), f"{path}.restore_steps", 0),
+            rearm_tolerance=_number(d.get("rearm_tolerance", c.rearm_tolerance),
+                                    f"{path}.rearm_tolerance", 1.0, high=1e12),
+            rollback_on_damage=_bool(d.get("rollback_on_damage", c.rollback_on_damage),
+                                     f"{path}.rollback_on_damage"),
+            damage_kinds=_names(d.get("damage_kinds", c.damage_kinds), f"{path}.damage_kinds",
                                 ALARM_KINDS),
-            damage_window=_int(f"{path}.damage_window", d.get("damage_window", c.damage_window),
-                               0),
+            damage_window=_int(d.get("damage_window", c.damage_window), f"{path}.damage_window", 0),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,18 +211,18 @@ class KindRule:
 
     @classmethod
     def from_dict(cls, d: Any, path: str, base: KindRule | None = None) -> KindRule:
-        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        d = _known(d, _fields(cls), path)
         c = base or cls()
         lad = d.get("ladder", c.ladder)
         return cls(
-            ladder=None if lad is None else _ladder(f"{path}.ladder", lad),
-            escalate=_bool(f"{path}.escalate", d.get("escalate", c.escalate)),
-            skip=_choice(f"{path}.skip", d.get("skip", c.skip), SKIP_RULES),
-            start_level=_int(f"{path}.start_level", d.get("start_level", c.start_level), 1),
-            critical_start_level=_int(f"{path}.critical_start_level",
-                                      d.get("critical_start_level", c.critical_start_level), 1),
-            patience=_int(f"{path}.patience", d.get("patience", c.patience), 0),
-            persist_level=_int(f"{path}.persist_level", d.get("persist_level", c.persist_level), 1),
+            ladder=None if lad is None else _ladder(lad, f"{path}.ladder"),
+            escalate=_bool(d.get("escalate", c.escalate), f"{path}.escalate"),
+            skip=_choice(d.get("skip", c.skip), f"{path}.skip", SKIP_RULES),
+            start_level=_int(d.get("start_level", c.start_level), f"{path}.start_level", 1),
+            critical_start_level=_int(d.get("critical_start_level", c.critical_start_level),
+                                      f"{path}.critical_start_level", 1),
+            patience=_int(d.get("patience", c.patience), f"{path}.patience", 0),
+            persist_level=_int(d.get("persist_level", c.persist_level), f"{path}.persist_level", 1),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -319,23 +288,24 @@ class RecoveryConfig:
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "policy.recovery") -> RecoveryConfig:
-        d = _known(path, d, tuple(f.name for f in dataclasses.fields(cls)))
+        d = _known(d, _fields(cls), path)
         c = cls()
         return cls(
-            max_consecutive_skips=_int(f"{path}.max_consecutive_skips",
-                                       d.get("max_consecutive_skips", c.max_consecutive_skips), 1),
-            adapt_steps=_int(f"{path}.adapt_steps", d.get("adapt_steps", c.adapt_steps), 0),
-            recur_steps=_int(f"{path}.recur_steps", d.get("recur_steps", c.recur_steps), 0),
-            val_margin=_float(f"{path}.val_margin", d.get("val_margin", c.val_margin), 0.0, 1e6),
-            val_patience=_int(f"{path}.val_patience", d.get("val_patience", c.val_patience), 1),
-            val_train_drop=_float(f"{path}.val_train_drop",
-                                  d.get("val_train_drop", c.val_train_drop), 0.0, 0.999),
-            worse_margin=_float(f"{path}.worse_margin", d.get("worse_margin", c.worse_margin),
-                                0.0, 1e6),
-            fast_alpha=_float(f"{path}.fast_alpha", d.get("fast_alpha", c.fast_alpha), 0.0, 1.0,
-                              low_open=True),
-            base_alpha=_float(f"{path}.base_alpha", d.get("base_alpha", c.base_alpha), 0.0, 1.0,
-                              low_open=True),
+            max_consecutive_skips=_int(d.get("max_consecutive_skips", c.max_consecutive_skips),
+                                       f"{path}.max_consecutive_skips", 1),
+            adapt_steps=_int(d.get("adapt_steps", c.adapt_steps), f"{path}.adapt_steps", 0),
+            recur_steps=_int(d.get("recur_steps", c.recur_steps), f"{path}.recur_steps", 0),
+            val_margin=_number(d.get("val_margin", c.val_margin), f"{path}.val_margin", 0.0,
+                               high=1e6),
+            val_patience=_int(d.get("val_patience", c.val_patience), f"{path}.val_patience", 1),
+            val_train_drop=_number(d.get("val_train_drop", c.val_train_drop),
+                                   f"{path}.val_train_drop", 0.0, high=0.999),
+            worse_margin=_number(d.get("worse_margin", c.worse_margin), f"{path}.worse_margin", 0.0,
+                                 high=1e6),
+            fast_alpha=_number(d.get("fast_alpha", c.fast_alpha), f"{path}.fast_alpha", 0.0,
+                               low_open=True, high=1.0),
+            base_alpha=_number(d.get("base_alpha", c.base_alpha), f"{path}.base_alpha", 0.0,
+                               low_open=True, high=1.0),
         )
 
 
@@ -362,28 +332,27 @@ class PolicyConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None = None) -> PolicyConfig:
         """Validate a ``[policy]`` table; missing keys take their defaults."""
-        d = _known("policy", d if d is not None else {},
-                   tuple(f.name for f in dataclasses.fields(cls)))
+        d = _known(d if d is not None else {}, _fields(cls), "policy")
         c = cls()
         kinds = dict(DEFAULT_KINDS)
-        kd = _known("policy.kinds", d.get("kinds", {}), ALARM_KINDS)
+        kd = _known(d.get("kinds", {}), tuple(sorted(ALARM_KINDS)), "policy.kinds")
         for k, v in kd.items():
             kinds[k] = KindRule.from_dict(v, f"policy.kinds.{k}", kinds.get(k))
         margin = d.get("checkpoint_margin", c.checkpoint_margin)
         out = cls(
-            mode=_choice("policy.mode", d.get("mode", c.mode), MODES),
-            min_severity=_choice("policy.min_severity", d.get("min_severity", c.min_severity),
+            mode=_choice(d.get("mode", c.mode), "policy.mode", MODES),
+            min_severity=_choice(d.get("min_severity", c.min_severity), "policy.min_severity",
                                  SEVERITIES),
-            cooldown=_int("policy.cooldown", d.get("cooldown", c.cooldown), 0),
-            escalation_window=_int("policy.escalation_window",
-                                   d.get("escalation_window", c.escalation_window), 0),
-            quiet_steps=_int("policy.quiet_steps", d.get("quiet_steps", c.quiet_steps), 1),
-            ladder=_ladder("policy.ladder", d.get("ladder", c.ladder)),
-            rewind_on_rollback=_bool("policy.rewind_on_rollback",
-                                     d.get("rewind_on_rollback", c.rewind_on_rollback)),
-            checkpoint_margin=None if margin is None else _int("policy.checkpoint_margin",
-                                                               margin, 0),
-            max_rollbacks=_int("policy.max_rollbacks", d.get("max_rollbacks", c.max_rollbacks), 0),
+            cooldown=_int(d.get("cooldown", c.cooldown), "policy.cooldown", 0),
+            escalation_window=_int(d.get("escalation_window", c.escalation_window),
+                                   "policy.escalation_window", 0),
+            quiet_steps=_int(d.get("quiet_steps", c.quiet_steps), "policy.quiet_steps", 1),
+            ladder=_ladder(d.get("ladder", c.ladder), "policy.ladder"),
+            rewind_on_rollback=_bool(d.get("rewind_on_rollback", c.rewind_on_rollback),
+                                     "policy.rewind_on_rollback"),
+            checkpoint_margin=None if margin is None else _int(margin, "policy.checkpoint_margin",
+                                                               0),
+            max_rollbacks=_int(d.get("max_rollbacks", c.max_rollbacks), "policy.max_rollbacks", 0),
             clip=ClipConfig.from_dict(d.get("clip", {})),
             lr=LRConfig.from_dict(d.get("lr", {})),
             lr_jump=LRJumpConfig.from_dict(d.get("lr_jump", {})),
@@ -395,8 +364,8 @@ class PolicyConfig:
             rule = kinds[name]
             for key in ("start_level", "critical_start_level", "persist_level"):
                 if key in given and getattr(rule, key) > len(out.ladder):
-                    raise ValueError(f"policy.kinds.{name}.{key}: exceeds the number of ladder "
-                                     f"levels ({len(out.ladder)}); got {getattr(rule, key)}.")
+                    raise ConfigError(f"policy.kinds.{name}.{key}: exceeds the number of ladder "
+                                      f"levels ({len(out.ladder)}); got {getattr(rule, key)}.")
         return out
 
     def to_dict(self) -> dict[str, Any]:
