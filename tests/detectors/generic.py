@@ -87,3 +87,45 @@ def check_streaming_contract(
     for split in splits:
         check_state_roundtrip(factory, x, split=split)
     check_state_roundtrip(factory, x, split=json_split, via_json=True)
+
+
+#: a row of a stream of ``t`` rows, relative to ``t``: ``(num, den)`` is row ``num * t // den``,
+#: ``(num, den, plus)`` is row ``num * t // den + plus``
+Row = tuple[int, ...]
+
+
+def _row(at: Row, t: int) -> int:
+    return at[0] * t // at[1] + (at[2] if len(at) > 2 else 0)
+
+
+def make_noisy_stream(seed: int, t: int = 400, n: int = 3, offset: float = 0.0, *,
+                 log: bool = True, sigma: float = 0.1,
+                 steps: tuple[tuple[Row, float], ...] = (),
+                 spikes: tuple[tuple[Row, int, float, int], ...] = (),
+                 sets: tuple[tuple[Row, int, float], ...] = ()) -> np.ndarray:
+    """A ``(t, n)`` test stream (``n >= 3``) with level steps, spikes and non-finite values.
+
+    Built in this order: ``z ~ N(0, sigma)`` (``default_rng(seed)``); each step ``(at, size)``
+    adds ``size`` from row ``at`` on; ``x = exp(z) + offset`` (``log``) or ``z + offset``;
+    each spike ``(at, col, factor, length)`` multiplies ``length`` rows from ``at`` of ``col``
+    by ``factor``; then ``x[t//3, 1] = nan``, ``x[t//4, 2] = inf``, ``x[t//5, 2] = -inf``;
+    finally each ``(at, col, value)`` of ``sets`` is written.
+
+    >>> make_noisy_stream(0, t=12, sets=(((1, 6), 1, 0.0),))[[2, 3, 4], [1, 2, 1]]
+    array([ 0., inf, nan])
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0.0, sigma, (t, n))
+    k = np.arange(t)[:, None]
+    for at, size in steps:
+        x = x + size * (k >= _row(at, t))
+    x = (np.exp(x) if log else x) + offset
+    for at, col, factor, length in spikes:
+        r = _row(at, t)
+        x[r : r + length, col] *= factor
+    x[t // 3, 1] = np.nan
+    x[t // 4, 2] = np.inf
+    x[t // 5, 2] = -np.inf
+    for at, col, value in sets:
+        x[_row(at, t), col] = value
+    return x

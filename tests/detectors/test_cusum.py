@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from .generic import (
     check_stream_equals_batch,
     check_streaming_contract,
     check_threshold_monotone,
+    make_noisy_stream,
     stream,
 )
 from .naive import ref_cusum
@@ -44,16 +46,9 @@ CONFIGS = [
 ]
 
 
-def noisy_stream(seed, t=500, n=3, offset=0.0):
-    rng = np.random.default_rng(seed)
-    k = np.arange(t)[:, None]
-    x = np.exp(rng.normal(0.0, 0.1, (t, n)) + 0.4 * (k >= t // 2) - 0.6 * (k >= 4 * t // 5))
-    x = x + offset
-    x[t // 3, 1] = np.nan
-    x[t // 4, 2] = np.inf
-    x[t // 5, 2] = -np.inf
-    x[t // 7, 0] = -1.0
-    return x
+#: lognormal levels shifted by +0.4 (log) at t/2 and -0.6 at 4t/5, a negative value on series 0
+noisy_stream = partial(make_noisy_stream, t=500, steps=(((1, 2), 0.4), ((4, 5), -0.6)),
+                       sets=(((1, 7), 0, -1.0),))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -15,19 +16,13 @@ from .generic import (
     check_stream_equals_batch,
     check_streaming_contract,
     check_threshold_monotone,
+    make_noisy_stream,
     stream,
 )
 from .naive import ref_ewma
 
-
-def noisy_stream(seed, t=400, n=3, offset=0.0):
-    rng = np.random.default_rng(seed)
-    x = np.exp(rng.normal(0.0, 0.1, (t, n))) + offset
-    x[t // 2, 0] *= 30.0
-    x[t // 3, 1] = np.nan
-    x[t // 4, 2] = np.inf
-    x[t // 5, 2] = -np.inf
-    return x
+#: lognormal levels and one x30 spike on series 0
+noisy_stream = partial(make_noisy_stream, t=400, spikes=(((1, 2), 0, 30.0, 1),))
 
 
 CONFIGS = [

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from .generic import (
     check_stream_equals_batch,
     check_streaming_contract,
     check_threshold_monotone,
+    make_noisy_stream,
     stream,
 )
 from .naive import ref_page_hinkley
@@ -93,15 +95,9 @@ CONFIGS = [
 ]
 
 
-def noisy_stream(seed, t=500, n=3, offset=0.0):
-    rng = np.random.default_rng(seed)
-    k = np.arange(t)[:, None]
-    x = rng.normal(0.0, 1.0, (t, n)) + 2.5 * (k >= t // 2) + offset
-    x[t // 3, 1] = np.nan
-    x[t // 4, 2] = np.inf
-    x[t // 5, 2] = -np.inf
-    x[t // 7, 0] = np.nan
-    return x
+#: N(0, 1) levels stepping up by 2.5 at t/2, an extra NaN on series 0
+noisy_stream = partial(make_noisy_stream, t=500, log=False, sigma=1.0,
+                       steps=(((1, 2), 2.5),), sets=(((1, 7), 0, np.nan),))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,22 +15,16 @@ from .generic import (
     check_stream_equals_batch,
     check_streaming_contract,
     check_threshold_monotone,
+    make_noisy_stream,
     stream,
 )
 from .naive import ref_robust
 from .spike_realdata import bloom_with_history, public_runs
 
-
-def noisy_stream(seed, t=400, n=3, offset=0.0):
-    rng = np.random.default_rng(seed)
-    x = np.exp(rng.normal(0.0, 0.1, (t, n))) + offset
-    x[t // 2, 0] *= 30.0
-    x[t // 2 + 3, 0] *= 5.0
-    x[t // 3, 1] = np.nan
-    x[t // 4, 2] = np.inf
-    x[t // 5, 2] = -np.inf
-    x[t // 6, 1] = 0.02
-    return x
+#: lognormal levels, x30 and x5 spikes on series 0, a near-zero value on series 1
+noisy_stream = partial(make_noisy_stream, t=400,
+                       spikes=(((1, 2), 0, 30.0, 1), ((1, 2, 3), 0, 5.0, 1)),
+                       sets=(((1, 6), 1, 0.02),))
 
 
 CONFIGS = [
