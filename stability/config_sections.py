@@ -257,6 +257,3 @@ class EventLogConfig:
             out["path"] = self.path
         return out
 
-
-#: largest accepted value of a detector's size parameter (window, bins, points, features): state
-#: memory grows linearly with it, per series, and is allocated when the config is validated
