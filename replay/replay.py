@@ -27,176 +27,27 @@ Examples
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from replay._paths import is_uri
-from replay.schema import RunFormatError
+from replay.runs import Progress as Progress
+from replay.runs import discover_many as discover_many
+from replay.runs import discover_runs as discover_runs
+from replay.runs import parallel_map as parallel_map
+from replay.runs import read_table as read_table
 from stability.types import Alarm, Decision, Intervention
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-_GLOB = set("*?[")
-
-
-# ---------------------------------------------------------------------------- finding runs
-def _has_parts(d: Path) -> bool:
-    return any(d.glob("part-*.parquet"))
-
-
-#: file name endings of runs in other formats (see :mod:`replay.io`)
-_RUN_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".csv", ".tsv", ".log", ".out")
-
-
-def _is_run_file(p: Path) -> bool:
-    name = p.name.lower()
-    return p.is_file() and (name.endswith(_RUN_SUFFIXES) or "tfevents" in name
-                            or name == "trainer_state.json")
-
-
-def _is_run_dir(d: Path) -> bool:
-    """A directory that is one run: Parquet parts, TensorBoard events, an HF checkpoint."""
-    if _has_parts(d) or (d / "trainer_state.json").is_file():
-        return True
-    return any("tfevents" in f.name for f in d.rglob("*tfevents*"))
-
-
-def _run_id(p: Path) -> str:
-    name = p.name
-    return name if p.is_dir() or "tfevents" in name else p.stem
-
-
-def discover_runs(spec: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """Resolve a run spec to ``(run_id, path)`` pairs, sorted by run id.
-
-    ``spec`` may be a run file in any format :func:`replay.io.load_run` reads (Parquet, JSONL,
-    CSV, a Megatron log, a TensorBoard event file, ``trainer_state.json``), a directory that is
-    one run (``part-*.parquet`` files, TensorBoard event files anywhere below it, an HF
-    checkpoint), a directory of runs (files and/or run directories), a glob of any of these, or
-    a URI (``file://``, ``s3://``, ...: one run).  The run id is the file stem or the directory
-    name.
-    """
-    text = os.fspath(spec)
-    if is_uri(text):
-        from .io import detect_format
-
-        try:
-            detect_format(text)
-        except RunFormatError:
-            return []
-        return [(Path(text.rstrip("/")).stem or text, text)]
-    if any(c in text for c in _GLOB):
-        out: list[tuple[str, str]] = []
-        for m in sorted(glob.glob(text)):
-            p = Path(m)
-            if _is_run_file(p) or (p.is_dir() and _is_run_dir(p)):
-                out.append((_run_id(p), str(p)))
-        return sorted(out)
-    p = Path(text)
-    if p.is_file():
-        return [(_run_id(p), str(p))]
-    if not p.is_dir():
-        return []
-    if (_has_parts(p) or (p / "trainer_state.json").is_file()
-            or any("tfevents" in f.name and f.is_file() for f in p.iterdir())):
-        return [(p.name, str(p))]
-    out = [(_run_id(f), str(f)) for f in p.iterdir() if _is_run_file(f)]
-    out += [(d.name, str(d)) for d in p.iterdir() if d.is_dir() and _is_run_dir(d)]
-    if not out and _is_run_dir(p):
-        return [(p.name, str(p))]  # TensorBoard events deeper down
-    return sorted(out)
-
-
-def discover_many(specs: Iterable[str]) -> list[tuple[str, str]]:
-    """:func:`discover_runs` over several specs; duplicate run ids are an error."""
-    out: dict[str, str] = {}
-    for spec in specs:
-        found = discover_runs(spec)
-        if not found:
-            raise FileNotFoundError(f"no runs found at {spec!r}")
-        for rid, path in found:
-            if rid in out and out[rid] != path:
-                raise ValueError(f"two runs share the id {rid!r}: {out[rid]} and {path}")
-            out[rid] = path
-    return sorted(out.items())
-
-
-def read_table(path: str, aliases: Mapping[str, str] | None = None) -> pa.Table:
-    """Read a whole run (any format :func:`replay.io.load_run` reads) as a wide table."""
-    from .io import load_run
-
-    return load_run(path, aliases=aliases)
-
-
-# ---------------------------------------------------------------------------- progress
-class Progress:
-    """A plain progress bar on stderr, drawn only when stderr is a TTY."""
-
-    def __init__(self, total: int, label: str = "", enabled: bool | None = None):
-        self.total = total
-        self.label = label
-        self.done = 0
-        self.t0 = time.perf_counter()
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-
-    def update(self, n: int = 1) -> None:
-        """Advance by ``n`` items and redraw."""
-        self.done += n
-        if not self.enabled:
-            return
-        width = 30
-        frac = self.done / self.total if self.total else 1.0
-        bar = "#" * int(width * frac)
-        el = time.perf_counter() - self.t0
-        sys.stderr.write(f"\r{self.label} [{bar:<{width}}] {self.done}/{self.total} {el:.1f}s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        """Finish the line."""
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-def parallel_map(fn: Callable[[T], R], items: Sequence[T], jobs: int | None = None,
-                 label: str = "", progress: bool | None = None) -> list[R]:
-    """``[fn(x) for x in items]`` across processes (order kept), with a progress bar.
-
-    ``jobs=1`` (or a single item) runs in this process.  ``fn`` must be picklable.
-    """
-    n = len(items)
-    jobs = os.cpu_count() or 1 if jobs is None else max(1, jobs)
-    bar = Progress(n, label, progress)
-    out: list[Any] = [None] * n
-    try:
-        if jobs == 1 or n <= 1:
-            for i, x in enumerate(items):
-                out[i] = fn(x)
-                bar.update()
-        else:
-            with ProcessPoolExecutor(max_workers=min(jobs, n)) as ex:
-                futs = {ex.submit(fn, x): i for i, x in enumerate(items)}
-                for f in as_completed(futs):
-                    out[futs[f]] = f.result()
-                    bar.update()
-    finally:
-        bar.close()
-    return out
 
 
 # ---------------------------------------------------------------------------- replay
