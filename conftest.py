@@ -28,6 +28,7 @@ _NEEDS = {
     "stability/adapters/amp.py": ("torch",),
     "stability/adapters/checkpoint_store.py": ("torch",),
     "stability/adapters/guard_checkpoints.py": ("torch",),
+    "stability/adapters/guard_feedback.py": ("torch",),
     "stability/testing/tinytrain.py": ("torch",),
     "stability/torch.py": ("torch",),
 }
