@@ -26,6 +26,9 @@ _NEEDS = {
     "stability/adapters/torch.py": ("torch",),
     "stability/adapters/trainer_support.py": ("torch",),
     "stability/adapters/amp.py": ("torch",),
+    "stability/adapters/checkpoint_store.py": ("torch",),
+    "stability/adapters/guard_checkpoints.py": ("torch",),
+    "stability/adapters/guard_feedback.py": ("torch",),
     "stability/testing/tinytrain.py": ("torch",),
     "stability/torch.py": ("torch",),
 }

@@ -1,0 +1,318 @@
+"""Checkpoints, rollback and resume state of :class:`~stability.adapters.torch.TorchGuard`.
+
+:class:`GuardCheckpoints` is a mixin of ``TorchGuard`` (which keeps the per-step path): it takes
+checkpoints (periodic, emergency, on SIGTERM) into the guard's store and registers them in the
+monitor's checkpoint ledger, carries out rollbacks, and saves / restores the guard's own state
+(:meth:`~GuardCheckpoints.state_dict`), reconciling the ledger with the store after a resume.
+The attributes it uses are set by ``TorchGuard.__init__`` (declared below for type checking).
+
+torch is imported at module level: this module is only imported through ``stability.adapters``
+entry points that are documented to need torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from .._state_check import Fields
+from ..feedback import InterventionTally
+from ..types import Decision
+from .checkpoint_store import CheckpointStore, SavedCheckpoint
+from .interventions import LRMultiplier
+from .signals import SignalCollector
+
+__all__ = ["GuardCheckpoints", "find_ledger"]
+
+log = logging.getLogger("stability.adapters")
+
+STATE_VERSION = 1
+
+
+def find_ledger(monitor: Any) -> Any:
+    """The monitor's :class:`~stability.checkpoints.CheckpointLedger`, or ``None``."""
+    for name in ("ledger", "checkpoints", "checkpoint_ledger"):
+        led = getattr(monitor, name, None)
+        if led is not None and hasattr(led, "add"):
+            return led
+    return None
+
+
+class GuardCheckpoints:
+    """Checkpoint, rollback and state methods of :class:`~stability.adapters.torch.TorchGuard`."""
+
+    # set by TorchGuard.__init__
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    monitor: Any
+    goodput: Any
+    store: Any
+    recorder: Any
+    collector: SignalCollector
+    multiplier: LRMultiplier
+    tally: InterventionTally
+    decision: Decision | None
+    healthy: bool
+    step_count: int
+    data_position: int
+    skip_positions: set[int]
+    _pos_of_step: OrderedDict[int, int]
+    _rewound: bool
+    _sigterm: Any
+    _recorder_flush_failed: bool
+    rollbacks: int
+    steps_lost: int
+    checkpoints_taken: int
+    checkpoint_failures: int
+    base_lr: Callable[[], AbstractContextManager[None]]
+
+    def _monitor_state(self) -> dict[str, Any] | None:
+        if self.monitor is None or not hasattr(self.monitor, "state_dict"):
+            return None
+        return self.monitor.state_dict()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, healthy: bool, reason: str = "", step: int | None = None,
+                        register: bool = True) -> SavedCheckpoint:
+        """Checkpoint model, optimizer, scheduler, monitor state and data position now.
+
+        The entry is registered in the monitor's checkpoint ledger with its health flag.
+        """
+        step = self.step_count if step is None else step
+        pos = self._pos_of_step.get(step, self.data_position) + 1
+        self._flush_recorder()
+        t0 = time.monotonic()
+        with self.base_lr():  # the optimizer state holds the scheduler's own LR, not the cut
+            entry = self.store.save(self.model, self.optimizer, self.scheduler, step=step,
+                                    data_position=pos, healthy=healthy, reason=reason,
+                                    monitor_state=self._monitor_state(),
+                                    protect=self._rollback_targets())
+        self._goodput("note_checkpoint", time.monotonic() - t0)
+        self.checkpoints_taken += 1
+        led = find_ledger(self.monitor) if register else None
+        if led is not None:
+            try:
+                led.add(step, entry.path or f"memory:step-{step}", healthy=healthy,
+                        reason=reason, covers_step=step)
+            except Exception:  # bookkeeping must never kill the run
+                log.exception("could not register checkpoint %s in the ledger", step)
+        return entry
+
+    def _preempted(self, step: int) -> None:
+        """SIGTERM arrived during this step: checkpoint it, then let the signal take its course."""
+        sig, self._sigterm = self._sigterm, None
+        if sig is None or sig.received is None:
+            return
+        self._auto_checkpoint(healthy=self.healthy, reason="sigterm", step=step)
+        sig.uninstall()                           # the previous handler is back ...
+        os.kill(os.getpid(), sig.received)        # ... and gets the signal (default: exit)
+
+    def _rollback_targets(self) -> set[int]:
+        """Checkpoints a rollback may still need: retention keeps them.
+
+        The ledger's latest healthy checkpoint before each of the policy's rollback anchors (the
+        open episode's onset, the best validation point) and before now.
+        """
+        led = find_ledger(self.monitor)
+        if led is None:
+            return set()
+        anchors = getattr(getattr(self.monitor, "policy", None), "rollback_anchors", None)
+        out = set()
+        for at in [*(anchors() if anchors is not None else ()), self.step_count]:
+            try:
+                rec = led.latest_healthy_before(int(at))
+            except Exception:  # bookkeeping must never kill the run
+                log.debug("ledger query failed", exc_info=True)
+                continue
+            if rec is not None:
+                out.add(int(rec.step))
+        return out
+
+    def _forget_checkpoint(self, step: int) -> None:
+        """Retention deleted the checkpoint of ``step``: the ledger must not offer it again."""
+        led = find_ledger(self.monitor)
+        if led is not None and hasattr(led, "forget"):
+            led.forget(step)
+
+    def _auto_checkpoint(self, healthy: bool, reason: str, step: int | None = None,
+                         register: bool = True) -> SavedCheckpoint | None:
+        """:meth:`save_checkpoint` from :meth:`finish`: a failure never stops training.
+
+        The first failure is logged (once per guard; later ones at debug level), every failure
+        is counted in :attr:`checkpoint_failures` and recorded in the monitor's event log.
+        """
+        try:
+            return self.save_checkpoint(healthy=healthy, reason=reason, step=step,
+                                        register=register)
+        except Exception as exc:  # a full disk, a failing store: training goes on
+            self.checkpoint_failures += 1
+            at = self.step_count if step is None else step
+            if self.checkpoint_failures == 1:
+                log.warning("%s checkpoint at step %s failed (%s: %s); training continues "
+                            "(further checkpoint failures are logged at debug level)",
+                            reason or "a", at, type(exc).__name__, exc)
+            else:
+                log.debug("%s checkpoint at step %s failed: %r", reason, at, exc)
+            events = getattr(self.monitor, "event_log", None)
+            if events is not None:
+                try:
+                    events.append({"type": "checkpoint_failed", "step": at, "reason": reason,
+                                   "healthy": healthy, "error": f"{type(exc).__name__}: {exc}"},
+                                  critical=True)
+                except Exception:  # bookkeeping must never kill the run
+                    log.debug("could not record the checkpoint failure", exc_info=True)
+            return None
+
+    def _flush_recorder(self) -> None:
+        """Write the recorder's buffered rows, so none logged before a checkpoint can be lost."""
+        flush = getattr(self.recorder, "flush", None)
+        if flush is None:
+            return
+        try:
+            flush()
+        except Exception as exc:  # the recorder keeps its rows and retries; never kill the run
+            if not self._recorder_flush_failed:
+                self._recorder_flush_failed = True
+                log.warning("recorder flush failed (%s: %s); its rows stay buffered (reported "
+                            "once)", type(exc).__name__, exc)
+
+    def rollback(self, to_step: int, skip: tuple[int, int] | None = None) -> bool:
+        """Restore the checkpoint of ``to_step`` (or the latest healthy one before it).
+
+        Batches consumed on steps ``skip[0]..skip[1]`` are added to :attr:`skip_positions`.
+        Returns ``False`` (and only logs) when no checkpoint is available.
+        """
+        entry = self.store.entries.get(to_step) or self.store.latest_healthy(to_step)
+        if entry is None:
+            log.warning("rollback to step %s requested but no checkpoint is available: refused "
+                        "(not counted)", to_step)
+            if self.monitor is not None and hasattr(self.monitor, "rollback_failed"):
+                self.monitor.rollback_failed(self.step_count, f"no checkpoint at or before "
+                                                              f"step {to_step}")
+            return False
+        if skip is not None:
+            for s in range(int(skip[0]), int(skip[1]) + 1):
+                if s in self._pos_of_step:
+                    self.skip_positions.add(self._pos_of_step[s])
+        t0 = time.monotonic()
+        snap = self.store.restore(entry.step, self.model, self.optimizer, self.scheduler)
+        # counted once: replaces the rollback the ledger counted from this step's Control
+        self._goodput("rollback_done", self.step_count, entry.step, time.monotonic() - t0)
+        issued = self.decision is not None and any(
+            getattr(iv, "type", "") == "rollback" for iv in self.decision.interventions)
+        if self.monitor is not None and hasattr(self.monitor, "rewind"):
+            self.monitor.rewind(entry.step)  # accept steps after entry.step again
+        led = find_ledger(self.monitor)
+        if not issued and led is not None and hasattr(led, "rewind"):
+            led.rewind(entry.step)  # another rank asked: keep this rank's ledger in line
+        self.multiplier.restore()
+        lost = self.step_count - entry.step
+        self.steps_lost += max(lost, 0)
+        self.rollbacks += 1
+        self.step_count = entry.step + 1
+        self.data_position = int(snap.get("data_position", entry.data_position))
+        self._rewound = True
+        self.collector.state_reset()
+        self.optimizer.zero_grad(set_to_none=True)
+        log.warning("rolled back to step %d (%d steps lost), skipping %s", entry.step, lost, skip)
+        return True
+
+    def _goodput(self, method: str, *args: Any) -> None:
+        """Call ``method`` of the monitor's goodput ledger (if any); never raises."""
+        if self.goodput is None:
+            return
+        try:
+            getattr(self.goodput, method)(*args)
+        except Exception:  # bookkeeping must never kill the run
+            log.debug("goodput ledger %s failed", method, exc_info=True)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible guard state (monitor included) with a ``"version"`` key."""
+        return {
+            "version": STATE_VERSION,
+            "step": self.step_count,
+            "data_position": self.data_position,
+            "skip_positions": sorted(self.skip_positions),
+            "lr_factor": self.multiplier.factor,
+            "lr_multiplier": self.multiplier.state_dict(),
+            "interventions": self.tally.state_dict(),
+            "monitor": self._monitor_state(),
+            "counters": {k: getattr(self, k) for k in _COUNTERS},
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output (fields added later fall back to defaults).
+
+        Every field is checked before anything changes (``ValueError`` naming it): the LR
+        factor and the multiplier's numbers must be finite and positive, counters and
+        positions non-negative ints.  The monitor's part follows
+        :meth:`~stability.monitor.Monitor.load_state_dict` (its config wins; ``strict=False``
+        re-warms incompatible parts with a warning).
+        """
+        f = Fields("TorchGuard", sd)
+        f.version(STATE_VERSION)
+        step = f.integer("step", f.get("step", self.step_count), lo=0)
+        position = f.integer("data_position", f.get("data_position", self.data_position), lo=0)
+        skips = {f.integer(f"skip_positions[{i}]", x, lo=0)
+                 for i, x in enumerate(f.seq("skip_positions", None, f.get("skip_positions", [])))}
+        factor = f.number("lr_factor", f.get("lr_factor", 1.0), lo=0.0, low_open=True)
+        mult = f.get("lr_multiplier", None)
+        if mult is not None:
+            m = f.sub("lr_multiplier")
+            m.number("factor", m.get("factor", factor), lo=0.0, low_open=True)
+            for key, pos in (("base", False), ("written", True), ("written_factor", False)):
+                for i, x in enumerate(m.seq(key, None, m.get(key, []))):
+                    if not (pos and x is None):
+                        m.number(f"{key}[{i}]", x, lo=0.0, low_open=not pos and key != "base")
+        counters = {k: f.integer(f"counters.{k}", v, lo=0)
+                    for k, v in f.mapping("counters", {}).items() if k in _COUNTERS}
+        if f.get("monitor", None) is not None and self.monitor is not None:
+            if strict:  # (a duck-typed monitor need not know the argument)
+                self.monitor.load_state_dict(f.get("monitor"))
+            else:
+                self.monitor.load_state_dict(f.get("monitor"), strict=False)
+        if f.get("interventions", None) is not None:
+            self.tally.load_state_dict(f.get("interventions"))
+        self.step_count, self.data_position, self.skip_positions = step, position, skips
+        self.multiplier.factor = factor
+        if mult is not None:
+            self.multiplier.load_state_dict(mult)
+        for k, v in counters.items():
+            setattr(self, k, v)
+        self._reconcile_ledger()
+        self.collector.begin_step(self.step_count)
+
+    def _reconcile_ledger(self) -> None:
+        """After a resume: the ledger lists exactly the checkpoints the store can restore.
+
+        In-memory copies do not survive a restart (their records go); checkpoints on disk that
+        the store found again (its index) are registered if the restored ledger lacks them.
+        """
+        led = find_ledger(self.monitor)
+        if led is None or not hasattr(led, "forget") or not isinstance(self.store,
+                                                                      CheckpointStore):
+            return  # an adapter's trainer store restores its own records
+        try:
+            have = self.store.entries
+            known = {r.step for r in led.records}
+            for step in known - set(have):
+                led.forget(step)
+            for step in sorted(set(have) - known):
+                e = have[step]
+                led.add(step, e.path or f"memory:step-{step}", healthy=e.healthy,
+                        reason=e.reason, covers_step=step)
+        except Exception:  # bookkeeping must never kill the run
+            log.debug("could not reconcile the checkpoint ledger", exc_info=True)
+
+
+_COUNTERS = ("steps_skipped", "batches_skipped", "rollbacks", "steps_lost", "checkpoints_taken",
+             "checkpoint_failures", "amp_overflows")
