@@ -72,6 +72,8 @@ class GuardCheckpoints:
     steps_lost: int
     checkpoints_taken: int
     checkpoint_failures: int
+    cadence: Any
+    _last_save_t: float
     base_lr: Callable[[], AbstractContextManager[None]]
 
     def _monitor_state(self) -> dict[str, Any] | None:
@@ -95,7 +97,11 @@ class GuardCheckpoints:
                                     data_position=pos, healthy=healthy, reason=reason,
                                     monitor_state=self._monitor_state(),
                                     protect=self._rollback_targets())
-        self._goodput("note_checkpoint", time.monotonic() - t0)
+        spent = time.monotonic() - t0
+        self._goodput("note_checkpoint", spent)
+        if self.cadence is not None:
+            self.cadence.note_save(spent)
+            self._last_save_t = time.monotonic()
         self.checkpoints_taken += 1
         led = find_ledger(self.monitor) if register else None
         if led is not None:

@@ -45,12 +45,14 @@ import contextlib
 import logging
 import math
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ..cadence import CadenceAdvisor
 from ..feedback import InterventionTally, log_interventions
 from ..preemption import install_sigterm_checkpoint
 from ..types import Control, Decision
@@ -118,6 +120,11 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         monitor's sinks and event log (``StallWatchdog.for_monitor``); the guard beats it after
         every step and passes its ``step_time`` (and throughput / MFU when configured) to the
         monitor.  Stopped by :meth:`detach`.
+    cadence : CadenceAdvisor, optional
+        Risk-adaptive checkpoint cadence (:mod:`stability.cadence`): besides ``checkpoint_every``,
+        a healthy step is checkpointed when the advisor's goodput-optimal interval (from the
+        measured save cost and the failure rate) has elapsed since the last save -- sooner while
+        the policy has an episode open.  The first healthy step is saved to measure the cost.
     checkpoint_on_sigterm : bool
         Preemption: on SIGTERM, checkpoint at the end of the current step (never mid-update),
         then hand the signal to the previous handler (default: the process exits).  Main
@@ -149,6 +156,7 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         checkpoint_on_sigterm: bool = False,
         update_ratio: str = "sampled",
         watchdog: bool | StallWatchdog | None = None,
+        cadence: CadenceAdvisor | None = None,
     ) -> None:
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
@@ -215,6 +223,8 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         self.watchdog: StallWatchdog | None = (
             watchdog if isinstance(watchdog, StallWatchdog)
             else StallWatchdog.for_monitor(self.monitor) if watchdog else None)
+        self.cadence = cadence
+        self._cadence_clock = self._last_save_t = time.monotonic()
 
     # ------------------------------------------------------------------ data
     def batches(self, n_batches: int, max_iterations: int | None = None) -> Iterator[int]:
@@ -391,7 +401,8 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
                                                              control.skip_batches):
             self.collector.begin_step(self.step_count)
             return
-        if self.checkpoint_every and step % self.checkpoint_every == 0 and self.healthy:
+        if self.healthy and ((self.checkpoint_every and step % self.checkpoint_every == 0)
+                             or (self.cadence is not None and self._cadence_due())):
             self._auto_checkpoint(healthy=True, reason="periodic", step=step)
         if self._sigterm is not None and self._sigterm.received is not None:
             self._preempted(step)
@@ -399,6 +410,18 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         self.data_position = self._pos_of_step.get(step, self.data_position) + 1
         self.collector.begin_step(self.step_count)
         self.multiplier.show()  # between steps param_groups show the LR really applied
+
+    def _cadence_due(self) -> bool:
+        """The cadence advisor's interval has elapsed (sooner while an episode is open)."""
+        assert self.cadence is not None
+        now = time.monotonic()
+        self.cadence.note_time(now - self._cadence_clock)
+        self._cadence_clock = now
+        if not self.cadence.saves:
+            return True  # measure the save cost once
+        policy = getattr(self.monitor, "policy", None)  # scripted monitors have none
+        warnings_open = getattr(policy, "episode_onset", None) is not None
+        return self.cadence.should_checkpoint(now - self._last_save_t, warnings_open)
 
     @contextlib.contextmanager
     def base_lr(self) -> Iterator[None]:

@@ -80,3 +80,28 @@ def test_rank_alarms_are_recorded_by_the_monitor(tmp_path: Path) -> None:
     assert [r["step"] for r in recs if r.get("kind") == "rank_outlier"] == [3]
     assert any(r.get("intervention") == "alert" and "rank 1 / host-b" in r["reason"]
                for r in recs)
+
+
+def test_cadence_advisor_drives_periodic_checkpoints() -> None:
+    from stability.cadence import CadenceAdvisor
+
+    def run(cadence: CadenceAdvisor | None) -> TorchGuard:
+        model, opt, x, y = _setup()
+        guard = TorchGuard(model, opt, None, Monitor("default"), checkpoint_every=0,
+                           cadence=cadence)
+        for _ in range(40):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            guard.step(torch.nn.functional.mse_loss(model(x), y).detach())
+        return guard
+
+    assert run(None).checkpoints_taken == 0
+    # a failure-prone job (50 failures already seen, MTBF ~ milliseconds): frequent saves
+    adv = CadenceAdvisor(prior_mtbf_s=0.02)
+    for _ in range(50):
+        adv.note_failure()
+    guard = run(adv)
+    assert guard.checkpoints_taken >= 3
+    assert adv.saves == guard.checkpoints_taken and adv.save_cost_s > 0
+    # a reliable one (MTBF one year): only the first save, to measure its cost
+    calm = CadenceAdvisor(prior_mtbf_s=365 * 24 * 3600.0)
+    assert run(calm).checkpoints_taken == 1
