@@ -5,7 +5,7 @@ Every detector is a bank of independent series updated by one kernel call per st
 (:meth:`~detectors._base.BankDetector.update_many`); both share the same kernel.
 """
 
-from ._base import BankDetector, BoolArray, FloatArray
+from ._base import MAD_SCALE, BankDetector, BoolArray, FloatArray
 from .activation import ActivationShift, HistogramDrift
 from .adwin import ADWIN
 from .cusum import CUSUM
@@ -29,6 +29,7 @@ __all__ = [
     "TrainValDivergence",
     "ValSpike",
     "BankDetector",
+    "MAD_SCALE",
     "BoolArray",
     "FloatArray",
     "EWMAZScore",

@@ -36,11 +36,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_float, check_int
+from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
 from ._kernel import indices, learns
 from ._state import StateCheck
-
-LOG_FLOOR = 1e-30
 
 # state rows: train EW mean/count, previous gap, validation points seen, ring position, stored
 # increments

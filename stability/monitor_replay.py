@@ -48,7 +48,7 @@ class ReplayMixin(LayoutMixin):
         logged; see :func:`stability.monitor_io.table_columns`), or an iterable of those
         (see :meth:`replay_batches`).  Non-numeric columns are ignored.
         """
-        if _is_table(data):
+        if is_table(data):
             return self._replay_table(data)
         return list(self.replay_batches(data))
 
@@ -141,7 +141,3 @@ class ReplayMixin(LayoutMixin):
                     if any_alarm[t] else None)
             decisions.append(finish(s, rows, gnow, tivs, ()))
         return decisions
-
-
-def _is_table(data: Any) -> bool:
-    return is_table(data)

@@ -49,6 +49,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from detectors import MAD_SCALE
+
 from .types import Alarm
 
 __all__ = [
@@ -80,7 +82,7 @@ _MAD2_BIAS = (0.760, 0.717, 0.906, 0.867, 0.949, 0.918, 0.967, 0.947, 0.974, 0.9
 def _robust_var(v: np.ndarray) -> float:
     """Unbiased (for normal data) variance from the MAD of ``v`` (``len(v) >= 3``)."""
     med = float(np.median(v))
-    mad = 1.4826 * float(np.median(np.abs(v - med)))
+    mad = MAD_SCALE * float(np.median(np.abs(v - med)))
     n = v.size
     return mad * mad / (_MAD2_BIAS[n - 3] if n - 3 < len(_MAD2_BIAS) else 1.0)
 
@@ -229,7 +231,7 @@ class RankOutlierDetector:
         if math.isfinite(typ):
             scale = max(scale, math.sqrt(typ))
         if not math.isfinite(typ) or self.seen.get(name, 0) < self.history:
-            scale = max(scale, 1.4826 * float(np.median(np.abs(v - med))))
+            scale = max(scale, MAD_SCALE * float(np.median(np.abs(v - med))))
         z[ok] = (v - med) / scale
         return z, med, scale
 
