@@ -336,6 +336,19 @@ class BankDetector:
             x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1
         )
 
+    def update_many_array(
+        self, x: FloatArray, miss: BoolArray, scores: FloatArray, alarms: BoolArray
+    ) -> None:
+        """Fast path for the monitor's replay: :meth:`update_many` without validation or copies.
+
+        ``x`` (float64) and ``miss`` (bool) are C-contiguous ``(steps, n_inputs, n_series)``;
+        the outputs are written into ``scores`` / ``alarms`` (``(steps, n_series)``).
+        """
+        if x.shape[0]:
+            type(self).kernel(x, miss, self._state, self._buf, self._params_arr, scores, alarms)
+            self._score1[0] = scores[-1]
+            self._alarm1[0] = alarms[-1]
+
     def update_many(
         self, *inputs: ArrayLike, missing: ArrayLike | None = None
     ) -> tuple[FloatArray, BoolArray]:

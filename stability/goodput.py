@@ -53,6 +53,7 @@ In time (a clock we move by hand; a 5 s checkpoint save between steps 2 and 3):
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import threading
 import time
@@ -164,6 +165,30 @@ class GoodputTracker:
             self.time_degraded += dt
         self.last_step = int(step)
         self._history.append((self.last_step, self._cum))
+
+    def update_many(self, steps: Any, *, skipped: bool = False, degraded: bool = False) -> None:
+        """:meth:`update` for each of ``steps`` (increasing ints) in order, in bulk while the
+        clock is off (replay); state and records are those of the loop."""
+        n = len(steps)
+        if self.timing or n == 0:
+            for s in steps:
+                self.update(int(s), skipped=skipped, degraded=degraded)
+            return
+        self._requested = None
+        self.steps += n
+        self.time_total += 0.0
+        if skipped:
+            self.skipped += n
+            self.time_skipped += 0.0
+        else:
+            self._cum += 0.0
+        if degraded:
+            self.degraded_steps += n
+            self.time_degraded += 0.0
+        tail = steps[-HISTORY:]
+        ints = tail.tolist() if hasattr(tail, "tolist") else [int(s) for s in tail]
+        self.last_step = ints[-1]
+        self._history.extend(zip(ints, itertools.repeat(self._cum, len(ints)), strict=True))
 
     def update_from_control(self, step: int, control: Control) -> None:
         """Count one step from the ``Control`` the trainer acted on.
