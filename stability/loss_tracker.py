@@ -63,6 +63,34 @@ class LossTracker:
             self.base = x if math.isnan(self.base) else self.base + self.base_alpha * (
                 x - self.base)
 
+    def update_many(self, losses: Any, quiet: Any) -> None:
+        """:meth:`update` for each ``losses[k]`` (floats) with ``quiet[k]``, in order.
+
+        >>> a, b = LossTracker(), LossTracker()
+        >>> for v, q in [(2.0, True), (float("nan"), True), (1.5, False)]:
+        ...     a.update(v, q)
+        >>> b.update_many([2.0, float("nan"), 1.5], [True, True, False])
+        >>> (a.fast, a.base, a.nonfinite_run) == (b.fast, b.base, b.nonfinite_run)
+        True
+        """
+        fast, base, run = self.fast, self.base, self.nonfinite_run
+        fa, ba = self.fast_alpha, self.base_alpha
+        log, inf = math.log, math.inf
+        vals = losses.tolist() if hasattr(losses, "tolist") else [float(v) for v in losses]
+        qs = quiet.tolist() if hasattr(quiet, "tolist") else list(quiet)
+        for v, q in zip(vals, qs, strict=True):  # the arithmetic of update(), inlined
+            if v != v or v == inf or v == -inf:
+                run += 1
+                continue
+            run = 0
+            if v <= 0.0:
+                continue
+            x = log(v)
+            fast = x if fast != fast else fast + fa * (x - fast)
+            if q:
+                base = x if base != base else base + ba * (x - base)
+        self.fast, self.base, self.nonfinite_run = fast, base, run
+
     def worse(self, margin: float) -> bool | None:
         """Recent loss above the baseline by more than ``margin`` (relative), or not finite.
 

@@ -274,6 +274,9 @@ class ReplayMixin(LayoutMixin):
     _lr_slot: int
     _loss_slot: int
     _val_slot: int
+    _lr_now: float | None
+    _lr_prev: float | None
+    policy: Any
 
     if TYPE_CHECKING:
         def observe(self, step: int, metrics: Mapping[str, Any] | None = None,
@@ -506,6 +509,27 @@ class _Replay:
                 mon._grad_last = float(g[-1])
         self.out.quiet(a, b, mon._snapshot())
 
+    def _track_bulk(self, a: int, b: int) -> int:
+        """Follow the LR, loss and validation loss of rows ``[a, b)`` (no alarm on them) in
+        bulk (:meth:`~stability.policy.Policy.track_many`); returns the rows taken."""
+        mon = self.mon
+        cols: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for s in (mon._lr_slot, mon._loss_slot, mon._val_slot):
+            col = self.slotcol.get(s) if s else None
+            if col is None:
+                cols.append(None)
+            else:
+                v, p = col
+                cols.append((v[a:b], np.ones(b - a, dtype=np.bool_) if p is None else p[a:b]))
+        k = int(mon.policy.track_many(self.steps[a:b], *cols))
+        lr = cols[0]
+        if k and lr is not None:  # the monitor's own record of the last two requested LRs
+            seen = lr[0][:k][lr[1][:k]]
+            if seen.size:
+                mon._lr_prev = float(seen[-2]) if seen.size > 1 else mon._lr_now
+                mon._lr_now = float(seen[-1])
+        return k
+
     def _tail(self, lo: int, hi: int, alarm: np.ndarray,
               outs: list[tuple[_Binding, np.ndarray, np.ndarray]]) -> None:
         mon = self.mon
@@ -518,10 +542,7 @@ class _Replay:
                 v, p = self.slotcol[s]
                 tv[s, :c] = v[lo:hi]
                 tp[s, :c] = True if p is None else p[lo:hi]
-            event = alarm | need
-        else:
-            event = alarm
-        ev = np.flatnonzero(event).tolist()
+        ev = np.flatnonzero(alarm).tolist()
         n_ev = len(ev)
         steps = self.steps
         grad = self.grad
@@ -537,9 +558,12 @@ class _Replay:
                     k += 1
                 e = ev[k] if k < n_ev else c
                 if e > r:
-                    self._quiet_bulk(lo + r, lo + e)
-                    r = e
-                    continue
+                    if need is not None:  # the LR / loss to follow, in bulk while nothing happens
+                        e = r + self._track_bulk(lo + r, lo + e)
+                    if e > r:
+                        self._quiet_bulk(lo + r, lo + e)
+                        r = e
+                        continue
             t = lo + r
             s = int(steps[t])
             if mon._ctrl_dirty:
