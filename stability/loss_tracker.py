@@ -76,8 +76,8 @@ class LossTracker:
         fast, base, run = self.fast, self.base, self.nonfinite_run
         fa, ba = self.fast_alpha, self.base_alpha
         log, inf = math.log, math.inf
-        vals = losses.tolist() if hasattr(losses, "tolist") else [float(v) for v in losses]
-        qs = quiet.tolist() if hasattr(quiet, "tolist") else list(quiet)
+        vals = losses.tolist() if hasattr(losses, "tolist") else losses
+        qs = quiet.tolist() if hasattr(quiet, "tolist") else quiet
         for v, q in zip(vals, qs, strict=True):  # the arithmetic of update(), inlined
             if v != v or v == inf or v == -inf:
                 run += 1

@@ -15,6 +15,7 @@ built only when read (:class:`Decisions`).
 
 from __future__ import annotations
 
+import gc
 import math
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -415,23 +416,37 @@ class ReplayMixin(LayoutMixin):
         slotcol = self._bind_columns(cols)
         if self._dirty:
             self._relayout()
-        return _Replay(self, steps, slotcol).run()
+        # no cyclic garbage is made here: a collection triggered by the bulk allocations (the
+        # goodput history, decisions) would only scan the whole heap
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return _Replay(self, steps, slotcol).run()
+        finally:
+            if was:
+                gc.enable()
 
 
 def _fill_bank(feeds: list[tuple[int, int, _Column | None]], x: np.ndarray, m: np.ndarray,
-               lo: int, hi: int) -> None:
-    """Rows ``[lo, hi)`` of a bank's input ``x`` and missing mask ``m`` (one copy per value)."""
+               lo: int, hi: int, first: bool = True) -> None:
+    """Rows ``[lo, hi)`` of a bank's input ``x`` and missing mask ``m`` (one copy per value).
+
+    ``first=False``: ``x`` and ``m`` hold the previous chunk, so what does not change from
+    chunk to chunk (absent inputs, masks of columns without nulls) is not written again.
+    """
     for j, i, col in feeds:
         xc = x[:, j, i]
         mc = m[:, j, i]
         if col is None:
-            xc[:] = 0.0
-            mc[:] = True
+            if first:
+                xc[:] = 0.0
+                mc[:] = True
             continue
         v, p = col
         xc[:] = v[lo:hi]
         if p is None:
-            mc[:] = False
+            if first:
+                mc[:] = False
         else:
             np.logical_not(p[lo:hi], out=mc)
             xc[mc] = 0.0
@@ -488,7 +503,7 @@ class _Replay:
                 if not feeds:
                     continue
                 x, m = x[:c], m[:c]
-                _fill_bank(feeds, x, m, lo, hi)
+                _fill_bank(feeds, x, m, lo, hi, lo == 0)
                 b.det.update_many_array(x, m, sc, al)
                 if al.any():  # a flat test; the rows only when some series alarmed
                     alarm[np.flatnonzero(al.reshape(-1)) // al.shape[1]] = True

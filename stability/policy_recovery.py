@@ -100,17 +100,18 @@ class RecoveryMixin(PolicyState):
             return n
         # the loss baseline learns from steps outside the cooldown after the last episode
         # (the guard stays inactive and no probation opens within the steps taken)
-        quiet = np.asarray(steps[:n]) - self._ep.last_seen > self.config.cooldown
-        lv, lp = (np.zeros(n), np.zeros(n, dtype=np.bool_)) if loss is None else (
-            loss[0][:n], loss[1][:n])
+        rows = np.zeros(0, dtype=np.int64) if loss is None else np.flatnonzero(loss[1][:n])
+        quiet = (np.asarray(steps)[rows] - self._ep.last_seen > self.config.cooldown).tolist()
+        lv = [] if loss is None else loss[0][rows].tolist()
         start = 0
-        for i in ([] if val is None else np.flatnonzero(val[1][:n]).tolist()):
-            keep = lp[start:i]
-            self.loss.update_many(lv[start:i][keep], quiet[start:i][keep])
-            self.val.update(int(steps[i]), float(val[0][i]), self.loss.fast)  # before loss[i]
-            start = i
-        keep = lp[start:n]
-        self.loss.update_many(lv[start:n][keep], quiet[start:n][keep])
+        if val is not None:
+            vrows = np.flatnonzero(val[1][:n])
+            # the validation point sees the loss level before its own step's loss
+            for i, c in zip(vrows.tolist(), np.searchsorted(rows, vrows).tolist(), strict=True):
+                self.loss.update_many(lv[start:c], quiet[start:c])
+                self.val.update(int(steps[i]), float(val[0][i]), self.loss.fast)
+                start = c
+        self.loss.update_many(lv[start:], quiet[start:])
         return n
 
     def _track_loss(self, step: int, loss: float) -> None:
