@@ -368,8 +368,10 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
     if said:
         sys.stderr.write(f"reading {p} ...")
         sys.stderr.flush()
+    from stability.config import load_config
+
     t0 = time.perf_counter()
-    cfg = _default_config(config)
+    cfg = load_config(_default_config(config))  # parsed once for the probe and the replay
     table, names = read_bound(p, cfg)
     if said:
         sys.stderr.write("\r\033[K")  # clear the line for the bar / the summary
