@@ -26,6 +26,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+from numba import njit
+
 from ._state_check import Fields
 
 
@@ -66,6 +69,10 @@ class LossTracker:
     def update_many(self, losses: Any, quiet: Any) -> None:
         """:meth:`update` for each ``losses[k]`` (floats) with ``quiet[k]``, in order.
 
+        The logs come from :func:`math.log` as in :meth:`update` and the two running means
+        from a Numba loop doing the same IEEE operations in the same order, so the state is
+        the loop's bit for bit.
+
         >>> a, b = LossTracker(), LossTracker()
         >>> for v, q in [(2.0, True), (float("nan"), True), (1.5, False)]:
         ...     a.update(v, q)
@@ -73,23 +80,20 @@ class LossTracker:
         >>> (a.fast, a.base, a.nonfinite_run) == (b.fast, b.base, b.nonfinite_run)
         True
         """
-        fast, base, run = self.fast, self.base, self.nonfinite_run
-        fa, ba = self.fast_alpha, self.base_alpha
-        log, inf = math.log, math.inf
-        vals = losses.tolist() if hasattr(losses, "tolist") else losses
-        qs = quiet.tolist() if hasattr(quiet, "tolist") else quiet
-        for v, q in zip(vals, qs, strict=True):  # the arithmetic of update(), inlined
-            if v != v or v == inf or v == -inf:
-                run += 1
-                continue
-            run = 0
-            if v <= 0.0:
-                continue
-            x = log(v)
-            fast = x if fast != fast else fast + fa * (x - fast)
-            if q:
-                base = x if base != base else base + ba * (x - base)
-        self.fast, self.base, self.nonfinite_run = fast, base, run
+        v = np.asarray(losses, dtype=np.float64)
+        if v.size == 0:
+            return
+        fin = np.isfinite(v)
+        last = np.flatnonzero(fin)
+        if last.size == 0:
+            self.nonfinite_run += int(v.size)
+            return
+        self.nonfinite_run = int(v.size - 1 - last[-1])  # non-finite losses after the last one
+        use = fin & (v > 0.0)
+        x = np.fromiter(map(math.log, v[use].tolist()), dtype=np.float64, count=int(use.sum()))
+        q = np.asarray(quiet, dtype=np.bool_)[use]
+        self.fast, self.base = _ew_logs(x, q, self.fast, self.base, self.fast_alpha,
+                                        self.base_alpha)
 
     def worse(self, margin: float) -> bool | None:
         """Recent loss above the baseline by more than ``margin`` (relative), or not finite.
@@ -118,6 +122,18 @@ class LossTracker:
 def _enc(v: float) -> float | str:
     """JSON-safe float (non-finite as a string, read back by ``float``)."""
     return v if math.isfinite(v) else str(v)
+
+
+@njit(cache=True, error_model="numpy")
+def _ew_logs(x, quiet, fast, base, fast_alpha, base_alpha):  # type: ignore[no-untyped-def]
+    """The running means of :meth:`LossTracker.update` over the logs ``x`` (no fastmath: the
+    operations are those of the Python code)."""
+    for k in range(x.shape[0]):
+        y = x[k]
+        fast = y if fast != fast else fast + fast_alpha * (y - fast)
+        if quiet[k]:
+            base = y if base != base else base + base_alpha * (y - base)
+    return fast, base
 
 
 class ValTracker:

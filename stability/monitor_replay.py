@@ -31,7 +31,7 @@ __all__ = ["Decisions", "ReplayMixin"]
 
 #: values per replay chunk (rows per chunk = this / bound signals, at least 1024): the banks'
 #: inputs and outputs of one chunk stay in cache and memory stays bounded on long runs
-CHUNK_VALUES = 1 << 18
+CHUNK_VALUES = 1 << 20
 
 #: a decoded column: float64 values (a read-only view where possible; undefined where not
 #: present) and the present mask (``None``: present on every row)

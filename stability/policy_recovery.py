@@ -101,8 +101,8 @@ class RecoveryMixin(PolicyState):
         # the loss baseline learns from steps outside the cooldown after the last episode
         # (the guard stays inactive and no probation opens within the steps taken)
         rows = np.zeros(0, dtype=np.int64) if loss is None else np.flatnonzero(loss[1][:n])
-        quiet = (np.asarray(steps)[rows] - self._ep.last_seen > self.config.cooldown).tolist()
-        lv = [] if loss is None else loss[0][rows].tolist()
+        quiet = np.asarray(steps)[rows] - self._ep.last_seen > self.config.cooldown
+        lv = np.zeros(0) if loss is None else loss[0][rows]
         start = 0
         if val is not None:
             vrows = np.flatnonzero(val[1][:n])
