@@ -103,15 +103,11 @@ class RecoveryMixin(PolicyState):
         rows = np.zeros(0, dtype=np.int64) if loss is None else np.flatnonzero(loss[1][:n])
         quiet = np.asarray(steps)[rows] - self._ep.last_seen > self.config.cooldown
         lv = np.zeros(0) if loss is None else loss[0][rows]
-        start = 0
-        if val is not None:
-            vrows = np.flatnonzero(val[1][:n])
-            # the validation point sees the loss level before its own step's loss
-            for i, c in zip(vrows.tolist(), np.searchsorted(rows, vrows).tolist(), strict=True):
-                self.loss.update_many(lv[start:c], quiet[start:c])
-                self.val.update(int(steps[i]), float(val[0][i]), self.loss.fast)
-                start = c
-        self.loss.update_many(lv[start:], quiet[start:])
+        vrows = np.zeros(0, dtype=np.int64) if val is None else np.flatnonzero(val[1][:n])
+        # a validation point sees the loss level before its own step's loss
+        levels = self.loss.update_many(lv, quiet, probe=np.searchsorted(rows, vrows))
+        for i, level in zip(vrows.tolist(), levels.tolist(), strict=True):
+            self.val.update(int(steps[i]), float(val[0][i]), level)
         return n
 
     def _track_loss(self, step: int, loss: float) -> None:
