@@ -79,7 +79,7 @@ def same_run(table, cfg=None, **kw) -> tuple[Monitor, Monitor, list, Decisions]:
     return a, b, loop, got
 
 
-@pytest.mark.parametrize("chunk_values", [64, 1 << 18])
+@pytest.mark.parametrize("chunk_values", [64, 1 << 20])
 @pytest.mark.parametrize("cfg", [None, CFG])
 def test_replay_equals_observe_loop(monkeypatch, cfg, chunk_values) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(mr, "CHUNK_VALUES", chunk_values)  # 1024-row chunks, or one chunk
@@ -220,10 +220,19 @@ def test_loss_tracker_update_many_equals_loop() -> None:
     v[[80, 81]] = [0.0, -2.0]
     q = rng.random(300) < 0.7
     a, b = LossTracker(), LossTracker()
-    for x, qq in zip(v, q, strict=True):
+    probe = [0, 5, 6, 7, 80, 150, 299, 300]
+    seen = []
+    for k, (x, qq) in enumerate(zip(v, q, strict=True)):
+        seen += [a.fast] * probe.count(k)
         a.update(float(x), bool(qq))
-    b.update_many(v, q)
+    seen.append(a.fast)  # probe 300: after the last loss
+    got = b.update_many(v, q, probe=probe)
     assert a.state_dict() == b.state_dict()
+    assert np.array_equal(got, np.array(seen), equal_nan=True)
+    c = LossTracker()
+    c.update_many(np.array([np.nan, np.inf]), np.array([True, True]))
+    c.update_many([], [])
+    assert c.nonfinite_run == 2 and math.isnan(c.fast)
 
 
 def test_policy_track_many_equals_track_loop() -> None:
