@@ -29,18 +29,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import (
-    LOG_FLOOR,
-    MEAN_AD_SCALE,
-    BankDetector,
-    FloatArray,
-    check_bool,
-    check_float,
-    check_int,
-)
+from ._base import LOG_FLOOR, MEAN_AD_SCALE, BankDetector, FloatArray
 from ._kernel import indices, learns
 from ._state import StateCheck
 from .histogram import HistogramDrift as HistogramDrift
+from .validation import check_bool, check_choice, check_float, check_int, param_error
 
 AGGREGATES = {"rms": 0.0, "max": 1.0}
 
@@ -246,21 +239,14 @@ class ActivationShift(BankDetector):
             except (TypeError, ValueError):
                 flags = ()
             if len(flags) != self.n_features:
-                raise ValueError(
-                    f"The 'log_space' parameter of {name} must be a bool or a sequence of "
-                    f"{self.n_features} bools (one per feature). Got {log_space!r} instead."
-                )
+                raise param_error(name, "log_space", f"a bool or a sequence of "
+                                  f"{self.n_features} bools (one per feature)", log_space)
         self.log_space = flags
         self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
         self.warmup = check_int(name, "warmup", warmup, 0)
         self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
         self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
-        if aggregate not in AGGREGATES:
-            raise ValueError(
-                f"The 'aggregate' parameter of {name} must be one of {sorted(AGGREGATES)}. "
-                f"Got {aggregate!r} instead."
-            )
-        self.aggregate = aggregate
+        self.aggregate = check_choice(name, "aggregate", aggregate, AGGREGATES)
         # instance-level override of the class default (one input per feature)
         setattr(self, "n_inputs", self.n_features)  # noqa: B010
         setattr(self, "input_names", tuple(f"x{j}" for j in range(self.n_features)))  # noqa: B010

@@ -17,9 +17,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_float, check_int
+from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
+from .validation import check_float, check_int
 
 # state rows
 _H_COUNT, _H_NREF, _H_POS, _H_NCUR, _H_SCORE, _H_SINCE = 0, 1, 2, 3, 4, 5

@@ -19,9 +19,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
+from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_pair
 from ._state import StateCheck
+from .validation import check_float, check_int
 
 # LRLossCorrelation state rows
 _C_Y, _C_COUNT, _C_LR1, _C_LR2, _C_POS, _C_N = 0, 1, 2, 3, 4, 5

@@ -19,9 +19,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_float, check_int
+from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
+from .validation import check_choice, check_float, check_int
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -160,12 +161,7 @@ class LRJump(BankDetector):
         self.warmup = check_int(name, "warmup", warmup, 0)
         self.min_delta = check_float(name, "min_delta", min_delta, 0.0)
         self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
-        if direction not in DIRECTIONS:
-            raise ValueError(
-                f"The 'direction' parameter of {name} must be one of {sorted(DIRECTIONS)}. "
-                f"Got {direction!r} instead."
-            )
-        self.direction = direction
+        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
         self._setup()
 
     def _param_values(self) -> dict[str, float]:

@@ -15,9 +15,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
+from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_pair
 from ._state import StateCheck
+from .validation import check_float, check_int
 
 # LRLevelInstability state rows
 _L_PREV, _L_MEAN, _L_VAR, _L_BASE, _L_MAXLR, _L_COUNT, _L_LR, _L_PEAKED = 0, 1, 2, 3, 4, 5, 6, 7

@@ -40,8 +40,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-__all__ = ["STEP_MAX", "Fields", "as_bool", "as_float", "as_int", "check_bool", "check_float",
-           "check_int", "field_error", "float_rule", "int_rule", "param_error", "short_repr"]
+__all__ = ["STEP_MAX", "Fields", "as_bool", "as_float", "as_int", "check_bool", "check_choice",
+           "check_float", "check_int", "check_opt_float", "choice_rule", "field_error",
+           "float_rule", "int_rule", "param_error", "short_repr"]
 
 #: bound on step numbers and counters read from a snapshot (the monitor's Numba paths use int64)
 STEP_MAX = 2**62
@@ -163,6 +164,15 @@ def float_rule(lo: float = -math.inf, hi: float = math.inf, *, low_open: bool = 
     return kind + (" or nan" if nan else "")
 
 
+def choice_rule(choices: Any) -> str:
+    """``"one of ['down', 'up']"`` (sorted).
+
+    >>> choice_rule({"up": 1, "down": -1})
+    "one of ['down', 'up']"
+    """
+    return f"one of {sorted(choices, key=str)}"
+
+
 # ---------------------------------------------------------------------------- messages
 def short_repr(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters (a hostile snapshot may hold anything)."""
@@ -215,6 +225,48 @@ def check_float(owner: str, name: str, value: Any, low: float = -math.inf,
         raise param_error(owner, name, float_rule(low, high, low_open=low_open,
                                                   high_open=high_open), value)
     return v
+
+
+def check_opt_float(owner: str, name: str, value: Any, low: float = -math.inf,
+                    high: float = math.inf, *, low_open: bool = False,
+                    high_open: bool = False) -> float | None:
+    """Validate an optional float hyperparameter: ``None`` or as :func:`check_float`.
+
+    >>> check_opt_float("Watchdog", "peak_flops", None, 0.0, low_open=True) is None
+    True
+    >>> check_opt_float("Watchdog", "peak_flops", 0.0, 0.0, low_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: The 'peak_flops' parameter of Watchdog must be a float in the range (0.0, inf] \
+or None. Got 0.0 instead.
+    """
+    if value is None:
+        return None
+    v = as_float(value, low, high, low_open=low_open, high_open=high_open)
+    if v is None:
+        raise param_error(owner, name, float_rule(low, high, low_open=low_open,
+                                                  high_open=high_open) + " or None", value)
+    return v
+
+
+def check_choice(owner: str, name: str, value: Any, choices: Any) -> Any:
+    """Validate a hyperparameter that takes one of ``choices`` (returned unchanged).
+
+    >>> check_choice("CUSUM", "direction", "up", ("up", "down"))
+    'up'
+    >>> check_choice("CUSUM", "direction", "sideways", ("up", "down"))
+    Traceback (most recent call last):
+    ...
+    ValueError: The 'direction' parameter of CUSUM must be one of ['down', 'up']. Got \
+'sideways' instead.
+    """
+    try:
+        ok = value in choices
+    except (TypeError, ValueError):  # unhashable (against a dict), an array (ambiguous)
+        ok = False
+    if not ok:
+        raise param_error(owner, name, choice_rule(choices), value)
+    return value
 
 
 def check_bool(owner: str, name: str, value: Any) -> bool:
