@@ -12,9 +12,19 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .rank_outliers import STATE_VERSION, RankFinding, _check
+from detectors.validation import check_float, check_int, param_error
+
+from .rank_outliers import STATE_VERSION, RankFinding
 
 __all__ = ["RankHealthLedger", "format_ranks"]
+
+
+def _ledger_args(owner: str, half_life: Any, suspect_at: Any,
+                 keep_steps: Any = 20) -> tuple[float, float, int]:
+    """The checked arguments of :class:`RankHealthLedger` (``owner``: the class called)."""
+    return (check_float(owner, "half_life", half_life, 1e-9, high_open=True),
+            check_float(owner, "suspect_at", suspect_at, 1e-9, high_open=True),
+            check_int(owner, "keep_steps", keep_steps, 0))
 
 
 class RankHealthLedger:
@@ -49,17 +59,14 @@ class RankHealthLedger:
     def __init__(self, world_size: int, hosts: Sequence[str] | None = None,
                  half_life: float = 200.0, suspect_at: float = 2.5,
                  keep_steps: int = 20) -> None:
-        _check("world_size", "RankHealthLedger", world_size, 1, integer=True)
-        _check("half_life", "RankHealthLedger", half_life, 1e-9)
-        _check("suspect_at", "RankHealthLedger", suspect_at, 1e-9)
-        _check("keep_steps", "RankHealthLedger", keep_steps, 0, integer=True)
-        self.world_size = int(world_size)
+        owner = "RankHealthLedger"
+        self.world_size = check_int(owner, "world_size", world_size, 1)
+        self.half_life, self.suspect_at, self.keep_steps = _ledger_args(
+            owner, half_life, suspect_at, keep_steps)
         self.hosts = list(hosts) if hosts is not None else [""] * self.world_size
-        if len(self.hosts) != self.world_size:
-            raise ValueError(f"Got {len(self.hosts)} hosts for {self.world_size} ranks.")
-        self.half_life = float(half_life)
-        self.suspect_at = float(suspect_at)
-        self.keep_steps = int(keep_steps)
+        if len(self.hosts) != self.world_size or isinstance(hosts, (str, bytes)):
+            raise param_error(owner, "hosts", f"None or a sequence of {self.world_size} host "
+                              "names (one per rank)", hosts)
         self.reset()
 
     def reset(self) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from detectors import MAD_SCALE
+from detectors.validation import check_float, check_int
 
 __all__ = ["DEFAULT_SPECS", "RANK_SIGNALS", "RankFinding", "RankOutlierDetector", "SignalSpec"]
 
@@ -97,14 +98,16 @@ class RankFinding:
     median: float
 
 
-def _check(name: str, cls: str, v: float, lo: float, hi: float = math.inf,
-           integer: bool = False, closed: bool = False) -> None:
-    ok = (isinstance(v, (int, np.integer)) if integer else isinstance(v, (int, float))) and (
-        lo <= v and (v <= hi if closed else v < hi or hi == math.inf))
-    if not ok or (not integer and not math.isfinite(float(v))):
-        kind = "an int" if integer else "a float"
-        raise ValueError(f"The {name!r} parameter of {cls} must be {kind} in the range "
-                         f"[{lo}, {hi}{']' if closed else ')'}. Got {v!r} instead.")
+def _detector_args(owner: str, threshold: Any, min_ranks: Any, alpha: Any,
+                   max_fraction: Any = 0.25, history: Any = 10
+                   ) -> tuple[float, int, float, float, int]:
+    """The checked arguments of :class:`RankOutlierDetector` (``owner`` names the class that
+    was called, e.g. ``RankMonitor``, in the errors)."""
+    return (check_float(owner, "threshold", threshold, 0.0, high_open=True),
+            check_int(owner, "min_ranks", min_ranks, 3),
+            check_float(owner, "alpha", alpha, 0.0, 1.0, high_open=True),
+            check_float(owner, "max_fraction", max_fraction, 0.0, 1.0),
+            check_int(owner, "history", history, 0))
 
 
 class RankOutlierDetector:
@@ -144,17 +147,10 @@ class RankOutlierDetector:
                  min_ranks: int = 3, alpha: float = 0.05,
                  signals: Sequence[str] = RANK_SIGNALS, max_fraction: float = 0.25,
                  history: int = 10) -> None:
-        _check("threshold", "RankOutlierDetector", threshold, 0.0)
-        _check("max_fraction", "RankOutlierDetector", max_fraction, 0.0, 1.0, closed=True)
-        _check("history", "RankOutlierDetector", history, 0, integer=True)
-        self.max_fraction = float(max_fraction)
-        self.history = int(history)
-        _check("min_ranks", "RankOutlierDetector", min_ranks, 3, integer=True)
-        _check("alpha", "RankOutlierDetector", alpha, 0.0, 1.0)
-        self.threshold = float(threshold)
+        (self.threshold, self.min_ranks, self.alpha, self.max_fraction,
+         self.history) = _detector_args("RankOutlierDetector", threshold, min_ranks, alpha,
+                                        max_fraction, history)
         self.specs = dict(DEFAULT_SPECS if specs is None else specs)
-        self.min_ranks = int(min_ranks)
-        self.alpha = float(alpha)
         self.signals = tuple(signals)
         self.typical = {s: math.nan for s in self.specs}  #: EW cross-rank variance
         self.seen = {s: 0 for s in self.specs}  #: steps with enough finite values

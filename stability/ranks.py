@@ -50,7 +50,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .rank_health import RankHealthLedger, format_ranks
+from detectors.validation import param_error
+
+from .rank_health import RankHealthLedger, _ledger_args, format_ranks
 from .rank_outliers import (
     DEFAULT_SPECS,
     RANK_SIGNALS,
@@ -58,6 +60,7 @@ from .rank_outliers import (
     RankFinding,
     RankOutlierDetector,
     SignalSpec,
+    _detector_args,
 )
 from .types import Alarm
 
@@ -94,7 +97,15 @@ class RankMonitor:
                  alpha: float = 0.05, signals: Sequence[str] = RANK_SIGNALS,
                  half_life: float = 200.0, suspect_at: float = 2.5,
                  critical: Sequence[str] = ("nonfinite", "grad_norm", "loss")) -> None:
-        self.hosts = [str(h) for h in hosts]
+        owner = "RankMonitor"
+        names = [] if isinstance(hosts, (str, bytes)) else [str(h) for h in hosts]
+        if not names:
+            raise param_error(owner, "hosts", "a non-empty sequence of host names (one per rank)",
+                              hosts)
+        self.hosts = names
+        # checked here too, so that errors name the class the user called
+        _detector_args(owner, threshold, min_ranks, alpha)
+        _ledger_args(owner, half_life, suspect_at)
         self.detector = RankOutlierDetector(threshold, specs, min_ranks, alpha, signals)
         self.ledger = RankHealthLedger(len(self.hosts), self.hosts, half_life, suspect_at)
         self.critical = tuple(critical)

@@ -212,12 +212,23 @@ def test_format_ranks_table() -> None:
 
 
 def test_bad_arguments_raise() -> None:
-    with pytest.raises(ValueError, match="'threshold' parameter of RankOutlierDetector"):
+    with pytest.raises(ValueError, match=r"^The 'threshold' parameter of RankOutlierDetector "
+                       r"must be a float in the range \[0\.0, inf\)\. Got -1\.0 instead\.$"):
         RankOutlierDetector(threshold=-1.0)
-    with pytest.raises(ValueError, match="'min_ranks'"):
+    with pytest.raises(ValueError, match=r"'min_ranks' parameter of RankOutlierDetector must be "
+                       r"an int in the range \[3, inf\)\. Got 2 instead"):
         RankOutlierDetector(min_ranks=2)
-    with pytest.raises(ValueError, match="hosts"):
+    with pytest.raises(ValueError, match=r"'min_ranks' parameter of RankOutlierDetector .* Got "
+                       r"True instead"):
+        RankOutlierDetector(min_ranks=True)
+    with pytest.raises(ValueError, match=r"'hosts' parameter of RankHealthLedger must be None or "
+                       r"a sequence of 3 host names \(one per rank\)\. Got \['a'\] instead"):
         RankHealthLedger(3, hosts=["a"])
+    with pytest.raises(ValueError, match=r"'alpha' parameter of RankMonitor .* Got 1\.5 instead"):
+        RankMonitor(["a", "b", "c"], alpha=1.5)
+    with pytest.raises(ValueError, match=r"'hosts' parameter of RankMonitor must be a non-empty "
+                       r"sequence .* Got \[\] instead"):
+        RankMonitor([])
     with pytest.raises(ValueError, match="rows"):
         RankMonitor(["a", "b", "c"]).observe(0, np.zeros((4, 5)))
     with pytest.raises(ValueError, match="matrix"):
