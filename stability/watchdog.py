@@ -186,7 +186,7 @@ class StallWatchdog:
         self.dump_path = None if dump_path is None else os.fspath(dump_path)
         self._clock = clock or time.monotonic
         # hot path state: written by beat() only (plain stores, atomic under the GIL)
-        self._times: collections.deque[float] = collections.deque(maxlen=window)
+        self._times: collections.deque[float] = collections.deque(maxlen=self.window)
         self._last: float | None = None
         self._step: int | None = None
         self._beats = 0
