@@ -12,8 +12,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from detectors.validation import check_float, check_int, param_error
+from detectors.validation import as_bool, check_float, check_int, param_error
 
+from ._state_check import Fields
 from .rank_outliers import STATE_VERSION, RankFinding
 
 __all__ = ["RankHealthLedger", "format_ranks"]
@@ -63,7 +64,7 @@ class RankHealthLedger:
         self.world_size = check_int(owner, "world_size", world_size, 1)
         self.half_life, self.suspect_at, self.keep_steps = _ledger_args(
             owner, half_life, suspect_at, keep_steps)
-        self.hosts = list(hosts) if hosts is not None else [""] * self.world_size
+        self.hosts = [str(h) for h in hosts] if hosts is not None else [""] * self.world_size
         if len(self.hosts) != self.world_size or isinstance(hosts, (str, bytes)):
             raise param_error(owner, "hosts", f"None or a sequence of {self.world_size} host "
                               "names (one per rank)", hosts)
@@ -150,26 +151,50 @@ class RankHealthLedger:
                 "suspect_since": list(self.suspect_since)}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (the world size must match)."""
-        if len(sd.get("score", [])) != self.world_size:
-            raise ValueError(f"State for {len(sd.get('score', []))} ranks; this ledger has "
-                             f"{self.world_size}.")
-        self.reset()
-        self.hosts = [str(h) for h in sd.get("hosts", self.hosts)]
-        self.score = [float(v) for v in sd["score"]]
-        self.at = [int(v) for v in sd.get("at", self.at)]
-        self.outlier_steps = [int(v) for v in sd.get("outlier_steps", self.outlier_steps)]
-        self.by_signal = [{str(k): int(v) for k, v in d.items()}
-                          for d in sd.get("by_signal", self.by_signal)]
-        self.peak_z = [float(v) for v in sd.get("peak_z", self.peak_z)]
-        self.peak_signal = [str(v) for v in sd.get("peak_signal", self.peak_signal)]
-        self.first_step = [None if v is None else int(v)
-                           for v in sd.get("first_step", self.first_step)]
-        self.recent = [[int(s) for s in x] for x in sd.get("recent", self.recent)]
-        self.suspect = [bool(v) for v in sd.get("suspect", self.suspect)]
-        self.suspect_since = [None if v is None else int(v)
-                              for v in sd.get("suspect_since", self.suspect_since)]
+        """Restore :meth:`state_dict` output (the world size must match; checked first: a bad
+        snapshot changes nothing)."""
+        f = Fields("RankHealthLedger", sd)
+        f.version(STATE_VERSION)
+        n = self.world_size
 
+        def per_rank(key: str, read: Any, default: list[Any] | None = None) -> list[Any]:
+            if default is not None and f.get(key, None) is None:
+                return list(default)
+            return [read(f"{key}[{r}]", v) for r, v in enumerate(f.seq(key, n))]
+
+        def opt_step(k: str, v: Any) -> int | None:
+            return f.opt_integer(k, v)
+
+        def signals(k: str, v: Any) -> dict[str, int]:
+            d = Fields(f.owner, v, f"{f.at(k)}.")
+            return {str(s): d.integer(str(s), c, lo=0) for s, c in d.sd.items()}
+
+        def flag(k: str, v: Any) -> bool:
+            out = as_bool(v, ints=True)
+            if out is None:
+                f.fail(k, "a bool", v)
+            return out
+
+        def steps(k: str, v: Any) -> list[int]:
+            return [f.integer(f"{k}[{i}]", x) for i, x in enumerate(f.seq(k, value=v))]
+
+        score = per_rank("score", lambda k, v: f.number(k, v, lo=0.0))
+        hosts = per_rank("hosts", lambda k, v: f.text(k, value=v), self.hosts)
+        at = per_rank("at", f.integer, self.at)
+        outlier_steps = per_rank("outlier_steps", lambda k, v: f.integer(k, v, lo=0),
+                                 self.outlier_steps)
+        by_signal = per_rank("by_signal", signals, self.by_signal)
+        peak_z = per_rank("peak_z", lambda k, v: f.number(k, v, inf=True), self.peak_z)
+        peak_signal = per_rank("peak_signal", lambda k, v: f.text(k, value=v), self.peak_signal)
+        first_step = per_rank("first_step", opt_step, self.first_step)
+        recent = per_rank("recent", steps, self.recent)
+        suspect = per_rank("suspect", flag, self.suspect)
+        suspect_since = per_rank("suspect_since", opt_step, self.suspect_since)
+        self.reset()
+        self.score, self.hosts, self.at, self.outlier_steps = score, hosts, at, outlier_steps
+        self.by_signal, self.peak_z, self.peak_signal = by_signal, peak_z, peak_signal
+        self.first_step, self.recent, self.suspect = first_step, recent, suspect
+        self.suspect_since = suspect_since
 
 
 def format_ranks(records: Iterable[Mapping[str, Any]]) -> str:

@@ -18,6 +18,8 @@ import numpy.typing as npt
 from detectors import MAD_SCALE
 from detectors.validation import check_float, check_int
 
+from ._state_check import Fields
+
 __all__ = ["DEFAULT_SPECS", "RANK_SIGNALS", "RankFinding", "RankOutlierDetector", "SignalSpec"]
 
 #: Column order of the per-rank vector (``nonfinite`` is a 0/1 flag the rank raises itself).
@@ -252,12 +254,16 @@ class RankOutlierDetector:
                 "seen": dict(self.seen), "run": {k: list(v) for k, v in self.run.items()}}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.reset()
-        for k, v in sd.get("typical", {}).items():
-            if k in self.typical:
-                self.typical[k] = math.nan if v is None else float(v)
-        for k, v in sd.get("seen", {}).items():
-            if k in self.seen:
-                self.seen[k] = int(v)
-        self.run = {str(k): [int(x) for x in v] for k, v in sd.get("run", {}).items()}
+        """Restore :meth:`state_dict` output (checked first: a bad snapshot changes nothing).
+
+        Signals this detector does not compare are ignored; absent ones start afresh.
+        """
+        f = Fields("RankOutlierDetector", sd)
+        f.version(STATE_VERSION)
+        typ, seen, runs = f.sub("typical", {}), f.sub("seen", {}), f.sub("run", {})
+        typical = {s: math.nan if typ.get(s, None) is None
+                   else typ.number(s, lo=0.0, nan=True) for s in self.specs}
+        counts = {s: seen.integer(s, seen.get(s, 0), lo=0) for s in self.specs}
+        run = {s: [runs.integer(f"{s}[{i}]", x, lo=0) for i, x in enumerate(runs.seq(s))]
+               for s in self.specs if runs.get(s, None) is not None}
+        self.typical, self.seen, self.run = typical, counts, run

@@ -52,6 +52,7 @@ import numpy.typing as npt
 
 from detectors.validation import param_error
 
+from ._state_check import Fields
 from .rank_health import RankHealthLedger, _ledger_args, format_ranks
 from .rank_outliers import (
     DEFAULT_SPECS,
@@ -151,7 +152,14 @@ class RankMonitor:
                 "ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.detector.load_state_dict(sd.get("detector", {}))
-        if "ledger" in sd:
-            self.ledger.load_state_dict(sd["ledger"])
+        """Restore :meth:`state_dict` output (a bad snapshot raises and changes nothing)."""
+        f = Fields("RankMonitor", sd)
+        f.version(STATE_VERSION)
+        before = self.detector.state_dict()
+        self.detector.load_state_dict(f.mapping("detector", {}))
+        try:
+            if f.get("ledger", None) is not None:
+                self.ledger.load_state_dict(f.mapping("ledger"))
+        except ValueError:
+            self.detector.load_state_dict(before)
+            raise
