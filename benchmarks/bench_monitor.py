@@ -61,7 +61,7 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
     if families:
         mon._fill_families(families, sk)
     gather_step(mon._vals, mon._present, *g)
-    calls = mon._active_calls(g[7].copy())
+    calls = [c for c, on in zip(mon._calls, g[7].tolist()) if on]
     parts["gather (1 njit call)"] = _best_us(lambda: gather_step(mon._vals, mon._present, *g))
 
     def banks() -> None:

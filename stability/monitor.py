@@ -59,10 +59,11 @@ from typing import Any
 
 import numpy as np
 
-from .binding import Aliases, gather_step
+from .binding import Aliases
 from .checkpoints import CheckpointLedger
 from .config import ConfigSource, MonitorConfig, load_config
 from .goodput import GoodputTracker
+from .monitor_fused import fused_step, reference_step
 from .monitor_layout import MAX_STEP, _Binding
 from .monitor_replay import ReplayMixin
 from .monitor_state import GRAD_HISTORY, STATE_VERSION, StateMixin
@@ -272,13 +273,14 @@ class Monitor(ReplayMixin, StateMixin):
             self._relayout()
         g = self._grad_slot
         gnow = float(self._vals[g]) if g and self._present[g] else None
-        tivs = self._track(s, self._vals, self._present)  # before gather_step clears them
-        plan = self._gather
-        gather_step(self._vals, self._present, *plan)
-        for update, x, m in self._active_calls(plan.active):
-            update(x, m)
+        tivs = self._track(s, self._vals, self._present)  # before the gather clears them
+        fused = self._fused
+        if fused is not None:  # gather + every bank + alarm count in one native call
+            n_alarms = fused_step(self._vals, self._present, *self._gather, fused.table)
+        else:
+            n_alarms = reference_step(self._vals, self._present, self._gather, self._calls)
         self.last_step = s
-        return self._finish_step(s, self._live_rows() if np.count_nonzero(plan.alarms) else None,
+        return self._finish_step(s, self._live_rows() if n_alarms else None,
                                  gnow, tivs, tuple(skipped) if skipped else ())
 
     def _finish_step(self, s: int, rows: list[tuple[_Binding, Any, Any]] | None,

@@ -24,6 +24,7 @@ import numpy as np
 
 from .binding import Aliases, Pattern, empty_buffers
 from .config import DetectorSpec
+from .monitor_fused import FusedPlan, build_fused_plan
 from .monitor_io import to_float
 from .registry import make_detector
 from .types import Alarm
@@ -130,6 +131,7 @@ class LayoutMixin:
     _capped_banks: set[str]
     _gather: GatherPlan
     _calls: list[tuple[Any, Any, Any]]
+    _fused: FusedPlan | None
 
     last_step: int
 
@@ -144,7 +146,7 @@ class LayoutMixin:
         # the two most recent key layouts of ``metrics`` (e.g. with and without val_loss)
         self._key_plans: list[KeyPlan] = []
         self._dirty = True
-        self._call_sets: dict[bytes, list[tuple[Any, Any, Any]]] = {}
+        self._fused = None
         self._grad_slot = 0
         self._lr_slot = 0
         self._loss_slot = 0
@@ -289,17 +291,10 @@ class LayoutMixin:
         self._gather = GatherPlan(gidx, boff, soff, x_all, m_all, s_all, a_all,
                                   np.zeros(len(bs), dtype=np.bool_))
         self._calls = calls
-        self._call_sets = {}
+        # one native call per step (gather + banks + alarm count); None: the plain path
+        self._fused = build_fused_plan([b.det for b in bs], [b.n_inputs for b in bs],
+                                       [len(b.keys) for b in bs])
         self._dirty = False
-
-    def _active_calls(self, active: np.ndarray) -> list[tuple[Any, Any, Any]]:
-        """The bank updates of the bindings flagged in ``active`` (cached per pattern)."""
-        key = active.tobytes()
-        calls = self._call_sets.get(key)
-        if calls is None:
-            calls = [c for c, on in zip(self._calls, active.tolist(), strict=True) if on]
-            self._call_sets[key] = calls
-        return calls
 
     def _live_rows(self) -> list[tuple[_Binding, Any, Any]]:
         """``(binding, scores, alarms)`` of the step just gathered, for :meth:`_make_alarms`."""
