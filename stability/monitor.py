@@ -257,13 +257,13 @@ class Monitor(ReplayMixin, StateMixin):
                 st = int(step) if isinstance(step, (int, np.integer)) else -1
                 return _decision(st, (), (), self._snapshot(), tuple(skipped))
         if metrics is not None:
-            if isinstance(metrics, Mapping):
+            if type(metrics) is dict or isinstance(metrics, Mapping):
                 if metrics:
                     self._fill(metrics, skipped)
             else:
                 self._bad(f"metrics: expected a mapping; got {type(metrics).__name__}", skipped)
         if families is not None:
-            if isinstance(families, Mapping):
+            if type(families) is dict or isinstance(families, Mapping):
                 if families:
                     self._fill_families(families, skipped)
             else:
@@ -271,17 +271,19 @@ class Monitor(ReplayMixin, StateMixin):
                           f"{type(families).__name__}", skipped)
         if self._dirty:
             self._relayout()
-        g = self._grad_slot
-        gnow = float(self._vals[g]) if g and self._present[g] else None
-        tivs = self._track(s, self._vals, self._present)  # before the gather clears them
-        fused = self._fused
-        if fused is not None:  # gather + every bank + alarm count in one native call
-            n_alarms = fused_step(self._vals, self._present, *self._gather, fused.table)
+        fused, tracked = self._fused, self._tracked
+        if fused is not None:  # capture + gather + every bank + alarm count: one native call
+            n_alarms = fused_step(self._vals, self._present, *self._gather, fused.table,
+                                  self._tslots, tracked)
         else:
-            n_alarms = reference_step(self._vals, self._present, self._gather, self._calls)
+            n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
+                                      self._tslots, tracked)
+        g, lr, loss, val, g_on, lr_on, loss_on, val_on = tracked.tolist()
+        tivs = self._track_values(s, lr if lr_on else None, loss if loss_on else None,
+                                  val if val_on else None)
         self.last_step = s
         return self._finish_step(s, self._live_rows() if n_alarms else None,
-                                 gnow, tivs, tuple(skipped) if skipped else ())
+                                 g if g_on else None, tivs, tuple(skipped) if skipped else ())
 
     def _finish_step(self, s: int, rows: list[tuple[_Binding, Any, Any]] | None,
                      gnow: float | None, tivs: tuple[Intervention, ...],
@@ -403,14 +405,18 @@ class Monitor(ReplayMixin, StateMixin):
         return ()
 
     def _track(self, s: int, vals: np.ndarray, present: np.ndarray) -> tuple[Intervention, ...]:
-        """Hand the step's requested LR and loss to the policy (LR guard, loss tracker)."""
+        """:meth:`_track_values` of the step's slot values (replay's per-step path)."""
         ls, lo, vs = self._lr_slot, self._loss_slot, self._val_slot
-        lr = float(vals[ls]) if ls and present[ls] else None
-        loss = float(vals[lo]) if lo and present[lo] else None
-        val = float(vals[vs]) if vs and present[vs] else None
+        return self._track_values(s, float(vals[ls]) if ls and present[ls] else None,
+                                  float(vals[lo]) if lo and present[lo] else None,
+                                  float(vals[vs]) if vs and present[vs] else None)
+
+    def _track_values(self, s: int, lr: float | None, loss: float | None, val: float | None
+                      ) -> tuple[Intervention, ...]:
+        """Hand the step's requested LR and loss to the policy (LR guard, loss tracker)."""
         if lr is not None:
             self._lr_prev, self._lr_now = self._lr_now, lr
-        if lr is None and loss is None and val is None:
+        elif loss is None and val is None:
             return ()
         guard = self.policy.guard
         was = guard.active

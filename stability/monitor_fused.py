@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 
 from .binding import gather_step
 
-__all__ = ["FusedPlan", "build_fused_plan", "fused_step", "kernel_address", "reference_step"]
+__all__ = ["FusedPlan", "build_fused_plan", "capture", "fused_step", "kernel_address", "reference_step"]
 
 #: the argument types of every bank kernel as ``update_array`` calls it (see detectors/_base.py)
 KERNEL_ARGS = (
@@ -89,16 +89,30 @@ def _call_kernel(typingctx, addr, x, miss, state, buf, params, scores,  # type: 
 
 
 @njit(cache=True, error_model="numpy")
-def fused_step(  # type: ignore[no-untyped-def]
-    vals, present, gidx, boff, soff, X, M, S, A, active, table
-):
-    """One monitor step: gather, update every active bank, count the alarms.
+def capture(vals, present, slots, out):  # type: ignore[no-untyped-def]
+    """``out[j] = vals[slots[j]]`` and ``out[k + j] = present[slots[j]]`` (``k = len(slots)``):
+    the values the policy follows every step (grad norm, LR, loss, val loss), read before the
+    gather clears ``present``; slot 0 is never present."""
+    k = slots.shape[0]
+    for j in range(k):
+        out[j] = vals[slots[j]]
+        out[k + j] = 1.0 if present[slots[j]] else 0.0
 
-    The first ten arguments are those of :func:`stability.binding.gather_step` (same effect);
-    ``table`` (``FusedPlan.table``) holds one row per binding: its kernel's address, its
-    number of inputs and series, and the addresses and row counts of its state, buffer and
-    parameter arrays.  Returns the number of alarms the banks raised on this step.
+
+@njit(cache=True, error_model="numpy")
+def fused_step(  # type: ignore[no-untyped-def]
+    vals, present, gidx, boff, soff, X, M, S, A, active, table, tslots, tracked
+):
+    """One monitor step: capture the tracked values, gather, update every active bank, count
+    the alarms.
+
+    ``vals`` to ``active`` are the arguments of :func:`stability.binding.gather_step` (same
+    effect); ``table`` (``FusedPlan.table``) holds one row per binding: its kernel's address,
+    its number of inputs and series, and the addresses and row counts of its state, buffer
+    and parameter arrays; ``tslots`` / ``tracked`` are those of :func:`capture`.  Returns the
+    number of alarms the banks raised on this step.
     """
+    capture(vals, present, tslots, tracked)
     gather_step(vals, present, gidx, boff, soff, X, M, S, A, active)
     for b in range(table.shape[0]):
         ns = table[b, _NS]
@@ -171,12 +185,15 @@ def build_fused_plan(dets: list[Any], n_inputs: list[int], n_series: list[int]
 
 
 def reference_step(vals: np.ndarray, present: np.ndarray, plan: Any,
-                   calls: list[tuple[Any, Any, Any]]) -> int:
-    """The plain step :func:`fused_step` must equal: :func:`~stability.binding.gather_step`,
-    then one ``update_array`` per active binding (``calls[b]``), then the alarm count.
+                   calls: list[tuple[Any, Any, Any]], tslots: np.ndarray, tracked: np.ndarray
+                   ) -> int:
+    """The plain step :func:`fused_step` must equal: :func:`capture`,
+    :func:`~stability.binding.gather_step`, then one ``update_array`` per active binding
+    (``calls[b]``), then the alarm count.
 
     ``plan`` is the monitor's :class:`~stability.monitor_layout.GatherPlan`.
     """
+    capture(vals, present, tslots, tracked)
     gather_step(vals, present, *plan)
     for (update, x, m), on in zip(calls, plan.active.tolist(), strict=True):
         if on:

@@ -132,6 +132,8 @@ class LayoutMixin:
     _gather: GatherPlan
     _calls: list[tuple[Any, Any, Any]]
     _fused: FusedPlan | None
+    _tslots: np.ndarray
+    _tracked: np.ndarray
 
     last_step: int
 
@@ -147,6 +149,8 @@ class LayoutMixin:
         self._key_plans: list[KeyPlan] = []
         self._dirty = True
         self._fused = None
+        self._tslots = np.zeros(4, dtype=np.int64)  # slots of grad_norm, lr, loss, val_loss
+        self._tracked = np.zeros(8)                  # ... their values and presence (capture)
         self._grad_slot = 0
         self._lr_slot = 0
         self._loss_slot = 0
@@ -294,6 +298,8 @@ class LayoutMixin:
         # one native call per step (gather + banks + alarm count); None: the plain path
         self._fused = build_fused_plan([b.det for b in bs], [b.n_inputs for b in bs],
                                        [len(b.keys) for b in bs])
+        self._tslots = np.array([self._grad_slot, self._lr_slot, self._loss_slot,
+                                 self._val_slot], dtype=np.int64)
         self._dirty = False
 
     def _live_rows(self) -> list[tuple[_Binding, Any, Any]]:

@@ -146,9 +146,13 @@ def test_fused_step_equals_reference_step() -> None:
             mon._vals[:] = vals
             mon._present[:] = present
         a, b = mons
-        n_fused = fused_step(a._vals, a._present, *a._gather, a._fused.table)
-        n_ref = reference_step(b._vals, b._present, b._gather, b._calls)
+        n_fused = fused_step(a._vals, a._present, *a._gather, a._fused.table, a._tslots,
+                             a._tracked)
+        n_ref = reference_step(b._vals, b._present, b._gather, b._calls, b._tslots, b._tracked)
         assert n_fused == n_ref
+        np.testing.assert_array_equal(a._tracked, b._tracked)
+        np.testing.assert_array_equal(a._tracked[:4][a._tracked[4:] == 1.0],
+                                      vals[a._tslots][present[a._tslots]])
         for u, v in zip(a._gather, b._gather, strict=True):
             np.testing.assert_array_equal(u, v)
         _same_banks(_banks(a), _banks(b))
