@@ -36,7 +36,8 @@ from numba.extending import intrinsic
 
 from .binding import gather_step
 
-__all__ = ["FusedPlan", "build_fused_plan", "capture", "fused_step", "kernel_address", "reference_step"]
+__all__ = ["FusedPlan", "build_fused_plan", "capture", "fused_step", "kernel_address",
+           "reference_step"]
 
 #: the argument types of every bank kernel as ``update_array`` calls it (see detectors/_base.py)
 KERNEL_ARGS = (
@@ -140,7 +141,7 @@ def kernel_address(kernel: Any) -> int:
     dispatcher (e.g. ``NUMBA_DISABLE_JIT=1``)."""
     if not isinstance(kernel, CPUDispatcher):
         return 0
-    cres = kernel.get_compile_result(KERNEL_SIG)
+    cres: Any = kernel.get_compile_result(KERNEL_SIG)
     addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
     return int(addr) if addr else 0
 
