@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 import pytest
+from numba import config as numba_config
 
 from stability import Monitor
 from stability.monitor_fused import build_fused_plan, fused_step, reference_step
@@ -24,6 +25,9 @@ EXTRA = [  # the kernels the default preset does not bind
     {"name": "act_hist", "detector": "histogram_drift", "inputs": ["act_std/*"],
      "params": {"window": 32}},
 ]
+pytestmark = pytest.mark.skipif(numba_config.DISABLE_JIT,
+                                reason="JIT disabled: the monitor takes the plain path")
+
 CONFIG = {"preset": "default", "detectors": EXTRA,
           "policy": {"cooldown": 5}}
 SCALARS = ("loss", "lr", "grad_norm", "param_norm", "loss_scale", "tokens_per_s")
@@ -169,6 +173,16 @@ def test_every_registered_kernel_is_fused() -> None:
     assert {b.spec.detector for b in mon._bindings} == set(REGISTRY)
     assert mon._fused is not None
     assert (mon._fused.table[:, 0] != 0).all()
+
+
+def test_fused_path_off_without_jit() -> None:
+    """Where a kernel is not a Numba dispatcher (``NUMBA_DISABLE_JIT=1``) there is no plan."""
+    from stability.monitor_fused import kernel_address
+
+    assert kernel_address(lambda *a: None) == 0
+    mon = Monitor(CONFIG)
+    mon.observe(0, {"loss": 1.0})
+    assert all(kernel_address(type(b.det).kernel) for b in mon._bindings)
 
 
 def test_plan_refuses_non_contiguous_state() -> None:
