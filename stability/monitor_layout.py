@@ -38,6 +38,7 @@ MAX_STEP = 2**53 - 1
 _ABSENT, _SCRATCH = 0, 1
 _CAPPED = -2  # _lookup: a name every matching bank refused (series cap)
 _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
+_NO_PLAN: Any = object()
 #: value types the fast path converts with ``array("d", ...)`` (real numbers, no ``__float__``
 #: surprises: NumPy complex would silently lose its imaginary part there)
 _PLAIN = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64, np.int32,
@@ -51,6 +52,17 @@ class KeyPlan(NamedTuple):
     slots: np.ndarray
     valid: bool              # every key is a valid name
     block: slice | None      # the slots form this contiguous range
+    ones: bytes              # one 0x01 byte per key: "present" for the block
+
+
+class FamilyPlan(NamedTuple):
+    """Families given together that fill one contiguous slot block ``[lo, hi)``."""
+
+    lo: int
+    hi: int
+    shapes: list[tuple[int]]
+    spans: list[slice]       # each family's part of the block
+    ones: bytes              # ``hi - lo`` bytes 0x01: "present" for the block
 
 
 class Family(NamedTuple):
@@ -143,8 +155,8 @@ class LayoutMixin:
         self._cache: dict[Any, int] = {}
         self.unbound: set[str] = set()
         self._families: dict[str, Family] = {}
-        self._fam_plans: dict[tuple[str, ...], tuple[int, int, list[tuple[int]]] | None] = {}
-        self._vals, self._present = empty_buffers(64)
+        self._fam_plans: dict[tuple[str, ...], FamilyPlan | None] = {}
+        self._set_slot_buffers(*empty_buffers(64))
         # the two most recent key layouts of ``metrics`` (e.g. with and without val_loss)
         self._key_plans: list[KeyPlan] = []
         self._dirty = True
@@ -155,6 +167,14 @@ class LayoutMixin:
         self._lr_slot = 0
         self._loss_slot = 0
         self._val_slot = 0
+
+    def _set_slot_buffers(self, vals: np.ndarray, present: np.ndarray) -> None:
+        """Install the slot vector and presence mask, and the raw views the fast fills write
+        through (a memoryview slice assignment is a checked ``memcpy``: it refuses another
+        format or shape instead of converting)."""
+        self._vals, self._present = vals, present
+        self._vals_mv = memoryview(vals)  # type: ignore[arg-type]
+        self._present_mv = memoryview(present.view(np.uint8))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public helpers
     @property
@@ -224,7 +244,7 @@ class LayoutMixin:
             vals, present = empty_buffers(2 * s)
             vals[: s] = self._vals
             present[: s] = self._present
-            self._vals, self._present = vals, present
+            self._set_slot_buffers(vals, present)
         for b, j, key in hits:
             i = b.key_index.get(key)
             if i is None:
@@ -348,23 +368,26 @@ class LayoutMixin:
         n = len(slots)
         rng = (slice(slots[0], slots[0] + n) if n and ok and
                slots == list(range(slots[0], slots[0] + n)) else None)
-        plan = KeyPlan(keys, np.array(slots, dtype=np.int64), ok, rng)
+        plan = KeyPlan(keys, np.array(slots, dtype=np.int64), ok, rng, b"\x01" * n)
         self._key_plans = [plan] + plans[:1]
         return plan
 
     def _fill(self, metrics: Mapping[Any, Any], skipped: list[str]) -> None:
-        keys, slots, ok, rng = self._key_plan(metrics)
+        keys, slots, ok, rng, ones = self._key_plan(metrics)
         vals, present = self._vals, self._present
         values = list(metrics.values())
         if ok and _PLAIN.issuperset(map(type, values)):
             try:  # fast path: plain Python / NumPy real numbers only
-                buf = np.frombuffer(array("d", values), dtype=np.float64)
+                buf = array("d", values)
             except (TypeError, ValueError, OverflowError):
                 pass
             else:
-                idx = rng if rng is not None else slots
-                vals[idx] = buf
-                present[idx] = True
+                if rng is not None:
+                    self._vals_mv[rng] = buf
+                    self._present_mv[rng] = ones
+                else:
+                    vals[slots] = np.frombuffer(buf, dtype=np.float64)
+                    present[slots] = True
                 return
         for k, v, s in zip(keys, values, slots.tolist(), strict=True):
             if s == _SCRATCH or v is None:
@@ -381,10 +404,10 @@ class LayoutMixin:
             vals[s] = x
             present[s] = True
 
-    def _fam_plan(self, names: tuple[str, ...]) -> tuple[int, int, list[tuple[int]]] | None:
-        """``(lo, hi, shapes)`` when the families ``names`` fill one contiguous slot block."""
+    def _fam_plan(self, names: tuple[str, ...]) -> FamilyPlan | None:
+        """The :class:`FamilyPlan` when the families ``names`` fill one contiguous slot block."""
         lo = hi = -1
-        shapes = []
+        shapes, spans = [], []
         for name in names:
             fam = self._families.get(name)
             if fam is None or fam.block is None or (hi >= 0 and fam.block.start != hi):
@@ -393,26 +416,33 @@ class LayoutMixin:
                 lo = fam.block.start
             hi = fam.block.stop
             shapes.append((len(fam.layers),))
-        return (lo, hi, shapes) if lo >= 0 else None
+            spans.append(fam.block)
+        return FamilyPlan(lo, hi, shapes, spans, b"\x01" * (hi - lo)) if lo >= 0 else None
 
     def _fill_families_fast(self, families: Mapping[str, Any]) -> bool:
-        """All given families at once (one ``concatenate`` into the slot vector) if possible."""
+        """All given families at once if they fill one contiguous block: float64 arrays of the
+        declared shapes are copied straight in (memoryview), others converted by one
+        ``concatenate``; ``False``: use the checked path."""
         names = tuple(families)
-        if names in self._fam_plans:
-            plan = self._fam_plans[names]
-        else:
+        plan = self._fam_plans.get(names, _NO_PLAN)
+        if plan is _NO_PLAN:
             plan = self._fam_plans[names] = self._fam_plan(names)
         if plan is None:
             return False
-        lo, hi, shapes = plan
-        arrs = tuple(families.values())
-        try:
-            if [a.shape for a in arrs] != shapes:
+        lo, hi, shapes, spans, ones = plan
+        vmv = self._vals_mv
+        try:  # the exact format and shape, or an exception (nothing half-written is used)
+            for sl, a in zip(spans, families.values(), strict=True):
+                vmv[sl] = a
+        except Exception:  # e.g. float32, a list, a torch tensor: convert
+            arrs = tuple(families.values())
+            try:
+                if [a.shape for a in arrs] != shapes:
+                    return False
+                np.concatenate(arrs, out=self._vals[lo:hi], casting="same_kind")
+            except Exception:  # anything unusual goes through the checked path
                 return False
-            np.concatenate(arrs, out=self._vals[lo:hi], casting="same_kind")
-        except Exception:  # anything unusual goes through the checked path
-            return False
-        self._present[lo:hi] = True
+        self._present_mv[lo:hi] = ones
         return True
 
     def _fill_families(self, families: Mapping[str, Any], skipped: list[str]) -> None:
