@@ -66,23 +66,25 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
     if families:
         mon._fill_families(families, sk)
     present = mon._present.copy()  # this step's presence pattern (the step clears it)
-    args = (mon._vals, mon._present, *g)
-    no_banks = fp.table.copy()
-    no_banks[:, 2] = 0  # zero series: every bank skipped
+    ints, floats, flags = fp.args
+    no_banks = ints.copy()  # the bank table with zero series everywhere: every bank skipped
+    table = fp.bufs.table   # a view into ints
+    at = (table.ctypes.data - ints.ctypes.data) // ints.itemsize
+    no_banks[at:at + table.size].reshape(table.shape)[:, 2] = 0
 
     def restore() -> None:
         mon._present[:] = present
 
-    def step_with(table: np.ndarray) -> None:
+    def step_with(table_ints: np.ndarray) -> None:
         mon._present[:] = present
-        fused_step(*args, table, mon._tslots, mon._tracked)
+        fused_step(mon._vals, mon._present, table_ints, floats, flags)
 
     def plain() -> None:
         mon._present[:] = present
         reference_step(mon._vals, mon._present, g, mon._calls, mon._tslots, mon._tracked)
 
     base = _best_us(restore)
-    fused = _best_us(lambda: step_with(fp.table)) - base
+    fused = _best_us(lambda: step_with(ints)) - base
     gather = _best_us(lambda: step_with(no_banks)) - base
     parts["fused step (1 njit call)"] = fused
     parts["policy tracking"] = _best_us(lambda: mon._track_values(step, 3e-4, 1.0, None))

@@ -273,8 +273,7 @@ class Monitor(ReplayMixin, StateMixin):
             self._relayout()
         fused, tracked = self._fused, self._tracked
         if fused is not None:  # capture + gather + every bank + alarm count: one native call
-            n_alarms = fused_step(self._vals, self._present, *self._gather, fused.table,
-                                  self._tslots, tracked)
+            n_alarms = fused_step(self._vals, self._present, *fused.args)
         else:
             n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
                                       self._tslots, tracked)

@@ -13,6 +13,8 @@ work in one call:
   ``table``): no per-bank unboxing, no typed containers, no generated code;
 * the number of alarms of the step (``0`` on a quiet step, the common case).
 
+The step's arrays live in three packed buffers (:class:`StepBuffers`: integers, floats, flags;
+the gather plan's arrays are views into them), so the call unboxes five arrays, not thirteen.
 One driver serves every config (its signature does not depend on the banks), so it compiles
 once and is cached like the kernels; the kernels keep their single specialisation.
 
@@ -36,8 +38,8 @@ from numba.extending import intrinsic
 
 from .binding import gather_step
 
-__all__ = ["FusedPlan", "build_fused_plan", "capture", "fused_step", "kernel_address",
-           "reference_step"]
+__all__ = ["FusedPlan", "StepBuffers", "build_fused_plan", "capture", "fused_step",
+           "kernel_address", "reference_step", "step_buffers"]
 
 #: the argument types of every bank kernel as ``update_array`` calls it (see detectors/_base.py)
 KERNEL_ARGS = (
@@ -51,9 +53,54 @@ KERNEL_ARGS = (
 )
 KERNEL_SIG = types.none(*KERNEL_ARGS)
 
-# columns of FusedPlan.table (one row per binding)
+# columns of the bank table (one row per binding)
 _FN, _NIN, _NS, _ST, _STR, _BUF, _BUFR, _PAR, _PARN = range(9)
 _NCOL = 9
+#: tracked values: grad norm, LR, loss, val loss (then their presence flags)
+N_TRACKED = 4
+# header of the integer buffer: bindings, gathered inputs, series
+_HEAD = 3
+
+
+class StepBuffers(NamedTuple):
+    """The three buffers :func:`fused_step` takes and the named views into them.
+
+    ``ints`` = header ``[n_bindings, n_inputs, n_series]``, ``gidx``, ``boff``, ``soff``,
+    ``table`` (row-major), ``tslots``; ``floats`` = ``X``, ``S``, ``tracked``; ``flags`` =
+    ``M``, ``A``, ``active`` -- the arguments of :func:`~stability.binding.gather_step` and
+    :func:`capture`, and the bank table (one row per binding: kernel address, inputs, series,
+    then address and rows of its state, buffer and parameter arrays).
+    """
+
+    ints: np.ndarray
+    floats: np.ndarray
+    flags: np.ndarray
+    gidx: np.ndarray
+    boff: np.ndarray
+    soff: np.ndarray
+    table: np.ndarray
+    tslots: np.ndarray
+    X: np.ndarray
+    S: np.ndarray
+    tracked: np.ndarray
+    M: np.ndarray
+    A: np.ndarray
+    active: np.ndarray
+
+
+def step_buffers(n_bindings: int, n_inputs: int, n_series: int) -> StepBuffers:
+    """Zeroed :class:`StepBuffers` for ``n_bindings`` banks with ``n_inputs`` gathered inputs
+    and ``n_series`` series in all."""
+    nb, k, ns = n_bindings, n_inputs, n_series
+    ints = np.zeros(_HEAD + k + 2 * (nb + 1) + nb * _NCOL + N_TRACKED, dtype=np.int64)
+    ints[:_HEAD] = (nb, k, ns)
+    floats = np.zeros(k + ns + 2 * N_TRACKED)
+    flags = np.zeros(k + ns + nb, dtype=np.bool_)
+    o = np.cumsum([_HEAD, k, nb + 1, nb + 1, nb * _NCOL, N_TRACKED])
+    return StepBuffers(ints, floats, flags, ints[o[0]:o[1]], ints[o[1]:o[2]], ints[o[2]:o[3]],
+                       ints[o[3]:o[4]].reshape(nb, _NCOL), ints[o[4]:o[5]], floats[:k],
+                       floats[k:k + ns], floats[k + ns:], flags[:k], flags[k:k + ns],
+                       flags[k + ns:])
 
 
 @intrinsic
@@ -101,19 +148,25 @@ def capture(vals, present, slots, out):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, error_model="numpy")
-def fused_step(  # type: ignore[no-untyped-def]
-    vals, present, gidx, boff, soff, X, M, S, A, active, table, tslots, tracked
-):
+def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-def]
     """One monitor step: capture the tracked values, gather, update every active bank, count
     the alarms.
 
-    ``vals`` to ``active`` are the arguments of :func:`stability.binding.gather_step` (same
-    effect); ``table`` (``FusedPlan.table``) holds one row per binding: its kernel's address,
-    its number of inputs and series, and the addresses and row counts of its state, buffer
-    and parameter arrays; ``tslots`` / ``tracked`` are those of :func:`capture`.  Returns the
-    number of alarms the banks raised on this step.
+    ``vals`` / ``present`` are the slot vector and mask; ``ints`` / ``floats`` / ``flags`` the
+    packed :class:`StepBuffers` (the same effect as :func:`capture` then
+    :func:`stability.binding.gather_step` on their views, then one ``update_array`` per
+    active bank).  Returns the number of alarms the banks raised on this step.
     """
-    capture(vals, present, tslots, tracked)
+    nb, k, ns_all = ints[0], ints[1], ints[2]
+    o1 = _HEAD + k
+    o2 = o1 + nb + 1
+    o3 = o2 + nb + 1
+    o4 = o3 + nb * _NCOL
+    gidx, boff, soff = ints[_HEAD:o1], ints[o1:o2], ints[o2:o3]
+    table = ints[o3:o4].reshape((nb, _NCOL))
+    X, S, tracked = floats[:k], floats[k:k + ns_all], floats[k + ns_all:]
+    M, A, active = flags[:k], flags[k:k + ns_all], flags[k + ns_all:]
+    capture(vals, present, ints[o4:o4 + N_TRACKED], tracked)
     gather_step(vals, present, gidx, boff, soff, X, M, S, A, active)
     for b in range(table.shape[0]):
         ns = table[b, _NS]
@@ -147,9 +200,10 @@ def kernel_address(kernel: Any) -> int:
 
 
 class FusedPlan(NamedTuple):
-    """The table :func:`fused_step` reads, and the arrays its addresses point into."""
+    """The buffers :func:`fused_step` reads, and the arrays the bank table points into."""
 
-    table: np.ndarray        # int64 (n_bindings, 9)
+    args: tuple[np.ndarray, np.ndarray, np.ndarray]  # (ints, floats, flags) of ``bufs``
+    bufs: StepBuffers
     keep: tuple[Any, ...]    # every array (and kernel) the table points at: kept alive
 
 
@@ -158,15 +212,16 @@ def _c_float(a: Any, ndim: int) -> bool:
             and a.flags.c_contiguous and a.flags.writeable and a.flags.aligned)
 
 
-def build_fused_plan(dets: list[Any], n_inputs: list[int], n_series: list[int]
-                     ) -> FusedPlan | None:
-    """The :class:`FusedPlan` of the banks ``dets`` (in binding order), or ``None`` when one of
-    them cannot be driven natively (then the monitor uses :func:`reference_step`).
+def build_fused_plan(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
+                     n_series: list[int]) -> FusedPlan | None:
+    """Fill the bank table of ``bufs`` for the banks ``dets`` (in binding order); ``None`` when
+    one of them cannot be driven natively (then the monitor uses :func:`reference_step`).
 
-    ``dets[b]`` must be bound to the monitor's output vectors (``bind_outputs``) and hold
-    ``n_series[b]`` series of ``n_inputs[b]`` inputs.
+    ``dets[b]`` must be bound to the monitor's output vectors (``bind_outputs``, views of
+    ``bufs``) and hold ``n_series[b]`` series of ``n_inputs[b]`` inputs.
     """
-    table = np.zeros((len(dets), _NCOL), dtype=np.int64)
+    table = bufs.table
+    table[:] = 0
     keep: list[Any] = []
     for b, det in enumerate(dets):
         kernel = type(det).kernel
@@ -182,7 +237,7 @@ def build_fused_plan(dets: list[Any], n_inputs: list[int], n_series: list[int]
         table[b] = (addr, n_inputs[b], ns, st.ctypes.data, st.shape[0], buf.ctypes.data,
                     buf.shape[0], par.ctypes.data, par.shape[0])
         keep.extend((kernel, st, buf, par))
-    return FusedPlan(table, tuple(keep))
+    return FusedPlan((bufs.ints, bufs.floats, bufs.flags), bufs, tuple(keep))
 
 
 def reference_step(vals: np.ndarray, present: np.ndarray, plan: Any,

@@ -24,7 +24,7 @@ import numpy as np
 
 from .binding import Aliases, Pattern, empty_buffers
 from .config import DetectorSpec
-from .monitor_fused import FusedPlan, build_fused_plan
+from .monitor_fused import N_TRACKED, FusedPlan, build_fused_plan, step_buffers
 from .monitor_io import to_float
 from .registry import make_detector
 from .types import Alarm
@@ -161,8 +161,8 @@ class LayoutMixin:
         self._key_plans: list[KeyPlan] = []
         self._dirty = True
         self._fused = None
-        self._tslots = np.zeros(4, dtype=np.int64)  # slots of grad_norm, lr, loss, val_loss
-        self._tracked = np.zeros(8)                  # ... their values and presence (capture)
+        self._tslots = np.zeros(N_TRACKED, dtype=np.int64)  # grad_norm, lr, loss, val_loss
+        self._tracked = np.zeros(2 * N_TRACKED)  # ... their values and presence (capture)
         self._grad_slot = 0
         self._lr_slot = 0
         self._loss_slot = 0
@@ -288,15 +288,14 @@ class LayoutMixin:
     def _relayout(self) -> None:
         bs = self._bindings
         sizes = [b.n_inputs * len(b.keys) for b in bs]
-        boff = np.zeros(len(bs) + 1, dtype=np.int64)
-        soff = np.zeros(len(bs) + 1, dtype=np.int64)
+        counts = [len(b.keys) for b in bs]
+        sb = step_buffers(len(bs), sum(sizes), sum(counts))
+        boff, soff = sb.boff, sb.soff
         boff[1:] = np.cumsum(sizes)
-        soff[1:] = np.cumsum([len(b.keys) for b in bs])
-        gidx = np.zeros(int(boff[-1]), dtype=np.int64)
-        x_all = np.zeros(int(boff[-1]))
-        m_all = np.ones(int(boff[-1]), dtype=np.bool_)
-        s_all = np.full(int(soff[-1]), np.nan)
-        a_all = np.zeros(int(soff[-1]), dtype=np.bool_)
+        soff[1:] = np.cumsum(counts)
+        gidx, x_all, m_all, s_all, a_all = sb.gidx, sb.X, sb.M, sb.S, sb.A
+        m_all[:] = True
+        s_all[:] = np.nan
         calls = []
         for k, b in enumerate(bs):
             n, lo, hi = len(b.keys), int(boff[k]), int(boff[k + 1])
@@ -312,14 +311,13 @@ class LayoutMixin:
             b.alarms = a_all[so:se].reshape(1, n)
             b.det.bind_outputs(b.scores, b.alarms)
             calls.append((b.det.update_array, b.inputs, b.missing))
-        self._gather = GatherPlan(gidx, boff, soff, x_all, m_all, s_all, a_all,
-                                  np.zeros(len(bs), dtype=np.bool_))
+        self._gather = GatherPlan(gidx, boff, soff, x_all, m_all, s_all, a_all, sb.active)
         self._calls = calls
+        sb.tslots[:] = (self._grad_slot, self._lr_slot, self._loss_slot, self._val_slot)
+        self._tslots, self._tracked = sb.tslots, sb.tracked
         # one native call per step (gather + banks + alarm count); None: the plain path
-        self._fused = build_fused_plan([b.det for b in bs], [b.n_inputs for b in bs],
-                                       [len(b.keys) for b in bs])
-        self._tslots = np.array([self._grad_slot, self._lr_slot, self._loss_slot,
-                                 self._val_slot], dtype=np.int64)
+        self._fused = build_fused_plan(sb, [b.det for b in bs], [b.n_inputs for b in bs],
+                                       counts)
         self._dirty = False
 
     def _live_rows(self) -> list[tuple[_Binding, Any, Any]]:

@@ -150,8 +150,7 @@ def test_fused_step_equals_reference_step() -> None:
             mon._vals[:] = vals
             mon._present[:] = present
         a, b = mons
-        n_fused = fused_step(a._vals, a._present, *a._gather, a._fused.table, a._tslots,
-                             a._tracked)
+        n_fused = fused_step(a._vals, a._present, *a._fused.args)
         n_ref = reference_step(b._vals, b._present, b._gather, b._calls, b._tslots, b._tracked)
         assert n_fused == n_ref
         np.testing.assert_array_equal(a._tracked, b._tracked)
@@ -172,7 +171,7 @@ def test_every_registered_kernel_is_fused() -> None:
                 {f: np.ones(2) for f in FAMS})
     assert {b.spec.detector for b in mon._bindings} == set(REGISTRY)
     assert mon._fused is not None
-    assert (mon._fused.table[:, 0] != 0).all()
+    assert (mon._fused.bufs.table[:, 0] != 0).all()
 
 
 def test_fused_path_off_without_jit() -> None:
@@ -191,5 +190,5 @@ def test_plan_refuses_non_contiguous_state() -> None:
     det = mon._bindings[1].det
     det._state = np.asfortranarray(np.zeros((det._state.shape[0], 3)))[:, ::2]
     bs = mon._bindings
-    assert build_fused_plan([b.det for b in bs], [b.n_inputs for b in bs],
+    assert build_fused_plan(mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
                             [len(b.keys) for b in bs]) is None
