@@ -8,9 +8,10 @@ work in one call:
 
 * the gather loop of :func:`~stability.binding.gather_step` (bit for bit the same code);
 * each active bank's kernel called through its native entry point (the address of the
-  specialisation ``update_array`` would have used, :func:`kernel_address`), with its state,
-  buffer and parameter arrays rebuilt from their data addresses (:class:`FusedPlan`'s
-  ``table``): no per-bank unboxing, no typed containers, no generated code;
+  specialisation ``update_array`` would have used, :func:`kernel_address`), with its input,
+  output, state, buffer and parameter arrays rebuilt from their data addresses (the bank
+  table of :class:`StepBuffers`): no per-bank unboxing, no reference counting, no typed
+  containers, no generated code;
 * the number of alarms of the step (``0`` on a quiet step, the common case).
 
 The step's arrays live in three packed buffers (:class:`StepBuffers`: integers, floats, flags;
@@ -168,15 +169,18 @@ def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-d
     M, A, active = flags[:k], flags[k:k + ns_all], flags[k + ns_all:]
     capture(vals, present, ints[o4:o4 + N_TRACKED], tracked)
     gather_step(vals, present, gidx, boff, soff, X, M, S, A, active)
-    for b in range(table.shape[0]):
+    # each bank's views are rebuilt from raw addresses: no reference counting per view (the
+    # arguments and FusedPlan.keep hold the memory)
+    fp, bp = floats.ctypes.data, flags.ctypes.data
+    for b in range(nb):
         ns = table[b, _NS]
         if not active[b] or ns == 0:
             continue
         nin = table[b, _NIN]
-        x = X[boff[b]:boff[b + 1]].reshape((1, nin, ns))
-        m = M[boff[b]:boff[b + 1]].reshape((1, nin, ns))
-        sc = S[soff[b]:soff[b + 1]].reshape((1, ns))
-        al = A[soff[b]:soff[b + 1]].reshape((1, ns))
+        x = carray(_as_voidptr(fp + 8 * boff[b]), (1, nin, ns), np.float64)
+        m = carray(_as_voidptr(bp + boff[b]), (1, nin, ns), np.bool_)
+        sc = carray(_as_voidptr(fp + 8 * (k + soff[b])), (1, ns), np.float64)
+        al = carray(_as_voidptr(bp + k + soff[b]), (1, ns), np.bool_)
         st = carray(_as_voidptr(table[b, _ST]), (table[b, _STR], ns), np.float64)
         bf = carray(_as_voidptr(table[b, _BUF]), (table[b, _BUFR], ns), np.float64)
         pa = carray(_as_voidptr(table[b, _PAR]), (table[b, _PARN],), np.float64)
