@@ -1,10 +1,9 @@
 """The monitor: metrics in, alarms + interventions + :class:`~stability.types.Control` out.
 
 One :class:`Monitor` holds one detector bank per ``[[detectors]]`` binding of its config.  Each
-``observe()`` writes the step's values into a slot vector, gathers every binding's
-``(1, n_inputs, n_series)`` input in one Numba call and makes ONE kernel call per binding
-(``update_array``); :meth:`Monitor.replay` runs each bank's ``update_many`` once over a whole
-recorded run and gives identical decisions.
+``observe()`` writes the step's values into a slot vector and makes ONE Numba call that gathers
+every bank's input and updates every bank (:mod:`stability.monitor_fused`); :meth:`Monitor.replay`
+runs each bank's ``update_many`` once over a whole recorded run: identical decisions.
 
 Input handling (documented policy, all tested):
 
@@ -96,7 +95,6 @@ def _decision(step: int, alarms: tuple[Alarm, ...], ivs: tuple[Intervention, ...
     d.__dict__.update(step=step, alarms=alarms, interventions=ivs, control=control,
                       skipped=skipped)
     return d
-
 
 
 class Monitor(ReplayMixin, StateMixin):
@@ -271,13 +269,10 @@ class Monitor(ReplayMixin, StateMixin):
                           f"{type(families).__name__}", skipped)
         if self._dirty:
             self._relayout()
-        fused, tracked = self._fused, self._tracked
-        if fused is not None:  # capture + gather + every bank + alarm count: one native call
-            n_alarms = fused_step(self._vals, self._present, *fused.args)
-        else:
-            n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
-                                      self._tslots, tracked)
-        g, lr, loss, val, g_on, lr_on, loss_on, val_on = tracked.tolist()
+        fused = self._fused  # capture + gather + every bank + alarm count: one native call
+        n_alarms = fused_step(self._vals, self._present, *fused.args) if fused else reference_step(
+            self._vals, self._present, self._gather, self._calls, self._tslots, self._tracked)
+        g, lr, loss, val, g_on, lr_on, loss_on, val_on = self._tracked.tolist()
         tivs = self._track_values(s, lr if lr_on else None, loss if loss_on else None,
                                   val if val_on else None)
         self.last_step = s
