@@ -30,6 +30,7 @@ kernel that is not a Numba dispatcher).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,6 +39,8 @@ from numba.core.registry import CPUDispatcher
 from numba.extending import intrinsic
 
 from .binding import gather_step
+
+logger = logging.getLogger("stability.monitor")
 
 __all__ = ["FusedPlan", "StepBuffers", "build_fused_plan", "capture", "fused_step",
            "kernel_address", "reference_step", "step_buffers"]
@@ -198,8 +201,14 @@ def kernel_address(kernel: Any) -> int:
     dispatcher (e.g. ``NUMBA_DISABLE_JIT=1``)."""
     if not isinstance(kernel, CPUDispatcher):
         return 0
-    cres: Any = kernel.get_compile_result(KERNEL_SIG)
-    addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+    try:
+        cres: Any = kernel.get_compile_result(KERNEL_SIG)
+        if cres.signature.return_type != types.none:  # the driver's call returns nothing
+            return 0
+        addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+    except Exception:  # e.g. a kernel with another signature: the plain path calls it
+        logger.debug("no native entry point for %r; plain path", kernel, exc_info=True)
+        return 0
     return int(addr) if addr else 0
 
 

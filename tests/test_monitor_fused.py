@@ -15,6 +15,7 @@ import json
 import numpy as np
 import pytest
 from numba import config as numba_config
+from numba import njit
 
 from stability import Monitor
 from stability.monitor_fused import build_fused_plan, fused_step, reference_step
@@ -179,6 +180,18 @@ def test_fused_path_off_without_jit() -> None:
     from stability.monitor_fused import kernel_address
 
     assert kernel_address(lambda *a: None) == 0
+
+    @njit
+    def other(x):  # another signature: no entry point, the plain path calls it
+        return x + 1
+
+    assert kernel_address(other) == 0
+
+    @njit
+    def returns(x, m, st, buf, p, sc, al):  # the right arguments, but it returns a value
+        return sc.shape[1]
+
+    assert kernel_address(returns) == 0
     mon = Monitor(CONFIG)
     mon.observe(0, {"loss": 1.0})
     assert all(kernel_address(type(b.det).kernel) for b in mon._bindings)
