@@ -8,19 +8,25 @@
 
 Run::
 
-    python benchmarks/bench_monitor.py [--steps 20000] [--layers 128] [--breakdown]
+    python benchmarks/bench_monitor.py [--steps 20000] [--layers 128] [--breakdown] [--cold]
 
 ``--breakdown`` also times the parts of one step separately (private monitor internals; the
 figures are best-of-repeats, so they do not add up exactly on a loaded machine): the fills, the
 fused step (gather + every bank + alarm count in one Numba call, :mod:`stability.monitor_fused`;
 split into gather / call overhead and the banks' arithmetic), the policy's per-step tracking,
 the decision and goodput bookkeeping, and for comparison the plain path it replaces.
+``--cold`` times the first ``observe()`` in a fresh process with an empty ``NUMBA_CACHE_DIR``
+(every kernel and the fused driver compiled) and again with that cache filled (wall and CPU
+seconds: on a loaded machine the CPU figure is the one to compare).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import timeit
 from pathlib import Path
@@ -167,12 +173,44 @@ def bench(steps: int, layers: int, keyed: bool, preset: str, parts: bool = False
     return best, plain
 
 
+_FIRST_OBSERVE = """
+import sys, time
+import numpy as np
+from stability import Monitor
+mon = Monitor(sys.argv[1])
+names = [f"L{i}" for i in range(int(sys.argv[2]))]
+fams = ("act_mean", "act_std", "act_absmax", "act_kurtosis", "grad_norm")
+for f in fams:
+    mon.declare_family(f, names)
+m = {"loss": 2.0, "lr": 3e-4, "grad_norm": 1.0, "param_norm": 10.0, "val_loss": 2.1}
+w, c = time.perf_counter(), time.process_time()
+mon.observe(0, m, {f: np.ones(len(names)) for f in fams})
+print(time.perf_counter() - w, time.process_time() - c)
+"""
+
+
+def cold_start(preset: str, layers: int) -> None:
+    """First ``observe()`` in a fresh process with an empty Numba cache, then with it filled."""
+    root = str(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache,
+               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        for label, target in (("empty cache", 3.0), ("warm cache", 0.5)):
+            out = subprocess.run([sys.executable, "-c", _FIRST_OBSERVE, preset, str(layers)],
+                                 env=env, capture_output=True, text=True, check=True)
+            wall, cpu = map(float, out.stdout.split()[-2:])
+            print(f"first observe(), {label:11s}: {wall:6.2f} s wall, {cpu:6.2f} s CPU "
+                  f"(target <= {target} s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--layers", type=int, default=128)
     ap.add_argument("--preset", default="llm_pretrain")
     ap.add_argument("--breakdown", action="store_true", help="time the parts of one step")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time the first observe() with an empty, then a warm Numba cache")
     a = ap.parse_args()
     print(f"Monitor.observe(), preset {a.preset!r}, {len(SCALARS)} scalars + {a.layers} layers x "
           f"({len(STATS)} act stats + grad_norm), {a.steps} steps, policy included")
@@ -182,6 +220,8 @@ def main() -> None:
           f"{pa:.2f})")
     print(f"(b) separate keys:      {fb:.2f} us/step (best block; target <= 100; plain path "
           f"{pb:.2f})")
+    if a.cold:
+        cold_start(a.preset, a.layers)
 
 
 if __name__ == "__main__":
