@@ -309,7 +309,8 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
                   f"base {_pct(fr.base.recall)}; FA/10k tuned {_fa(fr.tuned.fa_per_10k)} "
                   f"base {_fa(fr.base.fa_per_10k)} ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
-    extra = {"base_config": base_cfg, "candidates": cands, "tuner": tn, "base_results": base_res,
+    extra = {"base_config": base_cfg, "start": start_by_name, "candidates": cands, "tuner": tn,
+             "base_results": base_res,
              "seconds": {"scoring": t_score, "total": time.perf_counter() - t0}}
     return out, extra
 
@@ -399,10 +400,10 @@ def format_pooled(folds: Sequence[FoldResult]) -> str:
     return "\n".join(lines)
 
 
-def format_thresholds(per: Mapping[str, Sequence[float]], base_cfg: Mapping[str, Any],
+def format_thresholds(per: Mapping[str, Sequence[float]], start: Mapping[str, float],
                       cons: Mapping[str, Any]) -> str:
-    """Per binding: base threshold, per-fold range, median (consensus)."""
-    bt = {d["name"]: d.get("params", {}).get("threshold") for d in base_cfg["detectors"]}
+    """Per binding: base threshold (``start``), per-fold range, median (consensus)."""
+    bt = dict(start)
     ct = {d["name"]: d.get("params", {}).get("threshold") for d in cons["detectors"]}
     lines = ["| binding | base | folds min .. max | folds moved | consensus |",
              "|---|---|---|---|---|"]
@@ -485,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {f.kind}={f.name}: " + ("; ".join(f.changes) or "none"))
     cons, per = consensus_config(base_cfg, folds)
     print(f"\nthresholds over the {len(folds)} folds (consensus = median):")
-    print(format_thresholds(per, base_cfg, cons))
+    print(format_thresholds(per, extra["start"], cons))
     doc: dict[str, Any] = {
         "runs": a.runs, "long": a.long, "base": a.base, "budget": a.budget, "tuner": a.tuner,
         "objective": a.objective, "window": a.window,
