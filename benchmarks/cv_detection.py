@@ -150,22 +150,29 @@ class WarmTuner(Tuner):
                                      if c.binding == b and c.tunable), th)
                       for b, th in start.items()}
 
-    def search(self, rows: Sequence[int], max_rounds: int | None = None) -> dict[int, Choice]:
+    def search(self, rows: Sequence[int], max_rounds: int | None = None, *,
+               val: Sequence[int] = ()) -> dict[int, Choice]:
+        """Moves from the start point on ``rows``; with ``val``, a move that adds a false-alarm
+        episode on the runs ``val`` (never tuned on) is refused and the next best one tried."""
         choices = dict(self.start)
         tunable_b = sorted(self.start)
         rounds = max_rounds if max_rounds is not None else 2 * len(tunable_b) + 1
         current = self._score_choices(rows, choices)
         if -current[-1] > self.budget:  # the start point breaks the budget: any feasible move
             current = [-math.inf] * len(current)
+        val_fa = self.evaluate(val, choices)[0].false_alarms if val else 0
         for _ in range(rounds):
-            moves = [(r[0], b, r[1]) for b in tunable_b
-                     if (r := self._best_for(rows, b, choices)) is not None]
+            moves = sorted(((r[0], b, r[1]) for b in tunable_b
+                            if (r := self._best_for(rows, b, choices)) is not None),
+                           key=lambda m: m[0], reverse=True)
+            moves = [m for m in moves if m[0] > current and not (
+                self.recall_only and m[0][0] <= current[0] and -current[-1] <= self.budget)]
+            if val:
+                moves = [m for m in moves
+                         if self.evaluate(val, {**choices, m[1]: m[2]})[0].false_alarms <= val_fa]
             if not moves:
                 break
-            key, b, ch = max(moves, key=lambda m: m[0])
-            if key <= current or (self.recall_only and key[0] <= current[0]
-                                  and -current[-1] <= self.budget):
-                break
+            key, b, ch = moves[0]
             choices[b] = ch
             current = key
         for b, ch in list(choices.items()):
@@ -233,6 +240,22 @@ def _g(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else repr(v)
 
 
+def _hold_back_long(rows: Sequence[int], run_ids: Sequence[str], labels: Mapping[str, Any],
+                    n_bench: int) -> tuple[list[int], list[int]]:
+    """Split ``rows`` into (tune, validate): every other long run (row >= ``n_bench``) of each
+    architecture, sorted by id, goes to validate."""
+    seen: dict[str, int] = {}
+    tune, val = [], []
+    for i in sorted(rows, key=lambda j: (j < n_bench, run_ids[j])):
+        if i < n_bench:
+            tune.append(i)
+            continue
+        m = _model(labels.get(run_ids[i]))
+        (val if seen.get(m, 0) % 2 else tune).append(i)
+        seen[m] = seen.get(m, 0) + 1
+    return sorted(tune), sorted(val)
+
+
 def _replay(config: Any, runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
             window: int, jobs: int | None) -> dict[str, Any]:
     """``run_id -> RunResult`` of ``config`` replayed through the monitor."""
@@ -251,11 +274,13 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
                    tuner: str = "warm", objective: str = "recall",
                    thresholds_only: bool = False, window: int = 200,
                    n_thresholds: int = 1000, jobs: int | None = 1,
-                   max_class_folds: int | None = None, progress: bool = False
-                   ) -> tuple[list[FoldResult], dict[str, Any]]:
+                   max_class_folds: int | None = None, validate: bool = False,
+                   progress: bool = False) -> tuple[list[FoldResult], dict[str, Any]]:
     """Tune on each fold's training part, replay tuned and base config on its held-out part.
 
     ``labels`` covers the benchmark and the long runs (a run without a label counts as clean).
+    ``validate`` (warm tuner): every other training long run per architecture is not tuned on
+    but checks each move (no new false-alarm episode there).
 
     Returns
     -------
@@ -292,7 +317,10 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     out = []
     for f in fold_rows([r for r, _ in runs], labels, kinds, long_ids=[r for r, _ in long_runs],
                        max_class_folds=max_class_folds):
-        choices = tn.search(f.train)
+        train, val = f.train, []
+        if validate and warm:
+            train, val = _hold_back_long(f.train, run_ids, labels, len(runs))
+        choices = tn.search(train, val=val) if warm else tn.search(train)
         cfg = build_config(base_cfg, cands, choices)
         test_ids = [run_ids[i] for i in f.test]
         res = _replay(cfg, [(r, by_id[r]) for r in test_ids], labels, window, jobs)
@@ -450,6 +478,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "and 3 class folds, 100 thresholds")
     p.add_argument("--thresholds-only", action="store_true",
                    help="greedy: tune thresholds only (no parameter grid; warm always is)")
+    p.add_argument("--validate", action="store_true",
+                   help="warm: hold back every other training long run; refuse moves that add "
+                        "a false alarm there")
     p.add_argument("--write-consensus", default=None,
                    help="write the median-over-folds config here (.toml / .json) and replay it")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
@@ -473,12 +504,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   kinds=kinds, tuner=a.tuner, objective=a.objective,
                                   thresholds_only=a.thresholds_only,
                                   window=a.window, n_thresholds=a.thresholds, jobs=a.jobs,
-                                  max_class_folds=3 if a.quick else None, progress=not a.quick)
+                                  max_class_folds=3 if a.quick else None,
+                                  validate=a.validate, progress=not a.quick)
     base_cfg = extra["base_config"]
     grid = "thresholds only" if (a.thresholds_only or a.tuner == "warm") else "thresholds + grid"
     print(f"{len(runs)} runs from {a.runs}; {len(long_runs)} long clean runs from "
           f"{a.long or '-'}; base {a.base}; tuner {a.tuner} ({grid}"
-          f"{', objective ' + a.objective if a.tuner == 'warm' else ''}); budget {a.budget} "
+          f"{', objective ' + a.objective if a.tuner == 'warm' else ''}"
+          f"{', validated on held-back long runs' if a.validate else ''}); budget {a.budget} "
           f"FA/10k on the training part; window {a.window}")
     print(f"\nper fold, tuned / {a.base} on the held-out part:")
     print(format_folds(folds))
@@ -492,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_thresholds(per, extra["start"], cons))
     doc: dict[str, Any] = {
         "runs": a.runs, "long": a.long, "base": a.base, "budget": a.budget, "tuner": a.tuner,
-        "objective": a.objective, "window": a.window,
+        "objective": a.objective, "validate": a.validate, "window": a.window,
         "thresholds_only": a.thresholds_only or a.tuner == "warm",
         "folds": [{"kind": f.kind, "name": f.name, "n_train": f.n_train, "n_test": f.n_test,
                    "tuned": f.tuned.to_dict(), "base": f.base.to_dict(),
@@ -506,8 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.write_consensus:
         write_config(a.write_consensus, cons,
                      f"consensus (median over {len(folds)} folds) of benchmarks/cv_detection.py "
-                     f"--tuner {a.tuner} --objective {a.objective}, budget {a.budget} FA/10k, "
-                     f"base {a.base}\n")
+                     f"--tuner {a.tuner} --objective {a.objective}{' --validate' * a.validate}, "
+                     f"budget {a.budget} FA/10k, base {a.base}\n")
         all_runs = [*runs, *long_runs]
         res = _replay(str(a.write_consensus), all_runs, labels, a.window, a.jobs)
         bres = extra["base_results"]
