@@ -171,3 +171,30 @@ def test_warm_tuner_keeps_budget_under_replay_and_never_loses_training_recall(la
         s = evaluate_runs(alarms["ours"], steps, labels)[0]
         assert s.fa_per_10k <= budget
         assert s.recall == pytest.approx(s1.recall)
+
+
+def test_validation_runs_are_held_back_and_veto_new_false_alarms(labels):
+    from replay.replay import discover_runs
+    from replay.tuning import EvalSettings, make_candidates, score_runs
+    from stability.config import load_config
+
+    bench = [r for r in discover_runs(BENCH / "runs") if r[0][:10] in
+             {f"bench_{i:03d}_" for i in range(8)}]
+    long_runs = discover_runs(LONG / "runs")[:8]  # two per architecture
+    runs = bench + long_runs
+    ids = [r for r, _ in runs]
+    tune, val = cv._hold_back_long(list(range(len(runs))), ids, labels, len(bench))
+    assert sorted(tune + val) == list(range(len(runs)))
+    assert all(i >= len(bench) for i in val)
+    assert sorted(labels[ids[i]].extra["model"] for i in val) == ["conv", "gpt_post", "gpt_pre",
+                                                                  "mlp"]
+    base = load_config("default").to_dict()
+    cands = make_candidates(base["detectors"], {})
+    scores = score_runs(runs, cands, {}, jobs=1, progress=False)
+    tn = cv.WarmTuner(scores, cands, labels, 5.0, EvalSettings(), 200,
+                      start=cv.base_thresholds(base, cands))
+    free = tn.search(tune)
+    vetoed = tn.search(tune, val=val)
+    fa = [tn.evaluate(val, c)[0].false_alarms for c in (tn.start, free, vetoed)]
+    assert fa[2] <= fa[0]
+    assert tn.evaluate(tune, vetoed)[0].fa_per_10k <= 5.0
