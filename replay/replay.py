@@ -327,18 +327,22 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
 def read_bound(path: str | os.PathLike[str], config: Any) -> tuple[pa.Table, list[str]]:
     """Read a run, only the columns a monitor built from ``config`` binds where the format
     allows it (Parquet: a column projection, footers read first); returns the table and every
-    column name of the run.
+    column name of the run.  A config with a catch-all input (``"*"``, the default preset's
+    NaN check) binds every column: the run is read whole.
     """
+    from stability.config import load_config
+
     from .io import detect_format
     from .reader import read_run, read_schema
 
     p = os.fspath(path)
-    if detect_format(p) != "parquet":
+    cfg = load_config(config)
+    if detect_format(p) != "parquet" or any(i == "*" for d in cfg.detectors for i in d.inputs):
         table = read_table(p)
         return table, list(table.column_names)
     names = read_schema(p).names
     metrics = [c for c in names if c != "step"]
-    keep = _monitor(config).bound_names(metrics)  # a probe: asking binds the names
+    keep = _monitor(cfg).bound_names(metrics)  # a probe: asking binds the names
     if len(keep) == len(metrics):
         return read_run(p), names
     return read_run(p, columns=keep), names

@@ -271,3 +271,23 @@ def test_goodput_update_many_equals_loop() -> None:
     a.note_rollback(39_999, 30_001)
     b.note_rollback(39_999, 30_001)
     assert a.summary() == b.summary()
+
+
+def test_replay_run_reads_only_the_bound_columns(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import pyarrow.parquet as pq
+
+    from replay.replay import read_bound, replay_run, replay_table
+
+    table = run_table(600, seed=9)
+    path = tmp_path / "run.parquet"
+    pq.write_table(table, path)
+    cfg = {"detectors": [d for d in CFG["detectors"] if d["name"] != "nan"]}
+    got, names = read_bound(path, cfg)
+    assert got.column_names == ["step", "loss", "grad_norm/a", "grad_norm/b", "grad_norm/late",
+                                "val_loss"]
+    assert "n_tokens" in names and "lr" in names
+    full = replay_table(table, cfg)
+    res = replay_run(path, cfg)
+    assert res.alarms == full.alarms and res.interventions == full.interventions
+    assert res.alarms and res.goodput == full.goodput
+    assert read_bound(path, CFG)[0].column_names == names  # a catch-all input binds them all
