@@ -95,6 +95,7 @@ REGISTRY: dict[str, RegistryEntry] = {
     "lr_jump": RegistryEntry("detectors.lr_loss:LRJump", "lr_loss_anomaly"),
     "lr_loss_corr": RegistryEntry("detectors.lr_loss:LRLossCorrelation", "lr_loss_anomaly"),
     "lr_level": RegistryEntry("detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly"),
+    "coherent_jump": RegistryEntry("detectors.jump:CoherentJump", None),
 }
 
 
