@@ -505,11 +505,12 @@ class Monitor(ReplayMixin, StateMixin):
         return (f"Monitor(bindings={[b.name for b in self._bindings]}, "
                 f"signals={len(self._slot_names) - 2}, last_step={self.last_step})")
 
-    def calibrate(self, data: Any) -> int:
-        """Prime every detector from earlier history without alarming or acting; returns the
-        number of rows fed (see :func:`stability.calibrate.calibrate`)."""
+    def calibrate(self, data: Any, *, resume: bool = True) -> int:
+        """Prime every detector (and, with ``resume``, the LR guard and the loss tracker) from
+        earlier history without alarming or acting; returns the number of rows fed (see
+        :func:`stability.calibrate.calibrate`)."""
         from .calibrate import calibrate
-        return calibrate(self, data)
+        return calibrate(self, data, resume=resume)
 
 
 def _as_list(x: Any) -> list[Any]:
