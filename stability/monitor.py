@@ -219,12 +219,13 @@ class Monitor(ReplayMixin, StateMixin):
 
         Detector statistics are kept (load a saved :meth:`state_dict` to restore them too),
         except those of step-to-step *jump* detectors (``lr_jump`` on the LR or the weight
-        norm): a restore legitimately moves the LR and the weights back, which is not a jump.
+        norm, ``coherent_jump`` on per-layer norms): a restore legitimately moves the LR, the
+        weights and their gradients back, which is not a jump.
         """
         self.last_step = int(step)
         self.policy.guard.rewind()  # the scheduler went back too: not an LR jump
         for b in self._bindings:
-            if b.spec.detector == "lr_jump":
+            if b.spec.detector in ("lr_jump", "coherent_jump"):
                 b.det.reset()
                 self._dirty = True  # reset() reallocates the arrays the fast path is bound to
 
