@@ -14,7 +14,11 @@ of ``log x`` since the series' previous value against an EW mean of its recent `
 min_series``, or all of them when fewer are logged), series ``i`` scores ``min(r_i, r_(k))``:
 it alarms exactly when it jumped by more than ``threshold`` typical changes *and* at least
 ``min_series`` series did.  The maximum over the bank is ``r_(k)``, so a threshold sweep on
-precomputed scores stays exact.  A bank of a single series is a plain jump detector.
+precomputed scores stays exact.  A rise is measured from the higher of the previous value and
+the series' usual level (a winsorised EW mean of ``log x`` that follows rises at
+``level_alpha`` and falls ten times slower, at ``level_alpha_down``), so a series coming back
+after a collapse -- gradients returning after an fp16 underflow -- is not a jump.  A bank of a single series with ``level_alpha = 0`` is
+:class:`~detectors.lr_loss.LRJump`.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from ._state import StateCheck
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
-# state rows: previous log value, has-previous flag, typical |dlog x|, accepted changes
-_PREV, _HAS, _TYP, _COUNT = 0, 1, 2, 3
-_N_FIELDS = 4
+# state rows: previous log value, has-previous flag, typical |dlog x|, accepted changes,
+# level (winsorised slow EW mean of log x)
+_PREV, _HAS, _TYP, _COUNT, _LEVEL = 0, 1, 2, 3, 4
+_N_FIELDS = 5
 
 
 class CoherentJumpParams(NamedTuple):
@@ -47,26 +52,40 @@ class CoherentJumpParams(NamedTuple):
     clip: float
     direction: float
     min_series: float
+    level_alpha: float
+    level_alpha_down: float
 
 
 _P = indices(CoherentJumpParams)
 
 
 @njit(cache=True, error_model="numpy")
-def _raw_score(state, i, x, warmup, min_delta, direction):  # type: ignore[no-untyped-def]
+def _raw_score(state, i, x, warmup, min_delta, direction, use_level):  # type: ignore[no-untyped-def]
     """Raw jump score of a finite ``x`` for series ``i`` against its state (0 while warming
-    up, without a previous value or for ``x <= 0``), and ``dlog x`` (``nan``: no change)."""
+    up, without a previous value or for ``x <= 0``), and ``dlog x`` (``nan``: no change).
+
+    With ``use_level`` a rise counts from ``max(prev, level)`` and a fall from
+    ``min(prev, level)``: a series coming back to its usual level after a collapse (or a
+    spike) does not jump."""
     if x <= 0.0 or state[_HAS, i] == 0.0:
         return 0.0, np.nan
-    d = math.log(x) - state[_PREV, i]
+    y = math.log(x)
+    prev = state[_PREV, i]
+    d = y - prev
     if state[_COUNT, i] < warmup:
         return 0.0, d
     scale = max(state[_TYP, i], min_delta, 1e-300)
+    hi, lo = prev, prev
+    if use_level:
+        hi = max(prev, state[_LEVEL, i])
+        lo = min(prev, state[_LEVEL, i])
+    up = (y - hi) / scale
+    down = (lo - y) / scale
     if direction > 0.0:
-        return d / scale, d
+        return up, d
     if direction < 0.0:
-        return -d / scale, d
-    return abs(d) / scale, d
+        return down, d
+    return max(up, down), d
 
 
 @njit(cache=True, error_model="numpy")
@@ -91,6 +110,9 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     clip = params[_P.clip]
     direction = params[_P.direction]
     min_series = int(params[_P.min_series])
+    level_alpha = params[_P.level_alpha]
+    level_down = params[_P.level_alpha_down]
+    use_level = level_alpha > 0.0
     n = X.shape[2]
     raw = np.empty(n)
     dlog = np.empty(n)
@@ -108,7 +130,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 scores[t, i] = np.inf
                 alarms[t, i] = True
             else:
-                raw[i], dlog[i] = _raw_score(state, i, x, warmup, min_delta, direction)
+                raw[i], dlog[i] = _raw_score(state, i, x, warmup, min_delta, direction,
+                                             use_level)
                 scored[i] = True
                 pool[m] = raw[i]
                 m += 1
@@ -128,16 +151,24 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 continue
             if not learns(alarm, freeze):
                 continue
+            y = math.log(x)
             if not np.isnan(dlog[i]):
                 typ = state[_TYP, i]
                 count = state[_COUNT, i]
+                lim = clip * max(typ, min_delta, 1e-300)
                 ad = abs(dlog[i])
+                dl = y - state[_LEVEL, i]
                 if count >= warmup and clip < np.inf:
-                    ad = min(ad, clip * max(typ, min_delta, 1e-300))
+                    ad = min(ad, lim)
+                    dl = min(max(dl, -lim), lim)
                 a = max(alpha, 1.0 / (count + 1.0))
                 state[_TYP, i] = typ + a * (ad - typ)
+                rate = level_alpha if dl >= 0.0 else level_down
+                state[_LEVEL, i] += max(rate, 1.0 / (count + 2.0)) * dl
                 state[_COUNT, i] = count + 1.0
-            state[_PREV, i] = math.log(x)
+            elif state[_COUNT, i] == 0.0:
+                state[_LEVEL, i] = y
+            state[_PREV, i] = y
             state[_HAS, i] = 1.0
 
 
@@ -147,8 +178,11 @@ class CoherentJump(BankDetector):
     ``r_i = dlog(x_i) / max(typical_i, min_delta)`` (sign by ``direction``), where
     ``typical_i`` is an EW mean of the series' ``|dlog x|`` (debiased; after warm-up each update
     is winsorised at ``clip`` times the current scale, so a jump does not blind the detector to
-    the next one).  Series ``i`` scores ``min(r_i, r_(k))``, ``r_(k)`` the ``k``-th largest raw
-    score of the step (``k = min_series``, capped at the number of series scored on the step).
+    the next one).  With ``level_alpha > 0`` a rise is measured from ``max(prev, level)`` and
+    a fall from ``min(prev, level)``, ``level`` a slow EW mean of ``log x`` (winsorised the same
+    way): returning to the usual level is not a jump.  Series ``i`` scores ``min(r_i,
+    r_(k))``, ``r_(k)`` the ``k``-th largest raw score of the step (``k = min_series``, capped
+    at the number of series scored on the step).
 
     Parameters
     ----------
@@ -169,6 +203,12 @@ class CoherentJump(BankDetector):
         ``"up"`` (default), ``"down"`` or ``"both"``.
     min_series
         How many series must jump together (``1``: every series on its own).
+    level_alpha
+        Weight of a newest ``log x`` above the usual level in that level (memory ~
+        ``1/level_alpha`` steps); ``0`` measures jumps from the previous value only.
+    level_alpha_down
+        The same for a value below the level: a slow level remembers where a series was before
+        it collapsed, so coming back is not a jump.
     freeze_on_alarm
         Do not update a series' statistics on a step it is in alarm.
 
@@ -197,7 +237,8 @@ class CoherentJump(BankDetector):
 
     kind = "grad_explosion"
     input_names = ("x",)
-    hyperparameters = ("alpha", "warmup", "min_delta", "clip", "direction", "min_series")
+    hyperparameters = ("alpha", "warmup", "min_delta", "clip", "direction", "min_series",
+                       "level_alpha", "level_alpha_down")
 
     def __init__(
         self,
@@ -209,6 +250,8 @@ class CoherentJump(BankDetector):
         clip: float = 4.0,
         direction: str = "up",
         min_series: int = 2,
+        level_alpha: float = 0.05,
+        level_alpha_down: float = 0.005,
         freeze_on_alarm: bool = False,
     ):
         super().__init__(n_series, threshold, freeze_on_alarm)
@@ -224,6 +267,9 @@ class CoherentJump(BankDetector):
             )
         self.direction = direction
         self.min_series = check_int(name, "min_series", min_series, 1)
+        self.level_alpha = check_float(name, "level_alpha", level_alpha, 0.0, 1.0)
+        self.level_alpha_down = check_float(name, "level_alpha_down", level_alpha_down, 0.0,
+                                            1.0)
         self._setup()
 
     def _param_values(self) -> dict[str, float]:
@@ -241,3 +287,4 @@ class CoherentJump(BankDetector):
         c.one_of("has", c.state[_HAS], (0.0, 1.0))
         c.finite("typ", c.state[_TYP], 0.0)
         c.integers("count", c.state[_COUNT], 0)
+        c.finite("level", c.state[_LEVEL])

@@ -523,11 +523,13 @@ def ref_jump(x, miss=None, alpha=0.05, warmup=5, threshold=10.0, min_delta=0.01,
 
 
 def ref_coherent_jump(x, miss=None, alpha=0.05, warmup=20, threshold=10.0, min_delta=0.01,
-                      clip=4.0, direction="up", min_series=2, freeze_on_alarm=False):
+                      clip=4.0, direction="up", min_series=2, level_alpha=0.05,
+                      level_alpha_down=0.005, freeze_on_alarm=False):
     """x: (T, n) bank; returns (T, n) scores: min(own jump score, k-th largest of the step)."""
     x = np.asarray(x, dtype=float)
     t_steps, n = x.shape
     prev, has, typ, count = [0.0] * n, [False] * n, [0.0] * n, [0] * n
+    level = [0.0] * n
     out = np.full((t_steps, n), math.nan)
     for t in range(t_steps):
         raw, dl = {}, {}
@@ -543,7 +545,11 @@ def ref_coherent_jump(x, miss=None, alpha=0.05, warmup=20, threshold=10.0, min_d
                 raw[i] = 0.0
             else:
                 scale = max(typ[i], min_delta, 1e-300)
-                raw[i] = {"up": d, "down": -d, "both": abs(d)}[direction] / scale
+                y = math.log(v)
+                hi = max(prev[i], level[i]) if level_alpha > 0 else prev[i]
+                lo = min(prev[i], level[i]) if level_alpha > 0 else prev[i]
+                up, down = (y - hi) / scale, (lo - y) / scale
+                raw[i] = {"up": up, "down": down, "both": max(up, down)}[direction]
             dl[i] = d
         if not raw:
             continue
@@ -557,16 +563,21 @@ def ref_coherent_jump(x, miss=None, alpha=0.05, warmup=20, threshold=10.0, min_d
                 continue
             if s > threshold and freeze_on_alarm:
                 continue
+            y = math.log(v)
             if dl[i] is not None:
-                ad = abs(dl[i])
+                lim = clip * max(typ[i], min_delta, 1e-300)
+                ad, dlev = abs(dl[i]), y - level[i]
                 if count[i] >= warmup and math.isfinite(clip):
-                    ad = min(ad, clip * max(typ[i], min_delta, 1e-300))
+                    ad, dlev = min(ad, lim), min(max(dlev, -lim), lim)
                 a = max(alpha, 1 / (count[i] + 1))
                 typ[i] += a * (ad - typ[i])
+                rate = level_alpha if dlev >= 0 else level_alpha_down
+                level[i] += max(rate, 1 / (count[i] + 2)) * dlev
                 count[i] += 1
-            prev[i], has[i] = math.log(v), True
+            elif count[i] == 0:
+                level[i] = y
+            prev[i], has[i] = y, True
     return out
-
 
 def ref_corr(loss, lr, window=50, alpha=0.1, min_lr_ratio=1.5, min_lr_std=0.01,
              min_loss_std=1e-4, threshold=0.5, freeze_on_alarm=False):

@@ -24,7 +24,9 @@ CFGS = [
     {"min_series": 1, "direction": "both", "clip": math.inf},
     {"min_series": 3, "direction": "down", "freeze_on_alarm": True, "min_delta": 0.0,
      "warmup": 5},
-    {"threshold": 3.0, "freeze_on_alarm": True, "alpha": 0.2},
+    {"threshold": 3.0, "freeze_on_alarm": True, "alpha": 0.2, "level_alpha": 0.3,
+     "level_alpha_down": 0.3},
+    {"level_alpha": 0.0, "direction": "both", "warmup": 0},
 ]
 
 
@@ -75,10 +77,23 @@ def test_needs_min_series_together():
 def test_single_series_equals_lr_jump():
     x = bank(2)[:, :1]
     cfg = {"alpha": 0.1, "warmup": 7, "direction": "both", "threshold": 5.0}
-    s1, a1 = CoherentJump(**cfg).update_many(x)
+    s1, a1 = CoherentJump(level_alpha=0.0, **cfg).update_many(x)
     s2, a2 = LRJump(**cfg).update_many(x)
     np.testing.assert_array_equal(s1, s2)
     np.testing.assert_array_equal(a1, a2)
+
+
+def test_coming_back_after_a_collapse_is_not_a_jump():
+    """fp16 underflow: every layer's gradients x1e-8 for 75 steps, then back."""
+    rng = np.random.default_rng(9)
+    g = np.exp(rng.normal(0.0, 0.1, (300, 3)))
+    g[150:225] *= 1e-8
+    _, a = CoherentJump(n_series=3).update_many(g)
+    assert not a.any()
+    _, a0 = CoherentJump(n_series=3, level_alpha=0.0).update_many(g)
+    assert a0[225].all()                 # measured from the previous value only: it jumps
+    g[260, :2] *= 8.0                    # a real burst afterwards still alarms
+    assert CoherentJump(n_series=3).update_many(g)[1][260].any()
 
 
 def test_downward_collapse():
@@ -131,7 +146,8 @@ def test_grow_keeps_existing_series():
 
 @pytest.mark.parametrize("bad", [{"alpha": 0.0}, {"warmup": -1}, {"min_series": 0},
                                  {"direction": "sideways"}, {"clip": 0.0}, {"min_delta": -1.0},
-                                 {"min_series": 1.5}])
+                                 {"min_series": 1.5}, {"level_alpha": 1.5},
+                                 {"level_alpha": -0.1}, {"level_alpha_down": 2.0}])
 def test_bad_params(bad):
     with pytest.raises(ValueError, match="parameter of CoherentJump"):
         CoherentJump(**bad)
