@@ -17,8 +17,8 @@ it alarms exactly when it jumped by more than ``threshold`` typical changes *and
 precomputed scores stays exact.  A rise is measured from the higher of the previous value and
 the series' usual level (a winsorised EW mean of ``log x`` that follows rises at
 ``level_alpha`` and falls ten times slower, at ``level_alpha_down``), so a series coming back
-after a collapse -- gradients returning after an fp16 underflow -- is not a jump.  A bank of a single series with ``level_alpha = 0`` is
-:class:`~detectors.lr_loss.LRJump`.
+after a collapse -- gradients returning after an fp16 underflow -- is not a jump.  A bank of a
+single series with ``level_alpha = 0`` is :class:`~detectors.lr_loss.LRJump`.
 """
 
 from __future__ import annotations

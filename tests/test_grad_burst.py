@@ -44,3 +44,19 @@ def test_two_layers_alarm_one_does_not_and_rewind_resets_the_bank() -> None:
     assert det.state_dict()["state"][3].min() > 0        # every layer has counted changes
     mon.rewind(80)
     assert not np.any(det.state_dict()["state"])         # a restore is not a jump: forget
+
+
+def test_gradients_coming_back_after_an_fp16_underflow_are_not_a_burst() -> None:
+    """bench_rescue's fp16_underflow run: grads x1e-8 for 75 iterations, then back.  Measured
+    from the previous step alone, every layer 'jumped' x1e8 (a skip and a clip harmed it)."""
+    torch = pytest.importorskip("torch")
+    from stability.testing.tinytrain import FaultSpec, train_run
+
+    torch.set_num_threads(1)
+    seen: list = []
+    under = FaultSpec("fp16_underflow", 146, duration=75, magnitude=1e-8)
+    res = train_run("mlp", 240, seed=0, fault=under,
+                    monitor=Monitor("small", alert_sinks=[], on_alarm=seen.append))
+    assert any(a.kind == "grad_vanishing" for a in seen)        # the collapse is reported
+    assert _burst_alarms(seen) == []
+    assert not [i for i in res.interventions if i.type in ("skip_step", "set_clip")]
