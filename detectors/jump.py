@@ -6,7 +6,7 @@ gradients (and the next update) of every layer around it *in the same step*.  A 
 alone also jumps now and then; several layers jumping together by far more than their typical
 step-to-step change is what a healthy run rarely does.
 
-:class:`CoherentJump` scores each series like :class:`~detectors.lr_loss.LRJump`: the change
+:class:`CoherentJump` scores each series like :class:`~detectors.lr_jump.LRJump`: the change
 of ``log x`` since the series' previous value against an EW mean of its recent ``|dlog x|``
 (test-then-train; after warm-up each update is winsorised at ``clip`` times the scale).  The
 *coherence* is a cross-series reduction: with ``r_i`` the raw jump score of series ``i`` and
@@ -18,7 +18,7 @@ precomputed scores stays exact.  A rise is measured from the higher of the previ
 the series' usual level (a winsorised EW mean of ``log x`` that follows rises at
 ``level_alpha`` and falls ten times slower, at ``level_alpha_down``), so a series coming back
 after a collapse -- gradients returning after an fp16 underflow -- is not a jump.  A bank of a
-single series with ``level_alpha = 0`` is :class:`~detectors.lr_loss.LRJump`.
+single series with ``level_alpha = 0`` is :class:`~detectors.lr_jump.LRJump`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_float, check_int
+from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns
 from ._state import StateCheck
+from .validation import check_float, check_int
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 

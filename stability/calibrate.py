@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from detectors.validation import param_error
+
 from .monitor_io import table_columns
 
 if TYPE_CHECKING:
@@ -49,11 +51,9 @@ def _batches(data: Any) -> Iterable[Any]:
     if isinstance(data, Mapping) or hasattr(data, "column_names"):
         return [data]
     if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
-        raise TypeError(
-            "calibrate: expected a table (dict of arrays or pyarrow Table) or an iterable of "
-            f"tables; got {type(data).__name__}.  Read a recorded run first "
-            "(replay.io.read_table(path))."
-        )
+        err = param_error("calibrate", "data", "a table (dict of arrays or pyarrow Table) or "
+                          "an iterable of tables", data)
+        raise TypeError(f"{err}  Read a recorded run first (replay.io.read_table(path)).")
     return data
 
 

@@ -107,9 +107,10 @@ def test_a_stale_calibration_alarm_does_not_leak_into_the_next_step() -> None:
 
 def test_bad_input_is_rejected() -> None:
     mon = Monitor("default", alert_sinks=[])
-    with pytest.raises(TypeError, match="calibrate"):
+    with pytest.raises(TypeError, match=r"^The 'data' parameter of calibrate must be a table "
+                       r".* Got 'runs/public_0001\.parquet' instead\.  Read a recorded run"):
         mon.calibrate("runs/public_0001.parquet")
-    with pytest.raises(TypeError, match="calibrate"):
+    with pytest.raises(TypeError, match=r"'data' parameter of calibrate .* Got 3 instead"):
         calibrate(mon, 3)
     with pytest.raises(ValueError, match="step"):
         mon.calibrate({"loss": np.ones(3)})

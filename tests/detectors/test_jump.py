@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detectors.jump import CoherentJump
-from detectors.lr_loss import LRJump
+from detectors.lr_jump import LRJump
 
 from .generic import (
     check_split_batches,
