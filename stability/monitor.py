@@ -217,9 +217,8 @@ class Monitor(ReplayMixin, StateMixin):
         """Accept steps after ``step`` again (the trainer resumed from an earlier checkpoint).
 
         Detector statistics are kept (load a saved :meth:`state_dict` to restore them too),
-        except those of step-to-step *jump* detectors (``lr_jump`` on the LR or the weight
-        norm, ``coherent_jump`` on per-layer norms): a restore legitimately moves the LR, the
-        weights and their gradients back, which is not a jump.
+        except those of step-to-step *jump* detectors (``lr_jump``, ``coherent_jump``): a
+        restore legitimately moves the LR, the weights and their gradients back.
         """
         self.last_step = int(step)
         self.policy.guard.rewind()  # the scheduler went back too: not an LR jump
@@ -509,9 +508,7 @@ class Monitor(ReplayMixin, StateMixin):
                 f"signals={len(self._slot_names) - 2}, last_step={self.last_step})")
 
     def calibrate(self, data: Any, *, resume: bool = True) -> int:
-        """Prime every detector (and, with ``resume``, the LR guard and the loss tracker) from
-        earlier history without alarming or acting; returns the number of rows fed (see
-        :func:`stability.calibrate.calibrate`)."""
+        """Prime from earlier history without acting (:func:`stability.calibrate.calibrate`)."""
         from .calibrate import calibrate
         return calibrate(self, data, resume=resume)
 
