@@ -217,6 +217,20 @@ class LRGuard:
                 self.warm = True
         self.factor = 1.0
 
+    def prime(self, lr: float) -> None:
+        """Accept ``lr`` as a healthy LR of the trajectory without judging it.
+
+        For calibration on earlier, healthy history (:func:`stability.calibrate.calibrate`):
+        the guard ends where a replay of the same LRs would have left it.  Non-finite or
+        non-positive LRs are ignored.
+        """
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0.0):
+            return
+        self.last_lr = float(lr)
+        self.primed = True
+        self.active, self.onset, self.inv_r0 = False, -1, 1.0
+        self._healthy(float(lr))
+
     def rewind(self) -> None:
         """The trainer restored an earlier state: re-prime the reference from the next LR."""
         self.primed = False

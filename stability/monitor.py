@@ -217,13 +217,13 @@ class Monitor(ReplayMixin, StateMixin):
         """Accept steps after ``step`` again (the trainer resumed from an earlier checkpoint).
 
         Detector statistics are kept (load a saved :meth:`state_dict` to restore them too),
-        except those of step-to-step *jump* detectors (``lr_jump`` on the LR or the weight
-        norm): a restore legitimately moves the LR and the weights back, which is not a jump.
+        except those of step-to-step *jump* detectors (``lr_jump``, ``coherent_jump``): a
+        restore legitimately moves the LR, the weights and their gradients back.
         """
         self.last_step = int(step)
         self.policy.guard.rewind()  # the scheduler went back too: not an LR jump
         for b in self._bindings:
-            if b.spec.detector == "lr_jump":
+            if b.spec.detector in ("lr_jump", "coherent_jump"):
                 b.det.reset()
                 self._dirty = True  # reset() reallocates the arrays the fast path is bound to
 
@@ -507,11 +507,10 @@ class Monitor(ReplayMixin, StateMixin):
         return (f"Monitor(bindings={[b.name for b in self._bindings]}, "
                 f"signals={len(self._slot_names) - 2}, last_step={self.last_step})")
 
-    def calibrate(self, data: Any) -> int:
-        """Prime every detector from earlier history without alarming or acting; returns the
-        number of rows fed (see :func:`stability.calibrate.calibrate`)."""
+    def calibrate(self, data: Any, *, resume: bool = True) -> int:
+        """Prime from earlier history without acting (:func:`stability.calibrate.calibrate`)."""
         from .calibrate import calibrate
-        return calibrate(self, data)
+        return calibrate(self, data, resume=resume)
 
 
 def _as_list(x: Any) -> list[Any]:

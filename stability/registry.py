@@ -148,6 +148,13 @@ REGISTRY: dict[str, RegistryEntry] = {
         "detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly",
         doc="Loss volatility relative to its baseline, once the LR exceeds the highest LR seen "
             "while the loss was calm (LR too high)."),
+    "coherent_jump": RegistryEntry(
+        "detectors.jump:CoherentJump", None,
+        doc="A one-step rise of log x far beyond each series' typical step-to-step change in "
+            "at least `min_series` series of the bank at once (several layers' gradients "
+            "bursting together: an activation spike inside the network); a rise counts from "
+            "the series' usual level when that is higher, so coming back after a collapse is "
+            "not a jump."),
 }
 
 
