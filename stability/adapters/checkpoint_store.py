@@ -397,10 +397,10 @@ class CheckpointStore(LedgerStore):
             return []
         return out
 
-    def _adopt_index(self) -> None:
+    def _adopt_index(self, rows: list[CheckpointRecord] | None = None) -> None:
         """Register the indexed checkpoints (file present) that the ledger lacks."""
         have = {r.step for r in self.ledger.records}
-        for r in self._read_index():
+        for r in self._read_index() if rows is None else rows:
             if r.step not in have:
                 self.ledger.add(r.step, r.path, r.healthy, r.reason, r.covers_step,
                                 data_position=r.data_position, managed=r.managed)
@@ -433,8 +433,9 @@ class CheckpointStore(LedgerStore):
         """After a resume: drop (with a warning) the ledger's records whose checkpoint is gone,
         register the indexed files the ledger lacks (saved after its snapshot was taken), and
         rewrite the index; returns the dropped records."""
+        rows = self._read_index()  # before a drop rewrites the index
         gone = super().reconcile()
-        self._adopt_index()
+        self._adopt_index(rows)
         self._write_index()
         return gone
 
