@@ -43,11 +43,11 @@ log = logging.getLogger("stability.adapters")
 STATE_VERSION = 1
 
 
-def find_ledger(monitor: Any) -> Any:
+def find_ledger(monitor: Any) -> CheckpointLedger | None:
     """The monitor's :class:`~stability.checkpoints.CheckpointLedger`, or ``None``."""
     for name in ("ledger", "checkpoints", "checkpoint_ledger"):
         led = getattr(monitor, name, None)
-        if led is not None and hasattr(led, "add"):
+        if isinstance(led, CheckpointLedger):
             return led
     return None
 
