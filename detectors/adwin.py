@@ -441,11 +441,11 @@ class ADWIN(BankDetector):
         n_rows = st[_NROWS][None, :]
         bad = ((r >= n_rows) & (counts != 0)) | ((r == n_rows - 1) & (r > 0) & (counts == 0))
         if bad.any():
-            c.fail("bucket counts", "be 0 above the last row and > 0 in it", counts, bad)
+            c.fail("bucket counts", "0 above the last row and > 0 in it", counts, bad)
         width = (counts * 2.0**r).sum(axis=0)
         c.integers("width", st[_WIDTH], 0)
         if not np.array_equal(width, st[_WIDTH]):
-            c.fail("width", "equal the number of points in the buckets", st[_WIDTH],
+            c.fail("width", "the number of points in the buckets", st[_WIDTH],
                    width != st[_WIDTH])
         c.integers("tick", st[_TICK], 0, self.clock - 1)
         c.integers("n_drift", st[_NDRIFT], 0)

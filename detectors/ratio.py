@@ -238,7 +238,7 @@ class RatioToMean(BankDetector):
             c.integers("position", st[_POS], 0, w - 1)
             bad = st[_POS] != np.mod(st[_COUNT], w)
             if bad.any():
-                c.fail("position", "equal the count modulo the window", st[_POS], bad)
+                c.fail("position", "the count modulo the window", st[_POS], bad)
             c.finite("window values", c.buf[:ring])
             if self.reference == "median":
                 c.sorted_copy("sorted window", c.buf[:w], c.buf[w:ring], st[_COUNT], w)

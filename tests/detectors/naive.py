@@ -3,8 +3,9 @@
 One module (stumpy's ``tests/naive.py`` pattern): each ``ref_*`` function computes, slowly and
 obviously, what a Numba kernel in ``detectors/`` computes; the per-detector test modules check
 that kernel and reference agree (bit for bit where the arithmetic order is the same), and
-:data:`REFERENCES` maps every registry name to its reference so the conformance suite can check
-that none is missing.
+:data:`REFERENCES` maps registry names to their references so the conformance suite can check
+that none is missing (a new detector may instead keep its reference in a ``REFERENCES`` dict of
+its own test module, see ``tests/detectors/test_conformance.py:check_reference``).
 """
 
 from __future__ import annotations
