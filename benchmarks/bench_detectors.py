@@ -21,18 +21,28 @@ Targets (one core): >= 150M points/s for EWMA/Page-Hinkley-class kernels (>= 100
 >= 25M points/s for ADWIN (>= 10x river), <= 2 µs per 20-scalar bank step, <= 3 µs per
 512-vector step, second process < 1 s.
 
+``--kernels`` times only the batch kernels of the banks the ``default`` preset runs on the
+wide replay benchmark (``bench_replay.py``), with the preset's parameters and bank widths:
+CPU ms per 200k rows (best of a few), ns per point, and a digest of the scores, alarms and
+final state (it must not change when a kernel is only made faster); ``--compile`` adds each
+kernel's compile time in a fresh process with an empty Numba cache.
+
 Run::
 
     python benchmarks/bench_detectors.py            # ~1 minute
     python benchmarks/bench_detectors.py --quick    # smaller sizes, a few seconds
+    python benchmarks/bench_detectors.py --kernels [--compile]   # preset kernels, digests
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -168,10 +178,97 @@ def second_process(module: str, cls: str, reps: int = 3) -> tuple[float, float, 
     return float(best_wall), float(best_in), float(best_cpu), scipy_linalg
 
 
+# the default preset's banks on bench_replay's wide run: (label, module, class, kwargs, series,
+# input generator); "ln" = log-normal around 1, "signed" = normal around 0, "loss"/"lr" as logged
+PRESET_KERNELS: list[tuple[str, str, str, dict[str, Any], int, tuple[str, ...]]] = [
+    ("CoherentJump", "jump", "CoherentJump", {"alpha": 0.05, "warmup": 20, "threshold": 12.0,
+     "min_series": 2, "level_alpha": 0.05, "level_alpha_down": 0.005}, 8, ("ln",)),
+    ("ActivationShift", "activation", "ActivationShift", {"n_features": 3, "alpha": 0.02,
+     "warmup": 40, "threshold": 10.0, "log_space": [False, True, True]}, 8,
+     ("signed", "ln", "ln")),
+    ("RobustZScore", "robust", "RobustZScore", {"window": 128, "threshold": 8.0,
+     "log_space": True, "min_std": 0.1}, 1, ("ln",)),
+    ("EWMAZScore x8", "ewma", "EWMAZScore", {"alpha": 0.02, "warmup": 40, "threshold": 10.0,
+     "log_space": True, "min_std": 0.05}, 8, ("ln",)),
+    ("RatioToMean", "ratio", "RatioToMean", {"window": 100, "patience": 10,
+     "reference": "median", "threshold": 1.1}, 1, ("ln",)),
+    ("LRLossCorrelation", "lr_loss", "LRLossCorrelation", {}, 1, ("loss", "lr")),
+    ("LRJump", "lr_loss", "LRJump", {"threshold": 10.0}, 1, ("lr",)),
+    ("NonFiniteGuard x45", "nonfinite", "NonFiniteGuard", {}, 45, ("ln",)),
+]
+
+
+def preset_inputs(gens: tuple[str, ...], rows: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    t = np.arange(rows)[:, None]
+    out = []
+    for g in gens:
+        if g == "ln":
+            a = np.exp(rng.normal(0.0, 0.1, (rows, n)))
+        elif g == "signed":
+            a = rng.normal(0.0, 0.1, (rows, n))
+        elif g == "loss":
+            a = 2.0 + 1.0 / np.sqrt(1 + t / 100) + 0.02 * rng.standard_normal((rows, n))
+        else:  # a warm-up ramp, then a cosine schedule with restarts
+            k = (t % 5000).astype(float)
+            a = 1e-3 * np.where(k < 500, (k + 1) / 500, 0.55 + 0.45 * np.cos(k / 5000 * np.pi))
+            a = np.repeat(a, n, axis=1)
+        if rows > 1000:
+            a[rows // 3] *= 50.0  # one spike each, so that alarms and freezes happen
+            a[rows // 2, 0] = np.nan
+        out.append(np.ascontiguousarray(a))
+    return out
+
+
+def bench_preset_kernels(rows: int, reps: int, compile_time: bool) -> None:
+    """CPU ms per ``rows`` rows of each preset bank's batch kernel, and output digests."""
+    print(f"batch kernels of the default preset's banks on the wide run shape, {rows:,} rows "
+          f"(CPU time, best of {reps}):")
+    print(f"{'bank':<22}{'series':>7}{'ms':>9}{'ns/pt':>8}  digest      compile s")
+    total = 0.0
+    for label, mod_name, cls_name, kw, n, gens in PRESET_KERNELS:
+        cls = getattr(importlib.import_module(f"detectors.{mod_name}"), cls_name)
+        x = preset_inputs(gens, rows, n)
+        cls(n_series=n, **kw).update_many(*(a[:100] for a in x))  # compile / load
+        best = np.inf
+        for _ in range(reps):
+            det = cls(n_series=n, **kw)
+            c0 = time.process_time()
+            scores, alarms = det.update_many(*x)
+            best = min(best, time.process_time() - c0)
+        total += best
+        h = hashlib.sha1(scores.tobytes() + alarms.tobytes())
+        for v in det.state_dict().values():
+            if isinstance(v, np.ndarray):
+                h.update(v.tobytes())
+        comp = ""
+        if compile_time:
+            code = (f"import time; from detectors.{mod_name} import {cls_name} as C\n"
+                    f"d = C(n_series=1, **{kw!r}); x = [[1.0]] * d.n_inputs\n"
+                    "t0 = time.process_time(); d.update_many(*x)\n"
+                    "print(time.process_time() - t0)")
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+                res = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                     text=True, cwd=ROOT, env=env, check=True)
+            comp = f"{float(res.stdout.split()[-1]):9.2f}"
+        print(f"{label:<22}{n:>7}{best * 1e3:>9.2f}{best / (rows * n) * 1e9:>8.2f}  "
+              f"{h.hexdigest()[:10]}{comp}")
+    print(f"{'total':<29}{total * 1e3:>9.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a few seconds)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="only the default preset's batch kernels (timings and digests)")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --kernels: compile time of each kernel, empty cache")
+    ap.add_argument("--rows", type=int, default=200_000, help="rows for --kernels")
     args = ap.parse_args()
+    if args.kernels:
+        bench_preset_kernels(args.rows, 3 if args.quick else 7, args.compile)
+        return
     t_max = 1_000_000 if args.quick else 10_000_000
     budget = 0.2 if args.quick else 1.0
     steps = 2_000 if args.quick else 20_000
