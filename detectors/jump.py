@@ -60,17 +60,17 @@ class CoherentJumpParams(NamedTuple):
 _P = indices(CoherentJumpParams)
 
 
-@njit(cache=True, error_model="numpy")
-def _raw_score(state, i, x, warmup, min_delta, direction, use_level):  # type: ignore[no-untyped-def]
-    """Raw jump score of a finite ``x`` for series ``i`` against its state (0 while warming
-    up, without a previous value or for ``x <= 0``), and ``dlog x`` (``nan``: no change).
+@njit(cache=True, error_model="numpy", inline="always")
+def _raw_score(state, i, x, y, warmup, min_delta, direction, use_level):  # type: ignore[no-untyped-def]
+    """Raw jump score of a finite ``x`` (``y = log x`` when ``x > 0``) for series ``i``
+    against its state (0 while warming up, without a previous value or for ``x <= 0``), and
+    ``dlog x`` (``nan``: no change).
 
     With ``use_level`` a rise counts from ``max(prev, level)`` and a fall from
     ``min(prev, level)``: a series coming back to its usual level after a collapse (or a
     spike) does not jump."""
     if x <= 0.0 or state[_HAS, i] == 0.0:
         return 0.0, np.nan
-    y = math.log(x)
     prev = state[_PREV, i]
     d = y - prev
     if state[_COUNT, i] < warmup:
@@ -119,7 +119,13 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     dlog = np.empty(n)
     scored = np.zeros(n, dtype=np.bool_)
     pool = np.empty(n)
+    ys = np.empty(n)  # log x of the row, each computed once (scored, then learned)
     for t in range(X.shape[0]):
+        # the logs first, in a loop of their own: a libm call inside the scoring loop would
+        # push its live values through the stack on every series
+        for i in range(n):
+            x = X[t, 0, i]
+            ys[i] = math.log(x) if x > 0.0 else 0.0
         m = 0
         for i in range(n):
             x = X[t, 0, i]
@@ -131,7 +137,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 scores[t, i] = np.inf
                 alarms[t, i] = True
             else:
-                raw[i], dlog[i] = _raw_score(state, i, x, warmup, min_delta, direction,
+                raw[i], dlog[i] = _raw_score(state, i, x, ys[i], warmup, min_delta, direction,
                                              use_level)
                 scored[i] = True
                 pool[m] = raw[i]
@@ -152,7 +158,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 continue
             if not learns(alarm, freeze):
                 continue
-            y = math.log(x)
+            y = ys[i]
             if not np.isnan(dlog[i]):
                 typ = state[_TYP, i]
                 count = state[_COUNT, i]
