@@ -80,10 +80,14 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             score = 0.0
             if count >= 2.0 and n + 1 >= w:
                 # window = the w - 1 stored pairs before pos, plus (a, b)
+                # r = 1 .. w - 1 is k = (pos - r) % w: pos - 1 down to 0, then w - 1 down to
+                # pos + 1 -- two plain descending loops, the same order of additions
                 sa = a
                 sb = b
-                for r in range(1, w):
-                    k = (pos - r) % w
+                for k in range(pos - 1, -1, -1):
+                    sa += buf[k, i]
+                    sb += buf[w + k, i]
+                for k in range(w - 1, pos, -1):
                     sa += buf[k, i]
                     sb += buf[w + k, i]
                 if sa >= log_ratio and sb > 0.0:
@@ -92,8 +96,13 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
                     caa = (a - ma) * (a - ma)
                     cbb = (b - mb) * (b - mb)
                     cab = (a - ma) * (b - mb)
-                    for r in range(1, w):
-                        k = (pos - r) % w
+                    for k in range(pos - 1, -1, -1):
+                        da = buf[k, i] - ma
+                        db = buf[w + k, i] - mb
+                        caa += da * da
+                        cbb += db * db
+                        cab += da * db
+                    for k in range(w - 1, pos, -1):
                         da = buf[k, i] - ma
                         db = buf[w + k, i] - mb
                         caa += da * da
