@@ -75,11 +75,15 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     warmup = params[_P.warmup]
     patience = int(params[_P.patience])
     mode = int(params[_P.reference])
-    ring = mode == _MEAN or mode == _MEDIAN
-    off = 2 * window if mode == _MEDIAN else (window if ring else 0)
+    has_ring = mode == _MEAN or mode == _MEDIAN
+    off = 2 * window if mode == _MEDIAN else (window if has_ring else 0)
     alpha = 2.0 / (window + 1.0)
-    for t in range(X.shape[0]):
-        for i in range(X.shape[2]):
+    # series by series (they are independent): the column views are made once per series
+    for i in range(X.shape[2]):
+        ring = buf[:window, i]
+        srt = buf[window:2 * window, i]  # the ring sorted ("median")
+        recent = buf[off:off + patience, i]  # the last `patience` ratios
+        for t in range(X.shape[0]):
             x = X[t, 0, i]
             if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
@@ -90,30 +94,30 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                     n_valid = int(min(count, window))
                     acc = 0.0
                     for j in range(n_valid):
-                        acc += buf[j, i]
+                        acc += ring[j]
                     ref = acc / n_valid
                 elif mode == _MEDIAN:
-                    ref = sorted_median(buf, window, int(min(count, window)), i)
+                    ref = sorted_median(srt, int(min(count, window)))
                 else:
                     ref = state[_REF, i]
                 ratio = x / max(ref, TINY)
             rpos = int(state[_RPOS, i])
-            buf[off + rpos, i] = ratio
+            recent[rpos] = ratio
             state[_RPOS, i] = (rpos + 1) % patience
             s = ratio
             for j in range(patience):
-                s = min(s, buf[off + j, i])
+                s = min(s, recent[j])
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
             if not learns(alarm, freeze):
                 continue
-            if ring:
+            if has_ring:
                 pos = int(state[_POS, i])
                 if mode == _MEDIAN:
                     n_valid = int(min(count, window))
-                    sorted_push(buf, window, i, n_valid, window, buf[pos, i], x)
-                buf[pos, i] = x
+                    sorted_push(srt, n_valid, window, ring[pos], x)
+                ring[pos] = x
                 state[_POS, i] = (pos + 1) % window
             elif mode == _EWM:
                 a = max(alpha, 1.0 / (count + 1.0))

@@ -43,13 +43,18 @@ _POS, _COUNT = 0, 1
 _N_FIELDS = 2
 
 
+# The helpers take one series' sorted values as a 1-D column view (``buf[window:, i]``), made
+# once per series and kernel call: indexing a 1-D view compiles to one stride per access,
+# where ``buf[off + j, i]`` pays the 2-D address arithmetic on every move of the shift.
+
+
 @njit(cache=True, error_model="numpy", inline="always")
-def _upper_bound(buf: FloatArray, off: int, n: int, i: int, v: float) -> int:
-    """First ``j`` in ``[0, n)`` with ``buf[off + j, i] > v`` (``n`` if none)."""
+def _upper_bound(col: FloatArray, n: int, v: float) -> int:
+    """First ``j`` in ``[0, n)`` with ``col[j] > v`` (``n`` if none)."""
     lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) // 2
-        if buf[off + mid, i] > v:
+        if col[mid] > v:
             hi = mid
         else:
             lo = mid + 1
@@ -57,12 +62,12 @@ def _upper_bound(buf: FloatArray, off: int, n: int, i: int, v: float) -> int:
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _lower_bound(buf: FloatArray, off: int, n: int, i: int, v: float) -> int:
-    """First ``j`` in ``[0, n)`` with ``buf[off + j, i] >= v`` (``n`` if none)."""
+def _lower_bound(col: FloatArray, n: int, v: float) -> int:
+    """First ``j`` in ``[0, n)`` with ``col[j] >= v`` (``n`` if none)."""
     lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) // 2
-        if buf[off + mid, i] < v:
+        if col[mid] < v:
             lo = mid + 1
         else:
             hi = mid
@@ -70,44 +75,42 @@ def _lower_bound(buf: FloatArray, off: int, n: int, i: int, v: float) -> int:
 
 
 @njit(cache=True, error_model="numpy")
-def sorted_push(
-    buf: FloatArray, off: int, i: int, count: int, window: int, old: float, y: float
-) -> None:
-    """Insert ``y`` into the sorted column ``buf[off:off + count, i]``.
+def sorted_push(col: FloatArray, count: int, window: int, old: float, y: float) -> None:
+    """Insert ``y`` into the sorted column ``col[:count]``.
 
     When the window is full (``count == window``) the value ``old`` that leaves the ring is
     removed in the same pass, so the column keeps ``window`` values.
     """
     if count < window:
-        q = _upper_bound(buf, off, count, i, y)
+        q = _upper_bound(col, count, y)
         for j in range(count, q, -1):
-            buf[off + j, i] = buf[off + j - 1, i]
-        buf[off + q, i] = y
+            col[j] = col[j - 1]
+        col[q] = y
         return
-    r = _lower_bound(buf, off, count, i, old)
+    r = _lower_bound(col, count, old)
     if y >= old:
-        q = _upper_bound(buf, off, count, i, y)
+        q = _upper_bound(col, count, y)
         for j in range(r, q - 1):
-            buf[off + j, i] = buf[off + j + 1, i]
-        buf[off + q - 1, i] = y
+            col[j] = col[j + 1]
+        col[q - 1] = y
     else:
-        q = _upper_bound(buf, off, count, i, y)
+        q = _upper_bound(col, count, y)
         for j in range(r, q, -1):
-            buf[off + j, i] = buf[off + j - 1, i]
-        buf[off + q, i] = y
+            col[j] = col[j - 1]
+        col[q] = y
 
 
 @njit(cache=True, error_model="numpy")
-def sorted_median(buf: FloatArray, off: int, n: int, i: int) -> float:
-    """Median of the sorted column ``buf[off:off + n, i]`` (``n >= 1``); equals ``np.median``."""
+def sorted_median(col: FloatArray, n: int) -> float:
+    """Median of the sorted column ``col[:n]`` (``n >= 1``); equals ``np.median``."""
     k = n // 2
     if n % 2 == 1:
-        return buf[off + k, i]
-    return (buf[off + k - 1, i] + buf[off + k, i]) / 2.0
+        return col[k]
+    return (col[k - 1] + col[k]) / 2.0
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _kth_deviation(buf: FloatArray, off: int, n: int, i: int, m: float, jr: int, k: int) -> float:
+def _kth_deviation(col: FloatArray, n: int, m: float, jr: int, k: int) -> float:
     """``k``-th smallest (from 0) of ``|v - m|`` over the sorted column, ``jr`` = first ``v >= m``.
 
     The deviations left of ``m`` (``m - v`` for ``v`` at ``jr - 1, jr - 2, ...``) and right of it
@@ -119,31 +122,31 @@ def _kth_deviation(buf: FloatArray, off: int, n: int, i: int, m: float, jr: int,
     hi = min(k + 1, n_left)
     while lo < hi:
         a = (lo + hi) // 2  # take a from the left list and k + 1 - a from the right one
-        if m - buf[off + jr - 1 - a, i] < buf[off + jr + k - a, i] - m:
+        if m - col[jr - 1 - a] < col[jr + k - a] - m:
             lo = a + 1
         else:
             hi = a
     # the k + 1 smallest: lo from the left, k + 1 - lo from the right; the largest of them
     d = -np.inf
     if lo > 0:
-        d = m - buf[off + jr - lo, i]
+        d = m - col[jr - lo]
     if lo <= k:
-        d = max(d, buf[off + jr + k - lo, i] - m)
+        d = max(d, col[jr + k - lo] - m)
     return d
 
 
 @njit(cache=True, error_model="numpy")
-def sorted_mad(buf: FloatArray, off: int, n: int, i: int, m: float) -> float:
-    """Median of ``|v - m|`` over the sorted column ``buf[off:off + n, i]`` (``n >= 1``).
+def sorted_mad(col: FloatArray, n: int, m: float) -> float:
+    """Median of ``|v - m|`` over the sorted column ``col[:n]`` (``n >= 1``).
 
     Equals ``np.median(np.abs(v - m))`` bit for bit; ``O(log n)`` (see :func:`_kth_deviation`).
     """
     k = n // 2
-    jr = _lower_bound(buf, off, n, i, m)
-    cur = _kth_deviation(buf, off, n, i, m, jr, k)
+    jr = _lower_bound(col, n, m)
+    cur = _kth_deviation(col, n, m, jr, k)
     if n % 2 == 1:
         return cur
-    return (_kth_deviation(buf, off, n, i, m, jr, k - 1) + cur) / 2.0
+    return (_kth_deviation(col, n, m, jr, k - 1) + cur) / 2.0
 
 
 class RobustParams(NamedTuple):
@@ -172,26 +175,30 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     log_space = params[_P.log_space] != 0.0
     min_std = params[_P.min_std]
     direction = params[_P.direction]
-    for t in range(X.shape[0]):
-        for i in range(X.shape[2]):
+    # series by series (they are independent): the column views are made once per series
+    for i in range(X.shape[2]):
+        ring = buf[:window, i]
+        srt = buf[window:, i]  # the ring sorted (robust only)
+        pos = int(state[_POS, i])  # ring position and fill, kept in registers over the steps
+        count = int(state[_COUNT, i])
+        for t in range(X.shape[0]):
             x = X[t, 0, i]
             if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             y = math.log(max(x, LOG_FLOOR)) if log_space else x
-            count = int(state[_COUNT, i])
             s = 0.0
             if count >= warmup and count > 0:
                 if robust:
-                    center = sorted_median(buf, window, count, i)
-                    spread = MAD_SCALE * sorted_mad(buf, window, count, i, center)
+                    center = sorted_median(srt, count)
+                    spread = MAD_SCALE * sorted_mad(srt, count, center)
                 else:
                     acc = 0.0
                     for j in range(count):
-                        acc += buf[j, i]
+                        acc += ring[j]
                     center = acc / count
                     acc = 0.0
                     for j in range(count):
-                        d = buf[j, i] - center
+                        d = ring[j] - center
                         acc += d * d
                     spread = math.sqrt(acc / count)
                 floor = min_std if log_space else min_std * abs(center)
@@ -207,13 +214,14 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             alarms[t, i] = alarm
             if not learns(alarm, freeze):
                 continue
-            pos = int(state[_POS, i])
             if robust:
-                sorted_push(buf, window, i, count, window, buf[pos, i], y)
-            buf[pos, i] = y
-            state[_POS, i] = (pos + 1) % window
+                sorted_push(srt, count, window, ring[pos], y)
+            ring[pos] = y
+            pos = pos + 1 if pos + 1 < window else 0  # (pos + 1) % window: pos < window
             if count < window:
-                state[_COUNT, i] = count + 1
+                count += 1
+        state[_POS, i] = pos
+        state[_COUNT, i] = count
 
 
 class RobustZScore(BankDetector):
