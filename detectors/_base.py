@@ -42,6 +42,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._state import StateCheck, as_float_array, same_value
+from .dispatch import call
 
 STATE_VERSION = 1
 
@@ -322,9 +323,8 @@ class BankDetector:
             miss[...] = False
         else:
             miss[0] = np.asarray(missing, dtype=np.bool_).reshape(self.n_inputs, self.n_series)
-        type(self).kernel(
-            x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1
-        )
+        call(type(self).kernel,  # interpreted until compiled: detectors/dispatch.py
+             x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1)
         return self._alarm1[0]
 
     def update_array(self, x: FloatArray, miss: BoolArray) -> None:
@@ -332,9 +332,8 @@ class BankDetector:
 
         No validation is done; results are in :attr:`score` and :attr:`alarm`.
         """
-        type(self).kernel(
-            x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1
-        )
+        call(type(self).kernel,  # interpreted until compiled: detectors/dispatch.py
+             x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1)
 
     def update_many(
         self, *inputs: ArrayLike, missing: ArrayLike | None = None

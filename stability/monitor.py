@@ -59,6 +59,8 @@ from typing import Any
 
 import numpy as np
 
+from detectors.dispatch import call
+
 from .binding import Aliases, gather_step
 from .checkpoints import CheckpointLedger
 from .config import ConfigSource, MonitorConfig, load_config
@@ -274,7 +276,7 @@ class Monitor(ReplayMixin, StateMixin):
         gnow = float(self._vals[g]) if g and self._present[g] else None
         tivs = self._track(s, self._vals, self._present)  # before gather_step clears them
         plan = self._gather
-        gather_step(self._vals, self._present, *plan)
+        call(gather_step, self._vals, self._present, *plan)  # interpreted until compiled
         for update, x, m in self._active_calls(plan.active):
             update(x, m)
         self.last_step = s

@@ -1,0 +1,66 @@
+"""Compile kernels into the Numba cache: the child process of :mod:`detectors.dispatch`.
+
+Reads a JSON list on stdin, one job per kernel::
+
+    [{"module": "detectors.ewma", "qualname": "_kernel",
+      "args": [["<f8", 3, "C", false, true], ...]}]
+
+``args`` describes each argument array (dtype, ndim, layout, readonly, aligned), as
+:func:`detectors.dispatch.describe` writes it.  Each kernel is compiled for exactly that
+signature (``cache=True`` writes it to the cache); nothing is run.  Exit status 0 when every
+job compiled, 1 otherwise (one line per failure on stderr).
+
+    python -m detectors._warm [--nice N] < jobs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+
+def compile_job(job: dict[str, Any]) -> None:
+    """Import ``job["module"]``, find the dispatcher and compile it for ``job["args"]``."""
+    import numpy as np
+    from numba import from_dtype
+    from numba.core import types
+
+    obj: Any = importlib.import_module(job["module"])
+    for part in job["qualname"].split("."):
+        obj = getattr(obj, part)
+    sig = tuple(
+        types.Array(from_dtype(np.dtype(dt)), int(ndim), str(layout), readonly=bool(ro),
+                    aligned=bool(al))
+        for dt, ndim, layout, ro, al in job["args"]
+    )
+    obj.compile(sig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile every job read from stdin; 0 if all compiled."""
+    ap = argparse.ArgumentParser(prog="python -m detectors._warm")
+    ap.add_argument("--nice", type=int, default=0, help="lower this process's priority first")
+    a = ap.parse_args(argv)
+    if a.nice > 0 and hasattr(os, "nice"):
+        try:
+            os.nice(a.nice)
+        except OSError:
+            pass
+    jobs = json.loads(sys.stdin.read())
+    bad = 0
+    for job in jobs:
+        try:
+            compile_job(job)
+        except Exception as exc:  # report and go on: the parent compiles what is missing
+            bad += 1
+            print(f"{job.get('module')}:{job.get('qualname')}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
