@@ -45,11 +45,12 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 from numba import config as numba_config
@@ -274,6 +275,9 @@ def _compile_loop() -> None:
             _busy.update(batch)
         try:
             _build(batch)
+        except Exception:  # never leave a kernel waiting: it compiles on its next call
+            logger.warning("background compilation failed", exc_info=True)
+            _failed.update(batch)
         finally:
             with _lock:
                 for kernel in batch:
@@ -313,7 +317,21 @@ def describe(sig: Sequence[Any]) -> list[list[Any]] | None:
     return out
 
 
-def _start_child(batch: dict[Any, tuple[Any, ...]]) -> subprocess.Popen[str] | None:
+def _after_fork_in_child() -> None:
+    """A forked child has no compiler thread: requeue what it was building, fresh locks."""
+    global _lock, _wake, _worker
+    _lock = threading.Lock()
+    _wake = threading.Condition(_lock)
+    _worker = None
+    _queue.update(_busy)
+    _busy.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _start_child(batch: dict[Any, tuple[Any, ...]]) -> _Child | None:
     """Start ``python -m detectors._warm`` on ``batch`` (``None`` if it cannot run)."""
     jobs = []
     for kernel, sig in batch.items():
@@ -326,26 +344,41 @@ def _start_child(batch: dict[Any, tuple[Any, ...]]) -> subprocess.Popen[str] | N
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
     env["STABILITY_COLD_START"] = "blocking"
+    err = tempfile.TemporaryFile()
     try:
-        child = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "detectors._warm", "--nice", str(CHILD_NICE)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env=env, text=True)
-        if child.stdin is not None:
-            child.stdin.write(json.dumps(jobs))
-            child.stdin.close()
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        if proc.stdin is not None:
+            proc.stdin.write(json.dumps(jobs).encode())
+            proc.stdin.close()
     except (OSError, ValueError, subprocess.SubprocessError):
         logger.debug("could not start the compiling child; compiling in this process",
                      exc_info=True)
+        err.close()
         return None
-    return child
+    return _Child(proc, err, time.perf_counter(), len(jobs))
 
 
-def _wait_child(child: subprocess.Popen[str]) -> None:
+class _Child(NamedTuple):
+    proc: subprocess.Popen[bytes]
+    err: IO[bytes]
+    t0: float
+    n_jobs: int
+
+
+def _wait_child(child: _Child) -> None:
+    """Wait for the child (killed after :data:`CHILD_TIMEOUT_S`); log how it went."""
     try:
-        _, err = child.communicate(timeout=CHILD_TIMEOUT_S)
+        rc = child.proc.wait(timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        child.kill()
-        _, err = child.communicate()
-    if child.returncode != 0:
-        logger.debug("compiling child exited with %s: %s", child.returncode, (err or "")[-2000:])
+        child.proc.kill()
+        rc = child.proc.wait()
+    with child.err:
+        child.err.seek(0)
+        msg = child.err.read()[-2000:].decode(errors="replace")
+    if rc != 0:
+        logger.debug("compiling child exited with %s: %s", rc, msg)
+    else:
+        logger.debug("compiling child built %d kernels in %.2f s", child.n_jobs,
+                     time.perf_counter() - child.t0)
