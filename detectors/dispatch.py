@@ -160,7 +160,7 @@ def kernel_ready(kernel: Callable[..., Any]) -> bool:
         return True
     if not isinstance(kernel, Dispatcher):
         return True
-    if kernel.overloads and kernel not in _busy:
+    if kernel.overloads:
         _ready.add(kernel)
         return True
     return False

@@ -118,6 +118,8 @@ def test_gather_kernel_twin_is_identical() -> None:
     gidx = rng.integers(0, n_slots, 10)
     vals = rng.normal(size=n_slots)
     present = rng.random(n_slots) < 0.5
+    gidx[3:7], present[0], present[1] = 0, False, True  # binding 2 idle, binding 3 not
+    gidx[7] = 1
     outs = []
     for run in (gather_step, interpreted(gather_step)):
         args = [vals.copy(), present.copy(), gidx, boff, soff, np.zeros(10),
