@@ -8,7 +8,11 @@ update_ratio families).  It reports
 * ``to compiled``   -- from the first ``observe()`` until every kernel it used runs machine
   code (steps keep being observed every ``--step-ms`` meanwhile, as a training loop would);
 * ``steps``         -- how many steps were observed with interpreted kernels meanwhile, and
-  their median ``observe()`` time.
+  their median ``observe()`` time (``obs ms``);
+* ``step ms``       -- the median time of the simulated training step's host work (pure
+  Python, ``--step-ms`` long on an idle process) before the monitor exists, while the kernels
+  compile, and after: what compiling aside costs the training loop (a thread competes for
+  the GIL; the niced child only for the CPU).
 
 ``empty``: ``NUMBA_CACHE_DIR`` is a fresh ``mktemp -d`` (nothing compiled, the cold start a
 fresh container, a read-only site-packages or a new rank sees); ``warm``: the same directory
@@ -43,13 +47,36 @@ import numpy as np
 from stability.monitor import Monitor
 from detectors import dispatch
 t1 = time.perf_counter()
+
+
+def work(n):  # a training step's host work: pure Python, holds the GIL
+    x = 0
+    for i in range(n):
+        x += i * i
+    return x
+
+
+n = 20000
+while True:  # calibrate n to --step-ms
+    ta = time.perf_counter()
+    work(n)
+    dt = time.perf_counter() - ta
+    if dt > 0.002:
+        break
+    n *= 2
+n = max(1, int(n * float(sys.argv[1]) / 1000.0 / dt))
+base = []
+for _ in range(20):
+    ta = time.perf_counter()
+    work(n)
+    base.append(time.perf_counter() - ta)
+t1b = time.perf_counter()
 mon = Monitor("default")
 for fam in ("grad_norm", "update_ratio"):
     mon.declare_family(fam, [f"layer{i}" for i in range(8)])
 t2 = time.perf_counter()
 rng = np.random.default_rng(0)
-step_s = float(sys.argv[1]) / 1000.0
-obs = []
+obs, steps = [], []
 s = 0
 first = None
 while True:
@@ -68,11 +95,25 @@ while True:
     s += 1
     if s > 100000:
         break
-    time.sleep(step_s)
+    tc = time.perf_counter()
+    work(n)
+    steps.append(time.perf_counter() - tc)
 t3 = time.perf_counter()
-print(json.dumps({"import": t1 - t0, "build": t2 - t1, "first_observe": first,
-                  "to_compiled": t3 - t2, "steps": s,
-                  "median_observe_ms": 1e3 * sorted(obs)[len(obs) // 2] if obs else 0.0}))
+after = []
+for _ in range(20):
+    ta = time.perf_counter()
+    work(n)
+    after.append(time.perf_counter() - ta)
+
+
+def med(v):
+    return sorted(v)[len(v) // 2] if v else 0.0
+
+
+print(json.dumps({"import": t1 - t0, "build": t2 - t1b, "first_observe": first,
+                  "to_compiled": t3 - t2, "steps": s, "median_observe_ms": 1e3 * med(obs),
+                  "step_ms_before": 1e3 * med(base), "step_ms_meanwhile": 1e3 * med(steps),
+                  "step_ms_after": 1e3 * med(after)}))
 """
 
 
@@ -100,12 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--modes", default="subprocess,thread,blocking")
     ap.add_argument("--step-ms", type=float, default=10.0,
-                    help="sleep between observed steps (a training step's length)")
+                    help="pure-Python work between observed steps (a training step's host "
+                         "work, holding the GIL)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     a = ap.parse_args(argv)
     print(f"python {' '.join(sys.argv)}   (median of {a.repeat}, load {os.getloadavg()[0]:.2f})")
     print(f"{'mode':<11}{'cache':<7}{'first observe':>15}{'target':>9}{'to compiled':>13}"
-          f"{'steps':>7}{'obs ms':>9}")
+          f"{'steps':>7}{'obs ms':>9}{'step ms before/meanwhile/after':>32}")
     raw: dict[str, Any] = {}
     for mode in a.modes.split(","):
         raw[mode] = r = bench_mode(mode, a.repeat, a.step_ms)
@@ -115,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             comp = statistics.median(x["to_compiled"] for x in rows)
             steps = statistics.median(x["steps"] for x in rows)
             obs = statistics.median(x["median_observe_ms"] for x in rows)
+            st = "/".join(f"{statistics.median(x['step_ms_' + k] for x in rows):.1f}"
+                          for k in ("before", "meanwhile", "after"))
             ok = "ok" if first <= target else "MISS"
             print(f"{mode:<11}{cache:<7}{first:>13.3f} s{'<= ' + str(target):>8} {ok:<4}"
-                  f"{comp:>9.2f} s{steps:>7.0f}{obs:>9.2f}")
+                  f"{comp:>9.2f} s{steps:>7.0f}{obs:>9.2f}{st:>32}")
     if a.json:
         Path(a.json).write_text(json.dumps(raw, indent=1))
     return 0

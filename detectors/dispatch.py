@@ -49,7 +49,8 @@ import tempfile
 import threading
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import IO, Any, NamedTuple
 
 import numpy as np
@@ -58,7 +59,7 @@ from numba import typeof
 from numba.core.dispatcher import Dispatcher
 
 __all__ = ["MODES", "cached", "call", "interpreted", "kernel_ready", "mode", "pending",
-           "set_mode", "wait_ready"]
+           "set_mode", "using_mode", "wait_ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,18 @@ def set_mode(value: str | None) -> None:
     if value is not None and value not in MODES:
         raise ValueError(f"The cold-start mode must be one of {MODES}. Got {value!r} instead.")
     _mode = value
+
+
+@contextmanager
+def using_mode(value: str) -> Iterator[None]:
+    """:func:`set_mode` for the duration of a ``with`` block (``stability warmup`` compiles
+    with ``"blocking"``)."""
+    before = _mode
+    set_mode(value)
+    try:
+        yield
+    finally:
+        set_mode(before)
 
 
 # ------------------------------------------------------------------------------ twins

@@ -149,11 +149,20 @@ def test_public_runs_replay_to_the_golden_decisions_interpreted(
     if not path.exists():
         pytest.skip("shared public runs not found")
     want = json.loads(gzip.decompress(GOLDEN.read_bytes()))[f"default/{run}"]
+    ran: set[str] = set()
+
+    def counted(name: str, twin: Any) -> Any:
+        def run(*args: Any) -> None:
+            ran.add(name)
+            twin(*args)
+        return staticmethod(run)
+
     for name in REGISTRY:
         cls = detector_class(name)
-        monkeypatch.setattr(cls, "kernel", staticmethod(interpreted(cls.kernel)))
+        monkeypatch.setattr(cls, "kernel", counted(name, interpreted(cls.kernel)))
     with np.errstate(all="ignore"):
         got = json.loads(json.dumps(decisions(path, "default")))
+    assert {"ewma_z", "robust_z", "nonfinite", "lr_jump"} <= ran  # the twins did the work
     assert got["alarms"] and got == want
 
 
