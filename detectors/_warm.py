@@ -32,9 +32,10 @@ def compile_job(job: dict[str, Any]) -> None:
     obj: Any = importlib.import_module(job["module"])
     for part in job["qualname"].split("."):
         obj = getattr(obj, part)
+    array: Any = types.Array
     sig = tuple(
-        types.Array(from_dtype(np.dtype(dt)), int(ndim), str(layout), readonly=bool(ro),
-                    aligned=bool(al))
+        array(from_dtype(np.dtype(dt)), int(ndim), str(layout), readonly=bool(ro),
+              aligned=bool(al))
         for dt, ndim, layout, ro, al in job["args"]
     )
     obj.compile(sig)
