@@ -5,10 +5,10 @@ Reads a JSON list on stdin, one job per kernel::
     [{"module": "detectors.ewma", "qualname": "_kernel",
       "args": [["<f8", 3, "C", false, true], ...]}]
 
-``args`` describes each argument array (dtype, ndim, layout, readonly, aligned), as
-:func:`detectors.dispatch.describe` writes it.  Each kernel is compiled for exactly that
-signature (``cache=True`` writes it to the cache); nothing is run.  Exit status 0 when every
-job compiled, 1 otherwise (one line per failure on stderr).
+``args`` describes each argument: an array as ``[dtype, ndim, layout, readonly, aligned]``, a
+scalar as ``[numba type name]``, as :func:`detectors.dispatch.describe` writes it.  Each kernel
+is compiled for exactly that signature (``cache=True`` writes it to the cache); nothing is run.
+Exit status 0 when every job compiled, 1 otherwise (one line per failure on stderr).
 
     python -m detectors._warm [--nice N] < jobs.json
 """
@@ -33,12 +33,15 @@ def compile_job(job: dict[str, Any]) -> None:
     for part in job["qualname"].split("."):
         obj = getattr(obj, part)
     array: Any = types.Array
-    sig = tuple(
-        array(from_dtype(np.dtype(dt)), int(ndim), str(layout), readonly=bool(ro),
-              aligned=bool(al))
-        for dt, ndim, layout, ro, al in job["args"]
-    )
-    obj.compile(sig)
+    sig = []
+    for arg in job["args"]:
+        if len(arg) == 1:  # a scalar: "float64", "int64", "bool", ...
+            sig.append(types.boolean if arg[0] == "bool" else getattr(types, arg[0]))
+        else:
+            dt, ndim, layout, ro, al = arg
+            sig.append(array(from_dtype(np.dtype(dt)), int(ndim), str(layout),
+                             readonly=bool(ro), aligned=bool(al)))
+    obj.compile(tuple(sig))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,6 +152,8 @@ def _make_twin(kernel: Dispatcher) -> Callable[..., Any]:
         val = glb.get(name)
         if isinstance(val, Dispatcher):
             glb[name] = interpreted(val)
+        elif isinstance(val, tuple) and any(isinstance(v, Dispatcher) for v in val):
+            glb[name] = tuple(interpreted(v) if isinstance(v, Dispatcher) else v for v in val)
     if closure:
         cells = tuple(types.CellType(interpreted(c.cell_contents))
                       if isinstance(c.cell_contents, Dispatcher) else c for c in closure)
@@ -319,14 +321,22 @@ def _build(batch: dict[Any, tuple[Any, ...]]) -> None:
 
 
 def describe(sig: Sequence[Any]) -> list[list[Any]] | None:
-    """A JSON description of a signature of arrays (``None`` if it has anything else)."""
+    """A JSON description of a signature of arrays and scalars (``None``: anything else).
+
+    An array is ``[dtype, ndim, layout, readonly, aligned]`` (dtype as NumPy's ``dtype.str``),
+    a scalar ``[name]`` (``"float64"``, ``"int64"``, ``"bool"``, ...); ``detectors._warm``
+    rebuilds the Numba types from it.
+    """
     from numba.core import types as nt
 
     out: list[list[Any]] = []
     for t in sig:
-        if not isinstance(t, nt.Array) or type(t) is not nt.Array:
+        if type(t) is nt.Array:
+            out.append([np.dtype(str(t.dtype)).str, t.ndim, t.layout, not t.mutable, t.aligned])
+        elif isinstance(t, (nt.Integer, nt.Float, nt.Boolean)):
+            out.append([str(t)])
+        else:
             return None
-        out.append([np.dtype(str(t.dtype)).str, t.ndim, t.layout, not t.mutable, t.aligned])
     return out
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 from numba import njit
@@ -28,6 +29,8 @@ from stability.binding import gather_step
 from stability.registry import REGISTRY, detector_class
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(bool(numba.config.DISABLE_JIT),
+                                reason="no compiled kernels to compare the twins with")
 
 #: hyperparameter settings besides the defaults (a setting a class rejects is skipped)
 VARIANTS: list[dict[str, Any]] = [
@@ -225,6 +228,35 @@ def test_blocking_mode_compiles_on_the_first_call() -> None:
         assert len(k.signatures) == 1 and kernel_ready(k) and out[0] == 4.0
     finally:
         dispatch.set_mode(None)
+
+
+def test_a_described_signature_compiles_to_the_same_specialisation() -> None:
+    """The child rebuilds the exact Numba types the parent's call has (arrays and scalars)."""
+    from numba import typeof
+
+    from detectors._warm import compile_job
+
+    @njit(error_model="numpy")
+    def k(x, flags, n, scale, on):  # type: ignore[no-untyped-def]
+        for i in range(min(n, x.shape[0])):
+            if on and flags[i]:
+                x[i] *= scale
+
+    args = (np.ones(3), np.ones((3,), dtype=np.bool_)[::1], np.int64(2), 2.0, True)
+    sig = tuple(typeof(a) for a in args)
+    desc = dispatch.describe(sig)
+    assert desc is not None and json.loads(json.dumps(desc)) == desc
+    fake = type(sys)("coldstart_fake")
+    fake.k = k  # type: ignore[attr-defined]
+    sys.modules["coldstart_fake"] = fake
+    try:
+        compile_job({"module": "coldstart_fake", "qualname": "k", "args": desc})
+    finally:
+        del sys.modules["coldstart_fake"]
+    assert k.signatures == [sig]
+    k(*args)  # no second specialisation
+    assert len(k.signatures) == 1
+    assert dispatch.describe((typeof((1, 2)),)) is None
 
 
 def test_set_mode_rejects_an_unknown_mode() -> None:
