@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     print(f"python {' '.join(sys.argv)}   (median of {a.repeat}, load {os.getloadavg()[0]:.2f})")
     print(f"{'mode':<11}{'cache':<7}{'first observe':>15}{'target':>9}{'to compiled':>13}"
-          f"{'steps':>7}{'obs ms':>9}{'step ms before/meanwhile/after':>32}")
+          f"{'steps':>7}{'obs ms':>9}{'step ms before/meanwhile/after':>32}{'slowdown':>10}")
     raw: dict[str, Any] = {}
     for mode in a.modes.split(","):
         raw[mode] = r = bench_mode(mode, a.repeat, a.step_ms)
@@ -163,9 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             obs = statistics.median(x["median_observe_ms"] for x in rows)
             st = "/".join(f"{statistics.median(x['step_ms_' + k] for x in rows):.1f}"
                           for k in ("before", "meanwhile", "after"))
+            slow = statistics.median(
+                2.0 * x["step_ms_meanwhile"] / (x["step_ms_before"] + x["step_ms_after"])
+                for x in rows if x["steps"] > 1) if any(x["steps"] > 1 for x in rows) else 1.0
             ok = "ok" if first <= target else "MISS"
             print(f"{mode:<11}{cache:<7}{first:>13.3f} s{'<= ' + str(target):>8} {ok:<4}"
-                  f"{comp:>9.2f} s{steps:>7.0f}{obs:>9.2f}{st:>32}")
+                  f"{comp:>9.2f} s{steps:>7.0f}{obs:>9.2f}{st:>32}{slow:>9.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps(raw, indent=1))
     return 0
