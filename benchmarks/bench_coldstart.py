@@ -12,7 +12,8 @@ update_ratio families).  It reports
 * ``step ms``       -- the median time of the simulated training step's host work (pure
   Python, ``--step-ms`` long on an idle process) before the monitor exists, while the kernels
   compile, and after: what compiling aside costs the training loop (a thread competes for
-  the GIL; the niced child only for the CPU).
+  the GIL; the niced child only for the CPU); ``slowdown`` is the middle one over the mean of
+  the other two.
 
 ``empty``: ``NUMBA_CACHE_DIR`` is a fresh ``mktemp -d`` (nothing compiled, the cold start a
 fresh container, a read-only site-packages or a new rank sees); ``warm``: the same directory
