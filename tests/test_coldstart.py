@@ -303,3 +303,26 @@ def test_an_empty_cache_is_filled_by_the_child_process(tmp_path: Path) -> None:
     assert any(tmp_path.rglob("ewma._kernel-*.nbi"))
     assert got["alarms"][8] == ["loss_spike"]
     assert not any(got["alarms"][:8])
+
+
+def test_compiling_children_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two holders of the warm lock (two ranks' children) never compile at the same time."""
+    import threading
+
+    from detectors._warm import _one_at_a_time
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    pytest.importorskip("fcntl")
+    entered = threading.Event()
+
+    def second() -> None:
+        with _one_at_a_time():
+            entered.set()
+
+    with _one_at_a_time():
+        t = threading.Thread(target=second)
+        t.start()
+        assert not entered.wait(0.5)  # blocked while the first holds the lock
+    t.join(30)
+    assert entered.is_set()
+    assert (tmp_path / "stability-warm.lock").exists()
