@@ -29,6 +29,9 @@ _NEEDS = {
     "stability/adapters/checkpoint_store.py": ("torch",),
     "stability/adapters/guard_checkpoints.py": ("torch",),
     "stability/adapters/guard_feedback.py": ("torch",),
+    "stability/testing/faults.py": ("torch",),
+    "stability/testing/models.py": ("torch",),
+    "stability/testing/tasks.py": ("torch",),
     "stability/testing/tinytrain.py": ("torch",),
     "stability/torch.py": ("torch",),
 }

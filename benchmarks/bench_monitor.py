@@ -8,16 +8,25 @@
 
 Run::
 
-    python benchmarks/bench_monitor.py [--steps 20000] [--layers 128] [--breakdown]
+    python benchmarks/bench_monitor.py [--steps 20000] [--layers 128] [--breakdown] [--cold]
 
 ``--breakdown`` also times the parts of one step separately (private monitor internals; the
-figures are best-of-repeats, so they do not add up exactly on a loaded machine).
+figures are best-of-repeats, so they do not add up exactly on a loaded machine): the fills, the
+fused step (gather + every bank + alarm count in one Numba call, :mod:`stability.monitor_fused`;
+split into gather / call overhead and the banks' arithmetic), the policy's per-step tracking,
+the decision and goodput bookkeeping, and for comparison the plain path it replaces.
+``--cold`` times the first ``observe()`` in a fresh process with an empty ``NUMBA_CACHE_DIR``
+(every kernel and the fused driver compiled) and again with that cache filled (wall and CPU
+seconds: on a loaded machine the CPU figure is the one to compare).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import timeit
 from pathlib import Path
@@ -44,32 +53,48 @@ def make_stream(steps: int, layers: int, seed: int = 0) -> tuple[np.ndarray, np.
     return sc, fam
 
 
-def _best_us(fn: object, number: int = 2000, repeat: int = 9) -> float:
+def _best_us(fn: object, number: int = 200, repeat: int = 60) -> float:
+    """Best of many short runs: robust to a loaded machine."""
     return 1e6 * min(timeit.repeat(fn, number=number, repeat=repeat)) / number  # type: ignore[arg-type]
 
 
 def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> None:
     """Print the cost of each part of ``observe()`` (uses the monitor's private internals)."""
-    from stability.binding import gather_step
+    from stability.monitor_fused import fused_step, reference_step
 
     sk: list[str] = []
     parts = {"fill metrics": _best_us(lambda: mon._fill(metrics, sk))}
     if families:
         parts["fill families"] = _best_us(lambda: mon._fill_families(families, sk))
-    g = mon._gather
+    g, fp = mon._gather, mon._fused
+    assert fp is not None, "the fused driver is not in use"
     mon._fill(metrics, sk)
     if families:
         mon._fill_families(families, sk)
-    gather_step(mon._vals, mon._present, *g)
-    calls = mon._active_calls(g[7].copy())
-    parts["gather (1 njit call)"] = _best_us(lambda: gather_step(mon._vals, mon._present, *g))
+    present = mon._present.copy()  # this step's presence pattern (the step clears it)
+    ints, floats, flags = fp.args
+    no_banks = ints.copy()  # the bank table with zero series everywhere: every bank skipped
+    table = fp.bufs.table   # a view into ints
+    at = (table.ctypes.data - ints.ctypes.data) // ints.itemsize
+    no_banks[at:at + table.size].reshape(table.shape)[:, 2] = 0
 
-    def banks() -> None:
-        for update, x, m in calls:
-            update(x, m)
+    def restore() -> None:
+        mon._present[:] = present
 
-    parts[f"bank updates ({len(calls)} calls)"] = _best_us(banks)
-    parts["alarm check"] = _best_us(lambda: np.count_nonzero(g[6]))
+    def step_with(table_ints: np.ndarray) -> None:
+        mon._present[:] = present
+        fused_step(mon._vals, mon._present, table_ints, floats, flags)
+
+    def plain() -> None:
+        mon._present[:] = present
+        reference_step(mon._vals, mon._present, g, mon._calls, mon._tslots, mon._tracked)
+
+    base = _best_us(restore)
+    fused = _best_us(lambda: step_with(ints)) - base
+    gather = _best_us(lambda: step_with(no_banks)) - base
+    parts["fused step (1 njit call)"] = fused
+    parts["policy tracking"] = _best_us(lambda: mon._track_values(step, 3e-4, 1.0, None))
+    parts["decision + goodput"] = _best_us(lambda: mon._finish_step(step, None, 1.0, (), ()))
     box = [step]
 
     def obs() -> None:
@@ -78,19 +103,36 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
 
     total = _best_us(obs)
     for k, v in parts.items():
-        print(f"      {k:28s} {v:7.2f} us")
-    print(f"      {'rest (python glue)':28s} {total - sum(parts.values()):7.2f} us")
-    print(f"      {'observe() total':28s} {total:7.2f} us")
+        print(f"      {k:30s} {v:7.2f} us")
+        if k.startswith("fused"):
+            print(f"        {'gather + call overhead':28s} {gather:7.2f} us")
+            print(f"        {'bank kernels (arithmetic)':28s} {fused - gather:7.2f} us")
+    print(f"      {'rest (python glue)':30s} {total - sum(parts.values()):7.2f} us")
+    print(f"      {'observe() total':30s} {total:7.2f} us")
+    print(f"      {'plain path: gather + 1 call/bank':30s} {_best_us(plain) - base:7.2f} us "
+          f"({int(g.active.sum())} active banks; replaced by the fused step)")
 
 
-def bench(steps: int, layers: int, keyed: bool, preset: str, parts: bool = False) -> float:
+class PlainMonitor(Monitor):
+    """The monitor on its plain path (gather + one call per bank), for comparison."""
+
+    def _relayout(self) -> None:
+        super()._relayout()
+        self._fused = None
+
+
+def bench(steps: int, layers: int, keyed: bool, preset: str, parts: bool = False
+          ) -> tuple[float, float]:
+    """Best-block µs/step of the monitor and of the plain path, fed the same stream in
+    alternating blocks (same load for both)."""
     names = [f"L{i}" for i in range(layers)]
     sc, fam = make_stream(steps, layers)
-    mon = Monitor(preset)
+    mons = [Monitor(preset), PlainMonitor(preset)]
     fams = (*STATS, "grad_norm")
     if not keyed:
-        for f in fams:
-            mon.declare_family(f, names)
+        for mon in mons:
+            for f in fams:
+                mon.declare_family(f, names)
     keys = [[f"{f}/{n}" for n in names] for f in fams]
     inputs = []
     for t in range(steps):
@@ -104,25 +146,61 @@ def bench(steps: int, layers: int, keyed: bool, preset: str, parts: bool = False
         else:
             inputs.append((d, {f: fam[t, k] for k, f in enumerate(fams)}))
     warm = min(200, steps // 4)
-    for t in range(warm):
-        mon.observe(t, *inputs[t])
-    obs = mon.observe
+    for mon in mons:
+        for t in range(warm):
+            mon.observe(t, *inputs[t])
     block = 250
-    per_block = []
+    per_block: list[list[float]] = [[], []]
     for lo in range(warm, steps - block + 1, block):
-        t0 = time.perf_counter()
-        for t in range(lo, lo + block):
-            m, f = inputs[t]
-            obs(t, m, f)
-        per_block.append(1e6 * (time.perf_counter() - t0) / block)
-    best, med = min(per_block), float(np.median(per_block))
+        for k, mon in enumerate(mons):
+            obs = mon.observe
+            t0 = time.perf_counter()
+            for t in range(lo, lo + block):
+                m, f = inputs[t]
+                obs(t, m, f)
+            per_block[k].append(1e6 * (time.perf_counter() - t0) / block)
+    mon = mons[0]
+    assert mon.counters == mons[1].counters  # same decisions
+    best, med = min(per_block[0]), float(np.median(per_block[0]))
+    plain = min(per_block[1])
     alarms = mon.counters["alarms"]
     n_keys = len(inputs[-1][0])
     print(f"  {'keys' if keyed else 'families':8s}: best block {best:7.2f} us/step, median "
-          f"{med:7.2f} ({n_keys} keys per step, {len(mon.signals)} signals, {alarms} alarms)")
+          f"{med:7.2f} ({n_keys} keys per step, {len(mon.signals)} signals, {alarms} alarms); "
+          f"plain path {plain:7.2f}")
     if parts:
         breakdown(mon, steps, *inputs[warm])
-    return best
+    return best, plain
+
+
+_FIRST_OBSERVE = """
+import sys, time
+import numpy as np
+from stability import Monitor
+mon = Monitor(sys.argv[1])
+names = [f"L{i}" for i in range(int(sys.argv[2]))]
+fams = ("act_mean", "act_std", "act_absmax", "act_kurtosis", "grad_norm")
+for f in fams:
+    mon.declare_family(f, names)
+m = {"loss": 2.0, "lr": 3e-4, "grad_norm": 1.0, "param_norm": 10.0, "val_loss": 2.1}
+w, c = time.perf_counter(), time.process_time()
+mon.observe(0, m, {f: np.ones(len(names)) for f in fams})
+print(time.perf_counter() - w, time.process_time() - c)
+"""
+
+
+def cold_start(preset: str, layers: int) -> None:
+    """First ``observe()`` in a fresh process with an empty Numba cache, then with it filled."""
+    root = str(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache,
+               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        for label, target in (("empty cache", 3.0), ("warm cache", 0.5)):
+            out = subprocess.run([sys.executable, "-c", _FIRST_OBSERVE, preset, str(layers)],
+                                 env=env, capture_output=True, text=True, check=True)
+            wall, cpu = map(float, out.stdout.split()[-2:])
+            print(f"first observe(), {label:11s}: {wall:6.2f} s wall, {cpu:6.2f} s CPU "
+                  f"(target <= {target} s)")
 
 
 def main() -> None:
@@ -131,13 +209,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=128)
     ap.add_argument("--preset", default="llm_pretrain")
     ap.add_argument("--breakdown", action="store_true", help="time the parts of one step")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time the first observe() with an empty, then a warm Numba cache")
     a = ap.parse_args()
     print(f"Monitor.observe(), preset {a.preset!r}, {len(SCALARS)} scalars + {a.layers} layers x "
           f"({len(STATS)} act stats + grad_norm), {a.steps} steps, policy included")
-    fa = bench(a.steps, a.layers, keyed=False, preset=a.preset, parts=a.breakdown)
-    fb = bench(a.steps, a.layers, keyed=True, preset=a.preset, parts=a.breakdown)
-    print(f"(a) families as arrays: {fa:.2f} us/step (best block; target <= 10)")
-    print(f"(b) separate keys:      {fb:.2f} us/step (best block; target <= 100)")
+    fa, pa = bench(a.steps, a.layers, keyed=False, preset=a.preset, parts=a.breakdown)
+    fb, pb = bench(a.steps, a.layers, keyed=True, preset=a.preset, parts=a.breakdown)
+    print(f"(a) families as arrays: {fa:.2f} us/step (best block; target <= 10; plain path "
+          f"{pa:.2f})")
+    print(f"(b) separate keys:      {fb:.2f} us/step (best block; target <= 100; plain path "
+          f"{pb:.2f})")
+    if a.cold:
+        cold_start(a.preset, a.layers)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,55 @@
 """Replay / tuning throughput figures (prints; no assertions).
 
-* points/s from Parquet to alarms: a synthetic wide run (``--rows`` x ``--cols``) is written in
-  row groups to a temp dir, then streamed back with :func:`replay.reader.iter_batches` through
-  two cheap detectors per column (linear ``EWMAZScore`` + ``NonFiniteGuard``), single process;
-* peak memory of that streaming replay (``tracemalloc`` peak of Python allocations and
-  ``ru_maxrss``); ``--full`` uses 100M rows;
+**Points** are the non-null metric values a replay feeds to the detectors: the values of the
+columns the config binds, each counted once however many detectors read it (nulls -- steps on
+which a metric was not logged -- are not points).  Figures are per core: one process, pyarrow
+limited to one thread, the Numba kernels are single-threaded; points per CPU second of the
+process (``time.process_time``: on a shared, oversubscribed box wall time counts the other
+processes too; it is printed beside), the best of ``--repeat`` runs.  Target (issue 17): 40M
+points/s/core.
+
+* ``narrow``: the issue's benchmark, a synthetic ``--rows`` x ``--cols`` run (``m0..``) through
+  a monitor with two cheap detectors per column (``nonfinite`` on ``*`` and a linear
+  ``ewma_z`` on ``m*``): ``Monitor.replay`` of the in-memory Arrow table (no read) and
+  ``replay.replay.replay_run`` of the Parquet file (read + replay + summary);
+* ``wide``: a synthetic training run shaped like the recorder's (loss, lr, grad / param norms,
+  per-layer grad norms, update ratios and activation statistics, val_loss every 100 steps;
+  ``--wide-rows`` rows, 44 columns) through the ``default`` preset (17 detector banks);
+* ``samples``: the bundled sample runs (``data/runs/*``) through the ``default`` preset;
 * the tuning sweep: ``--sweep-thresholds`` thresholds over ``--sweep-steps`` recorded steps
   (profiles + :func:`replay.scoring.sweep`), after the scores are computed once.
 
 Usage::
 
-    python benchmarks/bench_replay.py                 # 10M rows x 4 columns
-    python benchmarks/bench_replay.py --full          # 100M rows
+    python benchmarks/bench_replay.py                 # 10M rows x 4 columns, 1M wide rows
+    python benchmarks/bench_replay.py --rows 2000000 --wide-rows 200000 --repeat 1  # quick
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import resource
 import tempfile
 import time
-import tracemalloc
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+TARGET = 40e6
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NARROW = {"detectors": [
+    {"name": "nonfinite", "detector": "nonfinite", "inputs": ["*"], "kind": "nonfinite"},
+    {"name": "z", "detector": "ewma_z", "inputs": ["m*"], "params": {"log_space": False}},
+]}
+
 
 def write_run(path: str, rows: int, cols: int, chunk: int = 1_000_000) -> None:
+    """The narrow run: ``step`` + ``cols`` log-normal columns, in 1M-row groups."""
     rng = np.random.default_rng(0)
     schema = pa.schema([("step", pa.int64())] + [(f"m{i}", pa.float64()) for i in range(cols)])
     with pq.ParquetWriter(path, schema, compression="snappy") as w:
@@ -40,37 +61,115 @@ def write_run(path: str, rows: int, cols: int, chunk: int = 1_000_000) -> None:
             w.write_table(pa.Table.from_arrays(arrays, schema=schema), row_group_size=n)
 
 
-def bench_replay(path: str, cols: int, batch_rows: int) -> tuple[float, int, float]:
-    from detectors import EWMAZScore, NonFiniteGuard
-    from replay.reader import iter_batches
+def wide_table(rows: int, layers: int = 8, eval_every: int = 100) -> pa.Table:
+    """A healthy training run with the recorder's metric names (44 columns)."""
+    rng = np.random.default_rng(1)
+    t = np.arange(rows)
+    cols: dict[str, Any] = {"step": t.astype(np.int64)}
+    cols["loss"] = 2.0 + 1.0 / np.sqrt(1 + t / 100) + 0.02 * rng.standard_normal(rows)
+    cols["lr"] = np.full(rows, 1e-3)
+    cols["grad_norm"] = np.exp(rng.normal(0.0, 0.1, rows))
+    cols["param_norm"] = 100.0 + 1e-4 * t
+    for k in range(layers):
+        cols[f"grad_norm/{k}"] = np.exp(rng.normal(0.0, 0.1, rows))
+        cols[f"update_ratio/{k}"] = np.exp(rng.normal(-7.0, 0.1, rows))
+        cols[f"act_mean/{k}"] = rng.normal(0.0, 0.1, rows)
+        cols[f"act_std/{k}"] = np.exp(rng.normal(0.0, 0.05, rows))
+        cols[f"act_absmax/{k}"] = np.exp(rng.normal(1.0, 0.05, rows))
+    arrays = {k: pa.array(v) for k, v in cols.items()}
+    arrays["val_loss"] = pa.array(2.1 + 1.0 / np.sqrt(1 + t / 100),
+                                  mask=(t % eval_every) != eval_every - 1)
+    return pa.table(arrays)
 
-    ew = EWMAZScore(n_series=cols, log_space=False)
-    nf = NonFiniteGuard(n_series=cols)
-    # warm the JIT
-    ew.update_many(np.ones((2, cols)))
-    nf.update_many(np.ones((2, cols)))
-    ew.reset()
-    nf.reset()
-    names = [f"m{i}" for i in range(cols)]
-    tracemalloc.start()
-    t0 = time.perf_counter()
-    rows = 0
-    n_alarms = 0
-    for b in iter_batches(path, batch_rows=batch_rows):
-        x = np.empty((b.num_rows, cols))
-        miss = np.empty((b.num_rows, cols), dtype=np.bool_)
-        for j, name in enumerate(names):
-            col = b.column(b.schema.get_field_index(name))
-            x[:, j] = col.to_numpy(zero_copy_only=False)
-            miss[:, j] = col.is_null().to_numpy(zero_copy_only=False) if col.null_count else False
-        _, a1 = ew.update_many(x, missing=miss)
-        _, a2 = nf.update_many(x, missing=miss)
-        n_alarms += int(a1.sum() + a2.sum())
-        rows += b.num_rows
-    el = time.perf_counter() - t0
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return rows * cols / el, n_alarms, peak / 2**20
+
+def points(table: pa.Table, config: Any) -> int:
+    """Non-null values of the columns a monitor built from ``config`` binds."""
+    from stability.monitor import Monitor
+
+    names = [n for n in table.column_names if n != "step"]
+    bound = Monitor(config, alert_sinks=[]).bound_names(names)
+    return sum(len(table.column(n)) - table.column(n).null_count for n in bound)
+
+
+def best(fn: Callable[[], Any], repeat: int) -> tuple[tuple[float, float], Any]:
+    """``((cpu seconds, wall seconds), result)`` of the run with the least CPU time."""
+    out, el = None, (float("inf"), float("inf"))
+    for _ in range(repeat):
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = fn()
+        el = min(el, (time.process_time() - c0, time.perf_counter() - t0))
+    return el, out
+
+
+def line(label: str, pts: int, seconds: tuple[float, float], extra: str = "") -> None:
+    cpu, wall = seconds
+    rate = pts / cpu
+    print(f"  {label:<38} {rate / 1e6:6.1f}M points/s/core ({rate / TARGET:4.0%} of the 40M "
+          f"target; {pts:,} points in {cpu:.3f} CPU-s, {wall:.3f} s wall){extra}")
+
+
+def replay_memory(table: pa.Table, config: Any) -> int:
+    from stability.monitor import Monitor
+
+    return len(Monitor(config, alert_sinks=[]).replay(table).events())
+
+
+def replay_file(path: str, config: Any) -> int:
+    from replay.replay import replay_run
+
+    return len(replay_run(path, config).alarms)
+
+
+def kernel_share(table: pa.Table, config: Any) -> float:
+    """CPU seconds spent inside the detector banks' batch kernels during one replay."""
+    from detectors._base import BankDetector
+
+    orig = BankDetector.update_many_array
+    spent = [0.0]
+
+    def timed(self: Any, *args: Any) -> None:
+        c0 = time.process_time()
+        orig(self, *args)
+        spent[0] += time.process_time() - c0
+
+    BankDetector.update_many_array = timed  # type: ignore[method-assign]
+    try:
+        replay_memory(table, config)
+    finally:
+        BankDetector.update_many_array = orig  # type: ignore[method-assign]
+    return spent[0]
+
+
+def bench_case(name: str, path: str, config: Any, repeat: int) -> None:
+    from replay.reader import read_run
+
+    table = read_run(path)
+    pts = points(table, config)
+    replay_memory(table.slice(0, 2000), config)  # warm the JIT and the imports
+    el, n_ev = best(lambda: replay_memory(table, config), repeat)
+    k = kernel_share(table, config)
+    line(f"{name}: Monitor.replay (in memory)", pts, el,
+         f", {n_ev} steps with events; detector kernels {k:.3f} CPU-s "
+         f"({pts / k / 1e6:.0f}M points/s alone)")
+    el, n_al = best(lambda: replay_file(path, config), repeat)
+    line(f"{name}: replay_run (Parquet -> alarms)", pts, el, f", {n_al} alarms")
+
+
+def bench_samples(repeat: int) -> None:
+    from replay.reader import read_run
+
+    runs = sorted(glob.glob(os.path.join(ROOT, "data", "runs", "*")))
+    if not runs:
+        print("  (no sample runs under data/runs)")
+        return
+    tables = [read_run(r) for r in runs]
+    pts = sum(points(t, "default") for t in tables)
+    replay_memory(tables[0], "default")
+    el, _ = best(lambda: [replay_memory(t, "default") for t in tables], repeat)
+    line(f"{len(runs)} sample runs: Monitor.replay", pts, el,
+         f", {sum(t.num_rows for t in tables):,} steps")
+    el, _ = best(lambda: [replay_file(r, "default") for r in runs], repeat)
+    line(f"{len(runs)} sample runs: replay_run", pts, el)
 
 
 def bench_sweep(steps: int, thresholds: int, run_len: int) -> dict[str, float]:
@@ -97,27 +196,30 @@ def bench_sweep(steps: int, thresholds: int, run_len: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=10_000_000)
-    ap.add_argument("--cols", type=int, default=4)
-    ap.add_argument("--full", action="store_true", help="100M rows")
-    ap.add_argument("--batch-rows", type=int, default=1 << 20)
+    ap.add_argument("--rows", type=int, default=10_000_000, help="narrow run rows")
+    ap.add_argument("--cols", type=int, default=4, help="narrow run columns")
+    ap.add_argument("--wide-rows", type=int, default=1_000_000)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--sweep-steps", type=int, default=10_000_000)
     ap.add_argument("--sweep-thresholds", type=int, default=1000)
     ap.add_argument("--sweep-run-len", type=int, default=10_000)
     a = ap.parse_args()
-    rows = 100_000_000 if a.full else a.rows
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; best of {a.repeat}")
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "run.parquet")
-        t0 = time.perf_counter()
-        write_run(path, rows, a.cols)
-        size = os.path.getsize(path) / 2**20
-        print(f"wrote {rows:,} rows x {a.cols} cols ({size:.0f} MiB) in "
-              f"{time.perf_counter() - t0:.1f}s")
-        pps, n_alarms, peak = bench_replay(path, a.cols, a.batch_rows)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"replay Parquet -> alarms (EWMAZScore + NonFiniteGuard per column, 1 core): "
-              f"{pps / 1e6:.1f}M points/s, {n_alarms} alarms")
-        print(f"peak memory: tracemalloc {peak:.0f} MiB, max RSS {rss:.0f} MiB")
+        path = os.path.join(d, "narrow.parquet")
+        write_run(path, a.rows, a.cols)
+        print(f"narrow: {a.rows:,} rows x {a.cols} columns, nonfinite + linear ewma_z per column")
+        bench_case("narrow", path, NARROW, a.repeat)
+        wpath = os.path.join(d, "wide.parquet")
+        pq.write_table(wide_table(a.wide_rows), wpath, row_group_size=1 << 20)
+        print(f"wide: {a.wide_rows:,} rows x 44 columns, default preset")
+        bench_case("wide", wpath, "default", a.repeat)
+    print("samples: data/runs/*, default preset")
+    bench_samples(a.repeat)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"max RSS {rss:.0f} MiB")
     sw = bench_sweep(a.sweep_steps, a.sweep_thresholds, a.sweep_run_len)
     print(f"tuning sweep: {a.sweep_thresholds} thresholds over {a.sweep_steps:,} steps "
           f"({sw['runs']} runs): profiles {sw['profiles_s']:.2f}s + sweep {sw['sweep_s']:.2f}s "

@@ -33,19 +33,19 @@ The missing / non-finite / freeze rules are shared inline helpers
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._state import StateCheck, as_float_array, same_value
+from ._state import STATE_VERSION, CheckedState, StateCheck, check_snapshot
 from .dispatch import call
+from .validation import check_bool, check_float, check_int
 
-STATE_VERSION = 1
-
+__all__ = ["BankDetector", "BoolArray", "CheckedState", "FloatArray", "LOG_FLOOR", "MAD_SCALE",
+           "MEAN_AD_SCALE", "STATE_VERSION", "check_bool", "check_float", "check_int"]
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
@@ -57,88 +57,7 @@ MAD_SCALE = 1.4826
 #: Gaussian sigma per *mean* absolute deviation: E|X - mu| = sigma * sqrt(2 / pi)
 MEAN_AD_SCALE = 1.2533141373155001  # math.sqrt(math.pi / 2.0)
 
-
-def check_int(owner: str, name: str, value: Any, low: int, high: float = math.inf) -> int:
-    """Validate an integer hyperparameter, scikit-learn style.
-
-    >>> check_int("EWMAZScore", "warmup", 3, 0)
-    3
-    >>> check_int("EWMAZScore", "warmup", -1, 0)
-    Traceback (most recent call last):
-    ...
-    ValueError: The 'warmup' parameter of EWMAZScore must be an int in the range [0, inf). Got -1 instead.
-    """
-    hi = "inf)" if math.isinf(high) else f"{int(high)}]"
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or not (low <= value <= high)
-    ):
-        raise ValueError(
-            f"The '{name}' parameter of {owner} must be an int in the range [{low}, {hi}. "
-            f"Got {value!r} instead."
-        )
-    return int(value)
-
-
-def check_float(
-    owner: str,
-    name: str,
-    value: Any,
-    low: float = -math.inf,
-    high: float = math.inf,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> float:
-    """Validate a float hyperparameter, scikit-learn style.
-
-    >>> check_float("EWMAZScore", "alpha", 0.5, 0.0, 1.0, low_open=True)
-    0.5
-    >>> check_float("EWMAZScore", "alpha", 0.0, 0.0, 1.0, low_open=True)
-    Traceback (most recent call last):
-    ...
-    ValueError: The 'alpha' parameter of EWMAZScore must be a float in the range (0.0, 1.0]. Got 0.0 instead.
-    """
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if ok:
-        v = float(value)
-        ok = not math.isnan(v)
-        ok = ok and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-    if not ok:
-        lb = "(" if low_open or math.isinf(low) else "["
-        hb = ")" if high_open or math.isinf(high) else "]"
-        raise ValueError(
-            f"The '{name}' parameter of {owner} must be a float in the range "
-            f"{lb}{low}, {high}{hb}. Got {value!r} instead."
-        )
-    return float(value)
-
-
-def check_bool(owner: str, name: str, value: Any) -> bool:
-    """Validate a boolean hyperparameter.
-
-    >>> check_bool("EWMAZScore", "freeze_on_alarm", True)
-    True
-    """
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(
-            f"The '{name}' parameter of {owner} must be a bool. Got {value!r} instead."
-        )
-    return bool(value)
-
-
 Kernel = Callable[..., None]
-
-
-class CheckedState(NamedTuple):
-    """A validated snapshot (see :meth:`BankDetector.validate_state_dict`)."""
-
-    n_series: int
-    state: FloatArray
-    buf: FloatArray
-    score: FloatArray
-    alarm: BoolArray
 
 
 class BankDetector:
@@ -335,6 +254,19 @@ class BankDetector:
         call(type(self).kernel,  # interpreted until compiled: detectors/dispatch.py
              x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1)
 
+    def update_many_array(
+        self, x: FloatArray, miss: BoolArray, scores: FloatArray, alarms: BoolArray
+    ) -> None:
+        """Fast path for the monitor's replay: :meth:`update_many` without validation or copies.
+
+        ``x`` (float64) and ``miss`` (bool) are C-contiguous ``(steps, n_inputs, n_series)``;
+        the outputs are written into ``scores`` / ``alarms`` (``(steps, n_series)``).
+        """
+        if x.shape[0]:
+            type(self).kernel(x, miss, self._state, self._buf, self._params_arr, scores, alarms)
+            self._score1[0] = scores[-1]
+            self._alarm1[0] = alarms[-1]
+
     def update_many(
         self, *inputs: ArrayLike, missing: ArrayLike | None = None
     ) -> tuple[FloatArray, BoolArray]:
@@ -461,67 +393,7 @@ class BankDetector:
         ValueError
             Naming the first incompatible field.
         """
-        name = type(self).__name__
-        where = f"{name}.load_state_dict()"
-        if not isinstance(state, Mapping):
-            raise ValueError(f"{where}: a snapshot must be a mapping; got {type(state).__name__}.")
-        cls = state.get("class", name)
-        if cls != name:
-            raise ValueError(f"{where}: snapshot is of class {cls!r:.60}.")
-        version = state.get("version", STATE_VERSION)
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or not (
-            0 <= version <= STATE_VERSION
-        ):
-            raise ValueError(f"{where}: unsupported state version {version!r:.60}.")
-        params = state.get("params", {})
-        if not isinstance(params, Mapping):
-            raise ValueError(f"{where}: 'params' must be a mapping; got {type(params).__name__}.")
-        if "state" not in state:
-            raise ValueError(f"{where}: the snapshot has no 'state' array.")
-        st = as_float_array(name, "state", state["state"], 2)
-        n = st.shape[1]
-        if "n_series" in params and not same_value(params["n_series"], n):
-            raise ValueError(
-                f"{where}: 'params.n_series' is {params['n_series']!r:.60} but the state "
-                f"arrays hold {n} series."
-            )
-        # expected shapes from zero-series arrays: a small hostile 'state' must not make us
-        # allocate a huge reference buffer
-        ref_state = (self._init_state(0).shape[0], n)
-        ref_buf = (self._init_buf(0).shape[0], n)
-        if "buf" in state:
-            buf = as_float_array(name, "buf", state["buf"], None)
-            if buf.size == 0 and ref_buf[0] == 0:
-                buf = np.zeros(ref_buf)  # (0, n) is [] after a JSON round trip
-        elif ref_buf[0] == 0:
-            buf = np.zeros(ref_buf)
-        else:
-            raise ValueError(f"{where}: the snapshot has no 'buf' array.")
-        if st.shape != ref_state or buf.shape != ref_buf:
-            raise ValueError(
-                f"{where}: state shapes {st.shape}/{buf.shape} do not match "
-                f"this detector's {ref_state}/{ref_buf}; were the hyperparameters "
-                "the same?"
-            )
-        for h in self.state_hyperparameters:
-            if h in params and not same_value(params[h], getattr(self, h)):
-                raise ValueError(
-                    f"{where}: hyperparameters that shape the state do not match: "
-                    f"{h}={params[h]!r:.60} in the snapshot, {getattr(self, h)!r} here."
-                )
-        self._check_state(StateCheck(name, st, buf))
-        score = np.full(n, np.nan)
-        alarm = np.zeros(n, dtype=np.bool_)
-        if "score" in state:
-            score = as_float_array(name, "score", state["score"], 1)
-            flags = as_float_array(name, "alarm", state.get("alarm", alarm), 1)
-            if score.shape != (n,) or flags.shape != (n,):
-                raise ValueError(
-                    f"{where}: 'score'/'alarm' have shapes {score.shape}/{flags.shape}; "
-                    f"expected ({n},)."
-                )
-            alarm = flags != 0.0
-        return CheckedState(n, st, buf, score, alarm)
+        return check_snapshot(self, state)
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Restore the statistics of a snapshot produced by :meth:`state_dict`.

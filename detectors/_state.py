@@ -2,10 +2,12 @@
 
 A kernel trusts its state: a ring position or a bucket count read from ``state`` / ``buf`` is
 used as an array index, and Numba does not check bounds, so one out-of-range value in a loaded
-snapshot is a segmentation fault on the next update.  :meth:`BankDetector.load_state_dict`
-therefore converts the arrays with :func:`as_float_array` and hands them to the detector's
-``_check_state`` hook, which states its invariants with a :class:`StateCheck`; the first
-violated one raises a ``ValueError`` that names the detector and the field.
+snapshot is a segmentation fault on the next update.  :func:`check_snapshot` (behind
+:meth:`BankDetector.validate_state_dict`) therefore reads the snapshot's envelope through a
+:class:`~detectors.validation.Fields`, converts the arrays with :func:`as_float_array` and hands
+them to the detector's ``_check_state`` hook, which states its invariants with a
+:class:`StateCheck`; the first violated one raises a ``ValueError`` that names the detector and
+the field, in the wording of :func:`detectors.validation.field_error`.
 
 Examples
 --------
@@ -14,18 +16,37 @@ Examples
 >>> c.integers("pos", c.state[0], 0, 3)
 Traceback (most recent call last):
 ...
-ValueError: R.load_state_dict(): state field 'pos' must hold integers in [0, 3]; got 5.0 (series 1).
+ValueError: R.load_state_dict(): 'pos' must be integers in the range [0, 3]; got 5.0 (series 1).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 from numpy.typing import NDArray
 
+from .validation import Fields, field_error
+
+if TYPE_CHECKING:
+    from ._base import BankDetector
+
 FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+#: version of the detectors' snapshot format
+STATE_VERSION = 1
+
+
+class CheckedState(NamedTuple):
+    """A validated snapshot (see :meth:`BankDetector.validate_state_dict`)."""
+
+    n_series: int
+    state: FloatArray
+    buf: FloatArray
+    score: FloatArray
+    alarm: BoolArray
 
 
 def as_float_array(owner: str, field: str, value: Any, ndim: int | None) -> FloatArray:
@@ -82,11 +103,9 @@ class StateCheck:
     def fail(self, field: str, rule: str, vals: FloatArray, bad: NDArray[np.bool_]) -> NoReturn:
         """Raise for the first element of ``vals`` flagged in ``bad``."""
         idx = np.argwhere(bad)[0]
-        where = f" (series {int(idx[-1])})" if vals.ndim >= 1 else ""
-        raise ValueError(
-            f"{self.owner}.load_state_dict(): state field '{field}' must {rule}; "
-            f"got {float(vals[tuple(idx)])!r}{where}."
-        )
+        series = f" (series {int(idx[-1])})" if vals.ndim >= 1 else ""
+        raise field_error(f"{self.owner}.load_state_dict()", field, rule,
+                          float(vals[tuple(idx)]), series)
 
     def integers(self, field: str, vals: FloatArray, lo: float, hi: float = np.inf) -> None:
         """Whole numbers in ``[lo, hi]``."""
@@ -94,14 +113,14 @@ class StateCheck:
             bad = ~(np.isfinite(vals) & (vals == np.floor(vals)) & (vals >= lo) & (vals <= hi))
         if bad.any():
             h = "inf)" if math.isinf(hi) else f"{int(hi)}]"
-            self.fail(field, f"hold integers in [{int(lo)}, {h}", vals, bad)
+            self.fail(field, f"integers in the range [{int(lo)}, {h}", vals, bad)
 
     def finite(self, field: str, vals: FloatArray, lo: float = -np.inf) -> None:
         """Finite numbers ``>= lo``."""
         with np.errstate(invalid="ignore"):
             bad = ~(np.isfinite(vals) & (vals >= lo))
         if bad.any():
-            rule = "be finite" if np.isinf(lo) else f"be finite and >= {lo}"
+            rule = "finite" if np.isinf(lo) else f"finite and >= {lo}"
             self.fail(field, rule, vals, bad)
 
     def not_nan(self, field: str, vals: FloatArray, lo: float = -np.inf,
@@ -110,13 +129,13 @@ class StateCheck:
         with np.errstate(invalid="ignore"):
             bad = ~((vals >= lo) & (vals <= hi))
         if bad.any():
-            self.fail(field, f"be a number in [{lo}, {hi}]", vals, bad)
+            self.fail(field, f"a number in the range [{lo}, {hi}]", vals, bad)
 
     def one_of(self, field: str, vals: FloatArray, allowed: tuple[float, ...]) -> None:
         """Codes from ``allowed``."""
         bad = ~np.isin(vals, np.asarray(allowed, dtype=np.float64))
         if bad.any():
-            self.fail(field, f"be one of {list(allowed)}", vals, bad)
+            self.fail(field, f"one of {list(allowed)}", vals, bad)
 
     def ring(self, field: str, pos: FloatArray, count: FloatArray, window: int) -> None:
         """A ring of ``window`` slots: ``count`` in ``[0, window]``, ``pos`` in
@@ -125,7 +144,7 @@ class StateCheck:
         self.integers(f"{field} position", pos, 0, window - 1)
         bad = (count < window) & (pos != count)
         if bad.any():
-            self.fail(f"{field} position", "equal the count while the ring is not full", pos, bad)
+            self.fail(f"{field} position", "the count while the ring is not full", pos, bad)
 
     def sorted_copy(self, field: str, ring: FloatArray, srt: FloatArray, count: FloatArray,
                     window: int) -> None:
@@ -137,3 +156,56 @@ class StateCheck:
                     f"{self.owner}.load_state_dict(): '{field}' of series {i} is not the sorted "
                     "copy of its window."
                 )
+
+
+def check_snapshot(det: BankDetector, state: Any) -> CheckedState:
+    """Check a snapshot against ``det``; return its arrays (copies) or raise ``ValueError``.
+
+    The contract of :meth:`BankDetector.validate_state_dict`: a mapping of the same class and a
+    supported version, numeric ``state`` / ``buf`` arrays of ``det``'s shapes, the
+    hyperparameters that shape the state equal to ``det``'s, and ``det``'s own invariants
+    (``_check_state``).  Nothing of ``det`` changes.
+    """
+    name = type(det).__name__
+    where = f"{name}.load_state_dict()"
+    f = Fields(name, state)
+    cls = f.get("class", name)
+    if cls != name:
+        raise ValueError(f"{where}: snapshot is of class {cls!r:.60}.")
+    f.version(STATE_VERSION)
+    params = f.mapping("params", {})
+    st = as_float_array(name, "state", f.get("state"), 2)
+    n = st.shape[1]
+    if "n_series" in params and not same_value(params["n_series"], n):
+        raise ValueError(f"{where}: 'params.n_series' is {params['n_series']!r:.60} but the "
+                         f"state arrays hold {n} series.")
+    # expected shapes from zero-series arrays: a small hostile 'state' must not make us
+    # allocate a huge reference buffer
+    ref_state = (det._init_state(0).shape[0], n)
+    ref_buf = (det._init_buf(0).shape[0], n)
+    if "buf" in state:
+        buf = as_float_array(name, "buf", state["buf"], None)
+        if buf.size == 0 and ref_buf[0] == 0:
+            buf = np.zeros(ref_buf)  # (0, n) is [] after a JSON round trip
+    elif ref_buf[0] == 0:
+        buf = np.zeros(ref_buf)
+    else:
+        raise ValueError(f"{where}: 'buf' is missing.")
+    if st.shape != ref_state or buf.shape != ref_buf:
+        raise ValueError(f"{where}: state shapes {st.shape}/{buf.shape} do not match this "
+                         f"detector's {ref_state}/{ref_buf}; were the hyperparameters the same?")
+    for h in det.state_hyperparameters:
+        if h in params and not same_value(params[h], getattr(det, h)):
+            raise ValueError(f"{where}: hyperparameters that shape the state do not match: "
+                             f"{h}={params[h]!r:.60} in the snapshot, {getattr(det, h)!r} here.")
+    det._check_state(StateCheck(name, st, buf))
+    score = np.full(n, np.nan)
+    alarm = np.zeros(n, dtype=np.bool_)
+    if "score" in state:
+        score = as_float_array(name, "score", state["score"], 1)
+        flags = as_float_array(name, "alarm", state.get("alarm", alarm), 1)
+        if score.shape != (n,) or flags.shape != (n,):
+            raise ValueError(f"{where}: 'score'/'alarm' have shapes {score.shape}/"
+                             f"{flags.shape}; expected ({n},).")
+        alarm = flags != 0.0
+    return CheckedState(n, st, buf, score, alarm)

@@ -47,9 +47,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import BankDetector, FloatArray
 from ._kernel import indices, skip_value
 from ._state import StateCheck
+from .validation import check_bool, check_float, check_int, param_error
 
 #: relative safety margin of the division-free cut screen (>> the few ulps it must cover)
 SCREEN_MARGIN = 1e-12
@@ -405,10 +406,8 @@ class ADWIN(BankDetector):
         name = type(self).__name__
         self.threshold = check_float(name, "threshold", threshold, 0.0)
         if self.freeze_on_alarm:
-            raise ValueError(
-                f"The 'freeze_on_alarm' parameter of {name} must be False: the detector "
-                "drops old data after a drift instead. Got True instead."
-            )
+            raise param_error(name, "freeze_on_alarm",
+                              "False: the detector drops old data after a drift instead", True)
         self.delta = check_float(name, "delta", delta, 0.0, 1.0, low_open=True, high_open=True)
         self.clock = check_int(name, "clock", clock, 1)
         self.max_buckets = check_int(name, "max_buckets", max_buckets, 1)
@@ -441,11 +440,11 @@ class ADWIN(BankDetector):
         n_rows = st[_NROWS][None, :]
         bad = ((r >= n_rows) & (counts != 0)) | ((r == n_rows - 1) & (r > 0) & (counts == 0))
         if bad.any():
-            c.fail("bucket counts", "be 0 above the last row and > 0 in it", counts, bad)
+            c.fail("bucket counts", "0 above the last row and > 0 in it", counts, bad)
         width = (counts * 2.0**r).sum(axis=0)
         c.integers("width", st[_WIDTH], 0)
         if not np.array_equal(width, st[_WIDTH]):
-            c.fail("width", "equal the number of points in the buckets", st[_WIDTH],
+            c.fail("width", "the number of points in the buckets", st[_WIDTH],
                    width != st[_WIDTH])
         c.integers("tick", st[_TICK], 0, self.clock - 1)
         c.integers("n_drift", st[_NDRIFT], 0)

@@ -30,10 +30,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import BankDetector, FloatArray
 from ._kernel import indices, skip_value
 from ._state import StateCheck
 from .ewma import LOG_FLOOR, ew_update
+from .validation import check_bool, check_choice, check_float, check_int
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -221,12 +222,7 @@ class CUSUM(BankDetector):
         self.warmup = check_int(name, "warmup", warmup, 2)
         self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0)
         self.min_std = check_float(name, "min_std", min_std, 0.0)
-        if direction not in DIRECTIONS:
-            raise ValueError(
-                f"The 'direction' parameter of {name} must be one of {sorted(DIRECTIONS)}. "
-                f"Got {direction!r} instead."
-            )
-        self.direction = direction
+        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
         self.log_space = check_bool(name, "log_space", log_space)
         self.reset_on_alarm = check_bool(name, "reset_on_alarm", reset_on_alarm)
         self._setup()

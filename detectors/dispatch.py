@@ -33,6 +33,8 @@ Public API (used by ``BankDetector`` and by drivers that call kernels themselves
 * :func:`call` -- ``call(kernel, *args)``: the compiled kernel if ready, else the twin.
 * :func:`kernel_ready` -- whether ``kernel`` runs machine code without compiling now.
 * :func:`interpreted` -- the plain-Python twin of a kernel (njit helpers replaced too).
+* :func:`request` -- queue a kernel that has no usable twin (a native driver) for the
+  background compiler; :func:`compiling` -- whether it still has work.
 * :func:`wait_ready` -- block until every kernel requested so far is compiled.
 * :func:`pending` -- the kernels requested and not compiled yet.
 """
@@ -58,8 +60,8 @@ from numba import config as numba_config
 from numba import typeof
 from numba.core.dispatcher import Dispatcher
 
-__all__ = ["MODES", "cached", "call", "interpreted", "kernel_ready", "mode", "pending",
-           "set_mode", "using_mode", "wait_ready"]
+__all__ = ["MODES", "cached", "call", "compiling", "interpreted", "kernel_ready", "mode",
+           "pending", "request", "set_mode", "using_mode", "wait_ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +229,34 @@ def _call_cold(kernel: Any, args: tuple[Any, ...]) -> Any:
     if kernel not in _queue and kernel not in _busy:
         _request(kernel, tuple(typeof(a) for a in args))
     return _run_twin(kernel, args)
+
+
+def request(kernel: Callable[..., Any], sig: tuple[Any, ...]) -> bool:
+    """Have ``kernel`` built for the Numba signature ``sig`` (a tuple of argument types) without
+    running it; ``True`` if its machine code is there now.
+
+    For a kernel that has no twin (a driver that calls native entry points): a cold one is
+    queued for the background compiler and ``False`` returned -- use another path meanwhile
+    and ask again once :func:`compiling` is ``False``.  In ``blocking`` mode, with the JIT
+    disabled, or when the background compiler failed on it, it is compiled here.
+    """
+    if not isinstance(kernel, Dispatcher):
+        return True
+    if kernel.overloads.get(tuple(sig)) is not None:
+        _ready.add(kernel)
+        return True
+    if kernel in _failed or mode() == "blocking" or _jit_off():
+        kernel.compile(tuple(sig))
+        _ready.add(kernel)
+        return True
+    if kernel not in _queue and kernel not in _busy:
+        _request(kernel, tuple(sig))
+    return False
+
+
+def compiling() -> bool:
+    """Whether the background compiler has work queued or in hand (no lock: a hint)."""
+    return bool(_queue or _busy)
 
 
 def _run_twin(kernel: Any, args: tuple[Any, ...]) -> Any:

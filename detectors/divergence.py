@@ -35,9 +35,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import LOG_FLOOR, MAD_SCALE, BankDetector, FloatArray, check_float, check_int
+from ._base import LOG_FLOOR, MAD_SCALE, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
+from .validation import check_float, check_int
 
 # TrainValDivergence state rows
 _TM, _TCOUNT, _PREV_V, _PREV_M, _NVAL, _POS, _NINC, _HAS_M = 0, 1, 2, 3, 4, 5, 6, 7

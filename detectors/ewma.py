@@ -19,16 +19,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import (
-    LOG_FLOOR,
-    BankDetector,
-    FloatArray,
-    check_bool,
-    check_float,
-    check_int,
-)
+from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, skip_value
 from ._state import StateCheck
+from .validation import check_bool, check_choice, check_float, check_int
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -280,12 +274,7 @@ class EWMAZScore(BankDetector):
         self.warmup = check_int(name, "warmup", warmup, 0)
         self.log_space = check_bool(name, "log_space", log_space)
         self.min_std = check_float(name, "min_std", min_std, 0.0)
-        if direction not in DIRECTIONS:
-            raise ValueError(
-                f"The 'direction' parameter of {name} must be one of {sorted(DIRECTIONS)}. "
-                f"Got {direction!r} instead."
-            )
-        self.direction = direction
+        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
         self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
         self.debias = check_bool(name, "debias", debias)
         self._setup()

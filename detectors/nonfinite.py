@@ -11,9 +11,10 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float
+from ._base import BankDetector, FloatArray
 from ._kernel import indices
 from ._state import StateCheck
+from .validation import check_bool, check_float, param_error
 
 # state rows: total non-finite count, current streak, last kind (1 nan, 2 +inf, 3 -inf)
 _TOTAL, _STREAK, _LAST = 0, 1, 2
@@ -98,10 +99,8 @@ class NonFiniteGuard(BankDetector):
         name = type(self).__name__
         threshold = check_float(name, "threshold", threshold, 0.0, 1.0, high_open=True)
         if check_bool(name, "freeze_on_alarm", freeze_on_alarm):
-            raise ValueError(
-                f"The 'freeze_on_alarm' parameter of {name} must be False: the guard has no "
-                "statistics to freeze. Got True instead."
-            )
+            raise param_error(name, "freeze_on_alarm",
+                              "False: the guard has no statistics to freeze", True)
         super().__init__(n_series, threshold=threshold, freeze_on_alarm=False)
         self._setup()
 

@@ -36,9 +36,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import LOG_FLOOR, BankDetector, FloatArray, check_float, check_int
+from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, learns
 from ._state import StateCheck
+from .validation import check_float, check_int
 
 # state rows: train EW mean/count, previous gap, validation points seen, ring position, stored
 # increments

@@ -27,9 +27,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_bool, check_float, check_int
+from ._base import BankDetector, FloatArray
 from ._kernel import indices, skip_value
 from ._state import StateCheck
+from .validation import check_bool, check_choice, check_float, check_int, param_error
 
 MODES = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -170,19 +171,12 @@ class PageHinkley(BankDetector):
         super().__init__(n_series, threshold, freeze_on_alarm)
         name = type(self).__name__
         if self.freeze_on_alarm:
-            raise ValueError(
-                f"The 'freeze_on_alarm' parameter of {name} must be False: the detector "
-                "restarts after a drift instead. Got True instead."
-            )
+            raise param_error(name, "freeze_on_alarm",
+                              "False: the detector restarts after a drift instead", True)
         self.min_instances = check_int(name, "min_instances", min_instances, 0)
         self.delta = check_float(name, "delta", delta, 0.0)
         self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0)
-        if mode not in MODES:
-            raise ValueError(
-                f"The 'mode' parameter of {name} must be one of {sorted(MODES)}. "
-                f"Got {mode!r} instead."
-            )
-        self.mode = mode
+        self.mode = check_choice(name, "mode", mode, MODES)
         self.reset_on_drift = check_bool(name, "reset_on_drift", reset_on_drift)
         self._setup()
 

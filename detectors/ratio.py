@@ -30,10 +30,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray, check_int
+from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 from .robust import sorted_median, sorted_push
+from .validation import check_choice, check_int
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
 #: hostile config must fail validation, not exhaust memory).
@@ -203,12 +204,7 @@ class RatioToMean(BankDetector):
         name = type(self).__name__
         self.window = check_int(name, "window", window, 1, MAX_WINDOW)
         self.patience = check_int(name, "patience", patience, 1)
-        if reference not in REFERENCES:
-            raise ValueError(
-                f"The 'reference' parameter of {name} must be one of {sorted(REFERENCES)}. "
-                f"Got {reference!r} instead."
-            )
-        self.reference = reference
+        self.reference = check_choice(name, "reference", reference, REFERENCES)
         if warmup is None:
             warmup = min(self.window, 30) if reference == "ewm" else self.window
         high = np.inf if reference == "ewm" else self.window
@@ -238,7 +234,7 @@ class RatioToMean(BankDetector):
             c.integers("position", st[_POS], 0, w - 1)
             bad = st[_POS] != np.mod(st[_COUNT], w)
             if bad.any():
-                c.fail("position", "equal the count modulo the window", st[_POS], bad)
+                c.fail("position", "the count modulo the window", st[_POS], bad)
             c.finite("window values", c.buf[:ring])
             if self.reference == "median":
                 c.sorted_copy("sorted window", c.buf[:w], c.buf[w:ring], st[_COUNT], w)

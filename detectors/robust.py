@@ -26,17 +26,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import (
-    MAD_SCALE,
-    BankDetector,
-    FloatArray,
-    check_bool,
-    check_float,
-    check_int,
-)
+from ._base import MAD_SCALE, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
 from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
+from .validation import check_bool, check_choice, check_float, check_int
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
 #: hostile config must fail validation, not exhaust memory).
@@ -300,12 +294,7 @@ class RobustZScore(BankDetector):
         self.robust = check_bool(name, "robust", robust)
         self.log_space = check_bool(name, "log_space", log_space)
         self.min_std = check_float(name, "min_std", min_std, 0.0)
-        if direction not in DIRECTIONS:
-            raise ValueError(
-                f"The 'direction' parameter of {name} must be one of {sorted(DIRECTIONS)}. "
-                f"Got {direction!r} instead."
-            )
-        self.direction = direction
+        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
         self._setup()
 
     def _param_values(self) -> dict[str, float]:

@@ -77,6 +77,9 @@ def split_items(items: Iterable[Any]) -> tuple[list[dict[str, Any]], list[dict[s
     """
     alarms: list[dict[str, Any]] = []
     ivs: list[dict[str, Any]] = []
+    events = getattr(items, "events", None)  # Monitor.replay's Decisions: skip the quiet steps
+    if callable(events):
+        items = events()
     for it in items:
         d = _dict(it)
         if "alarms" in d or "interventions" in d:  # a Decision

@@ -79,6 +79,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq  # noqa: F401  (kept: tests patch recorder.pq.write_table)
 
+from detectors.validation import check_int, check_opt_float
 from replay.recorder_files import PART_PATTERN, PartFilesMixin, _cost, _max_part, part_name
 from replay.recorder_files import fcntl as fcntl  # re-exported: tests check recorder.fcntl
 from replay.recorder_input import (
@@ -87,7 +88,6 @@ from replay.recorder_input import (
     RESERVED_NAMES,
     InputChecksMixin,
     _as_step,
-    _check_int,
     _short,
     _text,
 )
@@ -155,22 +155,15 @@ class RunRecorder(InputChecksMixin, PartFilesMixin):
         max_buffer_bytes: int = 64 << 20,
         max_metrics: int = 10_000,
     ) -> None:
-        _check_int("part_steps", part_steps, 1)
-        _check_int("max_buffer_bytes", max_buffer_bytes, 0)
-        _check_int("max_metrics", max_metrics, 1)
-        if flush_seconds is not None and not (
-            isinstance(flush_seconds, (int, float)) and flush_seconds > 0
-        ):
-            raise ValueError(
-                "The 'flush_seconds' parameter of RunRecorder must be a float in the range "
-                f"(0, inf) or None. Got {flush_seconds!r} instead."
-            )
+        owner = "RunRecorder"
+        self.part_steps = check_int(owner, "part_steps", part_steps, 1)
+        self.max_buffer_bytes = check_int(owner, "max_buffer_bytes", max_buffer_bytes, 0)
+        self.max_metrics = check_int(owner, "max_metrics", max_metrics, 1)
+        # inf: never on time (as None)
+        self.flush_seconds = check_opt_float(owner, "flush_seconds", flush_seconds, 0.0,
+                                             low_open=True)
         self.directory = Path(directory)
-        self.part_steps = part_steps
-        self.flush_seconds = None if flush_seconds is None else float(flush_seconds)
         self.compression = compression
-        self.max_buffer_bytes = max_buffer_bytes
-        self.max_metrics = max_metrics
         md = dict(metadata or {})
         run = dict(md.pop("run", None) or {})
         monitor_config = md.pop("monitor_config", None)

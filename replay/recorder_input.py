@@ -95,14 +95,6 @@ class InputChecksMixin:
         return True
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(
-            f"The {name!r} parameter of RunRecorder must be an int in the range [{low}, inf). "
-            f"Got {value!r} instead."
-        )
-
-
 def _as_step(step: Any) -> int | None:
     """``step`` as an int in the int64 range, or None."""
     if type(step) is int:

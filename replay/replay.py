@@ -285,12 +285,14 @@ PROGRESS_ROWS = 100_000
 
 def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
                  events: str | os.PathLike[str] | None = None,
-                 progress: bool | None = False) -> ReplayResult:
+                 progress: bool | None = False, *,
+                 names: Sequence[str] | None = None) -> ReplayResult:
     """Replay an in-memory run table through a fresh monitor built from ``config``.
 
     ``progress``: draw a bar over the rows on stderr (``None``: when stderr is a TTY and the run
     has more than :data:`PROGRESS_ROWS` rows); the run is then fed in chunks, which gives the
-    same decisions (:meth:`~stability.monitor.Monitor.replay_batches`).
+    same decisions (:meth:`~stability.monitor.Monitor.replay_batches`).  ``names``: the run's
+    column names when ``table`` holds only some of them (for the unbound-metrics warning).
     """
     t0 = time.perf_counter()
     mon = _monitor(config)
@@ -302,16 +304,16 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
         decisions: list[Decision] = []
         try:
             for batch in table.to_batches(max_chunksize=PROGRESS_ROWS):
-                decisions += mon.replay(batch)
+                decisions += mon.replay(batch).events()
                 bar.update(batch.num_rows)
         finally:
             bar.close()
     else:
-        decisions = mon.replay(table)
-    note = unbound_warning(mon, table.column_names)
+        decisions = mon.replay(table).events()  # the steps with alarms / interventions
+    note = unbound_warning(mon, table.column_names if names is None else names)
     if note is not None:
         warnings.warn(f"{run_id or path or 'run'}: {note}", UserWarning, stacklevel=2)
-    steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    steps = np.asarray(table.column("step").to_numpy(zero_copy_only=False), dtype=np.int64)
     alarms = [a for d in decisions for a in d.alarms]
     ivs = [i for d in decisions for i in d.interventions]
     res = ReplayResult(run_id=run_id, path=path, n_steps=int(steps.size), steps=steps,
@@ -320,6 +322,30 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
         write_events(events, decisions_to_records(decisions), run_id)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def read_bound(path: str | os.PathLike[str], config: Any) -> tuple[pa.Table, list[str]]:
+    """Read a run, only the columns a monitor built from ``config`` binds where the format
+    allows it (Parquet: a column projection, footers read first); returns the table and every
+    column name of the run.  A config with a catch-all input (``"*"``, the default preset's
+    NaN check) binds every column: the run is read whole.
+    """
+    from stability.config import load_config
+
+    from .io import detect_format
+    from .reader import read_run, read_schema
+
+    p = os.fspath(path)
+    cfg = load_config(config)
+    if detect_format(p) != "parquet" or any(i == "*" for d in cfg.detectors for i in d.inputs):
+        table = read_table(p)
+        return table, list(table.column_names)
+    names = read_schema(p).names
+    metrics = [c for c in names if c != "step"]
+    keep = _monitor(cfg).bound_names(metrics)  # a probe: asking binds the names
+    if len(keep) == len(metrics):
+        return read_run(p), names
+    return read_run(p, columns=keep), names
 
 
 def replay_run(path: str | os.PathLike[str], config: Any = None, *,
@@ -346,10 +372,16 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
     if said:
         sys.stderr.write(f"reading {p} ...")
         sys.stderr.flush()
-    table = read_table(p)
+    from stability.config import load_config
+
+    t0 = time.perf_counter()
+    cfg = load_config(_default_config(config))  # parsed once for the probe and the replay
+    table, names = read_bound(p, cfg)
     if said:
         sys.stderr.write("\r\033[K")  # clear the line for the bar / the summary
-    return replay_table(table, _default_config(config), rid, p, events, progress)
+    res = replay_table(table, cfg, rid, p, events, progress, names=names)
+    res.seconds = time.perf_counter() - t0
+    return res
 
 
 def _default_config(config: Any) -> Any:

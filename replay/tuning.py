@@ -20,28 +20,25 @@
 Detectors without a tunable threshold (``nonfinite``) are kept as they are.  Tuned bindings are
 written with ``freeze_on_alarm = false`` where the detector has that parameter (the scores the
 thresholds were tuned on assume it).
+
+Step 1 (candidates, scoring jobs) lives in :mod:`replay.tuning_scores`, the TOML writer in
+:mod:`replay.config_toml`; this module re-exports both.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
-import itertools
-import json
 import math
-import os
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from stability.registry import tune_grids
-
+from .config_toml import to_toml as to_toml
+from .config_toml import write_config as write_config
 from .evaluate import (
     DEFAULT_GAP,
     DEFAULT_TOLERANCE,
@@ -52,166 +49,19 @@ from .evaluate import (
     summarise,
 )
 from .labels import RunLabel
-from .replay import Progress, parallel_map, read_table
 from .scoring import (
     RunProfile,
     candidate_thresholds,
     combine,
-    reduce_series,
     run_profile,
     summarise_sweep,
     sweep,
 )
+from .tuning_scores import Candidate, RunScores, make_candidates, score_runs
+from .tuning_scores import score_table as score_table
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
-
-
-
-# ---------------------------------------------------------------------------- candidates
-@dataclass(frozen=True)
-class Candidate:
-    """One parameter setting of one binding."""
-
-    binding: int
-    name: str
-    detector: str
-    inputs: tuple[str, ...]
-    params: tuple[tuple[str, Any], ...]
-    tunable: bool
-
-    def params_dict(self) -> dict[str, Any]:
-        """The parameters as a dict."""
-        return dict(self.params)
-
-
-def _init_args(cls: type) -> list[str]:
-    init = cls.__init__  # type: ignore[misc]
-    return [p for p in inspect.signature(init).parameters if p != "self"]
-
-
-def make_candidates(detectors: Sequence[Mapping[str, Any]],
-                    grids: Mapping[str, Mapping[str, list[Any]]] | None = None
-                    ) -> list[Candidate]:
-    """Every (binding, grid point) of a resolved config's ``detectors`` list."""
-    from stability.registry import detector_class, is_available
-
-    grids = tune_grids() if grids is None else grids
-    out = []
-    for b, d in enumerate(detectors):
-        det = d["detector"]
-        if not is_available(det):
-            continue
-        cls = detector_class(det)
-        args = _init_args(cls)
-        base = {k: v for k, v in dict(d.get("params", {})).items() if k != "threshold"}
-        tunable = "threshold" in args and not getattr(cls, "fixed_threshold", False)
-        grid = dict(grids.get(det, {})) if tunable else {}
-        grid = {k: v for k, v in grid.items() if k in args}
-        keys = sorted(grid)
-        for combo in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
-            p = dict(base)
-            p.update(zip(keys, combo, strict=True))
-            if tunable and "freeze_on_alarm" in args:
-                p["freeze_on_alarm"] = False
-            out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
-                                 tuple(sorted(p.items())), tunable))
-    return out
-
-
-# ---------------------------------------------------------------------------- scoring jobs
-@dataclass
-class RunScores:
-    """Per-step scores of every candidate on one run."""
-
-    run_id: str
-    steps: NDArray[np.int64]
-    scores: list[FloatArray]
-
-
-def _binder(candidates: Sequence[Candidate], aliases: Mapping[str, str]) -> Any:
-    """A log-only monitor holding one binding per candidate binding: the monitor's own binder
-    (:meth:`stability.monitor.Monitor.bind_table`) is what tuning scores are computed on."""
-    from stability.monitor import Monitor
-
-    dets: dict[str, dict[str, Any]] = {}
-    for c in candidates:
-        dets.setdefault(c.name, {"name": c.name, "detector": c.detector,
-                                 "inputs": list(c.inputs), "params": c.params_dict()})
-    return Monitor({"monitor": {"aliases": dict(aliases), "log_only": True},
-                    "detectors": list(dets.values())}, alert_sinks=[])
-
-
-def score_table(table: Any, candidates: Sequence[Candidate], aliases: Mapping[str, str],
-                run_id: str = "") -> RunScores:
-    """Compute every candidate's per-step score on one run table.
-
-    The table is bound by the monitor's own binder, so a tuned threshold applies online to
-    exactly the scores it was tuned on.
-    """
-    from stability.registry import make_detector
-
-    steps, bound = _binder(candidates, aliases).bind_table(table)
-    t = steps.size
-    out: list[FloatArray] = []
-    for c in candidates:
-        x, m = bound[c.name]
-        if t == 0 or x.shape[2] == 0:
-            out.append(np.full(t, -np.inf))
-            continue
-        params = c.params_dict()
-        if c.tunable:
-            params["threshold"] = math.inf
-        det = make_detector(c.detector, params, n_series=x.shape[2], n_inputs=x.shape[1],
-                            where=c.name)
-        scores, alarms = det.update_many(*[x[:, i, :] for i in range(x.shape[1])], missing=m)
-        if c.tunable:
-            out.append(reduce_series(scores))
-        else:
-            out.append(np.where(alarms.any(axis=1), np.inf, -np.inf))
-    return RunScores(run_id, steps, out)
-
-
-def _score_job(args: tuple[str, str, Sequence[Candidate], Mapping[str, str]]) -> RunScores:
-    rid, path, cands, aliases = args
-    return score_table(read_table(path, aliases), cands, aliases, rid)
-
-
-def score_runs(runs: Sequence[tuple[str, str]], candidates: Sequence[Candidate],
-               aliases: Mapping[str, str] | None = None, *, backend: str = "local",
-               jobs: int | None = None, progress: bool | None = None) -> list[RunScores]:
-    """Run the scoring jobs (one per run) locally in processes or on Ray."""
-    al = dict(aliases or {})
-    job_args = [(rid, path, list(candidates), al) for rid, path in runs]
-    if backend == "local":
-        return parallel_map(_score_job, job_args, jobs, "scoring", progress)
-    if backend == "ray":
-        return _score_ray(job_args, progress)
-    raise ValueError(f"unknown backend {backend!r}; use 'local' or 'ray'.")
-
-
-def _score_ray(job_args: list[Any], progress: bool | None) -> list[RunScores]:
-    try:
-        import ray
-    except ImportError as exc:
-        raise RuntimeError("backend 'ray' needs Ray: pip install 'ray'") from exc
-    started = False
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-        started = True
-    try:
-        remote = ray.remote(_score_job)
-        refs = [remote.remote(a) for a in job_args]
-        bar = Progress(len(refs), "scoring (ray)", progress)
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            bar.update(len(done))
-        bar.close()
-        return list(ray.get(refs))
-    finally:
-        if started:
-            ray.shutdown()
 
 
 # ---------------------------------------------------------------------------- search
@@ -449,90 +299,6 @@ def _round_up(x: float) -> float:
         y = float(f"{x + 10.0 ** e:.10g}")
     return y if y >= x else float(np.nextafter(x, math.inf))
 
-
-# ---------------------------------------------------------------------------- TOML output
-_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-def _key(k: str) -> str:
-    return k if _BARE.match(k) else json.dumps(k)
-
-
-def _val(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, np.integer)):
-        return str(int(v))
-    if isinstance(v, (float, np.floating)):
-        f = float(v)
-        if math.isnan(f):
-            return "nan"
-        if math.isinf(f):
-            return "inf" if f > 0 else "-inf"
-        return repr(f)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, Mapping):
-        if not v:
-            return "{}"
-        return "{ " + ", ".join(f"{_key(str(k))} = {_val(x)}" for k, x in v.items()) + " }"
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_val(x) for x in v) + "]"
-    if v is None:
-        raise ValueError("TOML has no null; drop the key instead.")
-    raise ValueError(f"cannot write {v!r} as TOML.")
-
-
-def _table_lines(prefix: str, d: Mapping[str, Any]) -> list[str]:
-    scalars = [(k, v) for k, v in d.items() if not isinstance(v, Mapping) and v is not None]
-    subs = [(k, v) for k, v in d.items() if isinstance(v, Mapping)]
-    lines = [f"[{prefix}]"] if prefix else []
-    lines += [f"{_key(str(k))} = {_val(v)}" for k, v in scalars]
-    for k, v in subs:
-        lines.append("")
-        lines += _table_lines(f"{prefix}.{_key(str(k))}" if prefix else _key(str(k)), v)
-    return lines
-
-
-def to_toml(cfg: Mapping[str, Any], header: str = "") -> str:
-    """Write a monitor config (``docs/CONTRACTS.md`` schema) as TOML.
-
-    >>> print(to_toml({"monitor": {"aliases": {"train/loss": "loss"}, "log_only": False},
-    ...                "detectors": [{"name": "l", "detector": "ewma_z", "inputs": ["loss"],
-    ...                               "params": {"threshold": 6.0}}]}))
-    [monitor]
-    aliases = { "train/loss" = "loss" }
-    log_only = false
-    <BLANKLINE>
-    [[detectors]]
-    name = "l"
-    detector = "ewma_z"
-    inputs = ["loss"]
-    params = { threshold = 6.0 }
-    """
-    lines = [f"# {h}" for h in header.splitlines()] if header else []
-    if "preset" in cfg:
-        lines.append(f"preset = {_val(cfg['preset'])}")
-    if "monitor" in cfg:
-        m = dict(cfg["monitor"])
-        lines.append("[monitor]")
-        lines += [f"{_key(k)} = {_val(v)}" for k, v in m.items() if v is not None]
-    for d in cfg.get("detectors", []):
-        lines += ["", "[[detectors]]"]
-        lines += [f"{_key(k)} = {_val(v)}" for k, v in d.items() if v is not None]
-    if cfg.get("policy"):
-        lines.append("")
-        lines += _table_lines("policy", cfg["policy"])
-    return "\n".join(lines)
-
-
-def write_config(path: str | os.PathLike[str], cfg: Mapping[str, Any], header: str = "") -> None:
-    """Write ``cfg`` as TOML (``.toml``) or JSON (``.json``)."""
-    p = Path(path)
-    if p.suffix == ".json":
-        p.write_text(json.dumps(cfg, indent=2) + "\n")
-    else:
-        p.write_text(to_toml(cfg, header) + "\n")
 
 
 # ---------------------------------------------------------------------------- entry point

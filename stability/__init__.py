@@ -11,6 +11,7 @@ Lightning and HF callbacks live in :mod:`stability.adapters.lightning` and
 
 from .alerts import AlertSink, FileSink, LoggingSink, WebhookSink
 from .config import MonitorConfig, load_config
+from .decisions import Decisions
 from .events import EventLog, read_events
 from .handlers import HandlerError
 from .monitor import Monitor
@@ -42,6 +43,7 @@ __all__ = [
     "ConfigError",
     "Control",
     "Decision",
+    "Decisions",
     "EventLog",
     "FileSink",
     "HandlerError",

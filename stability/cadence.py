@@ -31,14 +31,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from detectors.validation import check_float, check_opt_float
 
-def _check(name: str, v: float, positive: bool = True) -> float:
-    v = float(v)
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        rng = "(0, inf)" if positive else "[0, inf)"
-        raise ValueError(f"The {name!r} parameter must be a float in the range {rng}. "
-                         f"Got {v!r} instead.")
-    return v
+
+def _check(owner: str, name: str, v: Any, positive: bool = True) -> float:
+    """A finite float ``> 0`` (``>= 0`` unless ``positive``)."""
+    return check_float(owner, name, v, 0.0, low_open=positive, high_open=True)
 
 
 def expected_interval_time(tau: float, save_cost_s: float, mtbf_s: float,
@@ -152,16 +150,15 @@ def advise(save_cost_s: float, mtbf_s: float, restart_s: float = 0.0, *,
     curve_points : int
         Points of the goodput curve, log-spaced from ``tau* / 10`` to ``10 tau*``.
     """
-    c = _check("save_cost_s", save_cost_s)
-    m0 = _check("mtbf_s", mtbf_s)
-    r = _check("restart_s", restart_s, positive=False)
-    h = _check("hazard", hazard)
+    c = _check("advise", "save_cost_s", save_cost_s)
+    m0 = _check("advise", "mtbf_s", mtbf_s)
+    r = _check("advise", "restart_s", restart_s, positive=False)
+    h = _check("advise", "hazard", hazard)
+    st = check_opt_float("advise", "step_time_s", step_time_s, 0.0, low_open=True,
+                         high_open=True)
     m = m0 / h
     tau = optimal_interval(c, m)
-    steps = None
-    if step_time_s is not None:
-        st = _check("step_time_s", step_time_s)
-        steps = max(1, int(round(tau / st)))
+    steps = None if st is None else max(1, int(round(tau / st)))
     y = young_interval(c, m)
     n = max(int(curve_points), 2)
     curve = tuple((t, goodput(t, c, m, r)) for t in
@@ -202,10 +199,12 @@ class CadenceAdvisor:
 
     def __init__(self, prior_mtbf_s: float = 24 * 3600.0, restart_s: float = 0.0,
                  step_time_s: float | None = None, open_hazard: float = 4.0) -> None:
-        self.prior_mtbf_s = _check("prior_mtbf_s", prior_mtbf_s)
-        self.restart_s = _check("restart_s", restart_s, positive=False)
-        self.step_time_s = step_time_s
-        self.open_hazard = _check("open_hazard", open_hazard)
+        owner = "CadenceAdvisor"
+        self.prior_mtbf_s = _check(owner, "prior_mtbf_s", prior_mtbf_s)
+        self.restart_s = _check(owner, "restart_s", restart_s, positive=False)
+        self.step_time_s = check_opt_float(owner, "step_time_s", step_time_s, 0.0,
+                                           low_open=True, high_open=True)
+        self.open_hazard = _check(owner, "open_hazard", open_hazard)
         self.saves = 0
         self.save_time = 0.0
         self.failures = 0

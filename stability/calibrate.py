@@ -7,11 +7,15 @@ adopted late in a run, or rebuilt after a restart without its saved state, is bl
 long.  :func:`calibrate` feeds earlier history -- the run's own logs, or a previous run of the
 same recipe -- through every detector bank *without* emitting anything: no alarm reaches the
 policy, no intervention is requested, no event is logged and no handler or alert sink is
-called.  Only the detectors' running statistics, the signal layout they are bound to and the
-recent global gradient norms the policy's context reads change; the policy, the control, the
-checkpoint ledger, the step counter and the counters stay as they were, so the next
-:meth:`~stability.monitor.Monitor.observe` can be any step (a new run starting again at step 0,
-or the restart step of the same run).
+called.  The detectors' running statistics, the signal layout they are bound to and the recent
+global gradient norms the policy's context reads change.  With ``resume=True`` (the default:
+the history is this run's own and the next step continues it -- a restart, a late adoption)
+the policy's LR guard and loss tracker are primed too: the guard knows the last healthy LR and
+the schedule's peak, so a restart that comes back with the wrong LR is an LR fault on its first
+step, and the "measurably worse" test that gates rollbacks and stops has its baseline.  With
+``resume=False`` (a previous run of the same recipe; the next run starts again) the policy is
+left alone.  The control, the checkpoint ledger, the step counter and the counters stay as they
+were, so the next :meth:`~stability.monitor.Monitor.observe` can be any step.
 
 Examples
 --------
@@ -33,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from detectors.validation import param_error
+
 from .monitor_io import table_columns
 
 if TYPE_CHECKING:
@@ -45,15 +51,13 @@ def _batches(data: Any) -> Iterable[Any]:
     if isinstance(data, Mapping) or hasattr(data, "column_names"):
         return [data]
     if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
-        raise TypeError(
-            "calibrate: expected a table (dict of arrays or pyarrow Table) or an iterable of "
-            f"tables; got {type(data).__name__}.  Read a recorded run first "
-            "(replay.io.read_table(path))."
-        )
+        err = param_error("calibrate", "data", "a table (dict of arrays or pyarrow Table) or "
+                          "an iterable of tables", data)
+        raise TypeError(f"{err}  Read a recorded run first (replay.io.read_table(path)).")
     return data
 
 
-def calibrate(monitor: Monitor, data: Any) -> int:
+def calibrate(monitor: Monitor, data: Any, *, resume: bool = True) -> int:
     """Feed ``data`` through every detector bank of ``monitor`` without emitting anything.
 
     Parameters
@@ -64,6 +68,11 @@ def calibrate(monitor: Monitor, data: Any) -> int:
         Earlier history: a wide table (dict of NumPy columns with ``step``, or a pyarrow
         ``Table``; nulls = not logged) or an iterable of such tables, fed in order.  Rows are
         used in the order given; the steps only have to increase within each table.
+    resume
+        The history is this run's own and the next observed step continues it: also prime
+        the policy's LR guard (every finite positive ``lr`` accepted as healthy) and loss
+        tracker (every finite ``loss`` as a quiet step), as a replay of healthy history would
+        leave them.  ``False`` for a previous run of the same recipe: the policy is untouched.
 
     Returns
     -------
@@ -90,8 +99,31 @@ def calibrate(monitor: Monitor, data: Any) -> int:
             det.update_many(*[np.ascontiguousarray(x[:, j, :]) for j in range(x.shape[1])],
                             missing=miss)
         _prime_grad_history(monitor, batch)
+        if resume:
+            _prime_policy(monitor, batch)
         rows += int(steps.size)
     return rows
+
+
+def _prime_policy(monitor: Monitor, batch: Any) -> None:
+    """The LR guard's healthy trajectory, the requested LRs the policy's context reads and the
+    loss tracker, as a replay of the same (healthy) rows would have left them."""
+    ls, lo = int(monitor._lr_slot), int(monitor._loss_slot)
+    if not (ls or lo):
+        return
+    _, vals, pres = monitor._table_slots(*table_columns(batch))
+    policy = monitor.policy
+    guard = policy.guard if policy.config.lr_guard.enabled else None
+    for t in range(vals.shape[0]):
+        if ls and pres[t, ls]:
+            lr = float(vals[t, ls])
+            monitor._lr_prev, monitor._lr_now = monitor._lr_now, lr
+            if guard is not None:
+                guard.prime(lr)
+        if lo and pres[t, lo]:
+            loss = float(vals[t, lo])
+            if np.isfinite(loss):
+                policy.loss.update(loss, quiet=True)
 
 
 def _prime_grad_history(monitor: Monitor, batch: Any) -> None:

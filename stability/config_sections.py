@@ -1,6 +1,10 @@
 """The plain sections of a monitor config: ``[monitor]``, ``[alerts]`` (+ webhook) and
 ``[event_log]``, and the small value checks every config section uses (errors name the key path).
 
+The checks read values with the project's one validation dialect
+(:mod:`detectors.validation`: what counts as an int or a finite float, and the rule text), so a
+config error reads ``"policy.cooldown: must be an int in the range [0, inf); got -1."``.
+
 :mod:`stability.config` assembles them with the detector bindings into a ``MonitorConfig``.
 """
 
@@ -10,6 +14,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from detectors.validation import as_bool, as_float, as_int, float_rule, int_rule, short_repr
 
 from .registry import ConfigError, did_you_mean
 from .types import SEVERITIES
@@ -45,9 +51,10 @@ def _table(v: Any, where: str) -> dict[str, Any]:
 
 
 def _bool(v: Any, where: str) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{where}: must be true or false; got {v!r}.")
-    return v
+    b = as_bool(v)
+    if b is None:
+        raise ConfigError(f"{where}: must be true or false; got {short_repr(v)}.")
+    return b
 
 
 def _str(v: Any, where: str) -> str:
@@ -88,23 +95,20 @@ def _severity(v: Any, where: str) -> str:
 
 def _int(v: Any, where: str, low: int = 1, high: float = math.inf, note: str = "") -> int:
     """An int (``bool`` excluded) in ``[low, high]``; ``note`` is appended to the rule."""
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        rule = f">= {low}" if math.isinf(high) else f"in [{low}, {int(high)}]"
-        raise ConfigError(f"{where}: must be an int {rule}{note}; got {v!r}.")
-    return int(v)
+    i = as_int(v, low, high)
+    if i is None:
+        raise ConfigError(f"{where}: must be {int_rule(low, high)}{note}; got {short_repr(v)}.")
+    return i
 
 
 def _number(v: Any, where: str, low: float, low_open: bool = False,
             high: float = math.inf) -> float:
     """A finite float ``>= low`` (``> low`` with ``low_open``) and ``<= high``."""
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if not ok or v < low or (low_open and v == low) or v > high:
-        if math.isinf(high):
-            rule = f"{'>' if low_open else '>='} {low}"
-        else:
-            rule = f"in {'(' if low_open else '['}{low}, {high}]"
-        raise ConfigError(f"{where}: must be a finite number {rule}; got {v!r}.")
-    return float(v)
+    x = as_float(v, low, high, low_open=low_open, finite=True)
+    if x is None:
+        rule = float_rule(low, high, low_open=low_open, finite=True)
+        raise ConfigError(f"{where}: must be {rule}; got {short_repr(v)}.")
+    return x
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,15 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from detectors.validation import check_bool, check_choice
+
+from .config_sections import FSYNC_MODES
 from .types import Alarm, Intervention
 
 logger = logging.getLogger("stability.events")
+
+#: ``errors`` modes of :func:`iter_events`
+ERRORS_MODES = ("raise", "skip")
 
 #: Intervention types that are always fsynced.
 CRITICAL_TYPES = frozenset({"checkpoint", "rollback", "stop"})
@@ -99,12 +105,9 @@ class EventLog:
 
     def __init__(self, path: str | os.PathLike[str], fsync: str = "critical",
                  strict: bool = False, clock: Any = None) -> None:
-        if fsync not in ("critical", "always", "never"):
-            raise ValueError(f"The 'fsync' parameter of EventLog must be one of critical, always, "
-                             f"never. Got {fsync!r} instead.")
+        self.fsync = check_choice("EventLog", "fsync", fsync, FSYNC_MODES)
+        self.strict = check_bool("EventLog", "strict", strict)
         self.path = os.fspath(path)
-        self.fsync = fsync
-        self.strict = strict
         self.clock = clock or time.time
         self.n_written = 0
         self.n_dropped = 0
@@ -262,8 +265,7 @@ def iter_events(path: str | os.PathLike[str], errors: str = "raise") -> Iterator
     skipped silently.  A bad line elsewhere raises ``ValueError`` (``errors="raise"``) or is
     skipped with a warning (``errors="skip"``).
     """
-    if errors not in ("raise", "skip"):
-        raise ValueError(f"errors must be 'raise' or 'skip'. Got {errors!r} instead.")
+    check_choice("iter_events", "errors", errors, ERRORS_MODES)
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     last = len(lines) - 1
@@ -288,4 +290,4 @@ def iter_events(path: str | os.PathLike[str], errors: str = "raise") -> Iterator
 
 def read_events(path: str | os.PathLike[str], errors: str = "raise") -> list[dict[str, Any]]:
     """All records of an event log (see :func:`iter_events`)."""
-    return list(iter_events(path, errors))
+    return list(iter_events(path, check_choice("read_events", "errors", errors, ERRORS_MODES)))

@@ -53,6 +53,7 @@ In time (a clock we move by hand; a 5 s checkpoint save between steps 2 and 3):
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import threading
 import time
@@ -112,8 +113,11 @@ class GoodputTracker:
         self.time_other = 0.0
         self.wall_time = 0.0
         self.checkpoints = 0
+        self.checkpoint_failures = 0
+        self.batches_skipped = 0
         self.restarts = 0
         self.stalls = 0
+        self._last_dt = 0.0         # the last counted step's time (for mark_skipped)
         self._last_time: float | None = None
         self.last_step: int | None = None
         self._debt = 0.0            # noted time not yet carved out of a step interval
@@ -162,8 +166,33 @@ class GoodputTracker:
         if degraded:
             self.degraded_steps += 1
             self.time_degraded += dt
+        self._last_dt = -1.0 if skipped else dt  # -1: already skipped
         self.last_step = int(step)
         self._history.append((self.last_step, self._cum))
+
+    def update_many(self, steps: Any, *, skipped: bool = False, degraded: bool = False) -> None:
+        """:meth:`update` for each of ``steps`` (increasing ints) in order, in bulk while the
+        clock is off (replay); state and records are those of the loop."""
+        n = len(steps)
+        if self.timing or n == 0:
+            for s in steps:
+                self.update(int(s), skipped=skipped, degraded=degraded)
+            return
+        self._requested = None
+        self.steps += n
+        self.time_total += 0.0
+        if skipped:
+            self.skipped += n
+            self.time_skipped += 0.0
+        else:
+            self._cum += 0.0
+        if degraded:
+            self.degraded_steps += n
+            self.time_degraded += 0.0
+        tail = steps[-HISTORY:]
+        ints = tail.tolist() if hasattr(tail, "tolist") else [int(s) for s in tail]
+        self.last_step = ints[-1]
+        self._history.extend(zip(ints, itertools.repeat(self._cum, len(ints)), strict=True))
 
     def update_from_control(self, step: int, control: Control) -> None:
         """Count one step from the ``Control`` the trainer acted on.
@@ -179,6 +208,21 @@ class GoodputTracker:
                     degraded=control.lr_factor < 1.0 or control.clip_norm is not None)
         if control.rollback_to is not None:
             self.note_rollback(step, control.rollback_to, _requested=True)
+
+    def mark_skipped(self, step: int) -> bool:
+        """The trainer did not apply the update of ``step``, the last counted step, although
+        its ``Control`` did not ask to skip (another rank did): count it as skipped now.
+
+        Returns whether it changed anything (``False`` if already skipped or not the last).
+        """
+        if self.last_step != int(step) or self._last_dt < 0 or not self._history:
+            return False
+        dt, self._last_dt = self._last_dt, -1.0
+        self.skipped += 1
+        self.time_skipped += dt
+        self._cum -= dt
+        self._history[-1] = (self.last_step, self._cum)
+        return True
 
     def cancel_rollback(self, step: int) -> bool:
         """Withdraw the rollback counted from the ``Control`` of ``step`` (the trainer could
@@ -261,6 +305,14 @@ class GoodputTracker:
         self._cum_at_checkpoint = self._cum
         self._note("time_checkpoint", seconds)
 
+    def note_checkpoint_failed(self) -> None:
+        """A checkpoint save failed (training went on)."""
+        self.checkpoint_failures += 1
+
+    def note_batch_skipped(self, n: int = 1) -> None:
+        """``n`` batches were skipped without a step (a rollback asked to skip bad data)."""
+        self.batches_skipped += max(int(n), 0)
+
     def note_restart(self, seconds: float, lost_s: float = 0.0) -> None:
         """A restart / resume took ``seconds``; ``lost_s`` of work since the last checkpoint
         was lost at the failure (both in the ``restart`` bucket).
@@ -330,6 +382,8 @@ class GoodputTracker:
             "rollbacks": self.rollbacks,
             "degraded_steps": self.degraded_steps,
             "checkpoints": self.checkpoints,
+            "checkpoint_failures": self.checkpoint_failures,
+            "batches_skipped": self.batches_skipped,
             "restarts": self.restarts,
             "stalls": self.stalls,
             "goodput": None if not self.steps else self.fraction,
@@ -358,6 +412,8 @@ class GoodputTracker:
                 "time_restart": self.time_restart, "time_stall": self.time_stall,
                 "time_other": self.time_other, "wall_time": self.wall_time + self._debt,
                 "checkpoints": self.checkpoints, "restarts": self.restarts,
+                "checkpoint_failures": self.checkpoint_failures,
+                "batches_skipped": self.batches_skipped,
                 "stalls": self.stalls, "cum": self._cum,
                 "cum_at_checkpoint": self._cum_at_checkpoint}
 
@@ -373,7 +429,7 @@ class GoodputTracker:
         vals: dict[str, Any] = {
             k: f.integer(k, f.get(k, 0), lo=0)
             for k in ("steps", "skipped", "lost", "rollbacks", "degraded_steps", "checkpoints",
-                      "restarts", "stalls")}
+                      "restarts", "stalls", "checkpoint_failures", "batches_skipped")}
         for k in ("time_total", "time_degraded", "time_skipped", "time_lost", "time_restore",
                   "time_checkpoint", "time_restart", "time_stall", "time_other"):
             vals[k] = f.number(k, f.get(k, 0.0), lo=0.0)
@@ -390,6 +446,7 @@ class GoodputTracker:
         self._debt = 0.0
         self._history.clear()
         self._requested = None
+        self._last_dt = -1.0
 
     def __repr__(self) -> str:
         return (f"GoodputTracker(steps={self.steps}, productive={self.productive}, "

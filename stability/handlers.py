@@ -42,6 +42,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from detectors.validation import check_bool, check_int, check_opt_float, param_error
+
 from .types import Alarm, Intervention
 
 logger = logging.getLogger("stability.handlers")
@@ -147,14 +149,15 @@ class HandlerRegistry:
 
     def __init__(self, strict: bool = False, timeout: float | None = None,
                  max_errors_kept: int = 100) -> None:
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"The 'timeout' parameter of HandlerRegistry must be > 0 or None. "
-                             f"Got {timeout!r} instead.")
-        self.strict = strict
-        self.timeout = timeout
+        owner = "HandlerRegistry"
+        self.strict = check_bool(owner, "strict", strict)
+        # finite: an Event.wait(inf) raises OverflowError (None means no limit)
+        self.timeout = check_opt_float(owner, "timeout", timeout, 0.0, low_open=True,
+                                       high_open=True)
         self.alarm_handlers: list[Callable[[Alarm], Any]] = []
         self.intervention_handlers: list[Callable[[Intervention], Any]] = []
-        self.errors: deque[tuple[str, Any, str]] = deque(maxlen=max_errors_kept)
+        self.errors: deque[tuple[str, Any, str]] = deque(
+            maxlen=check_int(owner, "max_errors_kept", max_errors_kept, 0))
         self.n_errors = 0
         self.n_dropped = 0
         self.dropped: Counter[str] = Counter()
@@ -167,14 +170,15 @@ class HandlerRegistry:
     def on_alarm(self, fn: F) -> F:
         """Register ``fn(alarm)``; usable as a decorator."""
         if not callable(fn):
-            raise TypeError(f"on_alarm handler must be callable. Got {fn!r}.")
+            raise TypeError(str(param_error("HandlerRegistry.on_alarm", "fn", "a callable", fn)))
         self.alarm_handlers.append(fn)
         return fn
 
     def on_intervention(self, fn: F) -> F:
         """Register ``fn(intervention)``; usable as a decorator."""
         if not callable(fn):
-            raise TypeError(f"on_intervention handler must be callable. Got {fn!r}.")
+            raise TypeError(str(param_error("HandlerRegistry.on_intervention", "fn", "a callable",
+                                            fn)))
         self.intervention_handlers.append(fn)
         return fn
 

@@ -26,6 +26,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+from numba import njit
+
 from ._state_check import Fields
 
 
@@ -63,6 +66,37 @@ class LossTracker:
             self.base = x if math.isnan(self.base) else self.base + self.base_alpha * (
                 x - self.base)
 
+    def update_many(self, losses: Any, quiet: Any, probe: Any = None) -> Any:
+        """:meth:`update` for each ``losses[k]`` (floats) with ``quiet[k]``, in order.
+
+        The logs come from :func:`math.log` as in :meth:`update` and the two running means
+        from a Numba loop doing the same IEEE operations in the same order, so the state is
+        the loop's bit for bit.  ``probe``: increasing indices into ``losses``; returns
+        :attr:`fast` as it was just before each of them (``None`` without ``probe``).
+
+        >>> a, b = LossTracker(), LossTracker()
+        >>> for v, q in [(2.0, True), (float("nan"), True), (1.5, False)]:
+        ...     a.update(v, q)
+        >>> b.update_many([2.0, float("nan"), 1.5], [True, True, False])
+        >>> (a.fast, a.base, a.nonfinite_run) == (b.fast, b.base, b.nonfinite_run)
+        True
+        """
+        v = np.asarray(losses, dtype=np.float64)
+        fin = np.isfinite(v)
+        last = np.flatnonzero(fin)
+        if last.size == 0:
+            self.nonfinite_run += int(v.size)
+        else:  # the non-finite losses after the last finite one
+            self.nonfinite_run = int(v.size - 1 - last[-1])
+        use = np.flatnonzero(fin & (v > 0.0))
+        x = np.fromiter(map(math.log, v[use].tolist()), dtype=np.float64, count=use.size)
+        q = np.asarray(quiet, dtype=np.bool_)[use]
+        marks = np.searchsorted(use, np.asarray([] if probe is None else probe, dtype=np.int64))
+        at = np.empty(marks.size)
+        self.fast, self.base = _ew_logs(x, q, self.fast, self.base, self.fast_alpha,
+                                        self.base_alpha, marks, at)
+        return None if probe is None else at
+
     def worse(self, margin: float) -> bool | None:
         """Recent loss above the baseline by more than ``margin`` (relative), or not finite.
 
@@ -90,6 +124,25 @@ class LossTracker:
 def _enc(v: float) -> float | str:
     """JSON-safe float (non-finite as a string, read back by ``float``)."""
     return v if math.isfinite(v) else str(v)
+
+
+@njit(cache=True, error_model="numpy")
+def _ew_logs(x, quiet, fast, base, fast_alpha, base_alpha, marks, at):  # type: ignore[no-untyped-def]
+    """The running means of :meth:`LossTracker.update` over the logs ``x`` (no fastmath: the
+    operations are those of the Python code); ``at[m]`` = ``fast`` before ``x[marks[m]]``."""
+    m = 0
+    for k in range(x.shape[0]):
+        while m < marks.shape[0] and marks[m] <= k:
+            at[m] = fast
+            m += 1
+        y = x[k]
+        fast = y if fast != fast else fast + fast_alpha * (y - fast)
+        if quiet[k]:
+            base = y if base != base else base + base_alpha * (y - base)
+    while m < marks.shape[0]:
+        at[m] = fast
+        m += 1
+    return fast, base
 
 
 class ValTracker:

@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ._state_check import Fields
 
 STATE_VERSION = 1
@@ -151,6 +153,58 @@ class LRGuard:
         self._healthy(lr)
         return self.factor
 
+    def observe_healthy(self, lrs: Any) -> int:
+        """:meth:`observe` for each of ``lrs`` in order while the LR stays in its band.
+
+        Stops before the first LR that would start a fault (left to :meth:`observe`) and
+        returns how many LRs were taken; takes none while a fault is open or before the guard
+        is primed.  The state afterwards equals that of an :meth:`observe` loop over them.
+
+        >>> a, b = LRGuard(), LRGuard()
+        >>> lrs = [1e-4 * (s + 1) for s in range(8)] + [1e-3] * 20 + [3e-2, 1e-3]
+        >>> _ = a.observe(0, lrs[0]); _ = b.observe(0, lrs[0])
+        >>> k = b.observe_healthy(np.asarray(lrs[1:]))
+        >>> for s, lr in enumerate(lrs[1:k + 1], 1):
+        ...     _ = a.observe(s, lr)
+        >>> k, lrs[k + 1], a.state_dict() == b.state_dict()
+        (27, 0.03, True)
+        """
+        lv = np.asarray(lrs, dtype=np.float64)
+        if self.active or not self.primed or lv.size == 0:
+            return 0
+        c = self.config
+        valid = np.isfinite(lv) & (lv > 0.0)  # others are ignored by observe()
+        pos = np.flatnonzero(valid)
+        x = lv[pos]
+        m = x.size
+        if m == 0:
+            return int(lv.size)
+        # the state before each valid LR, were every earlier one healthy
+        ref_b = np.concatenate(([self.ref], x[:-1]))
+        n_b = self.n + np.arange(m)
+        peak_a = np.fmax.accumulate(np.concatenate(([self.peak], x)))[1:]
+        peak_b = np.concatenate(([self.peak], peak_a[:-1]))
+        new_peak = ~np.isfinite(peak_b) | (x > peak_b)
+        last = np.maximum.accumulate(np.where(new_peak, np.arange(m), -1))
+        since_a = np.where(last >= 0, np.arange(m) - last, self.since_peak + np.arange(1, m + 1))
+        warm_a = self.warm | np.logical_or.accumulate(since_a >= c.settle)
+        warm_b = np.concatenate(([self.warm], warm_a[:-1]))
+        hi = np.fmax(ref_b, peak_b) if c.allow_restarts else ref_b
+        with np.errstate(invalid="ignore", over="ignore"):
+            up = np.where(warm_b, hi * c.tolerance, ref_b * c.warmup_jump)
+        up[(n_b < c.min_steps) | ~np.isfinite(ref_b)] = np.inf
+        bad = np.flatnonzero(x > up)
+        k = int(bad[0]) if bad.size else m
+        if k:
+            j = k - 1
+            self.n += k
+            self.ref = self.last_lr = float(x[j])
+            self.peak = float(peak_a[j])
+            self.since_peak = int(since_a[j])
+            self.warm = bool(warm_a[j])
+            self.factor = 1.0
+        return int(pos[k]) if k < m else int(lv.size)
+
     def _healthy(self, lr: float) -> None:
         self.n += 1
         self.ref = lr
@@ -162,6 +216,20 @@ class LRGuard:
             if self.since_peak >= self.config.settle:
                 self.warm = True
         self.factor = 1.0
+
+    def prime(self, lr: float) -> None:
+        """Accept ``lr`` as a healthy LR of the trajectory without judging it.
+
+        For calibration on earlier, healthy history (:func:`stability.calibrate.calibrate`):
+        the guard ends where a replay of the same LRs would have left it.  Non-finite or
+        non-positive LRs are ignored.
+        """
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0.0):
+            return
+        self.last_lr = float(lr)
+        self.primed = True
+        self.active, self.onset, self.inv_r0 = False, -1, 1.0
+        self._healthy(float(lr))
 
     def rewind(self) -> None:
         """The trainer restored an earlier state: re-prime the reference from the next LR."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from detectors.validation import choice_rule, param_error
+
 RAMP_SHAPES = ("linear", "cosine", "step")
 
 
@@ -60,7 +62,7 @@ def lr_factor_at(
     elif shape == "step":
         return factor
     else:
-        raise ValueError(f"Unknown ramp shape {shape!r}; expected one of {RAMP_SHAPES}.")
+        raise param_error("lr_factor_at", "shape", choice_rule(RAMP_SHAPES), shape)
     return factor + (1.0 - factor) * w
 
 

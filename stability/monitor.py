@@ -1,10 +1,9 @@
 """The monitor: metrics in, alarms + interventions + :class:`~stability.types.Control` out.
 
 One :class:`Monitor` holds one detector bank per ``[[detectors]]`` binding of its config.  Each
-``observe()`` writes the step's values into a slot vector, gathers every binding's
-``(1, n_inputs, n_series)`` input in one Numba call and makes ONE kernel call per binding
-(``update_array``); :meth:`Monitor.replay` runs each bank's ``update_many`` once over a whole
-recorded run and gives identical decisions.
+``observe()`` writes the step's values into a slot vector and makes ONE Numba call that gathers
+every bank's input and updates every bank (:mod:`stability.monitor_fused`); :meth:`Monitor.replay`
+runs each bank's ``update_many`` once over a whole recorded run: identical decisions.
 
 Input handling (documented policy, all tested):
 
@@ -59,12 +58,13 @@ from typing import Any
 
 import numpy as np
 
-from detectors.dispatch import call
+from detectors.dispatch import compiling
 
-from .binding import Aliases, gather_step
+from .binding import Aliases
 from .checkpoints import CheckpointLedger
 from .config import ConfigSource, MonitorConfig, load_config
 from .goodput import GoodputTracker
+from .monitor_fused import fused_step, reference_step
 from .monitor_layout import MAX_STEP, _Binding
 from .monitor_replay import ReplayMixin
 from .monitor_state import GRAD_HISTORY, STATE_VERSION, StateMixin
@@ -97,7 +97,6 @@ def _decision(step: int, alarms: tuple[Alarm, ...], ivs: tuple[Intervention, ...
     d.__dict__.update(step=step, alarms=alarms, interventions=ivs, control=control,
                       skipped=skipped)
     return d
-
 
 
 class Monitor(ReplayMixin, StateMixin):
@@ -220,13 +219,13 @@ class Monitor(ReplayMixin, StateMixin):
         """Accept steps after ``step`` again (the trainer resumed from an earlier checkpoint).
 
         Detector statistics are kept (load a saved :meth:`state_dict` to restore them too),
-        except those of step-to-step *jump* detectors (``lr_jump`` on the LR or the weight
-        norm): a restore legitimately moves the LR and the weights back, which is not a jump.
+        except those of step-to-step *jump* detectors (``lr_jump``, ``coherent_jump``): a
+        restore legitimately moves the LR, the weights and their gradients back.
         """
         self.last_step = int(step)
         self.policy.guard.rewind()  # the scheduler went back too: not an LR jump
         for b in self._bindings:
-            if b.spec.detector == "lr_jump":
+            if b.spec.detector in ("lr_jump", "coherent_jump"):
                 b.det.reset()
                 self._dirty = True  # reset() reallocates the arrays the fast path is bound to
 
@@ -258,13 +257,13 @@ class Monitor(ReplayMixin, StateMixin):
                 st = int(step) if isinstance(step, (int, np.integer)) else -1
                 return _decision(st, (), (), self._snapshot(), tuple(skipped))
         if metrics is not None:
-            if isinstance(metrics, Mapping):
+            if type(metrics) is dict or isinstance(metrics, Mapping):
                 if metrics:
                     self._fill(metrics, skipped)
             else:
                 self._bad(f"metrics: expected a mapping; got {type(metrics).__name__}", skipped)
         if families is not None:
-            if isinstance(families, Mapping):
+            if type(families) is dict or isinstance(families, Mapping):
                 if families:
                     self._fill_families(families, skipped)
             else:
@@ -272,16 +271,20 @@ class Monitor(ReplayMixin, StateMixin):
                           f"{type(families).__name__}", skipped)
         if self._dirty:
             self._relayout()
-        g = self._grad_slot
-        gnow = float(self._vals[g]) if g and self._present[g] else None
-        tivs = self._track(s, self._vals, self._present)  # before gather_step clears them
-        plan = self._gather
-        call(gather_step, self._vals, self._present, *plan)  # interpreted until compiled
-        for update, x, m in self._active_calls(plan.active):
-            update(x, m)
+        fused = self._fused  # capture + gather + every bank + alarm count: one native call
+        if fused:
+            n_alarms = fused_step(self._vals, self._present, *fused.args)
+        else:
+            n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
+                                      self._tslots, self._tracked)
+            if self._fused_wait and not compiling():  # the background compiler is done:
+                self._dirty = True  # the next step builds the fused plan
+        g, lr, loss, val, g_on, lr_on, loss_on, val_on = self._tracked.tolist()
+        tivs = self._track_values(s, lr if lr_on else None, loss if loss_on else None,
+                                  val if val_on else None)
         self.last_step = s
-        return self._finish_step(s, self._live_rows() if np.count_nonzero(plan.alarms) else None,
-                                 gnow, tivs, tuple(skipped) if skipped else ())
+        return self._finish_step(s, self._live_rows() if n_alarms else None,
+                                 g if g_on else None, tivs, tuple(skipped) if skipped else ())
 
     def _finish_step(self, s: int, rows: list[tuple[_Binding, Any, Any]] | None,
                      gnow: float | None, tivs: tuple[Intervention, ...],
@@ -403,14 +406,18 @@ class Monitor(ReplayMixin, StateMixin):
         return ()
 
     def _track(self, s: int, vals: np.ndarray, present: np.ndarray) -> tuple[Intervention, ...]:
-        """Hand the step's requested LR and loss to the policy (LR guard, loss tracker)."""
+        """:meth:`_track_values` of the step's slot values (replay's per-step path)."""
         ls, lo, vs = self._lr_slot, self._loss_slot, self._val_slot
-        lr = float(vals[ls]) if ls and present[ls] else None
-        loss = float(vals[lo]) if lo and present[lo] else None
-        val = float(vals[vs]) if vs and present[vs] else None
+        return self._track_values(s, float(vals[ls]) if ls and present[ls] else None,
+                                  float(vals[lo]) if lo and present[lo] else None,
+                                  float(vals[vs]) if vs and present[vs] else None)
+
+    def _track_values(self, s: int, lr: float | None, loss: float | None, val: float | None
+                      ) -> tuple[Intervention, ...]:
+        """Hand the step's requested LR and loss to the policy (LR guard, loss tracker)."""
         if lr is not None:
             self._lr_prev, self._lr_now = self._lr_now, lr
-        if lr is None and loss is None and val is None:
+        elif loss is None and val is None:
             return ()
         guard = self.policy.guard
         was = guard.active
@@ -507,11 +514,10 @@ class Monitor(ReplayMixin, StateMixin):
         return (f"Monitor(bindings={[b.name for b in self._bindings]}, "
                 f"signals={len(self._slot_names) - 2}, last_step={self.last_step})")
 
-    def calibrate(self, data: Any) -> int:
-        """Prime every detector from earlier history without alarming or acting; returns the
-        number of rows fed (see :func:`stability.calibrate.calibrate`)."""
+    def calibrate(self, data: Any, *, resume: bool = True) -> int:
+        """Prime from earlier history without acting (:func:`stability.calibrate.calibrate`)."""
         from .calibrate import calibrate
-        return calibrate(self, data)
+        return calibrate(self, data, resume=resume)
 
 
 def _as_list(x: Any) -> list[Any]:

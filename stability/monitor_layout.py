@@ -22,8 +22,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from detectors.dispatch import compiling
+
 from .binding import Aliases, Pattern, empty_buffers
 from .config import DetectorSpec
+from .monitor_fused import N_TRACKED, FusedPlan, build_fused_plan, step_buffers
 from .monitor_io import to_float
 from .registry import make_detector
 from .types import Alarm
@@ -37,6 +40,7 @@ MAX_STEP = 2**53 - 1
 _ABSENT, _SCRATCH = 0, 1
 _CAPPED = -2  # _lookup: a name every matching bank refused (series cap)
 _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
+_NO_PLAN: Any = object()
 #: value types the fast path converts with ``array("d", ...)`` (real numbers, no ``__float__``
 #: surprises: NumPy complex would silently lose its imaginary part there)
 _PLAIN = frozenset({float, int, bool, np.float64, np.float32, np.float16, np.int64, np.int32,
@@ -50,6 +54,17 @@ class KeyPlan(NamedTuple):
     slots: np.ndarray
     valid: bool              # every key is a valid name
     block: slice | None      # the slots form this contiguous range
+    ones: bytes              # one 0x01 byte per key: "present" for the block
+
+
+class FamilyPlan(NamedTuple):
+    """Families given together that fill one contiguous slot block ``[lo, hi)``."""
+
+    lo: int
+    hi: int
+    shapes: list[tuple[int]]
+    spans: list[slice]       # each family's part of the block
+    ones: bytes              # ``hi - lo`` bytes 0x01: "present" for the block
 
 
 class Family(NamedTuple):
@@ -130,6 +145,10 @@ class LayoutMixin:
     _capped_banks: set[str]
     _gather: GatherPlan
     _calls: list[tuple[Any, Any, Any]]
+    _fused: FusedPlan | None
+    _fused_wait: bool  # no fused plan yet: kernels compile in the background
+    _tslots: np.ndarray
+    _tracked: np.ndarray
 
     last_step: int
 
@@ -139,16 +158,27 @@ class LayoutMixin:
         self._cache: dict[Any, int] = {}
         self.unbound: set[str] = set()
         self._families: dict[str, Family] = {}
-        self._fam_plans: dict[tuple[str, ...], tuple[int, int, list[tuple[int]]] | None] = {}
-        self._vals, self._present = empty_buffers(64)
+        self._fam_plans: dict[tuple[str, ...], FamilyPlan | None] = {}
+        self._set_slot_buffers(*empty_buffers(64))
         # the two most recent key layouts of ``metrics`` (e.g. with and without val_loss)
         self._key_plans: list[KeyPlan] = []
         self._dirty = True
-        self._call_sets: dict[bytes, list[tuple[Any, Any, Any]]] = {}
+        self._fused = None
+        self._fused_wait = False
+        self._tslots = np.zeros(N_TRACKED, dtype=np.int64)  # grad_norm, lr, loss, val_loss
+        self._tracked = np.zeros(2 * N_TRACKED)  # ... their values and presence (capture)
         self._grad_slot = 0
         self._lr_slot = 0
         self._loss_slot = 0
         self._val_slot = 0
+
+    def _set_slot_buffers(self, vals: np.ndarray, present: np.ndarray) -> None:
+        """Install the slot vector and presence mask, and the raw views the fast fills write
+        through (a memoryview slice assignment is a checked ``memcpy``: it refuses another
+        format or shape instead of converting)."""
+        self._vals, self._present = vals, present
+        self._vals_mv = memoryview(vals)  # type: ignore[arg-type]
+        self._present_mv = memoryview(present.view(np.uint8))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public helpers
     @property
@@ -218,7 +248,7 @@ class LayoutMixin:
             vals, present = empty_buffers(2 * s)
             vals[: s] = self._vals
             present[: s] = self._present
-            self._vals, self._present = vals, present
+            self._set_slot_buffers(vals, present)
         for b, j, key in hits:
             i = b.key_index.get(key)
             if i is None:
@@ -262,15 +292,14 @@ class LayoutMixin:
     def _relayout(self) -> None:
         bs = self._bindings
         sizes = [b.n_inputs * len(b.keys) for b in bs]
-        boff = np.zeros(len(bs) + 1, dtype=np.int64)
-        soff = np.zeros(len(bs) + 1, dtype=np.int64)
+        counts = [len(b.keys) for b in bs]
+        sb = step_buffers(len(bs), sum(sizes), sum(counts))
+        boff, soff = sb.boff, sb.soff
         boff[1:] = np.cumsum(sizes)
-        soff[1:] = np.cumsum([len(b.keys) for b in bs])
-        gidx = np.zeros(int(boff[-1]), dtype=np.int64)
-        x_all = np.zeros(int(boff[-1]))
-        m_all = np.ones(int(boff[-1]), dtype=np.bool_)
-        s_all = np.full(int(soff[-1]), np.nan)
-        a_all = np.zeros(int(soff[-1]), dtype=np.bool_)
+        soff[1:] = np.cumsum(counts)
+        gidx, x_all, m_all, s_all, a_all = sb.gidx, sb.X, sb.M, sb.S, sb.A
+        m_all[:] = True
+        s_all[:] = np.nan
         calls = []
         for k, b in enumerate(bs):
             n, lo, hi = len(b.keys), int(boff[k]), int(boff[k + 1])
@@ -286,20 +315,15 @@ class LayoutMixin:
             b.alarms = a_all[so:se].reshape(1, n)
             b.det.bind_outputs(b.scores, b.alarms)
             calls.append((b.det.update_array, b.inputs, b.missing))
-        self._gather = GatherPlan(gidx, boff, soff, x_all, m_all, s_all, a_all,
-                                  np.zeros(len(bs), dtype=np.bool_))
+        self._gather = GatherPlan(gidx, boff, soff, x_all, m_all, s_all, a_all, sb.active)
         self._calls = calls
-        self._call_sets = {}
+        sb.tslots[:] = (self._grad_slot, self._lr_slot, self._loss_slot, self._val_slot)
+        self._tslots, self._tracked = sb.tslots, sb.tracked
+        # one native call per step (gather + banks + alarm count); None: the plain path
+        self._fused = build_fused_plan(sb, [b.det for b in bs], [b.n_inputs for b in bs],
+                                       counts)
+        self._fused_wait = self._fused is None and compiling()  # kernels compile aside
         self._dirty = False
-
-    def _active_calls(self, active: np.ndarray) -> list[tuple[Any, Any, Any]]:
-        """The bank updates of the bindings flagged in ``active`` (cached per pattern)."""
-        key = active.tobytes()
-        calls = self._call_sets.get(key)
-        if calls is None:
-            calls = [c for c, on in zip(self._calls, active.tolist(), strict=True) if on]
-            self._call_sets[key] = calls
-        return calls
 
     def _live_rows(self) -> list[tuple[_Binding, Any, Any]]:
         """``(binding, scores, alarms)`` of the step just gathered, for :meth:`_make_alarms`."""
@@ -347,23 +371,26 @@ class LayoutMixin:
         n = len(slots)
         rng = (slice(slots[0], slots[0] + n) if n and ok and
                slots == list(range(slots[0], slots[0] + n)) else None)
-        plan = KeyPlan(keys, np.array(slots, dtype=np.int64), ok, rng)
+        plan = KeyPlan(keys, np.array(slots, dtype=np.int64), ok, rng, b"\x01" * n)
         self._key_plans = [plan] + plans[:1]
         return plan
 
     def _fill(self, metrics: Mapping[Any, Any], skipped: list[str]) -> None:
-        keys, slots, ok, rng = self._key_plan(metrics)
+        keys, slots, ok, rng, ones = self._key_plan(metrics)
         vals, present = self._vals, self._present
         values = list(metrics.values())
         if ok and _PLAIN.issuperset(map(type, values)):
             try:  # fast path: plain Python / NumPy real numbers only
-                buf = np.frombuffer(array("d", values), dtype=np.float64)
+                buf = array("d", values)
             except (TypeError, ValueError, OverflowError):
                 pass
             else:
-                idx = rng if rng is not None else slots
-                vals[idx] = buf
-                present[idx] = True
+                if rng is not None:
+                    self._vals_mv[rng] = buf
+                    self._present_mv[rng] = ones
+                else:
+                    vals[slots] = np.frombuffer(buf, dtype=np.float64)
+                    present[slots] = True
                 return
         for k, v, s in zip(keys, values, slots.tolist(), strict=True):
             if s == _SCRATCH or v is None:
@@ -380,10 +407,10 @@ class LayoutMixin:
             vals[s] = x
             present[s] = True
 
-    def _fam_plan(self, names: tuple[str, ...]) -> tuple[int, int, list[tuple[int]]] | None:
-        """``(lo, hi, shapes)`` when the families ``names`` fill one contiguous slot block."""
+    def _fam_plan(self, names: tuple[str, ...]) -> FamilyPlan | None:
+        """The :class:`FamilyPlan` when the families ``names`` fill one contiguous slot block."""
         lo = hi = -1
-        shapes = []
+        shapes, spans = [], []
         for name in names:
             fam = self._families.get(name)
             if fam is None or fam.block is None or (hi >= 0 and fam.block.start != hi):
@@ -392,26 +419,33 @@ class LayoutMixin:
                 lo = fam.block.start
             hi = fam.block.stop
             shapes.append((len(fam.layers),))
-        return (lo, hi, shapes) if lo >= 0 else None
+            spans.append(fam.block)
+        return FamilyPlan(lo, hi, shapes, spans, b"\x01" * (hi - lo)) if lo >= 0 else None
 
     def _fill_families_fast(self, families: Mapping[str, Any]) -> bool:
-        """All given families at once (one ``concatenate`` into the slot vector) if possible."""
+        """All given families at once if they fill one contiguous block: float64 arrays of the
+        declared shapes are copied straight in (memoryview), others converted by one
+        ``concatenate``; ``False``: use the checked path."""
         names = tuple(families)
-        if names in self._fam_plans:
-            plan = self._fam_plans[names]
-        else:
+        plan = self._fam_plans.get(names, _NO_PLAN)
+        if plan is _NO_PLAN:
             plan = self._fam_plans[names] = self._fam_plan(names)
         if plan is None:
             return False
-        lo, hi, shapes = plan
-        arrs = tuple(families.values())
-        try:
-            if [a.shape for a in arrs] != shapes:
+        lo, hi, shapes, spans, ones = plan
+        vmv = self._vals_mv
+        try:  # the exact format and shape, or an exception (nothing half-written is used)
+            for sl, a in zip(spans, families.values(), strict=True):
+                vmv[sl] = a
+        except Exception:  # e.g. float32, a list, a torch tensor: convert
+            arrs = tuple(families.values())
+            try:
+                if [a.shape for a in arrs] != shapes:
+                    return False
+                np.concatenate(arrs, out=self._vals[lo:hi], casting="same_kind")
+            except Exception:  # anything unusual goes through the checked path
                 return False
-            np.concatenate(arrs, out=self._vals[lo:hi], casting="same_kind")
-        except Exception:  # anything unusual goes through the checked path
-            return False
-        self._present[lo:hi] = True
+        self._present_mv[lo:hi] = ones
         return True
 
     def _fill_families(self, families: Mapping[str, Any], skipped: list[str]) -> None:

@@ -1,24 +1,159 @@
 """Batch replay of a recorded run through the monitor (the replay half of
 :class:`stability.monitor.Monitor`, a mixin).
 
-Each bank runs ``update_many`` once over the whole table; the per-step tail (alarms, policy,
-goodput, decision, event log) is :meth:`Monitor._finish_step`, the same method
-:meth:`~stability.monitor.Monitor.observe` ends with, so a replay gives the decisions of a
-step-by-step ``observe()`` loop bit for bit.
+The table is decoded column by column straight from its buffers (Arrow tables are read by duck
+typing: float64 data as zero-copy views, validity bitmaps unpacked into present masks; the
+runtime never imports pyarrow), then processed in chunks of rows: each bank gets its
+``(rows, n_inputs, n_series)`` input in one copy per value and runs its batch kernel once per
+chunk.  The per-step tail (alarms, policy, goodput, decision, event log) is
+:meth:`Monitor._finish_step`, the same method :meth:`~stability.monitor.Monitor.observe` ends
+with, so a replay gives the decisions of a step-by-step ``observe()`` loop bit for bit.  Steps
+on which nothing happens -- no alarm, no policy in force, no LR/loss to follow -- skip that tail:
+they are counted in bulk (goodput ledger, counters, gradient history) and their decisions are
+built only when read (:class:`Decisions`).
 """
 
 from __future__ import annotations
 
+import gc
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .monitor_io import is_table, table_columns
+from .decisions import Decisions
+from .monitor_io import _ARROW_NUMERIC, is_table, table_columns
 from .monitor_layout import _SCRATCH, MAX_STEP, LayoutMixin, _Binding
 from .types import Control, Decision, Intervention
 
-__all__ = ["ReplayMixin"]
+__all__ = ["Decisions", "ReplayMixin"]
+
+#: values per replay chunk (rows per chunk = this / bound signals, at least 1024): the banks'
+#: inputs and outputs of one chunk stay in cache and memory stays bounded on long runs
+CHUNK_VALUES = 1 << 20
+
+#: a decoded column: float64 values (a read-only view where possible; undefined where not
+#: present) and the present mask (``None``: present on every row)
+_Column = tuple[np.ndarray, "np.ndarray | None"]
+
+
+# ---------------------------------------------------------------------------- decoding
+def _arrow_array(arr: Any) -> _Column:
+    """Values and present mask of one Arrow array (duck-typed; float64 data zero-copy)."""
+    n = len(arr)
+    if n == 0:
+        return np.zeros(0), None
+    if str(arr.type) != "double":
+        arr = arr.cast("float64")
+    bufs = arr.buffers()
+    off = int(arr.offset)
+    vals = np.frombuffer(bufs[1], dtype=np.float64, count=off + n)[off:]
+    if not arr.null_count:
+        return vals, None
+    bits = np.unpackbits(np.frombuffer(bufs[0], dtype=np.uint8), count=off + n,
+                         bitorder="little")[off:]
+    return vals, bits.view(np.bool_)
+
+
+def _arrow_column(col: Any) -> _Column:
+    chunks = getattr(col, "chunks", None)
+    if chunks is not None:  # a ChunkedArray (Table column)
+        col = chunks[0] if len(chunks) == 1 else col.combine_chunks()
+    return _arrow_array(col)
+
+
+def _decode(data: Any) -> tuple[np.ndarray, list[tuple[str, _Column]]]:
+    """``(steps, [(name, (values, present)), ...])`` of a table (see
+    :func:`stability.monitor_io.table_columns` for what is accepted and what counts as missing).
+    """
+    if not (type(data).__module__.startswith("pyarrow") and hasattr(data, "column_names")):
+        steps, cols = table_columns(data)
+        return steps, [(n, (v, None if p.all() else p)) for n, v, p in cols]
+    names = list(data.column_names)
+    if "step" not in names:
+        raise ValueError("replay: the table has no 'step' column.")
+    scol = data.column(names.index("step"))
+    if scol.null_count:
+        raise ValueError("replay: the 'step' column contains nulls.")
+    # the step checks and conversions of table_columns, on the step column alone
+    steps, _ = table_columns({"step": np.asarray(scol.to_numpy(zero_copy_only=False))})
+    out = []
+    for k, name in enumerate(names):
+        if name == "step":
+            continue
+        col = data.column(k)
+        if str(col.type) in _ARROW_NUMERIC:
+            out.append((str(name), _arrow_column(col)))
+    return steps, out
+
+
+def _merge(a: _Column, b: _Column) -> _Column:
+    """Two columns bound to one slot: ``b`` wins where present (as a later metric would)."""
+    va, pa_ = a
+    vb, pb = b
+    if pb is None:
+        return vb, None
+    vals = np.where(pb, vb, va)
+    return vals, (None if pa_ is None else pa_ | pb)
+
+
+# ---------------------------------------------------------------------------- replay
+class _Decided:
+    """The decisions of one replayed table, and the quiet steps not yet counted."""
+
+    def __init__(self, mon: ReplayMixin, steps: np.ndarray) -> None:
+        self.mon = mon
+        self.steps = steps
+        self.explicit: dict[int, Decision] = {}
+        self.starts: list[int] = []
+        self.ctrls: list[Control] = []
+        self.pending: list[list[Any]] = []  # [first row, end row, control snapshot]
+
+    def quiet(self, a: int, b: int, snap: Control) -> None:
+        if not self.ctrls or self.ctrls[-1] is not snap:
+            self.starts.append(a)
+            self.ctrls.append(snap)
+        pend = self.pending
+        if pend and pend[-1][1] == a and pend[-1][2] is snap:
+            pend[-1][1] = b
+        else:
+            pend.append([a, b, snap])
+
+    def flush(self) -> None:
+        """Count the pending quiet steps (goodput ledger, step counter, goodput records)."""
+        mon = self.mon
+        counters = mon.counters
+        every = mon.goodput_every if mon.event_log is not None else 0
+        for a, b, snap in self.pending:
+            c0 = counters["steps"]
+            start = a
+            if every:
+                k = every - c0 % every
+                while a + k <= b:
+                    self._count(start, a + k, snap)
+                    counters["steps"] = c0 + k
+                    mon._log_goodput()
+                    start = a + k
+                    k += every
+            self._count(start, b, snap)
+            counters["steps"] = c0 + (b - a)
+        self.pending = []
+
+    def _count(self, a: int, b: int, snap: Control) -> None:
+        if b <= a:
+            return
+        gp = self.mon.goodput
+        if snap.rollback_to is not None:
+            for s in self.steps[a:b].tolist():
+                gp.update_from_control(s, snap)
+            return
+        gp.update_many(self.steps[a:b], skipped=snap.skip_step,
+                       degraded=snap.lr_factor < 1.0 or snap.clip_norm is not None)
+
+    def result(self) -> Decisions:
+        self.flush()
+        return Decisions(self.steps, self.explicit, self.starts, self.ctrls)
 
 
 class ReplayMixin(LayoutMixin):
@@ -26,8 +161,21 @@ class ReplayMixin(LayoutMixin):
 
     last_step: int
     control: Control
+    goodput: Any
+    goodput_every: int
+    event_log: Any
     _ctrl_dirty: bool
+    _policy_dirty: bool
     _snap: Control | None
+    _grad_hist: Any
+    _grad_last: float | None
+    _grad_slot: int
+    _lr_slot: int
+    _loss_slot: int
+    _val_slot: int
+    _lr_now: float | None
+    _lr_prev: float | None
+    policy: Any
 
     if TYPE_CHECKING:
         def observe(self, step: int, metrics: Mapping[str, Any] | None = None,
@@ -40,17 +188,24 @@ class ReplayMixin(LayoutMixin):
                          gnow: float | None, tivs: tuple[Intervention, ...],
                          skipped: tuple[str, ...]) -> Decision: ...
 
-    def replay(self, data: Any) -> list[Decision]:
+        def _snapshot(self) -> Control: ...
+
+        def _log_goodput(self) -> None: ...
+
+    def replay(self, data: Any) -> Decisions:
         """Replay a recorded run: identical to a loop of :meth:`observe`, much faster.
 
         ``data``: a pyarrow ``Table`` / ``RecordBatch``, a pandas / polars ``DataFrame``, a dict
         of NumPy columns (``step`` plus one column per metric; nulls / masked / ``None`` = not
         logged; see :func:`stability.monitor_io.table_columns`), or an iterable of those
         (see :meth:`replay_batches`).  Non-numeric columns are ignored.
+
+        Returns the :class:`Decisions`, one per row (a sequence; ``.events()`` lists those with
+        alarms or interventions).
         """
         if is_table(data):
             return self._replay_table(data)
-        return list(self.replay_batches(data))
+        return Decisions.concat(self._replay_table(b) for b in data)
 
     def replay_batches(self, batches: Iterable[Any]) -> Iterator[Decision]:
         """Replay batch after batch (bounded memory); detector state carries across batches."""
@@ -73,71 +228,273 @@ class ReplayMixin(LayoutMixin):
         >>> bound["g"][0].shape, bound["g"][0][1, 0].tolist()
         ((2, 1, 2), [2.0, 4.0])
         """
-        steps, vals, pres = self._table_slots(*table_columns(data))
+        steps, cols = _decode(data)
         if np.any(np.diff(steps) <= 0):
             raise ValueError("bind_table: steps must be strictly increasing.")
+        slotcol = self._bind_columns(cols)
+        if self._dirty:
+            self._relayout()
+        t_len = len(steps)
         out: dict[str, tuple[Any, Any]] = {}
         for b in self._bindings:
-            idx = b.slot_index()
-            out[b.name] = (vals[:, idx], ~pres[:, idx])
+            x = np.empty((t_len, b.n_inputs, len(b.keys)))
+            m = np.empty(x.shape, dtype=np.bool_)
+            _fill_bank(self._feeds(b, slotcol), x, m, 0, t_len)
+            out[b.name] = (x, m)
         return np.asarray(steps, dtype=np.int64), out
+
+    def bound_names(self, names: Iterable[str]) -> list[str]:
+        """The names among ``names`` that feed a detector (binding them, as a replay would):
+        the columns worth reading for a replay with this monitor's config.
+
+        >>> from stability import Monitor
+        >>> mon = Monitor({"detectors": [
+        ...     {"name": "s", "detector": "ewma_z", "inputs": ["loss"]},
+        ...     {"name": "g", "detector": "ewma_z", "inputs": ["grad_norm/*"]}]})
+        >>> mon.bound_names(["train/loss", "epoch_time_s", "grad_norm/3"])
+        ['train/loss', 'grad_norm/3']
+        """
+        return [n for n in names if self._lookup(n) > _SCRATCH]
 
     def _table_slots(self, steps: Any, cols: list[tuple[str, Any, Any]]
                      ) -> tuple[Any, Any, Any]:
         """Steps, slot values ``(T, n_slots)`` and presence of decoded table columns (names
         bound in the order they first appear, as a live run would)."""
-        firsts = []
-        for ci, (_, _, p) in enumerate(cols):
-            nz = np.flatnonzero(p)
-            if nz.size:
-                firsts.append((int(nz[0]), ci))
-        for _, ci in sorted(firsts):
-            self._lookup(cols[ci][0])
+        slotcol = self._bind_columns([(n, (v, p)) for n, v, p in cols])
         if self._dirty:
             self._relayout()
         t_len, n_slots = len(steps), len(self._slot_names)
         vals = np.zeros((t_len, n_slots))
         pres = np.zeros((t_len, n_slots), dtype=np.bool_)
-        for name, v, p in cols:
-            s = self._cache.get(name, _SCRATCH)
-            if s > _SCRATCH:
+        for s, (v, p) in slotcol.items():
+            if p is None:
+                vals[:, s] = v
+                pres[:, s] = True
+            else:
                 vals[p, s] = v[p]
-                pres[p, s] |= True
+                pres[:, s] = p
         return steps, vals, pres
 
-    def _replay_table(self, data: Any) -> list[Decision]:
-        steps, cols = table_columns(data)
+    def _bind_columns(self, cols: list[tuple[str, _Column]]) -> dict[int, _Column]:
+        """Bind the columns' names in the order they first appear (as a live run would) and
+        return the column of every bound slot."""
+        firsts = []
+        for ci, (_, (_, p)) in enumerate(cols):
+            if p is None:
+                if len(cols[ci][1][0]):
+                    firsts.append((0, ci))
+            elif p.any():
+                firsts.append((int(p.argmax()), ci))
+        for _, ci in sorted(firsts):
+            self._lookup(cols[ci][0])
+        slotcol: dict[int, _Column] = {}
+        for name, col in cols:
+            s = self._cache.get(name, _SCRATCH)
+            if s > _SCRATCH:
+                old = slotcol.get(s)
+                slotcol[s] = col if old is None else _merge(old, col)
+        return slotcol
+
+    def _feeds(self, b: _Binding, slotcol: dict[int, _Column]
+               ) -> list[tuple[int, int, _Column | None]]:
+        return [(j, i, slotcol.get(s)) for j, row in enumerate(b.slots)
+                for i, s in enumerate(row)]
+
+    def _replay_table(self, data: Any) -> Decisions:
+        steps, cols = _decode(data)
         t_len = len(steps)
         if t_len == 0:
-            return []
+            return Decisions.from_list([])
         if (steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0)
                 or steps[-1] > MAX_STEP):
-            return [self.observe(int(steps[t]), {n: float(v[t]) for n, v, p in cols if p[t]})
-                    for t in range(t_len)]
-        steps, vals, pres = self._table_slots(steps, cols)
-        outs = []
-        any_alarm = np.zeros(t_len, dtype=np.bool_)
-        for b in self._bindings:
-            idx = b.slot_index()
-            x = vals[:, idx]
-            sc, al = b.det.update_many(*[x[:, j, :] for j in range(b.n_inputs)],
-                                       missing=~pres[:, idx])
-            any_alarm |= al.any(axis=1)
-            outs.append((sc, al))
-        g = self._grad_slot
-        bindings = self._bindings
-        finish = self._finish_step
-        decisions = []
-        for t in range(t_len):
+            return Decisions.from_list([
+                self.observe(int(steps[t]), {n: float(v[t]) for n, (v, p) in cols
+                                             if p is None or p[t]})
+                for t in range(t_len)])
+        slotcol = self._bind_columns(cols)
+        if self._dirty:
+            self._relayout()
+        # no cyclic garbage is made here: a collection triggered by the bulk allocations (the
+        # goodput history, decisions) would only scan the whole heap
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return _Replay(self, steps, slotcol).run()
+        finally:
+            if was:
+                gc.enable()
+
+
+def _fill_bank(feeds: list[tuple[int, int, _Column | None]], x: np.ndarray, m: np.ndarray,
+               lo: int, hi: int, first: bool = True) -> None:
+    """Rows ``[lo, hi)`` of a bank's input ``x`` and missing mask ``m`` (one copy per value).
+
+    ``first=False``: ``x`` and ``m`` hold the previous chunk, so what does not change from
+    chunk to chunk (absent inputs, masks of columns without nulls) is not written again.
+    """
+    for j, i, col in feeds:
+        xc = x[:, j, i]
+        mc = m[:, j, i]
+        if col is None:
+            if first:
+                xc[:] = 0.0
+                mc[:] = True
+            continue
+        v, p = col
+        xc[:] = v[lo:hi]
+        if p is None:
+            if first:
+                mc[:] = False
+        else:
+            np.logical_not(p[lo:hi], out=mc)
+            xc[mc] = 0.0
+
+
+class _Replay:
+    """One table through the monitor: bank kernels chunk by chunk, then the per-step tail."""
+
+    def __init__(self, mon: ReplayMixin, steps: np.ndarray, slotcol: dict[int, _Column]) -> None:
+        self.mon = mon
+        self.steps = steps
+        self.slotcol = slotcol
+        self.out = _Decided(mon, steps)
+        t_len = len(steps)
+        self.chunk = min(t_len, max(1024, CHUNK_VALUES // max(1, len(slotcol))))
+        g = mon._grad_slot
+        self.grad = slotcol.get(g) if g else None
+        tracked = [s for s in (mon._lr_slot, mon._loss_slot, mon._val_slot)
+                   if s and s in slotcol]
+        self.tracked = tracked
+        need = None
+        if tracked:
+            need = np.zeros(t_len, dtype=np.bool_)
+            for s in tracked:
+                p = slotcol[s][1]
+                if p is None:
+                    need[:] = True
+                    break
+                need |= p
+        self.need = need
+        # the tracked slots as rows of a (slots, chunk) block: _track reads column r of it
+        k = max(mon._lr_slot, mon._loss_slot, mon._val_slot) + 1
+        self.tv = np.zeros((k, self.chunk))
+        self.tp = np.zeros((k, self.chunk), dtype=np.bool_)
+
+    def run(self) -> Decisions:
+        mon = self.mon
+        banks = []
+        for b in mon._bindings:
+            n = len(b.keys)
+            shape = (self.chunk, b.n_inputs, n)
+            banks.append((b, mon._feeds(b, self.slotcol), np.empty(shape),
+                          np.empty(shape, dtype=np.bool_), np.empty((self.chunk, n)),
+                          np.empty((self.chunk, n), dtype=np.bool_)))
+        t_len = len(self.steps)
+        for lo in range(0, t_len, self.chunk):
+            hi = min(lo + self.chunk, t_len)
+            c = hi - lo
+            alarm = np.zeros(c, dtype=np.bool_)
+            outs = []
+            for b, feeds, x, m, sc, al in banks:
+                sc, al = sc[:c], al[:c]
+                outs.append((b, sc, al))
+                if not feeds:
+                    continue
+                x, m = x[:c], m[:c]
+                _fill_bank(feeds, x, m, lo, hi, lo == 0)
+                b.det.update_many_array(x, m, sc, al)
+                if al.any():  # a flat test; the rows only when some series alarmed
+                    alarm[np.flatnonzero(al.reshape(-1)) // al.shape[1]] = True
+            self._tail(lo, hi, alarm, outs)
+        return self.out.result()
+
+    def _quiet_bulk(self, a: int, b: int) -> None:
+        """Rows ``[a, b)``: no alarm, nothing to follow, no policy in force."""
+        mon = self.mon
+        mon.last_step = int(self.steps[b - 1])
+        if self.grad is not None:
+            v, p = self.grad
+            g = v[a:b] if p is None else v[a:b][p[a:b]]
+            g = g[np.isfinite(g)]
+            if g.size:
+                hist = mon._grad_hist
+                hist.extend(g[-(hist.maxlen or g.size):].tolist())
+                mon._grad_last = float(g[-1])
+        self.out.quiet(a, b, mon._snapshot())
+
+    def _track_bulk(self, a: int, b: int) -> int:
+        """Follow the LR, loss and validation loss of rows ``[a, b)`` (no alarm on them) in
+        bulk (:meth:`~stability.policy.Policy.track_many`); returns the rows taken."""
+        mon = self.mon
+        cols: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for s in (mon._lr_slot, mon._loss_slot, mon._val_slot):
+            col = self.slotcol.get(s) if s else None
+            if col is None:
+                cols.append(None)
+            else:
+                v, p = col
+                cols.append((v[a:b], np.ones(b - a, dtype=np.bool_) if p is None else p[a:b]))
+        k = int(mon.policy.track_many(self.steps[a:b], *cols))
+        lr = cols[0]
+        if k and lr is not None:  # the monitor's own record of the last two requested LRs
+            seen = lr[0][:k][lr[1][:k]]
+            if seen.size:
+                mon._lr_prev = float(seen[-2]) if seen.size > 1 else mon._lr_now
+                mon._lr_now = float(seen[-1])
+        return k
+
+    def _tail(self, lo: int, hi: int, alarm: np.ndarray,
+              outs: list[tuple[_Binding, np.ndarray, np.ndarray]]) -> None:
+        mon = self.mon
+        c = hi - lo
+        need = self.need
+        tv, tp = self.tv, self.tp
+        if need is not None:
+            need = need[lo:hi]
+            for s in self.tracked:
+                v, p = self.slotcol[s]
+                tv[s, :c] = v[lo:hi]
+                tp[s, :c] = True if p is None else p[lo:hi]
+        ev = np.flatnonzero(alarm).tolist()
+        n_ev = len(ev)
+        steps = self.steps
+        grad = self.grad
+        hist = mon._grad_hist
+        out = self.out
+        finish = mon._finish_step
+        track = mon._track
+        k = 0
+        r = 0
+        while r < c:
+            if not (mon._policy_dirty or mon._ctrl_dirty):
+                while k < n_ev and ev[k] < r:
+                    k += 1
+                e = ev[k] if k < n_ev else c
+                if e > r:
+                    if need is not None:  # the LR / loss to follow, in bulk while nothing happens
+                        e = r + self._track_bulk(lo + r, lo + e)
+                    if e > r:
+                        self._quiet_bulk(lo + r, lo + e)
+                        r = e
+                        continue
+            t = lo + r
             s = int(steps[t])
-            if self._ctrl_dirty:
-                self.control.reset_step()
-                self._ctrl_dirty = False
-                self._snap = None
-            gnow = float(vals[t, g]) if g and pres[t, g] else None
-            self.last_step = s
-            tivs = self._track(s, vals[t], pres[t])
-            rows = ([(b, o[0][t], o[1][t]) for b, o in zip(bindings, outs, strict=True)]
-                    if any_alarm[t] else None)
-            decisions.append(finish(s, rows, gnow, tivs, ()))
-        return decisions
+            if mon._ctrl_dirty:
+                mon.control.reset_step()
+                mon._ctrl_dirty = False
+                mon._snap = None
+            gnow = None
+            if grad is not None and (grad[1] is None or grad[1][t]):
+                gnow = float(grad[0][t])
+            mon.last_step = s
+            tivs = track(s, tv[:, r], tp[:, r]) if need is not None and need[r] else ()
+            if alarm[r] or tivs or mon._policy_dirty:
+                out.flush()
+                rows = [(b, sc[r], al[r]) for b, sc, al in outs] if alarm[r] else None
+                out.explicit[t] = finish(s, rows, gnow, tivs, ())
+            else:
+                if gnow is not None and math.isfinite(gnow):
+                    hist.append(gnow)
+                    mon._grad_last = gnow
+                out.quiet(t, t + 1, mon._snapshot())
+            r += 1

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from .policy_context import PolicyContext
 from .policy_state import PolicyState
@@ -72,6 +75,40 @@ class RecoveryMixin(PolicyState):
         if control is not None and not self.log_only and (g.active or was):
             self._apply_persistent(step, control)
         return out
+
+    def track_many(self, steps: Any, lr: Any = None, loss: Any = None, val: Any = None) -> int:
+        """:meth:`track` over consecutive steps, in bulk, for as long as it requests nothing.
+
+        ``lr`` / ``loss`` / ``val``: ``(values, present)`` float64 / bool arrays aligned with
+        ``steps`` (``None``: not given on any of them).  Returns how many leading steps were
+        taken: none while an LR fault or a probation is open, and never the step at which the
+        LR leaves its healthy band (call :meth:`track` from there).  The state afterwards is
+        that of a :meth:`track` loop over the steps taken (the replay's fast path).
+        """
+        n = len(steps)
+        if self._probation is not None or n == 0:
+            return 0
+        if lr is not None and self.config.lr_guard.enabled and lr[1].any():
+            g = self.guard
+            if g.active or not g.primed:
+                return 0
+            pos = np.flatnonzero(lr[1])
+            k = g.observe_healthy(lr[0][pos])
+            if k < pos.size:
+                n = int(pos[k])  # the LR at pos[k] starts a fault: track() takes it
+        if loss is None and val is None:
+            return n
+        # the loss baseline learns from steps outside the cooldown after the last episode
+        # (the guard stays inactive and no probation opens within the steps taken)
+        rows = np.zeros(0, dtype=np.int64) if loss is None else np.flatnonzero(loss[1][:n])
+        quiet = np.asarray(steps)[rows] - self._ep.last_seen > self.config.cooldown
+        lv = np.zeros(0) if loss is None else loss[0][rows]
+        vrows = np.zeros(0, dtype=np.int64) if val is None else np.flatnonzero(val[1][:n])
+        # a validation point sees the loss level before its own step's loss
+        levels = self.loss.update_many(lv, quiet, probe=np.searchsorted(rows, vrows))
+        for i, level in zip(vrows.tolist(), levels.tolist(), strict=True):
+            self.val.update(int(steps[i]), float(val[0][i]), level)
+        return n
 
     def _track_loss(self, step: int, loss: float) -> None:
         quiet = (step - self._ep.last_seen > self.config.cooldown and not self.guard.active

@@ -64,6 +64,10 @@ class RegistryEntry:
     grid
         Offline tuning grid (:func:`replay.tuning.tune`): parameter -> values tried besides the
         threshold; empty = only the threshold is tuned.
+    doc
+        One paragraph: how it works.  The detector tables of ``README.md`` and
+        ``docs/CONTRACTS.md`` are generated from the entries
+        (``python -m stability.registry_docs``).
 
     >>> REGISTRY["page_hinkley"].kind, REGISTRY["ewma_z"].grid["alpha"]
     ('level_shift', (0.02, 0.05))
@@ -72,29 +76,85 @@ class RegistryEntry:
     target: str
     kind: str | None = None
     grid: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    doc: str = ""
 
 
-#: registry name -> spec (the only table to edit when a detector is added)
+#: registry name -> spec (the only table to edit when a detector is added; the docs' tables are
+#: generated from it)
 REGISTRY: dict[str, RegistryEntry] = {
-    "nonfinite": RegistryEntry("detectors.nonfinite:NonFiniteGuard", "nonfinite"),
-    "ewma_z": RegistryEntry("detectors.ewma:EWMAZScore", None,
-                           {"alpha": (0.02, 0.05), "min_std": (0.01, 0.05, 0.1)}),
-    "robust_z": RegistryEntry("detectors.robust:RobustZScore", None,
-                             {"window": (32, 128), "min_std": (0.01, 0.05, 0.1)}),
-    "ratio": RegistryEntry("detectors.ratio:RatioToMean", None, {"window": (20, 100)}),
-    "page_hinkley": RegistryEntry("detectors.page_hinkley:PageHinkley", "level_shift",
-                                 {"delta": (0.02, 0.05)}),
-    "adwin": RegistryEntry("detectors.adwin:ADWIN", "level_shift"),
-    "cusum": RegistryEntry("detectors.cusum:CUSUM", "level_shift"),
-    "activation_shift": RegistryEntry("detectors.activation:ActivationShift", "activation_shift"),
-    "histogram_drift": RegistryEntry("detectors.activation:HistogramDrift", "activation_shift"),
-    "train_val": RegistryEntry("detectors.divergence:TrainValDivergence", "train_val_divergence"),
-    "val_spike": RegistryEntry("detectors.divergence:ValSpike", "train_val_divergence"),
-    "overfit_gap": RegistryEntry("detectors.overfit:OverfitGap", "train_val_divergence",
-                                {"alpha": (0.1, 0.2, 0.3), "n_points": (3, 4)}),
-    "lr_jump": RegistryEntry("detectors.lr_loss:LRJump", "lr_loss_anomaly"),
-    "lr_loss_corr": RegistryEntry("detectors.lr_loss:LRLossCorrelation", "lr_loss_anomaly"),
-    "lr_level": RegistryEntry("detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly"),
+    "nonfinite": RegistryEntry(
+        "detectors.nonfinite:NonFiniteGuard", "nonfinite",
+        doc="Alarms on every NaN/±inf element. Keeps the count and the current streak."),
+    "ewma_z": RegistryEntry(
+        "detectors.ewma:EWMAZScore", None, {"alpha": (0.02, 0.05), "min_std": (0.01, 0.05, 0.1)},
+        doc="z-score of `log(x)` against an exponentially weighted mean/variance (river's "
+            "recurrence), with debiased warm-up and winsorised updates so one outlier cannot "
+            'drag the statistics. "z > 2.5, EMA 0.97, 25 warm-up" is `alpha=0.03, warmup=25, '
+            "threshold=2.5, log_space=False, debias=False, clip=inf`."),
+    "robust_z": RegistryEntry(
+        "detectors.robust:RobustZScore", None,
+        {"window": (32, 128), "min_std": (0.01, 0.05, 0.1)},
+        doc="median/MAD z-score over a ring buffer; a spike does not inflate the MAD, so "
+            'repeated spikes keep alarming. "6σ over 128" is `window=128, robust=False, '
+            "threshold=6, log_space=False`."),
+    "ratio": RegistryEntry(
+        "detectors.ratio:RatioToMean", None, {"window": (20, 100)},
+        doc="x / reference (window median or mean, EW mean, or max of the first N values) that "
+            'must exceed the threshold for `patience` steps. Covers "2× window mean for 5 '
+            'steps", "3× the 10-step mean", "10× the max of the first 100".'),
+    "page_hinkley": RegistryEntry(
+        "detectors.page_hinkley:PageHinkley", "level_shift", {"delta": (0.02, 0.05)},
+        doc="Page-Hinkley cumulative deviation test; drift indices identical to "
+            "`river.drift.PageHinkley`."),
+    "adwin": RegistryEntry(
+        "detectors.adwin:ADWIN", "level_shift",
+        doc="Adaptive windowing with an exponential histogram (a port of river's "
+            "implementation); drift indices identical to `river.drift.ADWIN`."),
+    "cusum": RegistryEntry(
+        "detectors.cusum:CUSUM", "level_shift",
+        doc="Two-sided tabular CUSUM on values standardised against a warm-up reference; "
+            "catches small sustained level shifts."),
+    "activation_shift": RegistryEntry(
+        "detectors.activation:ActivationShift", "activation_shift",
+        doc="Per layer: robust z of each activation statistic (scale statistics in log space) "
+            "aggregated by RMS into one shift score per layer and step."),
+    "histogram_drift": RegistryEntry(
+        "detectors.activation:HistogramDrift", "activation_shift",
+        doc="PSI between a reference window and the current window on reference-quantile "
+            "bins, for drifts too slow for z-scores. Not bound by default: activation "
+            "statistics trend during healthy training."),
+    "train_val": RegistryEntry(
+        "detectors.divergence:TrainValDivergence", "train_val_divergence",
+        doc="At each validation point, the rise of log val loss not shared by the smoothed "
+            "train loss; scores the t-statistic of its recent mean (a growing generalisation "
+            "gap)."),
+    "val_spike": RegistryEntry(
+        "detectors.divergence:ValSpike", "train_val_divergence",
+        doc="A validation point far above previous ones (robust scale of recent changes)."),
+    "overfit_gap": RegistryEntry(
+        "detectors.overfit:OverfitGap", "train_val_divergence",
+        {"alpha": (0.1, 0.2, 0.3), "n_points": (3, 4)},
+        doc="The train/validation gap grew at each of the last 4 validation points (train "
+            "falling, val rising or stalled: memorisation)."),
+    "lr_jump": RegistryEntry(
+        "detectors.lr_loss:LRJump", "lr_loss_anomaly",
+        doc="A change of log LR far beyond the schedule's typical step-to-step change "
+            "(schedule bugs; increases by default, so step decays are benign)."),
+    "lr_loss_corr": RegistryEntry(
+        "detectors.lr_loss:LRLossCorrelation", "lr_loss_anomaly",
+        doc="Rolling correlation of loss increases with LR increases, gated on the LR really "
+            "rising."),
+    "lr_level": RegistryEntry(
+        "detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly",
+        doc="Loss volatility relative to its baseline, once the LR exceeds the highest LR seen "
+            "while the loss was calm (LR too high)."),
+    "coherent_jump": RegistryEntry(
+        "detectors.jump:CoherentJump", None,
+        doc="A one-step rise of log x far beyond each series' typical step-to-step change in "
+            "at least `min_series` series of the bank at once (several layers' gradients "
+            "bursting together: an activation spike inside the network); a rise counts from "
+            "the series' usual level when that is higher, so coming back after a collapse is "
+            "not a jump."),
 }
 
 
@@ -122,6 +182,7 @@ _MANAGED = ("n_series",)
 #: constructor arguments that receive the number of bound inputs when the class accepts them
 _N_INPUT_ARGS = ("n_inputs", "n_features", "n_stats")
 
+#: ``"module:Class"`` -> the imported class (classes registered as objects are put here)
 _cache: dict[str, type[BankDetector]] = {}
 
 
@@ -149,21 +210,35 @@ def did_you_mean(word: str, options: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def register_detector(name: str, target: str, kind: str | None = None,
-                      grid: Mapping[str, Any] | None = None) -> None:
-    """Register a detector under ``name`` (``target`` is ``"module:Class"``).
+def register_detector(name: str, target: str | type[BankDetector], kind: str | None = None,
+                      grid: Mapping[str, Any] | None = None, doc: str = "") -> None:
+    """Register a detector under ``name``: the one step that makes it usable by name.
 
-    ``kind`` is its default alarm kind and ``grid`` its offline tuning grid (see
-    :class:`RegistryEntry`).  Python-side only: configs can name registered detectors but never
-    import arbitrary code.
+    ``target`` is ``"module:Class"`` (imported when first used) or the class itself; ``kind``
+    is its default alarm kind, ``grid`` its offline tuning grid and ``doc`` its row in the
+    docs' tables (see :class:`RegistryEntry`).  Python-side only: configs can name registered
+    detectors but never import arbitrary code.
+
+    >>> from detectors import EWMAZScore
+    >>> register_detector("my_z", EWMAZScore, kind="loss_spike", grid={"alpha": [0.1, 0.3]})
+    >>> make_detector("my_z", {"alpha": 0.1}).alpha, tune_grids()["my_z"]
+    (0.1, {'alpha': [0.1, 0.3]})
+    >>> _ = REGISTRY.pop("my_z")
     """
-    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", target):
+    cls: type[BankDetector] | None = None
+    if isinstance(target, type):
+        if not issubclass(target, BankDetector):
+            raise ValueError(f"register_detector: {target.__name__} is not a BankDetector.")
+        cls, target = target, f"{target.__module__}:{target.__qualname__}"
+    elif not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", target):
         raise ValueError(
             f"register_detector: target must look like 'module:Class'; got {target!r}."
         )
     REGISTRY[name] = RegistryEntry(target, kind,
-                                  {str(k): tuple(v) for k, v in dict(grid or {}).items()})
-    _cache.pop(name, None)
+                                  {str(k): tuple(v) for k, v in dict(grid or {}).items()},
+                                  str(doc))
+    if cls is not None:
+        _cache[target] = cls
 
 
 def known_detectors() -> list[str]:
@@ -184,10 +259,10 @@ def detector_target(name: str) -> str:
 
 def detector_class(name: str) -> type[BankDetector]:
     """Import (once) and return the detector class registered under ``name``."""
-    cls = _cache.get(name)
+    target = detector_target(name)
+    cls = _cache.get(target)
     if cls is not None:
         return cls
-    target = detector_target(name)
     module, _, attr = target.partition(":")
     try:
         obj = getattr(importlib.import_module(module), attr)
@@ -197,7 +272,7 @@ def detector_class(name: str) -> type[BankDetector]:
         ) from exc
     if not (isinstance(obj, type) and issubclass(obj, BankDetector)):
         raise DetectorUnavailableError(f"detector {name!r} ({target}) is not a BankDetector.")
-    _cache[name] = obj
+    _cache[target] = obj
     return obj
 
 

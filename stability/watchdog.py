@@ -51,6 +51,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from detectors.validation import check_bool, check_float, check_int, check_opt_float
+
 from .types import Alarm, Alert
 
 logger = logging.getLogger("stability.watchdog")
@@ -162,41 +164,29 @@ class StallWatchdog:
                  flops_per_step: float | None = None, peak_flops: float | None = None,
                  poll_max_s: float = 1.0, autostart: bool = True,
                  clock: Callable[[], float] | None = None) -> None:
-        for name, v, lo in (("k", k, 1.0), ("min_timeout_s", min_timeout_s, 0.0),
-                            ("poll_max_s", poll_max_s, 1e-3)):
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= lo):
-                raise ValueError(f"The {name!r} parameter of StallWatchdog must be a float in "
-                                 f"the range [{lo}, inf). Got {v!r} instead.")
-        for name, n, lo in (("warmup_steps", warmup_steps, 1), ("window", window, 1)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < lo:
-                raise ValueError(f"The {name!r} parameter of StallWatchdog must be an int in "
-                                 f"the range [{lo}, inf). Got {n!r} instead.")
-        for name, f in (("tokens_per_step", tokens_per_step),
-                        ("samples_per_step", samples_per_step),
-                        ("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
-            if f is not None and not (math.isfinite(f) and f > 0):
-                raise ValueError(f"The {name!r} parameter of StallWatchdog must be a positive "
-                                 f"float or None. Got {f!r} instead.")
-        self.k = float(k)
-        self.min_timeout_s = float(min_timeout_s)
-        self.warmup_steps = warmup_steps
-        self.window = window
+        owner = "StallWatchdog"
+        self.k = check_float(owner, "k", k, 1.0, high_open=True)
+        self.min_timeout_s = check_float(owner, "min_timeout_s", min_timeout_s, 0.0,
+                                         high_open=True)
+        self.poll_max_s = check_float(owner, "poll_max_s", poll_max_s, 1e-3, high_open=True)
+        self.warmup_steps = check_int(owner, "warmup_steps", warmup_steps, 1)
+        self.window = check_int(owner, "window", window, 1)
+        self.tokens_per_step, self.samples_per_step, self.flops_per_step, self.peak_flops = (
+            check_opt_float(owner, name, v, 0.0, low_open=True, high_open=True)
+            for name, v in (("tokens_per_step", tokens_per_step),
+                            ("samples_per_step", samples_per_step),
+                            ("flops_per_step", flops_per_step), ("peak_flops", peak_flops)))
+        self.dump_stacks = check_bool(owner, "dump_stacks", dump_stacks)
+        self.autostart = check_bool(owner, "autostart", autostart)
         self.on_stall = on_stall
         self.on_recover = on_recover
         self.sinks = list(sinks)
         self.event_log = event_log
         self.goodput = goodput
-        self.dump_stacks = bool(dump_stacks)
         self.dump_path = None if dump_path is None else os.fspath(dump_path)
-        self.tokens_per_step = tokens_per_step
-        self.samples_per_step = samples_per_step
-        self.flops_per_step = flops_per_step
-        self.peak_flops = peak_flops
-        self.poll_max_s = float(poll_max_s)
-        self.autostart = bool(autostart)
         self._clock = clock or time.monotonic
         # hot path state: written by beat() only (plain stores, atomic under the GIL)
-        self._times: collections.deque[float] = collections.deque(maxlen=window)
+        self._times: collections.deque[float] = collections.deque(maxlen=self.window)
         self._last: float | None = None
         self._step: int | None = None
         self._beats = 0

@@ -114,9 +114,15 @@ def test_online_advisor() -> None:
 
 
 @pytest.mark.parametrize("kw", [{"save_cost_s": 0.0}, {"mtbf_s": -1.0}, {"restart_s": math.nan},
-                                {"hazard": 0.0}])
+                                {"hazard": 0.0}, {"mtbf_s": True}, {"step_time_s": 0.0}])
 def test_bad_arguments(kw: dict[str, float]) -> None:
     args = {"save_cost_s": 60.0, "mtbf_s": 3600.0, "restart_s": 0.0} | kw
     hazard = args.pop("hazard", 1.0)
-    with pytest.raises(ValueError, match="parameter must be a float"):
-        advise(**args, hazard=hazard)
+    step_time_s = args.pop("step_time_s", None)
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=rf"^The '{name}' parameter of advise must be a float "
+                       rf"in the range .*\. Got {value!r} instead\.$"):
+        advise(**args, hazard=hazard, step_time_s=step_time_s)
+    with pytest.raises(ValueError, match=r"'step_time_s' parameter of CadenceAdvisor .* "
+                       r"or None\. Got -1\.0 instead"):
+        CadenceAdvisor(step_time_s=-1.0)

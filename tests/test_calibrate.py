@@ -9,6 +9,7 @@ import pytest
 
 from stability.calibrate import calibrate
 from stability.monitor import Monitor
+from stability.types import ReduceLR
 from tests.shared_data import SHARED
 
 BLOOM = (SHARED / "realruns" / "bigscience_chronicles"
@@ -55,7 +56,7 @@ def test_calibration_emits_nothing_and_leaves_runtime_state_alone() -> None:
     hist = _history()
     hist["loss"][150] = 1e3          # a fault inside the history: no alarm, no intervention
     hist["grad_norm"][151] = np.nan
-    mon.calibrate(hist)
+    mon.calibrate(hist, resume=False)   # a previous run of the recipe: the policy stays fresh
     after = mon.state_dict()
     assert seen == []
     for key in ("policy", "control", "policy_control", "last_step", "counters", "lr_now"):
@@ -106,9 +107,10 @@ def test_a_stale_calibration_alarm_does_not_leak_into_the_next_step() -> None:
 
 def test_bad_input_is_rejected() -> None:
     mon = Monitor("default", alert_sinks=[])
-    with pytest.raises(TypeError, match="calibrate"):
+    with pytest.raises(TypeError, match=r"^The 'data' parameter of calibrate must be a table "
+                       r".* Got 'runs/public_0001\.parquet' instead\.  Read a recorded run"):
         mon.calibrate("runs/public_0001.parquet")
-    with pytest.raises(TypeError, match="calibrate"):
+    with pytest.raises(TypeError, match=r"'data' parameter of calibrate .* Got 3 instead"):
         calibrate(mon, 3)
     with pytest.raises(ValueError, match="step"):
         mon.calibrate({"loss": np.ones(3)})
@@ -166,3 +168,64 @@ def test_cli_save_state_takes_one_run(tmp_path, capsys) -> None:
     assert main(["replay", str(tmp_path), "--save-state", str(out)]) == 2
     assert "--save-state takes one run" in capsys.readouterr().err
     assert not out.exists()
+
+
+def _lr_history(n: int = 300, warm: int = 50, peak: float = 3e-4, seed: int = 0
+                ) -> dict[str, np.ndarray]:
+    """Warm-up then cosine decay, healthy loss and grad norm."""
+    h = _history(n=n, seed=seed)
+    s = np.arange(n, dtype=float)
+    h["lr"] = peak * np.minimum(1.0, (s + 1) / warm) * 0.5 * (1 + np.cos(np.pi * s / (2 * n)))
+    return h
+
+
+def test_resume_primes_lr_guard_and_loss_tracker_like_a_replay() -> None:
+    hist = _lr_history()
+    hist["loss"][200] = np.nan         # a non-finite loss in the history is not counted
+    a = Monitor("default", alert_sinks=[])
+    a.calibrate(hist)
+    b = Monitor("default", alert_sinks=[])
+    b.replay({k: (v if k != "loss" else np.where(np.isnan(v), v[199], v))
+              for k, v in hist.items()})
+    pa, pb = a.state_dict(), b.state_dict()
+    assert pa["policy"]["guard"] == pb["policy"]["guard"]
+    assert pa["policy"]["guard"]["warm"] and pa["policy"]["guard"]["primed"]
+    assert pa["policy"]["loss"]["nf_run"] == 0
+    assert (pa["lr_now"], pa["lr_prev"]) == (pb["lr_now"], pb["lr_prev"])
+    assert a.policy.loss.base == pytest.approx(b.policy.loss.base, rel=1e-3)
+    assert a.policy.loss.worse(0.1) is False
+    assert Monitor("default", alert_sinks=[]).policy.loss.worse(0.1) is None
+
+
+def test_restart_with_the_wrong_lr_is_an_lr_fault_on_its_first_step() -> None:
+    hist = _lr_history()
+    nxt = {"loss": 2.2, "grad_norm": 0.25, "lr": 10 * float(hist["lr"][-1])}  # x10 on restart
+
+    def lr_cuts(mon: Monitor) -> list:
+        """The LR guard's persistent divide-out (``duration = 0``; the lr_jump detector's
+        temporary cut is a different response)."""
+        d = mon.observe(300, nxt)
+        return [iv for iv in d.interventions
+                if iv.cause == "lr" and isinstance(iv, ReduceLR) and iv.duration == 0]
+
+    fresh = Monitor("default", alert_sinks=[])
+    fresh.calibrate(hist, resume=False)
+    assert lr_cuts(fresh) == []                      # the guard has no trajectory: blind
+    mon = Monitor("default", alert_sinks=[])
+    mon.calibrate(hist)
+    cuts = lr_cuts(mon)
+    assert cuts and cuts[0].factor == pytest.approx(0.1, rel=1e-6)
+    assert mon.control.lr_factor == pytest.approx(0.1, rel=1e-6)
+    # the right LR on restart is not a fault
+    ok = Monitor("default", alert_sinks=[])
+    ok.calibrate(hist)
+    d = ok.observe(300, dict(nxt, lr=float(hist["lr"][-1]) * 0.999))
+    assert not d.interventions and ok.control.lr_factor == 1.0
+
+
+def test_resume_respects_a_disabled_lr_guard() -> None:
+    cfg = {"preset": "default", "policy": {"lr_guard": {"enabled": False}}}
+    mon = Monitor(cfg, alert_sinks=[])
+    mon.calibrate(_lr_history())
+    assert mon.policy.guard.n == 0
+    assert np.isfinite(mon.policy.loss.base)

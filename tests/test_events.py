@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from stability import events as events_mod
-from stability.events import EventLog, is_critical, read_events
+from stability.events import EventLog, is_critical, iter_events, read_events
 from stability.types import Alarm, Checkpoint, ReduceLR, Rollback, Stop
 
 
@@ -157,7 +157,15 @@ def test_no_event_lost_when_killed_right_after_append(tmp_path: Path) -> None:
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="fsync"):
+    with pytest.raises(ValueError, match=r"^The 'fsync' parameter of EventLog must be one of "
+                       r"\['always', 'critical', 'never'\]\. Got 'sometimes' instead\.$"):
         EventLog(tmp_path / "e", fsync="sometimes")
-    with pytest.raises(ValueError, match="errors"):
+    with pytest.raises(ValueError, match=r"'strict' parameter of EventLog must be a bool\. Got "
+                       r"'yes' instead"):
+        EventLog(tmp_path / "e", strict="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^The 'errors' parameter of read_events must be one "
+                       r"of \['raise', 'skip'\]\. Got 'ignore' instead\.$"):
         read_events(tmp_path / "e", errors="ignore")
+    with pytest.raises(ValueError, match=r"'errors' parameter of iter_events .* Got 'x' instead"):
+        next(iter_events(tmp_path / "e", errors="x"))
+    assert not (tmp_path / "e").exists()  # rejected before anything was created

@@ -49,6 +49,36 @@ def test_empty_and_round_trip() -> None:
     assert h.steps == 0
 
 
+def test_a_step_skipped_by_the_trainer_is_counted_skipped() -> None:
+    t = [0.0]
+    g = GoodputTracker(clock=lambda: t[0])
+    g.start()
+    for s in range(4):
+        t[0] += 2.0
+        g.update(s)
+    assert g.mark_skipped(3) and not g.mark_skipped(3) and not g.mark_skipped(2)
+    assert (g.skipped, g.productive, g.time_skipped) == (1, 3, 2.0)
+    assert g.time_buckets()["productive"] == 6.0
+    g.note_rollback(3, 1)                    # steps 2, 3 lost: only 2's time was productive
+    assert g.time_buckets()["rollback"] == 2.0 and g.productive == 1
+
+
+def test_batches_and_failed_checkpoints_are_counted_and_kept() -> None:
+    g = GoodputTracker()
+    g.note_batch_skipped(3)
+    g.note_batch_skipped()
+    g.note_checkpoint_failed()
+    s = g.summary()
+    assert (s["batches_skipped"], s["checkpoint_failures"]) == (4, 1)
+    h = GoodputTracker()
+    h.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    assert (h.batches_skipped, h.checkpoint_failures) == (4, 1)
+    h.load_state_dict({"version": 1, "steps": 2})   # snapshots before the fields: 0
+    assert (h.batches_skipped, h.checkpoint_failures, h.steps) == (0, 0, 2)
+    with pytest.raises(ValueError, match="batches_skipped"):
+        h.load_state_dict({"version": 1, "batches_skipped": -1})
+
+
 def test_goodput_record_in_event_log(tmp_path) -> None:  # type: ignore[no-untyped-def]
     g = GoodputTracker()
     for s in range(5):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import pytest
@@ -69,7 +70,17 @@ def test_timeout_abandons_slow_handler() -> None:
 def test_bad_registration() -> None:
     hub = HandlerRegistry()
     assert not hub
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^The 'fn' parameter of HandlerRegistry\.on_alarm must "
+                       r"be a callable\. Got 42 instead\.$"):
         hub.on_alarm(42)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="timeout"):
-        HandlerRegistry(timeout=0)
+    with pytest.raises(TypeError, match=r"'fn' parameter of HandlerRegistry\.on_intervention"):
+        hub.on_intervention("x")  # type: ignore[arg-type]
+    assert not hub
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, math.nan, math.inf, True])
+def test_bad_timeout(timeout: float) -> None:
+    """inf is refused too: a worker wait of inf seconds raises OverflowError."""
+    with pytest.raises(ValueError, match=r"^The 'timeout' parameter of HandlerRegistry must be a "
+                       rf"float in the range \(0\.0, inf\) or None\. Got {timeout!r} instead"):
+        HandlerRegistry(timeout=timeout)

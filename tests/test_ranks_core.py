@@ -167,6 +167,58 @@ def test_state_round_trip_gives_the_same_future() -> None:
     assert any(rest) and c.ledger.records(119) == a.ledger.records(119)
 
 
+def _warm_monitor() -> tuple[RankMonitor, list[np.ndarray]]:
+    rng = np.random.default_rng(3)
+    mats = [clean_matrix(rng, 4) for _ in range(80)]
+    for i in (20, 21, 22, 23, 24):
+        mats[i][1, COL["grad_norm"]] *= 8.0
+    mon = RankMonitor(["a", "b", "c", "d"], suspect_at=2.0)
+    for i, m in enumerate(mats[:40]):
+        mon.observe(i, m)
+    return mon, mats
+
+
+@pytest.mark.parametrize(("where", "key", "bad", "message"), [
+    ("ledger", "score", [0.0] * 3, r"RankHealthLedger.load_state_dict\(\): 'score' must be a "
+     r"list of 4 items; got \[0\.0, 0\.0, 0\.0\]\."),
+    ("ledger", ("score", 1), -1.0, r"'score\[1\]' must be a finite float in the range "
+     r"\[0\.0, inf\); got -1\.0\."),
+    ("ledger", ("at", 0), True, r"'at\[0\]' must be an int .*; got True\."),
+    ("ledger", ("by_signal", 1), {"grad_norm": -1}, r"'by_signal\[1\]\.grad_norm' must be an "
+     r"int in the range \[0, \d+\]; got -1\."),
+    ("ledger", ("recent", 1), ["x"], r"'recent\[1\]\[0\]' must be an int .*; got 'x'\."),
+    ("ledger", ("suspect", 3), "yes", r"'suspect\[3\]' must be a bool; got 'yes'\."),
+    ("ledger", ("peak_z", 0), "nan", r"'peak_z\[0\]' must be a float; got 'nan'\."),
+    ("detector", ("typical", "loss"), -1.0, r"RankOutlierDetector.load_state_dict\(\): "
+     r"'typical\.loss' must be a finite float in the range \[0\.0, inf\) or nan; got -1\.0"),
+    ("detector", ("seen", "loss"), 2.5, r"'seen\.loss' must be an int .*; got 2\.5\."),
+    ("detector", ("run", "grad_norm"), [0, "x", 0, 0],
+     r"'run\.grad_norm\[1\]' must be an int .*; got 'x'\."),
+    ("detector", "version", 99, r"state version 99 is newer"),
+])
+def test_a_bad_snapshot_is_refused_and_changes_nothing(where: str, key: object, bad: object,
+                                                       message: str) -> None:
+    mon, mats = _warm_monitor()
+    good = json.loads(json.dumps(mon.state_dict()))
+    sd = json.loads(json.dumps(good))
+    target = sd[where]
+    if isinstance(key, tuple):
+        for k in key[:-1]:
+            target = target[k]
+        key = key[-1]
+    target[key] = bad  # type: ignore[index]
+    other, _ = _warm_monitor()
+    for i, m in enumerate(mats[40:50], start=40):
+        other.observe(i, m)  # a different state, which a refused load must leave as it is
+    before = json.dumps(other.state_dict())
+    with pytest.raises(ValueError, match=message):
+        other.load_state_dict(sd)
+    assert json.dumps(other.state_dict()) == before
+    other.load_state_dict(good)
+    assert [other.observe(i, m) for i, m in enumerate(mats[40:], start=40)] == \
+        [mon.observe(i, m) for i, m in enumerate(mats[40:], start=40)]
+
+
 def test_ledger_suspects_repeat_offenders_and_forgives() -> None:
     led = RankHealthLedger(4, hosts=["a", "a", "b", "b"], half_life=10.0, suspect_at=2.5)
     assert led.update(100, [RankFinding(100, 1, "grad_norm", 9.0, 1.0, 0.1)]) == []
@@ -212,12 +264,23 @@ def test_format_ranks_table() -> None:
 
 
 def test_bad_arguments_raise() -> None:
-    with pytest.raises(ValueError, match="'threshold' parameter of RankOutlierDetector"):
+    with pytest.raises(ValueError, match=r"^The 'threshold' parameter of RankOutlierDetector "
+                       r"must be a float in the range \[0\.0, inf\)\. Got -1\.0 instead\.$"):
         RankOutlierDetector(threshold=-1.0)
-    with pytest.raises(ValueError, match="'min_ranks'"):
+    with pytest.raises(ValueError, match=r"'min_ranks' parameter of RankOutlierDetector must be "
+                       r"an int in the range \[3, inf\)\. Got 2 instead"):
         RankOutlierDetector(min_ranks=2)
-    with pytest.raises(ValueError, match="hosts"):
+    with pytest.raises(ValueError, match=r"'min_ranks' parameter of RankOutlierDetector .* Got "
+                       r"True instead"):
+        RankOutlierDetector(min_ranks=True)
+    with pytest.raises(ValueError, match=r"'hosts' parameter of RankHealthLedger must be None or "
+                       r"a sequence of 3 host names \(one per rank\)\. Got \['a'\] instead"):
         RankHealthLedger(3, hosts=["a"])
+    with pytest.raises(ValueError, match=r"'alpha' parameter of RankMonitor .* Got 1\.5 instead"):
+        RankMonitor(["a", "b", "c"], alpha=1.5)
+    with pytest.raises(ValueError, match=r"'hosts' parameter of RankMonitor must be a non-empty "
+                       r"sequence .* Got \[\] instead"):
+        RankMonitor([])
     with pytest.raises(ValueError, match="rows"):
         RankMonitor(["a", "b", "c"]).observe(0, np.zeros((4, 5)))
     with pytest.raises(ValueError, match="matrix"):

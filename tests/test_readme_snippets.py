@@ -161,6 +161,17 @@ def test_readme_has_snippets() -> None:
 def test_python_snippet_runs(code: str, toml: str | None, tmp_path: Path,
                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    from stability.registry import REGISTRY
+
+    saved = dict(REGISTRY)  # a snippet may register a detector: restore the registry after it
+    try:
+        _run_snippet(code, toml, tmp_path)
+    finally:
+        REGISTRY.clear()
+        REGISTRY.update(saved)
+
+
+def _run_snippet(code: str, toml: str | None, tmp_path: Path) -> None:
     if toml is not None:
         (tmp_path / "monitor.toml").write_text(toml)
     ns = _prelude(code)

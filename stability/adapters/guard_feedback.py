@@ -2,8 +2,8 @@
 
 :class:`GuardFeedback` is a mixin of ``TorchGuard``: :meth:`~GuardFeedback.metrics` gives the
 latest decision's :func:`stability.feedback.feedback_metrics` plus the LR actually applied and the
-guard's goodput counters, for any logger.  The attributes it uses are set by
-``TorchGuard.__init__`` (declared below for type checking).
+goodput counters (read from the goodput ledger), for any logger.  The attributes it uses are set
+by ``TorchGuard.__init__`` (declared below for type checking).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ..feedback import InterventionTally, feedback_metrics
+from ..goodput import GoodputTracker
 from ..types import Decision
 from .interventions import LRMultiplier
 
@@ -31,12 +32,7 @@ class GuardFeedback:
     scaler: Any | None
     amp_overflow: bool
     amp_overflows: int
-    steps_skipped: int
-    batches_skipped: int
-    rollbacks: int
-    steps_lost: int
-    checkpoints_taken: int
-    checkpoint_failures: int
+    goodput: GoodputTracker
 
     def metrics(self, scores: bool = True) -> dict[str, float]:
         """This step's ``stability/*`` metrics, for TensorBoard / W&B / any logger.
@@ -60,15 +56,16 @@ class GuardFeedback:
         (0.1, 1.0, 0.0)
         """
         lrs = self.multiplier.base_lrs()
+        g = self.goodput  # the one goodput ledger (the monitor's)
         extra: dict[str, float] = {
             "lr_effective": lrs[0] * self.multiplier.factor if lrs else float("nan"),
             "lr_base": lrs[0] if lrs else float("nan"),
-            "steps_skipped": self.steps_skipped,
-            "batches_skipped": self.batches_skipped,
-            "rollbacks": self.rollbacks,
-            "steps_lost": self.steps_lost,
-            "checkpoints": self.checkpoints_taken,
-            "checkpoint_failures": self.checkpoint_failures,
+            "steps_skipped": g.skipped,
+            "batches_skipped": g.batches_skipped,
+            "rollbacks": g.rollbacks,
+            "steps_lost": g.lost,
+            "checkpoints": g.checkpoints,
+            "checkpoint_failures": g.checkpoint_failures,
         }
         extra.update(self.tally.metrics())
         if self.scaler is not None:

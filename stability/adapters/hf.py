@@ -26,9 +26,10 @@ How it hooks in (transformers 4.4x / 5.x):
   by ``trainer.train(resume_from_checkpoint=...)`` (warm-ups do not restart; the run goes on with
   the decisions an uninterrupted run would make).
 * **Checkpoints.** Rollback targets are the Trainer's own checkpoints (``save_strategy`` /
-  ``save_steps``, or every ``checkpoint_every`` steps): each HF save at a healthy step is
-  registered with the monitor's checkpoint ledger, and a rollback restores model, optimizer and
-  scheduler from that ``checkpoint-N`` directory. An emergency checkpoint requested by the
+  ``save_steps``, or every ``checkpoint_every`` steps): each HF save is registered with the
+  monitor's checkpoint ledger (the one registry; ``save_total_limit`` rotation is followed, a
+  rotated-away directory is never a rollback target), and a rollback restores model, optimizer
+  and scheduler from that ``checkpoint-N`` directory. An emergency checkpoint requested by the
   monitor is an ordinary HF save (``control.should_save``), so it resumes with HF's tools. No
   checkpoint is ever written on a step whose weights are non-finite or were just rolled back: a
   save due then is cancelled (logged). In-memory copies only with ``memory_checkpoint_every``,
@@ -68,7 +69,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
 from .interventions import TrainingStopped, safe_torch_load
-from .torch import TorchGuard, find_ledger
+from .torch import TorchGuard
 from .trainer_support import (
     TrainerCheckpointStore,
     finish_deferring_emergency,
@@ -242,8 +243,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
                                   "scaler": getattr(opt, "scaler", None)}  # fp16 GradScaler
         kwargs.update(self.guard_kwargs)
         self.guard = TorchGuard(model, inner, sched, self.monitor, **kwargs)
-        self.guard.store = self.store  # HF's own checkpoints
-        self.store.on_drop = self.guard._forget_checkpoint
+        self.guard.store = self.store  # HF's own checkpoints, recorded in the monitor's ledger
         if saved is not None:
             self._load(saved, state.global_step)
         elif carried is not None:
@@ -356,16 +356,14 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             return
         self._registered.add(int(state.global_step))
         path = os.path.join(self._args.output_dir, f"checkpoint-{state.global_step}")
-        step = guard.step_count - 1
-        self.store.add(step, path, healthy=healthy, reason=reason)
-        led = find_ledger(self.monitor)
-        if led is not None:
-            led.add(step, path, healthy=healthy, reason=reason, covers_step=step)
+        self.store.add(guard.step_count - 1, path, healthy=healthy, reason=reason)
+        guard._goodput("note_checkpoint", 0.0)  # HF writes it (its time is HF's to report)
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # saves this callback did not foresee (save_strategy="best", end of training)
         if self.guard is not None and state.global_step not in self._registered:
             self._register(state, self.guard.healthy, "trainer")
+        self.store.forget_rotated()  # save_total_limit deleted older checkpoint-N directories
         if self.guard is not None:
             self.guard.multiplier.show()  # between steps the groups show the LR applied
 
@@ -403,7 +401,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Guard, monitor and checkpoint-registry state (JSON data, ``"version"`` key)."""
+        """Guard and monitor state (the checkpoint ledger is the monitor's), JSON data."""
         if self.guard is not None:
             guard_sd: dict[str, Any] = self.guard.state_dict()
         else:

@@ -13,8 +13,10 @@ The monitor only *requests* (:class:`stability.types.Control`); these helpers *a
   trainers that call the step themselves (Lightning, HF).
 * :func:`save_checkpoint` / :func:`load_checkpoint` -- atomic ``torch.save`` of model, optimizer,
   scheduler, monitor state and data position; :class:`CheckpointStore` keeps them on disk or in
-  memory and knows which were healthy (these live in :mod:`stability.adapters.checkpoint_store`
-  and are re-exported here, as is :func:`safe_torch_load`).
+  memory, recorded in a :class:`~stability.checkpoints.CheckpointLedger` (the monitor's: one
+  registry decides what exists, what is pruned and what a rollback restores). These live in
+  :mod:`stability.adapters.checkpoint_store` and are re-exported here, as is
+  :func:`safe_torch_load`.
 
 torch is imported here at module level: this module is only imported through
 ``stability.adapters`` entry points that are documented to need torch.

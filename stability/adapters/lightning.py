@@ -59,7 +59,7 @@ import lightning.pytorch as pl
 import torch
 
 from .interventions import TrainingStopped, safe_torch_load
-from .torch import TorchGuard, find_ledger
+from .torch import TorchGuard
 from .trainer_support import (
     TrainerCheckpointStore,
     finish_deferring_emergency,
@@ -202,8 +202,7 @@ class StabilityCallback(pl.Callback):
             "scaler": getattr(trainer.precision_plugin, "scaler", None)}
         kw.update(self.guard_kwargs)
         self.guard = TorchGuard(pl_module, trainer.optimizers[0], sched, self.monitor, **kw)
-        self.guard.store = self.store  # same interface
-        self.store.on_drop = self.guard._forget_checkpoint
+        self.guard.store = self.store  # the same interface, recorded in the monitor's ledger
         state = self._pending_state if self._pending_state is not None else carried
         self._pending_state = None
         if state is not None:
@@ -295,20 +294,18 @@ class StabilityCallback(pl.Callback):
         healthy = guard.healthy and not emergency
         reason = f"emergency: {why}" if emergency else "periodic"
         guard.multiplier.restore()  # the file holds the scheduler's own LR
+        t0 = time.monotonic()
         try:
             trainer.save_checkpoint(path)
         except Exception as exc:  # a full disk must not kill the run
-            guard.checkpoint_failures += 1
+            guard._goodput("note_checkpoint_failed")
             log.warning("stability: checkpoint %s failed (%s: %s); training continues", path,
                         type(exc).__name__, exc)
             return
         finally:
             guard.multiplier.show()
-        guard.checkpoints_taken += 1
+        guard._goodput("note_checkpoint", time.monotonic() - t0)
         self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
-        led = find_ledger(self.monitor)
-        if led is not None:
-            led.add(step, path, healthy=healthy, reason=reason, covers_step=step)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is None or trainer.sanity_checking:
@@ -334,7 +331,7 @@ class StabilityCallback(pl.Callback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Guard, monitor and checkpoint-registry state (``"version"`` key)."""
+        """Guard and monitor state (the checkpoint ledger is the monitor's), ``"version"`` key."""
         if self.guard is not None:
             guard_sd: dict[str, Any] = self.guard.state_dict()
         elif self._pending_state is not None:

@@ -54,6 +54,7 @@ import torch
 
 from ..cadence import CadenceAdvisor
 from ..feedback import InterventionTally, log_interventions
+from ..goodput import GoodputTracker
 from ..preemption import install_sigterm_checkpoint
 from ..types import Control, Decision
 from ..watchdog import StallWatchdog
@@ -173,8 +174,12 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
             monitor.trainer_clip_norm = clip_norm  # the policy never loosens the loop's clip
         # the monitor's goodput ledger counts every step from its Control (rollbacks as
         # requested); the guard adds what only it knows: the wall clock, checkpoint save
-        # times, and the rollback it really did (which replaces the requested one)
-        self.goodput: Any = getattr(monitor, "goodput", None)
+        # times, the rollback it really did (which replaces the requested one), skipped
+        # batches. Without a monitor ledger the guard keeps (and feeds) its own.
+        goodput = getattr(monitor, "goodput", None)
+        self._own_goodput = not isinstance(goodput, GoodputTracker)
+        self.goodput: GoodputTracker = goodput if isinstance(goodput, GoodputTracker) else (
+            GoodputTracker())
         self._goodput("start")
         self.collector = SignalCollector(
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
@@ -190,9 +195,10 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         if self.sync is not None and not self.sync.active:
             self.sync = None
         rank = self.sync.rank if self.sync is not None else -1
-        # a CheckpointStore, or an adapter's store of the trainer's own checkpoints
-        self.store: Any = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
-                                     on_drop=self._forget_checkpoint)
+        # a CheckpointStore, or an adapter's store of the trainer's own checkpoints: the file
+        # IO of the one checkpoint ledger (the monitor's, else the store's own)
+        self.store = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
+                                     ledger=find_ledger(monitor))
         self.recorder = recorder if rank <= 0 else None
         self.step_count = int(start_step)
         self.data_position = 0
@@ -207,13 +213,8 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         self.healthy = True
         self.should_step = True
         self.stopped: TrainingStopped | None = None
-        # goodput-style counters
-        self.steps_skipped = 0
-        self.batches_skipped = 0
-        self.rollbacks = 0
-        self.steps_lost = 0
-        self.checkpoints_taken = 0
-        self.checkpoint_failures = 0
+        self.rolled_back = False  # whether the last finish() rolled back
+        # goodput counters (steps_skipped, rollbacks, ...) are views of self.goodput
         self.amp_overflows = 0
         self._recorder_flush_failed = False
         self.interventions: list[Any] = []
@@ -243,7 +244,7 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
             idx = self.data_position
             if idx in self.skip_positions:
                 self.data_position += 1
-                self.batches_skipped += 1
+                self._goodput("note_batch_skipped")
                 continue
             self._consumed = self._rewound = False
             it += 1
@@ -372,19 +373,17 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
             self.multiplier.apply()  # idempotent; also done by the optimizer pre-hook
         else:
             drop_gradients(self.collector.params)
-            self.steps_skipped += 1
+        self._count_step(step, decision.control, control)
         return decision
 
     def finish(self) -> None:
         """After the optimizer/scheduler step: checkpoints, rollback, stop; advances the step."""
         control, step = self.control, self.step_count
+        self.rolled_back = False
         self.collector.after_step(stepped=self.should_step)
         self._consumed = True
-        if control.save_checkpoint:
-            # with a rollback in the same decision the ledger was already rewound: the emergency
-            # checkpoint (kept for forensics) belongs to the abandoned timeline, so not registered
-            self._auto_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency",
-                                  register=control.rollback_to is None)
+        if control.save_checkpoint:  # unhealthy: kept for forensics, never a rollback target
+            self._auto_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency")
         if control.stop:
             if control.rollback_to is not None:
                 # stop with the last good weights in place (the run cannot be brought back)

@@ -4,9 +4,9 @@
   checkpoints: entries point at the trainer's own checkpoints (an HF ``checkpoint-N`` directory, a
   Lightning ``.ckpt`` file), restored in place by a trainer-specific loader, so every checkpoint
   the guard relies on also resumes with the framework's own tools. In-memory copies are kept only
-  when asked for, and bounded by size. It has the interface :class:`~stability.adapters.torch.
-  TorchGuard` expects of its ``store`` (``entries``, ``save``, ``latest_healthy``, ``restore``,
-  ``drop``).
+  when asked for, and bounded by size. Like :class:`~stability.adapters.checkpoint_store.
+  CheckpointStore` it keeps no registry of its own: the records live in the monitor's
+  :class:`~stability.checkpoints.CheckpointLedger`.
 * :func:`params_finite` -- one fused check that no weight is NaN/inf (no checkpoint of bad
   weights is ever written).
 """
@@ -14,20 +14,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .interventions import (
-    SavedCheckpoint,
-    load_checkpoint,
-    retention_victims,
-    save_checkpoint,
-)
+from ..checkpoints import CheckpointLedger, CheckpointRecord
+from .checkpoint_store import LedgerStore, load_checkpoint, save_checkpoint
 
 __all__ = ["TrainerCheckpointStore", "params_finite", "state_bytes"]
+
+log = logging.getLogger("stability.adapters")
 
 #: ``loader(path, model, optimizer, scheduler)`` restores a trainer checkpoint in place.
 Loader = Callable[[str, Any, Any, Any], None]
@@ -55,8 +54,12 @@ def params_finite(params: Iterable[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 
-class TrainerCheckpointStore:
+class TrainerCheckpointStore(LedgerStore):
     """Rollback checkpoints held by the trainer (files / directories) or, if asked, in memory.
+
+    The registry is a :class:`~stability.checkpoints.CheckpointLedger` (the monitor's once the
+    callback binds it, see :meth:`LedgerStore.bind`): this store registers the trainer's
+    checkpoints in it and does the IO (restore through ``loader``, delete what retention drops).
 
     Parameters
     ----------
@@ -67,81 +70,82 @@ class TrainerCheckpointStore:
         ``trainer.save_checkpoint``). Without one, :meth:`save` keeps in-memory copies, and only
         if ``memory_limit_bytes`` allows it.
     keep : int
-        Periodic checkpoints kept by :meth:`save` (older ones written by the writer are deleted;
-        the newest healthy one is always kept). Checkpoints registered with :meth:`add` belong
-        to the trainer and are never deleted here.
+        Periodic checkpoints kept (older ones this store wrote or registered as ``owned`` are
+        deleted; the newest healthy one is always kept). Checkpoints registered with :meth:`add`
+        without ``owned`` belong to the trainer and are never deleted here (only forgotten once
+        the trainer's rotation removed them).
     memory_limit_bytes : int
         Budget for in-memory copies (0 = none are ever taken). A copy larger than the budget is
         refused with ``ValueError`` (the guard logs it and goes on); older copies are evicted to
         make room.
+    ledger : CheckpointLedger, optional
+        The registry; default: the store's own (until :meth:`bind`).
     """
 
     def __init__(self, loader: Loader, writer: Writer | None = None, *, keep: int = 2,
-                 memory_limit_bytes: int = 0) -> None:
+                 memory_limit_bytes: int = 0, ledger: CheckpointLedger | None = None) -> None:
         if keep < 1:
             raise ValueError("The 'keep' parameter of TrainerCheckpointStore must be an int in "
                              f"the range [1, inf). Got {keep} instead.")
         if memory_limit_bytes < 0:
             raise ValueError("The 'memory_limit_bytes' parameter of TrainerCheckpointStore must "
                              f"be >= 0. Got {memory_limit_bytes} instead.")
+        super().__init__(ledger)
         self.loader = loader
         self.writer = writer
         self.keep = int(keep)
         self.memory_limit_bytes = int(memory_limit_bytes)
-        self._entries: dict[int, SavedCheckpoint] = {}
-        self._owned: set[int] = set()          # written by save(): pruned by keep
-        self._memory: dict[int, dict[str, Any]] = {}
         self._memory_bytes: dict[int, int] = {}
-        self.on_drop: Any = None               # on_drop(step) after a checkpoint is forgotten
 
     # ------------------------------------------------------------------ bookkeeping
-    @property
-    def entries(self) -> dict[int, SavedCheckpoint]:
-        """Usable checkpoints by guard step (those whose file or directory is gone are left out:
-        the trainer's own rotation may delete them)."""
-        gone = [s for s, e in self._entries.items()
-                if e.path is not None and not os.path.exists(e.path)]
-        for s in gone:
-            self._entries.pop(s)
-            self._owned.discard(s)
-        return dict(self._entries)
-
     def add(self, step: int, path: str, *, healthy: bool, reason: str = "",
-            owned: bool = False) -> SavedCheckpoint:
+            owned: bool = False, data_position: int = 0) -> CheckpointRecord:
         """Register a checkpoint the trainer wrote (covering guard step ``step``).
 
         ``owned`` ones were written for the guard: only ``keep`` of them are kept (older files
         are deleted); the others belong to the trainer's own schedule and rotation.
         """
-        entry = SavedCheckpoint(int(step), 0, bool(healthy), reason, str(path))
-        self._entries[int(step)] = entry
+        rec = self.ledger.add(step, str(path), healthy, reason, step,
+                              data_position=data_position, managed=owned)
         if owned:
-            self._owned.add(int(step))
-            self._prune()
-        return entry
+            self.prune(self.keep)
+        return rec
+
+    def forget_rotated(self) -> list[CheckpointRecord]:
+        """Forget the trainer checkpoints its own rotation deleted (logged at INFO: expected)."""
+        gone = [r for r in list(self.ledger.records) if not r.in_memory and not r.managed
+                and not os.path.exists(r.path)]
+        for r in gone:
+            log.info("trainer checkpoint of step %d (%s) was rotated away: forgotten",
+                     r.step, r.path)
+            self.ledger.forget(r.step)
+        return gone
 
     def memory_bytes(self) -> int:
         """Bytes held by in-memory copies."""
         return sum(self._memory_bytes.values())
 
+    def delete(self, rec: CheckpointRecord) -> None:
+        self._memory_bytes.pop(rec.step, None)
+        super().delete(rec)
+
     # ------------------------------------------------------------------ the guard's interface
     def save(self, model: Any, optimizer: Any, scheduler: Any, *, step: int,
              data_position: int, healthy: bool, reason: str = "",
              monitor_state: Mapping[str, Any] | None = None,
-             protect: Iterable[int] = ()) -> SavedCheckpoint:
+             protect: Iterable[int] = (), margin: int | None = None) -> CheckpointRecord:
         """Take a checkpoint now: through the trainer's writer, else in memory (if allowed).
 
         ``protect``: steps retention must not delete now (the rollback target of an open
-        episode).
+        episode); ``margin``: the alarm margin retention judges health with.
         """
         protect = set(protect)
         if self.writer is not None:
             path = self.writer(int(step), bool(healthy), reason)
-            entry = SavedCheckpoint(int(step), int(data_position), bool(healthy), reason, path)
-            self._entries[int(step)] = entry
-            self._owned.add(int(step))
-            self._prune(protect)
-            return entry
+            rec = self.ledger.add(step, path, healthy, reason, step,
+                                  data_position=data_position, managed=True)
+            self.prune(self.keep, protect, margin)
+            return rec
         need = state_bytes(model.state_dict()) + (
             0 if optimizer is None else state_bytes(optimizer.state_dict()))
         if need > self.memory_limit_bytes:
@@ -152,70 +156,23 @@ class TrainerCheckpointStore:
         while self._memory and self.memory_bytes() + need > self.memory_limit_bytes:
             victims = [s for s in sorted(self._memory) if s not in protect] or sorted(self._memory)
             self.drop(victims[0])
+            self._memory.pop(victims[0], None)  # (a copy the ledger no longer listed)
+            self._memory_bytes.pop(victims[0], None)
         snap = save_checkpoint(None, model, optimizer, scheduler, step=step,
                                data_position=data_position, healthy=healthy, reason=reason)
         self._memory[int(step)] = snap
         self._memory_bytes[int(step)] = need
-        entry = SavedCheckpoint(int(step), int(data_position), bool(healthy), reason, None)
-        self._entries[int(step)] = entry
-        return entry
+        return self.ledger.add(step, self._memory_path(step), healthy, reason, step,
+                               data_position=data_position, managed=True)
 
-    def _prune(self, protect: Iterable[int] = ()) -> None:
-        # the CheckpointStore rule, over the checkpoints this store wrote (the trainer's own
-        # rotation handles the rest)
-        owned = {s: self._entries[s] for s in self._owned if s in self._entries}
-        for s in retention_victims(owned, self.keep, protect):
-            self.drop(s)
-
-    def drop(self, step: int) -> None:
-        """Forget the checkpoint of ``step`` (deleting it only if this store wrote it)."""
-        entry = self._entries.pop(step, None)
-        self._memory.pop(step, None)
-        self._memory_bytes.pop(step, None)
-        if step in self._owned:
-            self._owned.discard(step)
-            if entry is not None and entry.path and os.path.isfile(entry.path):
-                os.unlink(entry.path)
-        if entry is not None and self.on_drop is not None:
-            try:
-                self.on_drop(step)
-            except Exception:  # bookkeeping must never kill the run
-                pass
-
-    def latest_healthy(self, at_or_before: int | None = None) -> SavedCheckpoint | None:
-        """Newest usable healthy checkpoint at or before a step (``None`` if there is none)."""
-        cands = [e for s, e in self.entries.items() if e.healthy
-                 and (at_or_before is None or s <= at_or_before)]
-        return max(cands, key=lambda e: e.step) if cands else None
-
-    def restore(self, step: int, model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
-        """Restore the checkpoint of ``step`` in place; returns ``{"data_position": ...}``."""
-        entry = self.entries.get(step)
-        if entry is None:
-            raise KeyError(f"No checkpoint for step {step}; have {sorted(self._entries)}")
-        if entry.path is None:
-            return load_checkpoint(self._memory[step], model, optimizer, scheduler)
-        self.loader(entry.path, model, optimizer, scheduler)
-        return {"data_position": entry.data_position}
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The trainer checkpoints known (JSON data; in-memory copies do not survive a resume)."""
-        return {"version": 1, "entries": [
-            {"step": e.step, "path": e.path, "healthy": e.healthy, "reason": e.reason,
-             "owned": s in self._owned}
-            for s, e in sorted(self._entries.items()) if e.path is not None]}
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (entries whose file is gone are dropped on use)."""
-        self._entries, self._owned = {}, set()
-        self._memory, self._memory_bytes = {}, {}
-        for e in sd.get("entries", []):
-            s = int(e["step"])
-            self._entries[s] = SavedCheckpoint(s, 0, bool(e.get("healthy", True)),
-                                               str(e.get("reason", "")), str(e["path"]))
-            if e.get("owned"):
-                self._owned.add(s)
+    def restore_record(self, rec: CheckpointRecord, model: Any, optimizer: Any,
+                       scheduler: Any) -> dict[str, Any]:
+        """Restore ``rec`` in place; returns the snapshot (``{"data_position": ...}`` for a
+        trainer checkpoint)."""
+        if rec.in_memory:
+            return load_checkpoint(self._memory[rec.step], model, optimizer, scheduler)
+        self.loader(rec.path, model, optimizer, scheduler)
+        return {"data_position": rec.data_position}
 
 
 def last_step_feedback(guard: Any, last_lr: float, last_factor: float) -> dict[str, float]:
@@ -246,6 +203,5 @@ def finish_deferring_emergency(guard: Any) -> tuple[Any, bool, bool]:
     emergency = bool(ctl.save_checkpoint)
     if emergency:
         guard.control = dataclasses.replace(ctl, save_checkpoint=False)
-    before = guard.rollbacks
     guard.finish()
-    return ctl, emergency, guard.rollbacks > before
+    return ctl, emergency, guard.rolled_back

@@ -54,8 +54,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             log.append([step, c.skip_step, c.rollback_to, c.lr_factor, c.clip_norm, c.stop,
                         guard.healthy])
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            g = guard.monitor.goodput
             json.dump({"log": log, "w": [p.detach().sum().item() for p in model.parameters()],
-                       "rank_alarmed": guard.decision is not None}, fh)
+                       "rank_alarmed": guard.decision is not None,
+                       "goodput": [g.steps, g.skipped, g.rollbacks, g.lost],
+                       "counters": [guard.steps_skipped, guard.rollbacks, guard.steps_lost]},
+                      fh)
     finally:
         dist.destroy_process_group()
 
@@ -76,6 +80,11 @@ def test_one_rank_fault_same_decision_everywhere(tmp_path) -> None:
     fault = [row for row in r0["log"] if row[0] == 50]
     assert fault and fault[0][1] is True and fault[0][6] is False  # skipped + unhealthy on rank 0
     assert r0["w"] == pytest.approx(r1["w"])  # replicas still identical
+    # one goodput ledger per rank, fed with what the rank did: the skip rank 1 asked for is
+    # counted on rank 0 too, and the guard's counters are the ledger's
+    skipped = sum(1 for row in r0["log"] if row[1] and row[2] is None and not row[5])
+    assert r0["goodput"] == r1["goodput"] and r0["goodput"][1] == skipped >= 1
+    assert r0["counters"] == r0["goodput"][1:]
 
 
 def test_control_sync_is_identity_without_process_group() -> None:

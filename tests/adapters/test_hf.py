@@ -137,8 +137,11 @@ def test_state_in_trainer_state_json_and_restored_on_resume(tmp_path) -> None:
     saved = js["stateful_callbacks"]["StabilityTrainerCallback"]["attributes"]["stability_state"]
     assert saved["guard"]["step"] == 5 and saved["global_step"] == 5
     assert saved["guard"]["monitor"]["last_step"] == 4
-    # the checkpoint being written is already a registered (healthy) rollback target
-    assert [e["step"] for e in saved["store"]["entries"]] == [4]
+    # the checkpoint being written is already a registered (healthy) rollback target, in the
+    # one registry: the monitor's ledger (the store saves no copy of its own)
+    recs = saved["guard"]["monitor"]["checkpoints"]["records"]
+    assert [(r["step"], r["healthy"]) for r in recs] == [(4, True)]
+    assert saved["store"]["ledger"] is None
     cb2 = StabilityTrainerCallback(Monitor("small"))
     tr2 = _trainer(tmp_path, cb2, steps=10, save_strategy="steps", save_steps=5,
                    eval_strategy="no")
@@ -257,3 +260,6 @@ def test_rotated_checkpoints_are_no_rollback_target(tmp_path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-6", "checkpoint-8"]
     assert sorted(cb.store.entries) == [5, 7]  # HF's rotation deleted the others
     assert cb.store.latest_healthy(4) is None
+    # the ledger forgot them too (one registry): the policy never plans a rollback onto them
+    assert [r.step for r in cb.monitor.checkpoints.records] == [5, 7]
+    assert cb.monitor.checkpoints.latest_healthy_before(5) is None

@@ -125,8 +125,12 @@ def test_state_key_and_resume_with_ckpt_path(tmp_path) -> None:
     _trainer(tmp_path, cb2, steps=40).fit(Tiny(), _loader(), ckpt_path=path)
     assert seen == list(range(30, 40))  # warm-ups did not restart
     assert loaded["monitor"] == saved["guard"]["monitor"]  # the state came back as saved
-    assert [e["step"] for e in saved["store"]["entries"]] == [19, 29]  # keep_checkpoints=2
+    recs = saved["guard"]["monitor"]["checkpoints"]["records"]  # the one registry
+    assert [r["step"] for r in recs] == [19, 29]  # keep_checkpoints=2
     assert sorted(cb2.store.entries) == [29, 39]  # the registry came back and went on
+    assert [r.step for r in cb2.monitor.checkpoints.records] == [29, 39]
+    assert sorted(p.name for p in (tmp_path / "stability-checkpoints").iterdir()) == [
+        "step=29.ckpt", "step=39.ckpt"]  # pruned files went with their records
 
 
 def test_resume_gives_the_decisions_of_an_uninterrupted_run(tmp_path) -> None:

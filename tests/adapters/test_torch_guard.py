@@ -75,12 +75,18 @@ def test_skip_rollback_and_batch_skipping() -> None:
     script = {3: Control(skip_step=True),
               7: Control(save_checkpoint=True, rollback_to=4, skip_batches=(5, 7))}
     guard, mon, used, _ = _loop(script)
-    assert guard.steps_skipped == 2 and guard.rollbacks == 1
+    # step 3 is skipped; the rollback's own step 7 is lost (5, 6, 7), not also skipped
+    assert guard.steps_skipped == 1 and guard.rollbacks == 1
     assert mon.seen[:9] == [0, 1, 2, 3, 4, 5, 6, 7, 5]  # steps restart after the checkpoint
     assert used[:8] == list(range(8)) and used[8] == 8  # batches 5..7 are skipped
     assert guard.batches_skipped == 3 and guard.steps_lost == 3
+    g = guard.goodput  # the scripted monitor has no goodput ledger: the guard keeps one
+    assert (g.skipped, g.rollbacks, g.lost, g.batches_skipped) == (1, 1, 3, 3)
+    assert g.steps == len(mon.seen) and g.productive == len(mon.seen) - 4
     recs = find_ledger(mon).records
-    # the ledger mirrors retention: it lists exactly the healthy checkpoints still stored
+    # one registry: the store restores exactly what the ledger lists
+    assert guard.store.ledger is find_ledger(mon)
+    assert sorted(guard.store.entries) == [r.step for r in recs]
     healthy = sorted(s for s, e in guard.store.entries.items() if e.healthy)
     assert [r.step for r in recs if r.healthy] == healthy and len(healthy) == 4
 

@@ -3,8 +3,9 @@
 One module (stumpy's ``tests/naive.py`` pattern): each ``ref_*`` function computes, slowly and
 obviously, what a Numba kernel in ``detectors/`` computes; the per-detector test modules check
 that kernel and reference agree (bit for bit where the arithmetic order is the same), and
-:data:`REFERENCES` maps every registry name to its reference so the conformance suite can check
-that none is missing.
+:data:`REFERENCES` maps registry names to their references so the conformance suite can check
+that none is missing (a new detector may instead keep its reference in a ``REFERENCES`` dict of
+its own test module, see ``tests/detectors/test_conformance.py:check_reference``).
 """
 
 from __future__ import annotations
@@ -522,6 +523,63 @@ def ref_jump(x, miss=None, alpha=0.05, warmup=5, threshold=10.0, min_delta=0.01,
     return np.array(out)
 
 
+def ref_coherent_jump(x, miss=None, alpha=0.05, warmup=20, threshold=10.0, min_delta=0.01,
+                      clip=4.0, direction="up", min_series=2, level_alpha=0.05,
+                      level_alpha_down=0.005, freeze_on_alarm=False):
+    """x: (T, n) bank; returns (T, n) scores: min(own jump score, k-th largest of the step)."""
+    x = np.asarray(x, dtype=float)
+    t_steps, n = x.shape
+    prev, has, typ, count = [0.0] * n, [False] * n, [0.0] * n, [0] * n
+    level = [0.0] * n
+    out = np.full((t_steps, n), math.nan)
+    for t in range(t_steps):
+        raw, dl = {}, {}
+        for i in range(n):
+            v = x[t, i]
+            if miss is not None and miss[t, i]:
+                continue
+            if not math.isfinite(v):
+                out[t, i] = math.inf
+                continue
+            d = math.log(v) - prev[i] if v > 0 and has[i] else None
+            if d is None or count[i] < warmup:
+                raw[i] = 0.0
+            else:
+                scale = max(typ[i], min_delta, 1e-300)
+                y = math.log(v)
+                hi = max(prev[i], level[i]) if level_alpha > 0 else prev[i]
+                lo = min(prev[i], level[i]) if level_alpha > 0 else prev[i]
+                up, down = (y - hi) / scale, (lo - y) / scale
+                raw[i] = {"up": up, "down": down, "both": max(up, down)}[direction]
+            dl[i] = d
+        if not raw:
+            continue
+        kth = sorted(raw.values(), reverse=True)[min(min_series, len(raw)) - 1]
+        for i, r in raw.items():
+            s = min(r, kth)
+            out[t, i] = s
+            v = x[t, i]
+            if v <= 0:
+                has[i] = False
+                continue
+            if s > threshold and freeze_on_alarm:
+                continue
+            y = math.log(v)
+            if dl[i] is not None:
+                lim = clip * max(typ[i], min_delta, 1e-300)
+                ad, dlev = abs(dl[i]), y - level[i]
+                if count[i] >= warmup and math.isfinite(clip):
+                    ad, dlev = min(ad, lim), min(max(dlev, -lim), lim)
+                a = max(alpha, 1 / (count[i] + 1))
+                typ[i] += a * (ad - typ[i])
+                rate = level_alpha if dlev >= 0 else level_alpha_down
+                level[i] += max(rate, 1 / (count[i] + 2)) * dlev
+                count[i] += 1
+            elif count[i] == 0:
+                level[i] = y
+            prev[i], has[i] = y, True
+    return out
+
 def ref_corr(loss, lr, window=50, alpha=0.1, min_lr_ratio=1.5, min_lr_std=0.01,
              min_loss_std=1e-4, threshold=0.5, freeze_on_alarm=False):
     y = None
@@ -823,6 +881,7 @@ REFERENCES = {
     "train_val": ref_tv,
     "val_spike": ref_vs,
     "lr_jump": ref_jump,
+    "coherent_jump": ref_coherent_jump,
     "lr_loss_corr": ref_corr,
     "lr_level": ref_level,
     "overfit_gap": ref_overfit,

@@ -3,14 +3,21 @@
 Parametrised over :data:`stability.registry.REGISTRY` (river's ``utils.estimator_checks``
 pattern), so a newly registered detector is checked without writing these tests again: stream ==
 batch bit for bit (with missing values), chunked batches == one batch, state round trips (also
-through JSON) continue identically, a missing step is invisible, and a lower threshold never
-gives fewer alarms.  Each entry must also have its own reference test module.
+through JSON) continue identically, a missing step is invisible, a non-finite value alarms and
+never enters the state, zero steps change nothing, bad parameters raise naming the parameter, and
+a lower threshold never gives fewer alarms.  Each entry must also have a reference test module
+with a naive reference (:func:`check_reference`).
+
+Every check is a plain function of the registry name (:data:`CHECKS`), so
+``test_add_detector.py`` runs the same suite on a detector registered at test time.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -55,24 +62,22 @@ def _factory(name: str, **params: object):  # type: ignore[no-untyped-def]
     return lambda n: make_detector(name, params, n_series=n)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_stream_equals_batch_and_chunks(name: str) -> None:
+# ---------------------------------------------------------------------------- the checks
+def check_stream_equals_batch_and_chunks(name: str) -> None:
     xs = _inputs(name)
     miss = _missing(xs, slice(None, None, 7), 1)
     check_stream_equals_batch(_factory(name), *xs, missing=miss)
     check_split_batches(_factory(name), *xs)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("split", [1, 50, 251])
-def test_state_round_trip_continues_identically(name: str, split: int) -> None:
-    xs = _inputs(name, seed=split)
-    check_state_roundtrip(_factory(name), *xs, split=split)
-    check_state_roundtrip(_factory(name), *xs, split=split, via_json=True)
+def check_state_round_trips(name: str, splits: tuple[int, ...] = (1, 50, 251)) -> None:
+    for split in splits:
+        xs = _inputs(name, seed=split)
+        check_state_roundtrip(_factory(name), *xs, split=split)
+        check_state_roundtrip(_factory(name), *xs, split=split, via_json=True)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_missing_steps_are_invisible(name: str) -> None:
+def check_missing_steps_are_invisible(name: str) -> None:
     xs = _inputs(name, seed=3)
     miss = _missing(xs, slice(100, 140))
     s_gap, a_gap = make_detector(name, {}, n_series=N).update_many(*xs, missing=miss)
@@ -83,12 +88,59 @@ def test_missing_steps_are_invisible(name: str) -> None:
     assert_same(a_gap[keep], a_ref)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_lower_threshold_never_fewer_alarms(name: str) -> None:
+def check_non_finite_alarms_and_stays_out(name: str) -> None:
+    """A NaN / +inf / -inf in every input of a step alarms (score +inf) on that step, and the
+    later steps are those of the stream with that step missing (detectors of kind
+    ``nonfinite`` count non-finite values: for them only the alarm is required)."""
+    xs = _inputs(name, seed=4)
+    rows = [120, 180, 260]
+    bad = [x.copy() for x in xs]
+    for r, v in zip(rows, (np.nan, np.inf, -np.inf), strict=True):
+        for b in bad:
+            b[r] = v
+    s_bad, a_bad = make_detector(name, {}, n_series=N).update_many(*bad)
+    assert a_bad[rows].all(), f"{name}: a non-finite value must alarm"
+    if REGISTRY[name].kind == "nonfinite":
+        return
+    assert np.isposinf(s_bad[rows]).all(), f"{name}: a non-finite value must score +inf"
+    s_ref, a_ref = make_detector(name, {}, n_series=N).update_many(
+        *xs, missing=_missing(xs, np.array(rows)))
+    keep = np.ones(T, dtype=bool)
+    keep[rows] = False
+    assert_same(s_bad[keep], s_ref[keep])
+    assert_same(a_bad[keep], a_ref[keep])
+
+
+def check_zero_steps_change_nothing(name: str) -> None:
+    det = make_detector(name, {}, n_series=N)
+    xs = _inputs(name, seed=6)
+    det.update_many(*(x[:50] for x in xs))
+    before = det.state_dict()
+    scores, alarms = det.update_many(*(x[:0] for x in xs))
+    assert scores.shape == alarms.shape == (0, N)
+    after = det.state_dict()
+    for key in ("state", "buf", "score", "alarm"):
+        assert_same(before[key], after[key])
+
+
+def check_bad_parameters_name_the_parameter(name: str) -> None:
+    cls = detector_class(name)
+    args = inspect.signature(cls).parameters
+    with pytest.raises(ValueError, match=f"'n_series' parameter of {cls.__name__}"):
+        cls(n_series=-1)
+    if "threshold" in args:
+        with pytest.raises(ValueError, match=f"'threshold' parameter of {cls.__name__}"):
+            cls(threshold=float("nan"))
+    if "freeze_on_alarm" in args:
+        with pytest.raises(ValueError, match=f"'freeze_on_alarm' parameter of {cls.__name__}"):
+            cls(freeze_on_alarm="yes")
+
+
+def check_lower_threshold_never_fewer_alarms(name: str) -> None:
     cls = detector_class(name)
     args = inspect.signature(cls).parameters
     if "threshold" not in args or getattr(cls, "fixed_threshold", False):
-        pytest.skip(f"{name} has no tunable threshold")
+        return  # nothing to tune
     default = args["threshold"].default
     xs = _inputs(name, seed=5)
     extra = {"freeze_on_alarm": False} if "freeze_on_alarm" in args else {}
@@ -97,11 +149,46 @@ def test_lower_threshold_never_fewer_alarms(name: str) -> None:
     assert counts[0] >= counts[1] >= counts[2], counts
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_every_entry_has_a_naive_reference_and_a_test_module(name: str) -> None:
+def reference_test_module(name: str) -> ModuleType:
+    """``tests/detectors/test_<module>.py`` of the module that defines ``name``'s class."""
+    module = REGISTRY[name].target.split(":")[0].split(".")[-1]
+    try:
+        return importlib.import_module(f"tests.detectors.test_{module}")
+    except ModuleNotFoundError:
+        raise AssertionError(f"{name}: no tests/detectors/test_{module}.py") from None
+
+
+def check_reference(name: str, test_module: ModuleType | None = None) -> None:
+    """``name`` has a naive reference: in ``tests/detectors/naive.py``'s ``REFERENCES`` or in
+    the ``REFERENCES`` of its own test module (which must exist)."""
     from tests.detectors.naive import REFERENCES
 
-    assert name in REFERENCES, f"{name}: add its naive reference to tests/detectors/naive.py"
-    module = REGISTRY[name].target.split(":")[0].split(".")[-1]
-    here = Path(__file__).parent
-    assert (here / f"test_{module}.py").exists(), f"{name}: no tests/detectors/test_{module}.py"
+    mod = reference_test_module(name) if test_module is None else test_module
+    refs = {**REFERENCES, **getattr(mod, "REFERENCES", {})}
+    assert callable(refs.get(name)), (
+        f"{name}: add its naive reference to REFERENCES in {mod.__name__} or "
+        "tests/detectors/naive.py")
+
+
+#: every generic check, by name (each takes the registry name)
+CHECKS: dict[str, Callable[[str], None]] = {
+    "stream_equals_batch_and_chunks": check_stream_equals_batch_and_chunks,
+    "state_round_trips": check_state_round_trips,
+    "missing_steps_are_invisible": check_missing_steps_are_invisible,
+    "non_finite_alarms_and_stays_out": check_non_finite_alarms_and_stays_out,
+    "zero_steps_change_nothing": check_zero_steps_change_nothing,
+    "bad_parameters_name_the_parameter": check_bad_parameters_name_the_parameter,
+    "lower_threshold_never_fewer_alarms": check_lower_threshold_never_fewer_alarms,
+}
+
+
+# ---------------------------------------------------------------------------- the suite
+@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("name", NAMES)
+def test_conformance(name: str, check: str) -> None:
+    CHECKS[check](name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_entry_has_a_naive_reference_and_a_test_module(name: str) -> None:
+    check_reference(name)

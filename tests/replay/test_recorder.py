@@ -148,13 +148,17 @@ def test_flush_seconds(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="'part_steps' parameter of RunRecorder must be an int"):
+    with pytest.raises(ValueError, match=r"^The 'part_steps' parameter of RunRecorder must be an "
+                       r"int in the range \[1, inf\)\. Got 0 instead\.$"):
         RunRecorder(tmp_path, part_steps=0)
-    with pytest.raises(ValueError, match="flush_seconds"):
+    with pytest.raises(ValueError, match=r"'flush_seconds' parameter of RunRecorder must be a "
+                       r"float in the range \(0\.0, inf\] or None\. Got -1 instead"):
         RunRecorder(tmp_path, flush_seconds=-1)
-    with pytest.raises(ValueError, match="max_buffer_bytes"):
+    with pytest.raises(ValueError, match=r"'flush_seconds' parameter of RunRecorder .* Got True"):
+        RunRecorder(tmp_path, flush_seconds=True)
+    with pytest.raises(ValueError, match=r"'max_buffer_bytes' parameter of RunRecorder .* Got -1"):
         RunRecorder(tmp_path, max_buffer_bytes=-1)
-    with pytest.raises(ValueError, match="max_metrics"):
+    with pytest.raises(ValueError, match=r"'max_metrics' parameter of RunRecorder .* Got 0"):
         RunRecorder(tmp_path, max_metrics=0)
     # bad log() input is skipped with a warning, never raised into the training loop
     rec = RunRecorder(tmp_path)

@@ -1,0 +1,291 @@
+"""Coherent one-step jumps across a bank of series (several layers moving at once).
+
+A silent fault inside the network -- an activation blown up by a bad kernel or a corrupted
+hidden state, a scaled block output -- shows in no loss curve at first, but it multiplies the
+gradients (and the next update) of every layer around it *in the same step*.  A noisy layer
+alone also jumps now and then; several layers jumping together by far more than their typical
+step-to-step change is what a healthy run rarely does.
+
+:class:`CoherentJump` scores each series like :class:`~detectors.lr_jump.LRJump`: the change
+of ``log x`` since the series' previous value against an EW mean of its recent ``|dlog x|``
+(test-then-train; after warm-up each update is winsorised at ``clip`` times the scale).  The
+*coherence* is a cross-series reduction: with ``r_i`` the raw jump score of series ``i`` and
+``r_(k)`` the ``k``-th largest raw score among the series scored on the step (``k =
+min_series``, or all of them when fewer are logged), series ``i`` scores ``min(r_i, r_(k))``:
+it alarms exactly when it jumped by more than ``threshold`` typical changes *and* at least
+``min_series`` series did.  The maximum over the bank is ``r_(k)``, so a threshold sweep on
+precomputed scores stays exact.  A rise is measured from the higher of the previous value and
+the series' usual level (a winsorised EW mean of ``log x`` that follows rises at
+``level_alpha`` and falls ten times slower, at ``level_alpha_down``), so a series coming back
+after a collapse -- gradients returning after an fp16 underflow -- is not a jump.  A bank of a
+single series with ``level_alpha = 0`` is :class:`~detectors.lr_jump.LRJump`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray
+from ._kernel import indices, learns
+from ._state import StateCheck
+from .validation import check_float, check_int
+
+DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
+
+# state rows: previous log value, has-previous flag, typical |dlog x|, accepted changes,
+# level (winsorised slow EW mean of log x)
+_PREV, _HAS, _TYP, _COUNT, _LEVEL = 0, 1, 2, 3, 4
+_N_FIELDS = 5
+
+
+class CoherentJumpParams(NamedTuple):
+    """Layout of :class:`CoherentJump`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    warmup: float
+    min_delta: float
+    clip: float
+    direction: float
+    min_series: float
+    level_alpha: float
+    level_alpha_down: float
+
+
+_P = indices(CoherentJumpParams)
+
+
+@njit(cache=True, error_model="numpy")
+def _raw_score(state, i, x, warmup, min_delta, direction, use_level):  # type: ignore[no-untyped-def]
+    """Raw jump score of a finite ``x`` for series ``i`` against its state (0 while warming
+    up, without a previous value or for ``x <= 0``), and ``dlog x`` (``nan``: no change).
+
+    With ``use_level`` a rise counts from ``max(prev, level)`` and a fall from
+    ``min(prev, level)``: a series coming back to its usual level after a collapse (or a
+    spike) does not jump."""
+    if x <= 0.0 or state[_HAS, i] == 0.0:
+        return 0.0, np.nan
+    y = math.log(x)
+    prev = state[_PREV, i]
+    d = y - prev
+    if state[_COUNT, i] < warmup:
+        return 0.0, d
+    scale = max(state[_TYP, i], min_delta, 1e-300)
+    hi, lo = prev, prev
+    if use_level:
+        hi = max(prev, state[_LEVEL, i])
+        lo = min(prev, state[_LEVEL, i])
+    up = (y - hi) / scale
+    down = (lo - y) / scale
+    if direction > 0.0:
+        return up, d
+    if direction < 0.0:
+        return down, d
+    return max(up, down), d
+
+
+@njit(cache=True, error_model="numpy")
+def _kth_largest(vals, n, k):  # type: ignore[no-untyped-def]
+    """The ``k``-th largest of ``vals[:n]`` (``k <= n``); ``vals`` is reordered."""
+    for a in range(k):
+        best = a
+        for b in range(a + 1, n):
+            if vals[b] > vals[best]:
+                best = b
+        vals[a], vals[best] = vals[best], vals[a]
+    return vals[k - 1]
+
+
+@njit(cache=True, error_model="numpy")
+def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[_P.threshold]
+    freeze = params[_P.freeze_on_alarm] != 0.0
+    alpha = params[_P.alpha]
+    warmup = params[_P.warmup]
+    min_delta = params[_P.min_delta]
+    clip = params[_P.clip]
+    direction = params[_P.direction]
+    min_series = int(params[_P.min_series])
+    level_alpha = params[_P.level_alpha]
+    level_down = params[_P.level_alpha_down]
+    use_level = level_alpha > 0.0
+    n = X.shape[2]
+    raw = np.empty(n)
+    dlog = np.empty(n)
+    scored = np.zeros(n, dtype=np.bool_)
+    pool = np.empty(n)
+    for t in range(X.shape[0]):
+        m = 0
+        for i in range(n):
+            x = X[t, 0, i]
+            scored[i] = False
+            if miss[t, 0, i]:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+            elif not np.isfinite(x):
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+            else:
+                raw[i], dlog[i] = _raw_score(state, i, x, warmup, min_delta, direction,
+                                             use_level)
+                scored[i] = True
+                pool[m] = raw[i]
+                m += 1
+        if m == 0:
+            continue
+        kth = _kth_largest(pool, m, min(min_series, m))
+        for i in range(n):
+            if not scored[i]:
+                continue
+            s = min(raw[i], kth)
+            alarm = s > threshold
+            scores[t, i] = s
+            alarms[t, i] = alarm
+            x = X[t, 0, i]
+            if x <= 0.0:
+                state[_HAS, i] = 0.0  # "off" (e.g. a frozen layer): no log, no change
+                continue
+            if not learns(alarm, freeze):
+                continue
+            y = math.log(x)
+            if not np.isnan(dlog[i]):
+                typ = state[_TYP, i]
+                count = state[_COUNT, i]
+                lim = clip * max(typ, min_delta, 1e-300)
+                ad = abs(dlog[i])
+                dl = y - state[_LEVEL, i]
+                if count >= warmup and clip < np.inf:
+                    ad = min(ad, lim)
+                    dl = min(max(dl, -lim), lim)
+                a = max(alpha, 1.0 / (count + 1.0))
+                state[_TYP, i] = typ + a * (ad - typ)
+                rate = level_alpha if dl >= 0.0 else level_down
+                state[_LEVEL, i] += max(rate, 1.0 / (count + 2.0)) * dl
+                state[_COUNT, i] = count + 1.0
+            elif state[_COUNT, i] == 0.0:
+                state[_LEVEL, i] = y
+            state[_PREV, i] = y
+            state[_HAS, i] = 1.0
+
+
+class CoherentJump(BankDetector):
+    """One-step jump of ``log x`` in at least ``min_series`` series of the bank at once.
+
+    ``r_i = dlog(x_i) / max(typical_i, min_delta)`` (sign by ``direction``), where
+    ``typical_i`` is an EW mean of the series' ``|dlog x|`` (debiased; after warm-up each update
+    is winsorised at ``clip`` times the current scale, so a jump does not blind the detector to
+    the next one).  With ``level_alpha > 0`` a rise is measured from ``max(prev, level)`` and
+    a fall from ``min(prev, level)``, ``level`` a slow EW mean of ``log x`` (winsorised the same
+    way): returning to the usual level is not a jump.  Series ``i`` scores ``min(r_i,
+    r_(k))``, ``r_(k)`` the ``k``-th largest raw score of the step (``k = min_series``, capped
+    at the number of series scored on the step).
+
+    Parameters
+    ----------
+    n_series
+        Number of series (e.g. one per layer).
+    alpha
+        Weight of the newest ``|dlog x|`` in the typical change (memory ~ ``1/alpha`` steps).
+    warmup
+        Changes seen by a series before it scores (``0.0`` before).
+    threshold
+        Alarm when the jump exceeds this many typical changes in at least ``min_series``
+        series.
+    min_delta
+        Floor of the typical ``|dlog x|`` (log units).
+    clip
+        Winsorise updates of the typical change at ``clip * scale`` (``inf`` disables).
+    direction
+        ``"up"`` (default), ``"down"`` or ``"both"``.
+    min_series
+        How many series must jump together (``1``: every series on its own).
+    level_alpha
+        Weight of a newest ``log x`` above the usual level in that level (memory ~
+        ``1/level_alpha`` steps); ``0`` measures jumps from the previous value only.
+    level_alpha_down
+        The same for a value below the level: a slow level remembers where a series was before
+        it collapsed, so coming back is not a jump.
+    freeze_on_alarm
+        Do not update a series' statistics on a step it is in alarm.
+
+    Notes
+    -----
+    Non-finite values alarm with score ``+inf`` and never enter the state (nor the
+    ``k``-th-largest pool); missing values score ``nan``; a value ``<= 0`` scores ``0`` and
+    clears the series' previous value (the next positive value starts afresh).
+
+    Examples
+    --------
+    Three layers' gradient norms; at step 300 two of them jump 6x together, at step 200 one
+    jumps 6x alone:
+
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> g = np.exp(rng.normal(0.0, 0.1, (400, 3)))
+    >>> g[200, 0] *= 6.0
+    >>> g[300, :2] *= 6.0
+    >>> scores, alarms = CoherentJump(n_series=3).update_many(g)
+    >>> np.flatnonzero(alarms.any(axis=1)).tolist()
+    [300]
+    >>> np.flatnonzero(CoherentJump(3, min_series=1).update_many(g)[1].any(axis=1)).tolist()
+    [200, 300]
+    """
+
+    kind = "grad_explosion"
+    input_names = ("x",)
+    hyperparameters = ("alpha", "warmup", "min_delta", "clip", "direction", "min_series",
+                       "level_alpha", "level_alpha_down")
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        alpha: float = 0.05,
+        warmup: int = 20,
+        threshold: float = 10.0,
+        min_delta: float = 0.01,
+        clip: float = 4.0,
+        direction: str = "up",
+        min_series: int = 2,
+        level_alpha: float = 0.05,
+        level_alpha_down: float = 0.005,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
+        self.warmup = check_int(name, "warmup", warmup, 0)
+        self.min_delta = check_float(name, "min_delta", min_delta, 0.0)
+        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
+        if direction not in DIRECTIONS:
+            raise ValueError(
+                f"The 'direction' parameter of {name} must be one of {sorted(DIRECTIONS)}. "
+                f"Got {direction!r} instead."
+            )
+        self.direction = direction
+        self.min_series = check_int(name, "min_series", min_series, 1)
+        self.level_alpha = check_float(name, "level_alpha", level_alpha, 0.0, 1.0)
+        self.level_alpha_down = check_float(name, "level_alpha_down", level_alpha_down, 0.0,
+                                            1.0)
+        self._setup()
+
+    def _param_values(self) -> dict[str, float]:
+        return {"direction": DIRECTIONS[self.direction]}
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((_N_FIELDS, n))
+
+    kernel = staticmethod(_kernel)
+    param_layout = CoherentJumpParams
+    state_hyperparameters = ()
+
+    def _check_state(self, c: StateCheck) -> None:
+        c.finite("prev", c.state[_PREV])
+        c.one_of("has", c.state[_HAS], (0.0, 1.0))
+        c.finite("typ", c.state[_TYP], 0.0)
+        c.integers("count", c.state[_COUNT], 0)
+        c.finite("level", c.state[_LEVEL])

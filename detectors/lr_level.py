@@ -1,0 +1,215 @@
+"""The LR past a stable level: loss volatility while the LR is above the last stable one.
+
+* :class:`LRLevelInstability` (inputs ``loss``, ``lr``) -- the volatility (EW variance of
+  ``dlog loss``) relative to its baseline, scored only while the LR is above ``margin`` times the
+  highest LR at which the loss was seen stable.
+
+Part of the LR / loss family (:mod:`detectors.lr_loss` re-exports it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from ._base import LOG_FLOOR, BankDetector, FloatArray
+from ._kernel import indices, learns, skip_pair
+from ._state import StateCheck
+from .validation import check_float, check_int
+
+# LRLevelInstability state rows
+_L_PREV, _L_MEAN, _L_VAR, _L_BASE, _L_MAXLR, _L_COUNT, _L_LR, _L_PEAKED = 0, 1, 2, 3, 4, 5, 6, 7
+_L_FIELDS = 8
+
+
+class LRLevelParams(NamedTuple):
+    """Layout of :class:`LRLevelInstability`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    base_alpha: float
+    warmup: float
+    margin: float
+    stable_ratio: float
+    min_var: float
+
+
+_P_LRLEVEL = indices(LRLevelParams)
+
+
+@njit(cache=True, error_model="numpy")
+def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    threshold = params[_P_LRLEVEL.threshold]
+    freeze = params[_P_LRLEVEL.freeze_on_alarm] != 0.0
+    alpha = params[_P_LRLEVEL.alpha]
+    base_alpha = params[_P_LRLEVEL.base_alpha]
+    warmup = params[_P_LRLEVEL.warmup]
+    margin = params[_P_LRLEVEL.margin]
+    stable_ratio = params[_P_LRLEVEL.stable_ratio]
+    min_var = params[_P_LRLEVEL.min_var]
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            loss = X[t, 0, i]
+            lr = X[t, 1, i]
+            if skip_pair(miss[t, 0, i], miss[t, 1, i], loss, lr, scores, alarms, t, i):
+                continue
+            y = math.log(max(loss, LOG_FLOOR))
+            count = state[_L_COUNT, i]
+            if count == 0.0:
+                state[_L_PREV, i] = y
+                state[_L_MAXLR, i] = lr
+                state[_L_LR, i] = lr
+                state[_L_COUNT, i] = 1.0
+                scores[t, i] = 0.0
+                alarms[t, i] = False
+                continue
+            d = y - state[_L_PREV, i]
+            mean = state[_L_MEAN, i]
+            var = state[_L_VAR, i]
+            a = max(alpha, 1.0 / count)
+            dd = d - mean
+            new_mean = mean + a * dd
+            new_var = (1.0 - a) * (var + a * dd * dd)
+            base = state[_L_BASE, i]
+            ratio = new_var / max(base, min_var, 1e-300)
+            prev_lr = state[_L_LR, i]  # the LR that produced this loss change
+            peaked = state[_L_PEAKED, i] != 0.0 or lr <= prev_lr
+            warm = count >= warmup and peaked
+            if warm and prev_lr > margin * state[_L_MAXLR, i]:
+                score = ratio
+            else:
+                score = 0.0
+            alarm = score > threshold
+            scores[t, i] = score
+            alarms[t, i] = alarm
+            if not learns(alarm, freeze):
+                continue
+            state[_L_PREV, i] = y
+            state[_L_MEAN, i] = new_mean
+            state[_L_VAR, i] = new_var
+            if not warm:
+                b = max(base_alpha, 1.0 / count)
+                state[_L_BASE, i] = base + b * (new_var - base)
+                state[_L_MAXLR, i] = max(state[_L_MAXLR, i], lr)
+            else:
+                # winsorised: the baseline follows slow growth of the noise (log-loss noise
+                # grows as the loss falls) but an instability cannot drag it up quickly
+                v_in = min(new_var, stable_ratio * max(base, min_var))
+                state[_L_BASE, i] = base + base_alpha * (v_in - base)
+                if ratio <= stable_ratio:
+                    state[_L_MAXLR, i] = max(state[_L_MAXLR, i], prev_lr)
+            state[_L_LR, i] = lr
+            state[_L_PEAKED, i] = 1.0 if peaked else 0.0
+            state[_L_COUNT, i] = count + 1.0
+
+
+class LRLevelInstability(BankDetector):
+    """Loss volatility relative to its baseline while the LR is above the highest stable LR.
+
+    Volatility is the EW variance (``alpha``) of ``dlog loss``; the baseline is a slow EW mean
+    (``base_alpha``) of that variance, updated only on *stable* steps (volatility ratio <=
+    ``stable_ratio``; every step during warm-up).  The highest LR seen on a stable step is the
+    "stable LR level".  Then::
+
+        score = volatility / baseline   if lr_prev > margin * max_stable_lr   else 0
+
+    where ``lr_prev`` is the LR of the previous step, the one whose update produced this step's
+    loss change (and the LR recorded as stable when the change was calm).  The scoring starts
+    after ``warmup`` steps *and* once the LR has stopped rising (the end of the schedule's
+    warm-up: every LR of a warm-up ramp is new, and the loss noise in log space naturally grows
+    while the loss falls).
+
+    so a loss that becomes noisy only once the LR exceeds every level at which it was calm
+    (a re-warm to a too-high peak, an LR multiplied by a bug) scores high, while ordinary noise
+    at known LR levels scores 0.  ``stable_ratio`` is independent of ``threshold`` so the state
+    never depends on the threshold.
+
+    Parameters
+    ----------
+    n_series
+        Number of series.
+    alpha
+        Weight of the newest ``dlog loss`` in the volatility (memory ~ ``1/alpha`` steps).
+    base_alpha
+        Weight of the newest volatility in the baseline (slow).
+    warmup
+        Steps during which the baseline and the stable LR level are learnt unconditionally and
+        nothing is scored.
+    margin
+        The LR must exceed ``margin`` times the highest stable LR to be scored.
+    stable_ratio
+        A step is stable when volatility / baseline <= ``stable_ratio``.
+    min_var
+        Floor of the baseline variance (``dlog loss`` units squared).
+    threshold
+        Alarm when the volatility ratio exceeds this (4 = twice the baseline's std).
+    freeze_on_alarm
+        Do not update the statistics on a step in alarm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> T = 1000
+    >>> lr = np.full(T, 1e-3)
+    >>> lr[600:] = np.linspace(1e-3, 2e-2, 400)               # re-warm to a 20x peak
+    >>> noise = np.where(lr > 5e-3, 0.3, 0.02)                 # loss gets noisy past 5e-3
+    >>> loss = np.exp(rng.normal(0.0, 1.0, T) * noise)
+    >>> scores, alarms = LRLevelInstability().update_many(loss, lr)
+    >>> onset, first = int(np.argmax(lr > 5e-3)), int(np.argmax(alarms[:, 0]))
+    >>> bool(alarms[:onset].any()), first - onset < 40     # stable up to 5e-3; margin 1.2
+    (False, True)
+    """
+
+    kind = "lr_loss_anomaly"
+    n_inputs = 2
+    input_names = ("loss", "lr")
+    hyperparameters = ("alpha", "base_alpha", "warmup", "margin", "stable_ratio", "min_var")
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        alpha: float = 0.05,
+        base_alpha: float = 0.01,
+        warmup: int = 100,
+        threshold: float = 4.0,
+        margin: float = 1.2,
+        stable_ratio: float = 2.0,
+        min_var: float = 1e-8,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
+        self.base_alpha = check_float(name, "base_alpha", base_alpha, 0.0, 1.0, low_open=True)
+        self.warmup = check_int(name, "warmup", warmup, 1)
+        self.margin = check_float(name, "margin", margin, 1.0)
+        self.stable_ratio = check_float(name, "stable_ratio", stable_ratio, 0.0, low_open=True)
+        self.min_var = check_float(name, "min_var", min_var, 0.0)
+        self._setup()
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((_L_FIELDS, n))
+
+    kernel = staticmethod(_level_kernel)
+    param_layout = LRLevelParams
+    state_hyperparameters = ()
+
+    def _check_state(self, c: StateCheck) -> None:
+        st = c.state
+        for row, field in ((_L_PREV, "prev"), (_L_MEAN, "mean"), (_L_MAXLR, "max_lr"),
+                           (_L_LR, "lr")):
+            c.finite(field, st[row])
+        c.not_nan("var", st[_L_VAR], 0.0)
+        c.not_nan("base", st[_L_BASE], 0.0)
+        c.integers("count", st[_L_COUNT], 0)
+        c.one_of("peaked", st[_L_PEAKED], (0.0, 1.0))
+
+    @property
+    def max_stable_lr(self) -> FloatArray:
+        """Highest LR seen on a stable step, per series."""
+        return self._state[_L_MAXLR].copy()

@@ -1,0 +1,175 @@
+"""Step 1 of :mod:`replay.tuning`: candidates and scoring jobs.
+
+Every (binding, grid point) of a config is a :class:`Candidate` (:func:`make_candidates`, grids
+from :func:`stability.registry.tune_grids`); :func:`score_table` computes each candidate's
+per-step score on one run (``threshold = +inf``, through the monitor's own binder, reduced to
+one score per step), and :func:`score_runs` runs one such job per run in local processes or on
+Ray. :mod:`replay.tuning` re-exports all of it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from stability.registry import tune_grids
+
+from .replay import Progress, parallel_map, read_table
+from .scoring import reduce_series
+
+__all__ = ["Candidate", "RunScores", "make_candidates", "score_runs", "score_table"]
+
+FloatArray = NDArray[np.float64]
+
+
+# ---------------------------------------------------------------------------- candidates
+@dataclass(frozen=True)
+class Candidate:
+    """One parameter setting of one binding."""
+
+    binding: int
+    name: str
+    detector: str
+    inputs: tuple[str, ...]
+    params: tuple[tuple[str, Any], ...]
+    tunable: bool
+
+    def params_dict(self) -> dict[str, Any]:
+        """The parameters as a dict."""
+        return dict(self.params)
+
+
+def _init_args(cls: type) -> list[str]:
+    init = cls.__init__  # type: ignore[misc]
+    return [p for p in inspect.signature(init).parameters if p != "self"]
+
+
+def make_candidates(detectors: Sequence[Mapping[str, Any]],
+                    grids: Mapping[str, Mapping[str, list[Any]]] | None = None
+                    ) -> list[Candidate]:
+    """Every (binding, grid point) of a resolved config's ``detectors`` list."""
+    from stability.registry import detector_class, is_available
+
+    grids = tune_grids() if grids is None else grids
+    out = []
+    for b, d in enumerate(detectors):
+        det = d["detector"]
+        if not is_available(det):
+            continue
+        cls = detector_class(det)
+        args = _init_args(cls)
+        base = {k: v for k, v in dict(d.get("params", {})).items() if k != "threshold"}
+        tunable = "threshold" in args and not getattr(cls, "fixed_threshold", False)
+        grid = dict(grids.get(det, {})) if tunable else {}
+        grid = {k: v for k, v in grid.items() if k in args}
+        keys = sorted(grid)
+        for combo in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
+            p = dict(base)
+            p.update(zip(keys, combo, strict=True))
+            if tunable and "freeze_on_alarm" in args:
+                p["freeze_on_alarm"] = False
+            out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
+                                 tuple(sorted(p.items())), tunable))
+    return out
+
+
+# ---------------------------------------------------------------------------- scoring jobs
+@dataclass
+class RunScores:
+    """Per-step scores of every candidate on one run."""
+
+    run_id: str
+    steps: NDArray[np.int64]
+    scores: list[FloatArray]
+
+
+def _binder(candidates: Sequence[Candidate], aliases: Mapping[str, str]) -> Any:
+    """A log-only monitor holding one binding per candidate binding: the monitor's own binder
+    (:meth:`stability.monitor.Monitor.bind_table`) is what tuning scores are computed on."""
+    from stability.monitor import Monitor
+
+    dets: dict[str, dict[str, Any]] = {}
+    for c in candidates:
+        dets.setdefault(c.name, {"name": c.name, "detector": c.detector,
+                                 "inputs": list(c.inputs), "params": c.params_dict()})
+    return Monitor({"monitor": {"aliases": dict(aliases), "log_only": True},
+                    "detectors": list(dets.values())}, alert_sinks=[])
+
+
+def score_table(table: Any, candidates: Sequence[Candidate], aliases: Mapping[str, str],
+                run_id: str = "") -> RunScores:
+    """Compute every candidate's per-step score on one run table.
+
+    The table is bound by the monitor's own binder, so a tuned threshold applies online to
+    exactly the scores it was tuned on.
+    """
+    from stability.registry import make_detector
+
+    steps, bound = _binder(candidates, aliases).bind_table(table)
+    t = steps.size
+    out: list[FloatArray] = []
+    for c in candidates:
+        x, m = bound[c.name]
+        if t == 0 or x.shape[2] == 0:
+            out.append(np.full(t, -np.inf))
+            continue
+        params = c.params_dict()
+        if c.tunable:
+            params["threshold"] = math.inf
+        det = make_detector(c.detector, params, n_series=x.shape[2], n_inputs=x.shape[1],
+                            where=c.name)
+        scores, alarms = det.update_many(*[x[:, i, :] for i in range(x.shape[1])], missing=m)
+        if c.tunable:
+            out.append(reduce_series(scores))
+        else:
+            out.append(np.where(alarms.any(axis=1), np.inf, -np.inf))
+    return RunScores(run_id, steps, out)
+
+
+def _score_job(args: tuple[str, str, Sequence[Candidate], Mapping[str, str]]) -> RunScores:
+    rid, path, cands, aliases = args
+    return score_table(read_table(path, aliases), cands, aliases, rid)
+
+
+def score_runs(runs: Sequence[tuple[str, str]], candidates: Sequence[Candidate],
+               aliases: Mapping[str, str] | None = None, *, backend: str = "local",
+               jobs: int | None = None, progress: bool | None = None) -> list[RunScores]:
+    """Run the scoring jobs (one per run) locally in processes or on Ray."""
+    al = dict(aliases or {})
+    job_args = [(rid, path, list(candidates), al) for rid, path in runs]
+    if backend == "local":
+        return parallel_map(_score_job, job_args, jobs, "scoring", progress)
+    if backend == "ray":
+        return _score_ray(job_args, progress)
+    raise ValueError(f"unknown backend {backend!r}; use 'local' or 'ray'.")
+
+
+def _score_ray(job_args: list[Any], progress: bool | None) -> list[RunScores]:
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError("backend 'ray' needs Ray: pip install 'ray'") from exc
+    started = False
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+        started = True
+    try:
+        remote = ray.remote(_score_job)
+        refs = [remote.remote(a) for a in job_args]
+        bar = Progress(len(refs), "scoring (ray)", progress)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            bar.update(len(done))
+        bar.close()
+        return list(ray.get(refs))
+    finally:
+        if started:
+            ray.shutdown()

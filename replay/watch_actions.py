@@ -1,0 +1,155 @@
+"""What :class:`replay.watch.Watcher` does with a judged step: echo, control file, shell hooks.
+
+Hook specs (``--on KIND=COMMAND``, :func:`parse_hooks`) name an intervention type, ``alarm``
+(every alarm step) or ``any`` (every intervention); :class:`WatchActions` runs them, writes the
+control file atomically and echoes one line per decision (:func:`format_decision`). A failing
+or hanging command, or an unwritable control file, is reported and never stops the watcher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from stability.types import INTERVENTION_TYPES, Decision
+
+__all__ = ["HOOK_KINDS", "WatchActions", "format_decision", "parse_hooks"]
+
+logger = logging.getLogger("stability.watch")
+
+#: hook names: intervention types plus ``alarm`` (every alarm step) and ``any`` (every
+#: intervention)
+HOOK_KINDS = tuple(sorted(INTERVENTION_TYPES)) + ("alarm", "any")
+
+
+def parse_hooks(specs: Iterable[str]) -> dict[str, str]:
+    """``["stop=CMD", ...]`` -> ``{"stop": "CMD"}`` (kinds: :data:`HOOK_KINDS`).
+
+    >>> parse_hooks(["stop=touch STOP", "skip_step=echo $STABILITY_STEP"])
+    {'stop': 'touch STOP', 'skip_step': 'echo $STABILITY_STEP'}
+    >>> parse_hooks(["halt=x"])
+    Traceback (most recent call last):
+    ...
+    ValueError: --on halt=x: unknown kind 'halt'; known: alert, checkpoint, reduce_lr, rollback, set_clip, skip_step, stop, alarm, any
+    """  # noqa: E501
+    out: dict[str, str] = {}
+    for spec in specs:
+        kind, sep, cmd = spec.partition("=")
+        kind = kind.strip()
+        if not sep or not cmd.strip():
+            raise ValueError(f"--on {spec}: expected KIND=COMMAND")
+        if kind not in HOOK_KINDS:
+            raise ValueError(f"--on {spec}: unknown kind {kind!r}; known: {', '.join(HOOK_KINDS)}")
+        out[kind] = cmd
+    return out
+
+
+def _atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file in the same folder + replace)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class WatchActions:
+    """The acting half of :class:`~replay.watch.Watcher` (a mixin: the watcher holds the state).
+
+    Uses the watcher's ``exporter``, ``echo``, ``control_file``, ``hooks``, ``hook_timeout``,
+    ``hook_runs`` / ``hook_failures`` counters, ``_muted`` and ``_last_control``.
+    """
+
+    exporter: Any
+    echo: Callable[[str], None] | None
+    control_file: str | None
+    hooks: dict[str, str]
+    hook_timeout: float
+    hook_runs: int
+    hook_failures: int
+    _muted: bool
+    _last_control: dict[str, Any] | None
+
+    def _handle(self, d: Decision) -> None:
+        if self.exporter is not None:
+            try:
+                self.exporter.update(d)
+            except Exception as exc:  # metrics must not stop the watcher
+                logger.warning("exporter update failed: %s: %s", type(exc).__name__, exc)
+        if not (d.alarms or d.interventions):
+            return
+        if self.echo is not None:
+            self.echo(format_decision(d) + (" [backlog: no action]" if self._muted else ""))
+        if self._muted:
+            return
+        if self.control_file is not None:
+            ctrl = d.control.to_dict()
+            if d.interventions or ctrl != self._last_control:
+                self._write_control(d)
+        if self.hooks:
+            if d.alarms and "alarm" in self.hooks:
+                a = d.alarms[0]
+                self._run_hook("alarm", d, a.kind, a.message or f"{a.kind} on {a.signal}", "")
+            for iv in d.interventions:
+                cmd_kind = iv.type if iv.type in self.hooks else "any"
+                if cmd_kind in self.hooks:
+                    self._run_hook(cmd_kind, d, iv.type, iv.reason, getattr(iv, "cause", ""))
+
+    def _write_control(self, d: Decision) -> None:
+        ctrl = d.control.to_dict()
+        doc = {"step": d.step, "time": time.time(), "control": ctrl,
+               "interventions": [i.to_dict() for i in d.interventions],
+               "alarms": sorted({a.kind for a in d.alarms})}
+        try:
+            _atomic_write(self.control_file, json.dumps(doc))  # type: ignore[arg-type]
+            self._last_control = ctrl
+        except OSError as exc:
+            logger.warning("cannot write the control file %s: %s", self.control_file, exc)
+
+    def _run_hook(self, hook: str, d: Decision, kind: str, reason: str, cause: str) -> None:
+        env = dict(os.environ, STABILITY_STEP=str(d.step), STABILITY_KIND=kind,
+                   STABILITY_REASON=reason, STABILITY_CAUSE=cause,
+                   STABILITY_CONTROL=json.dumps(d.control.to_dict()))
+        self.hook_runs += 1
+        try:
+            r = subprocess.run(self.hooks[hook], shell=True, env=env, timeout=self.hook_timeout,
+                               check=False)
+            if r.returncode != 0:
+                self.hook_failures += 1
+                logger.warning("hook %s (step %d) exited with status %d", hook, d.step,
+                               r.returncode)
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.hook_failures += 1
+            logger.warning("hook %s (step %d) failed: %s", hook, d.step, exc)
+
+
+
+def format_decision(d: Decision) -> str:
+    """One line for a decision with alarms or interventions.
+
+    >>> from stability.types import Alarm, SkipStep
+    >>> format_decision(Decision(7, (Alarm(7, "loss_spike", "loss", 9.1234, 6.0, "warning",
+    ...                                    "ewma_z"),), (SkipStep(7, "L1"),)))
+    'step 7: loss_spike on loss (ewma_z 9.12 > 6) -> skip_step'
+    """
+    parts = [f"{a.kind} on {a.signal} ({a.detector} {a.score:.3g} > {a.threshold:.3g})"
+             for a in d.alarms[:3]]
+    if len(d.alarms) > 3:
+        parts.append(f"+{len(d.alarms) - 3} more")
+    text = f"step {d.step}: " + ("; ".join(parts) if parts else "no alarm")
+    if d.interventions:
+        text += " -> " + ", ".join(i.type for i in d.interventions)
+    return text

@@ -1,0 +1,282 @@
+"""The fused monitor step: gather + every bank update + alarm count in ONE Numba call.
+
+:meth:`stability.monitor.Monitor.observe` used to make one njit call to gather the slot vector
+into the banks' inputs (:func:`stability.binding.gather_step`) and then one dispatcher call per
+active bank (``update_array``): with 13-17 banks the Python -> Numba dispatch (argument
+unboxing, ~0.5 µs per call) cost more than the arithmetic.  :func:`fused_step` does the same
+work in one call:
+
+* the gather loop of :func:`~stability.binding.gather_step` (bit for bit the same code);
+* each active bank's kernel called through its native entry point (the address of the
+  specialisation ``update_array`` would have used, :func:`kernel_address`), with its input,
+  output, state, buffer and parameter arrays rebuilt from their data addresses (the bank
+  table of :class:`StepBuffers`): no per-bank unboxing, no reference counting, no typed
+  containers, no generated code;
+* the number of alarms of the step (``0`` on a quiet step, the common case).
+
+The step's arrays live in three packed buffers (:class:`StepBuffers`: integers, floats, flags;
+the gather plan's arrays are views into them), so the call unboxes five arrays, not thirteen.
+One driver serves every config (its signature does not depend on the banks), so it compiles
+once and is cached like the kernels; the kernels keep their single specialisation.
+
+Safety: the driver writes through raw addresses, so :class:`FusedPlan` holds a reference to
+every array it points at (they cannot be freed under it).  The monitor rebuilds the plan in
+``_relayout`` -- every detector call that reallocates its arrays (``grow``, ``reset``,
+``apply_state``) already forces one, because it also reallocates the output arrays the monitor
+binds.  :func:`reference_step` is the plain path (gather + one ``update_array`` per bank) the
+tests compare the driver with; it is also used where the driver cannot be (JIT disabled, a
+kernel that is not a Numba dispatcher).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba import carray, njit, types
+from numba.core.registry import CPUDispatcher
+from numba.extending import intrinsic
+
+from detectors.dispatch import call, request
+
+from .binding import gather_step
+
+logger = logging.getLogger("stability.monitor")
+
+__all__ = ["FusedPlan", "StepBuffers", "build_fused_plan", "capture", "fused_step",
+           "kernel_address", "reference_step", "step_buffers"]
+
+#: the argument types of every bank kernel as ``update_array`` calls it (see detectors/_base.py)
+KERNEL_ARGS = (
+    types.Array(types.float64, 3, "C"),   # X      (1, n_inputs, n_series)
+    types.Array(types.bool_, 3, "C"),     # miss   (1, n_inputs, n_series)
+    types.Array(types.float64, 2, "C"),   # state  (n_fields, n_series)
+    types.Array(types.float64, 2, "C"),   # buf    (k, n_series)
+    types.Array(types.float64, 1, "C"),   # params (n_params,)
+    types.Array(types.float64, 2, "C"),   # scores (1, n_series)
+    types.Array(types.bool_, 2, "C"),     # alarms (1, n_series)
+)
+KERNEL_SIG = types.none(*KERNEL_ARGS)
+#: the argument types of :func:`fused_step` (slot vector and mask, then the packed buffers)
+FUSED_ARGS = (types.Array(types.float64, 1, "C"), types.Array(types.bool_, 1, "C"),
+              types.Array(types.int64, 1, "C"), types.Array(types.float64, 1, "C"),
+              types.Array(types.bool_, 1, "C"))
+
+# columns of the bank table (one row per binding)
+_FN, _NIN, _NS, _ST, _STR, _BUF, _BUFR, _PAR, _PARN = range(9)
+_NCOL = 9
+#: tracked values: grad norm, LR, loss, val loss (then their presence flags)
+N_TRACKED = 4
+# header of the integer buffer: bindings, gathered inputs, series
+_HEAD = 3
+
+
+class StepBuffers(NamedTuple):
+    """The three buffers :func:`fused_step` takes and the named views into them.
+
+    ``ints`` = header ``[n_bindings, n_inputs, n_series]``, ``gidx``, ``boff``, ``soff``,
+    ``table`` (row-major), ``tslots``; ``floats`` = ``X``, ``S``, ``tracked``; ``flags`` =
+    ``M``, ``A``, ``active`` -- the arguments of :func:`~stability.binding.gather_step` and
+    :func:`capture`, and the bank table (one row per binding: kernel address, inputs, series,
+    then address and rows of its state, buffer and parameter arrays).
+    """
+
+    ints: np.ndarray
+    floats: np.ndarray
+    flags: np.ndarray
+    gidx: np.ndarray
+    boff: np.ndarray
+    soff: np.ndarray
+    table: np.ndarray
+    tslots: np.ndarray
+    X: np.ndarray
+    S: np.ndarray
+    tracked: np.ndarray
+    M: np.ndarray
+    A: np.ndarray
+    active: np.ndarray
+
+
+def step_buffers(n_bindings: int, n_inputs: int, n_series: int) -> StepBuffers:
+    """Zeroed :class:`StepBuffers` for ``n_bindings`` banks with ``n_inputs`` gathered inputs
+    and ``n_series`` series in all."""
+    nb, k, ns = n_bindings, n_inputs, n_series
+    ints = np.zeros(_HEAD + k + 2 * (nb + 1) + nb * _NCOL + N_TRACKED, dtype=np.int64)
+    ints[:_HEAD] = (nb, k, ns)
+    floats = np.zeros(k + ns + 2 * N_TRACKED)
+    flags = np.zeros(k + ns + nb, dtype=np.bool_)
+    o = np.cumsum([_HEAD, k, nb + 1, nb + 1, nb * _NCOL, N_TRACKED])
+    return StepBuffers(ints, floats, flags, ints[o[0]:o[1]], ints[o[1]:o[2]], ints[o[2]:o[3]],
+                       ints[o[3]:o[4]].reshape(nb, _NCOL), ints[o[4]:o[5]], floats[:k],
+                       floats[k:k + ns], floats[k + ns:], flags[:k], flags[k:k + ns],
+                       flags[k + ns:])
+
+
+@intrinsic
+def _as_voidptr(typingctx, addr):  # type: ignore[no-untyped-def]
+    """The integer ``addr`` as a ``void*`` (for :func:`numba.carray`)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return types.voidptr(addr), codegen
+
+
+@intrinsic
+def _call_kernel(typingctx, addr, x, miss, state, buf, params, scores,  # type: ignore[no-untyped-def]
+                 alarms):
+    """Call the compiled bank kernel at native address ``addr`` (Numba's calling convention,
+    exactly as a first-class function call does); an exception it sets is propagated."""
+    args = (x, miss, state, buf, params, scores, alarms)
+    if not isinstance(addr, types.Integer) or tuple(args) != KERNEL_ARGS:
+        return None
+
+    def codegen(context, builder, sig, llargs):  # type: ignore[no-untyped-def]
+        fnty = context.call_conv.get_function_type(types.none, KERNEL_ARGS).as_pointer()
+        fptr = builder.inttoptr(llargs[0], fnty)
+        status, _ = context.call_conv.call_function(builder, fptr, types.none, KERNEL_ARGS,
+                                                    list(llargs[1:]))
+        with builder.if_then(status.is_error, likely=False):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return types.none(addr, *args), codegen
+
+
+@njit(cache=True, error_model="numpy")
+def capture(vals, present, slots, out):  # type: ignore[no-untyped-def]
+    """``out[j] = vals[slots[j]]`` and ``out[k + j] = present[slots[j]]`` (``k = len(slots)``):
+    the values the policy follows every step (grad norm, LR, loss, val loss), read before the
+    gather clears ``present``; slot 0 is never present."""
+    k = slots.shape[0]
+    for j in range(k):
+        out[j] = vals[slots[j]]
+        out[k + j] = 1.0 if present[slots[j]] else 0.0
+
+
+@njit(cache=True, error_model="numpy")
+def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-def]
+    """One monitor step: capture the tracked values, gather, update every active bank, count
+    the alarms.
+
+    ``vals`` / ``present`` are the slot vector and mask; ``ints`` / ``floats`` / ``flags`` the
+    packed :class:`StepBuffers` (the same effect as :func:`capture` then
+    :func:`stability.binding.gather_step` on their views, then one ``update_array`` per
+    active bank).  Returns the number of alarms the banks raised on this step.
+    """
+    nb, k, ns_all = ints[0], ints[1], ints[2]
+    o1 = _HEAD + k
+    o2 = o1 + nb + 1
+    o3 = o2 + nb + 1
+    o4 = o3 + nb * _NCOL
+    gidx, boff, soff = ints[_HEAD:o1], ints[o1:o2], ints[o2:o3]
+    table = ints[o3:o4].reshape((nb, _NCOL))
+    X, S, tracked = floats[:k], floats[k:k + ns_all], floats[k + ns_all:]
+    M, A, active = flags[:k], flags[k:k + ns_all], flags[k + ns_all:]
+    capture(vals, present, ints[o4:o4 + N_TRACKED], tracked)
+    gather_step(vals, present, gidx, boff, soff, X, M, S, A, active)
+    # each bank's views are rebuilt from raw addresses: no reference counting per view (the
+    # arguments and FusedPlan.keep hold the memory)
+    fp, bp = floats.ctypes.data, flags.ctypes.data
+    for b in range(nb):
+        ns = table[b, _NS]
+        if not active[b] or ns == 0:
+            continue
+        nin = table[b, _NIN]
+        x = carray(_as_voidptr(fp + 8 * boff[b]), (1, nin, ns), np.float64)
+        m = carray(_as_voidptr(bp + boff[b]), (1, nin, ns), np.bool_)
+        sc = carray(_as_voidptr(fp + 8 * (k + soff[b])), (1, ns), np.float64)
+        al = carray(_as_voidptr(bp + k + soff[b]), (1, ns), np.bool_)
+        st = carray(_as_voidptr(table[b, _ST]), (table[b, _STR], ns), np.float64)
+        bf = carray(_as_voidptr(table[b, _BUF]), (table[b, _BUFR], ns), np.float64)
+        pa = carray(_as_voidptr(table[b, _PAR]), (table[b, _PARN],), np.float64)
+        _call_kernel(table[b, _FN], x, m, st, bf, pa, sc, al)
+    n = 0
+    for i in range(A.shape[0]):
+        if A[i]:
+            n += 1
+    return n
+
+
+def kernel_address(kernel: Any) -> int:
+    """Native entry point of ``kernel``'s :data:`KERNEL_SIG` specialisation (compiled or loaded
+    from the cache if needed: the one ``update_array`` uses); ``0`` if it is not a Numba
+    dispatcher (e.g. ``NUMBA_DISABLE_JIT=1``)."""
+    if not isinstance(kernel, CPUDispatcher):
+        return 0
+    try:
+        cres: Any = kernel.get_compile_result(KERNEL_SIG)
+        if cres.signature.return_type != types.none:  # the driver's call returns nothing
+            return 0
+        addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+    except Exception:  # e.g. a kernel with another signature: the plain path calls it
+        logger.debug("no native entry point for %r; plain path", kernel, exc_info=True)
+        return 0
+    return int(addr) if addr else 0
+
+
+class FusedPlan(NamedTuple):
+    """The buffers :func:`fused_step` reads, and the arrays the bank table points into."""
+
+    args: tuple[np.ndarray, np.ndarray, np.ndarray]  # (ints, floats, flags) of ``bufs``
+    bufs: StepBuffers
+    keep: tuple[Any, ...]    # every array (and kernel) the table points at: kept alive
+
+
+def _c_float(a: Any, ndim: int) -> bool:
+    return (type(a) is np.ndarray and a.dtype == np.float64 and a.ndim == ndim
+            and a.flags.c_contiguous and a.flags.writeable and a.flags.aligned)
+
+
+def build_fused_plan(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
+                     n_series: list[int]) -> FusedPlan | None:
+    """Fill the bank table of ``bufs`` for the banks ``dets`` (in binding order); ``None`` when
+    one of them cannot be driven natively (then the monitor uses :func:`reference_step`).
+
+    ``dets[b]`` must be bound to the monitor's output vectors (``bind_outputs``, views of
+    ``bufs``) and hold ``n_series[b]`` series of ``n_inputs[b]`` inputs.
+    """
+    # cold Numba cache: the plain path (interpreted twins) until the background compiler has
+    # built the driver and every bank kernel (detectors/dispatch.py); the monitor retries then
+    wanted = [request(type(d).kernel, KERNEL_ARGS) for d, n in zip(dets, n_series, strict=True)
+              if n]
+    if not (request(fused_step, FUSED_ARGS) and all(wanted)):
+        return None
+    table = bufs.table
+    table[:] = 0
+    keep: list[Any] = []
+    for b, det in enumerate(dets):
+        kernel = type(det).kernel
+        st, buf, par = det._state, det._buf, det._params_arr
+        if not (_c_float(st, 2) and _c_float(buf, 2) and _c_float(par, 1)):
+            return None
+        ns = n_series[b]
+        if st.shape[1] != ns or buf.shape[1] != ns:
+            return None
+        addr = kernel_address(kernel) if ns else 1  # an empty bank is never called
+        if not addr:
+            return None
+        table[b] = (addr, n_inputs[b], ns, st.ctypes.data, st.shape[0], buf.ctypes.data,
+                    buf.shape[0], par.ctypes.data, par.shape[0])
+        keep.extend((kernel, st, buf, par))
+    return FusedPlan((bufs.ints, bufs.floats, bufs.flags), bufs, tuple(keep))
+
+
+def reference_step(vals: np.ndarray, present: np.ndarray, plan: Any,
+                   calls: list[tuple[Any, Any, Any]], tslots: np.ndarray, tracked: np.ndarray
+                   ) -> int:
+    """The plain step :func:`fused_step` must equal: :func:`capture`,
+    :func:`~stability.binding.gather_step`, then one ``update_array`` per active binding
+    (``calls[b]``), then the alarm count.
+
+    ``plan`` is the monitor's :class:`~stability.monitor_layout.GatherPlan`.
+    """
+    call(capture, vals, present, tslots, tracked)  # interpreted until compiled
+    call(gather_step, vals, present, *plan)
+    for (update, x, m), on in zip(calls, plan.active.tolist(), strict=True):
+        if on:
+            update(x, m)
+    return int(np.count_nonzero(plan.alarms))

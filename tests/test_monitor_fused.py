@@ -1,0 +1,207 @@
+"""The fused monitor step (:mod:`stability.monitor_fused`) equals the plain path bit for bit.
+
+The plain path is :func:`~stability.monitor_fused.reference_step`: the gather, then one
+``update_array`` per active bank.  Two monitors with the same config see the same random stream
+(missing values, NaN / +-inf, spikes, families re-declared with more layers, keyed layers that
+appear late, an LR fault, a state round trip, a rewind); one is forced onto the plain path.
+Every step's decision, every bank's scores / alarms / state and the final snapshots must be
+identical.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from numba import config as numba_config
+from numba import njit
+
+from stability import Monitor
+from stability.monitor_fused import build_fused_plan, fused_step, reference_step
+
+EXTRA = [  # the kernels the default preset does not bind
+    {"name": "loss_adwin", "detector": "adwin", "inputs": ["loss"]},
+    {"name": "gn_cusum", "detector": "cusum", "inputs": ["grad_norm"]},
+    {"name": "act_hist", "detector": "histogram_drift", "inputs": ["act_std/*"],
+     "params": {"window": 32}},
+]
+pytestmark = pytest.mark.skipif(numba_config.DISABLE_JIT,
+                                reason="JIT disabled: the monitor takes the plain path")
+
+CONFIG = {"preset": "default", "detectors": EXTRA,
+          "policy": {"cooldown": 5}}
+SCALARS = ("loss", "lr", "grad_norm", "param_norm", "loss_scale", "tokens_per_s")
+FAMS = ("act_mean", "act_std", "act_absmax", "grad_norm")
+
+
+class PlainMonitor(Monitor):
+    """A monitor that always takes the plain (reference) path."""
+
+    def _relayout(self) -> None:
+        super()._relayout()
+        self._fused = None
+
+
+def _stream(steps: int, seed: int) -> list[tuple[dict, dict, int]]:
+    """``(metrics, families, n_layers)`` per step: noise with holes, non-finite values, spikes
+    and a growing number of layers."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(steps):
+        n_layers = 3 if t < 60 else (5 if t < 140 else 8)
+        m: dict = {}
+        for k, name in enumerate(SCALARS):
+            r = rng.random()
+            if r < 0.08:
+                continue                       # not logged this step
+            v = float(np.exp(rng.normal(0.0, 0.05))) * (k + 1)
+            if name == "lr":
+                v = 1e-3 * (50.0 if 150 <= t < 160 else 1.0)  # an LR fault
+            elif r < 0.1:
+                v = float(rng.choice([np.nan, np.inf, -np.inf]))
+            elif r < 0.13:
+                v *= 40.0                      # a spike
+            m[name] = v
+        if t % 10 == 0:
+            m["val_loss"] = 1.1 + 0.01 * t / 10
+        if t >= 100:
+            m["grad_norm/late"] = float(np.exp(rng.normal(0.0, 0.1)))  # a keyed layer, late
+        fams = {}
+        for f in FAMS:
+            if rng.random() < 0.1:
+                continue
+            a = np.exp(rng.normal(0.0, 0.05, n_layers))
+            if f == "act_mean":
+                a -= 1.0
+            bad = rng.random(n_layers)
+            a[bad < 0.02] = np.nan
+            a[(bad >= 0.02) & (bad < 0.03)] = np.inf
+            a[(bad >= 0.03) & (bad < 0.06)] *= 30.0
+            fams[f] = a
+        out.append((m, fams, n_layers))
+    return out
+
+
+def _declare(mon: Monitor, n_layers: int) -> None:
+    for f in FAMS:
+        mon.declare_family(f, [f"L{i}" for i in range(n_layers)])
+
+
+def _banks(mon: Monitor) -> list[tuple]:
+    return [(b.name, b.det.score.copy(), b.det.alarm.copy(), b.det._state.copy(),
+             b.det._buf.copy()) for b in mon._bindings]
+
+
+def _same_banks(a: list[tuple], b: list[tuple]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x[0] == y[0]
+        for u, v in zip(x[1:], y[1:], strict=True):
+            np.testing.assert_array_equal(u, v, err_msg=x[0])
+
+
+def _key(d) -> tuple:
+    return (d.step, d.alarms, d.interventions, d.control.to_dict(), d.skipped)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_equals_plain_path(seed: int) -> None:
+    fused, plain = Monitor(CONFIG), PlainMonitor(CONFIG)
+    n_alarms = 0
+    layers = 0
+    for t, (m, fams, n_layers) in enumerate(_stream(220, seed)):
+        if n_layers != layers:
+            layers = n_layers
+            _declare(fused, n_layers)
+            _declare(plain, n_layers)
+        if t == 120:  # a snapshot round trip half way (through JSON) on the fused monitor
+            sd = json.loads(json.dumps(fused.state_dict()))
+            fused = Monitor(CONFIG)
+            fused.load_state_dict(sd)
+        if t == 180:
+            fused.rewind(170)
+            plain.rewind(170)
+        step = t if t < 180 else t - 10
+        df, dp = fused.observe(step, m, fams), plain.observe(step, m, fams)
+        assert _key(df) == _key(dp), t
+        assert fused._fused is not None and plain._fused is None
+        _same_banks(_banks(fused), _banks(plain))
+        n_alarms += len(df.alarms)
+    assert n_alarms > 10  # the stream exercised the alarm path
+    assert fused.counters == plain.counters
+    sf, sp = fused.state_dict(), plain.state_dict()
+    sf.pop("goodput"), sp.pop("goodput")
+    assert json.dumps(sf, sort_keys=True) == json.dumps(sp, sort_keys=True)
+
+
+def test_fused_step_equals_reference_step() -> None:
+    """The driver alone: same inputs, outputs, states and alarm count as one call per bank."""
+    rng = np.random.default_rng(3)
+    mons = [Monitor(CONFIG), Monitor(CONFIG)]
+    for mon in mons:
+        _declare(mon, 6)
+        mon.observe(0, {k: 1.0 for k in (*SCALARS, "val_loss")},
+                    {f: np.ones(6) for f in FAMS})
+    for t in range(200):
+        vals = rng.normal(1.0, 0.3, mons[0]._vals.shape)
+        vals[rng.random(vals.shape) < 0.05] = np.nan
+        vals[t % 9 == 0] = 1e3  # spikes: alarms to count
+        present = rng.random(vals.shape) < 0.85
+        for mon in mons:
+            mon._vals[:] = vals
+            mon._present[:] = present
+        a, b = mons
+        n_fused = fused_step(a._vals, a._present, *a._fused.args)
+        n_ref = reference_step(b._vals, b._present, b._gather, b._calls, b._tslots, b._tracked)
+        assert n_fused == n_ref
+        np.testing.assert_array_equal(a._tracked, b._tracked)
+        np.testing.assert_array_equal(a._tracked[:4][a._tracked[4:] == 1.0],
+                                      vals[a._tslots][present[a._tslots]])
+        for u, v in zip(a._gather, b._gather, strict=True):
+            np.testing.assert_array_equal(u, v)
+        _same_banks(_banks(a), _banks(b))
+        assert not a._present.any()
+
+
+def test_every_registered_kernel_is_fused() -> None:
+    from stability.registry import REGISTRY
+
+    mon = Monitor(CONFIG)
+    _declare(mon, 2)
+    mon.observe(0, {k: 1.0 for k in (*SCALARS, "val_loss", "update_ratio/L0")},
+                {f: np.ones(2) for f in FAMS})
+    assert {b.spec.detector for b in mon._bindings} == set(REGISTRY)
+    assert mon._fused is not None
+    assert (mon._fused.bufs.table[:, 0] != 0).all()
+
+
+def test_fused_path_off_without_jit() -> None:
+    """Where a kernel is not a Numba dispatcher (``NUMBA_DISABLE_JIT=1``) there is no plan."""
+    from stability.monitor_fused import kernel_address
+
+    assert kernel_address(lambda *a: None) == 0
+
+    @njit
+    def other(x):  # another signature: no entry point, the plain path calls it
+        return x + 1
+
+    assert kernel_address(other) == 0
+
+    @njit
+    def returns(x, m, st, buf, p, sc, al):  # the right arguments, but it returns a value
+        return sc.shape[1]
+
+    assert kernel_address(returns) == 0
+    mon = Monitor(CONFIG)
+    mon.observe(0, {"loss": 1.0})
+    assert all(kernel_address(type(b.det).kernel) for b in mon._bindings)
+
+
+def test_plan_refuses_non_contiguous_state() -> None:
+    mon = Monitor(CONFIG)
+    mon.observe(0, {"loss": 1.0})
+    det = mon._bindings[1].det
+    det._state = np.asfortranarray(np.zeros((det._state.shape[0], 3)))[:, ::2]
+    bs = mon._bindings
+    assert build_fused_plan(mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
+                            [len(b.keys) for b in bs]) is None
