@@ -281,8 +281,12 @@ for s in range(12):
     ref.append([a.detector for a in d.alarms])
     if first is None:
         first = len(kernel.signatures)
+fused_meanwhile = mon._fused is not None
 ok = dispatch.wait_ready(timeout=900)
+for s in range(12, 14):  # the first step after: still the plain path, which sees it is done
+    mon.observe(s, {"loss": 1.1})
 print(json.dumps({"first": first, "ok": ok, "after": len(kernel.signatures),
+                  "fused": [fused_meanwhile, mon._fused is not None],
                   "cached": dispatch.cached(kernel, kernel.signatures[0]) if ok else None,
                   "alarms": ref, "pending": dispatch.pending()}))
 """
@@ -301,6 +305,7 @@ def test_an_empty_cache_is_filled_by_the_child_process(tmp_path: Path) -> None:
     assert got["ok"] and got["after"] == 1 and got["pending"] == []
     assert got["cached"] is True  # written by the child: the index lists it
     assert any(tmp_path.rglob("ewma._kernel-*.nbi"))
+    assert got["fused"] == [False, True]  # the one-call driver once everything is compiled
     assert got["alarms"][8] == ["loss_spike"]
     assert not any(got["alarms"][:8])
 
