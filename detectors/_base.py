@@ -41,6 +41,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._state import STATE_VERSION, CheckedState, StateCheck, check_snapshot
+from .dispatch import call
 from .validation import check_bool, check_float, check_int
 
 __all__ = ["BankDetector", "BoolArray", "CheckedState", "FloatArray", "LOG_FLOOR", "MAD_SCALE",
@@ -241,9 +242,8 @@ class BankDetector:
             miss[...] = False
         else:
             miss[0] = np.asarray(missing, dtype=np.bool_).reshape(self.n_inputs, self.n_series)
-        type(self).kernel(
-            x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1
-        )
+        call(type(self).kernel,  # interpreted until compiled: detectors/dispatch.py
+             x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1)
         return self._alarm1[0]
 
     def update_array(self, x: FloatArray, miss: BoolArray) -> None:
@@ -251,9 +251,8 @@ class BankDetector:
 
         No validation is done; results are in :attr:`score` and :attr:`alarm`.
         """
-        type(self).kernel(
-            x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1
-        )
+        call(type(self).kernel,  # interpreted until compiled: detectors/dispatch.py
+             x, miss, self._state, self._buf, self._params_arr, self._score1, self._alarm1)
 
     def update_many_array(
         self, x: FloatArray, miss: BoolArray, scores: FloatArray, alarms: BoolArray

@@ -177,16 +177,25 @@ def _cmd_warmup(a: argparse.Namespace) -> int:
     Each detector is built alone with one series and updated once: the arrays have the types
     the monitor passes (float64 / bool, C-contiguous), so the cached specialisation is the one
     a training run loads.  A one-step ``observe`` then compiles the monitor's own gather kernel.
+    Compilation happens here (``blocking`` mode): no interpreted twin, no background child.
     """
+    from detectors import dispatch
+    from stability.config import load_config
+
+    cfg = load_config(a.config)
+    with dispatch.using_mode("blocking"):  # compile here and now, not in the background
+        return _warm_kernels(cfg)
+
+
+def _warm_kernels(cfg: Any) -> int:
+    """Build each detector of ``cfg`` once, then a one-step monitor; print the times."""
     import time
 
     import numba
 
-    from stability.config import load_config
     from stability.monitor import Monitor
     from stability.registry import make_detector
 
-    cfg = load_config(a.config)
     cache_dir = getattr(numba.config, "CACHE_DIR", "")
     print(f"numba cache: {cache_dir or '(next to the sources, __pycache__)'}")
     t_all = time.perf_counter()

@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from detectors.dispatch import compiling
+
 from .binding import Aliases
 from .checkpoints import CheckpointLedger
 from .config import ConfigSource, MonitorConfig, load_config
@@ -270,8 +272,13 @@ class Monitor(ReplayMixin, StateMixin):
         if self._dirty:
             self._relayout()
         fused = self._fused  # capture + gather + every bank + alarm count: one native call
-        n_alarms = fused_step(self._vals, self._present, *fused.args) if fused else reference_step(
-            self._vals, self._present, self._gather, self._calls, self._tslots, self._tracked)
+        if fused:
+            n_alarms = fused_step(self._vals, self._present, *fused.args)
+        else:
+            n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
+                                      self._tslots, self._tracked)
+            if self._fused_wait and not compiling():  # the background compiler is done:
+                self._dirty = True  # the next step builds the fused plan
         g, lr, loss, val, g_on, lr_on, loss_on, val_on = self._tracked.tolist()
         tivs = self._track_values(s, lr if lr_on else None, loss if loss_on else None,
                                   val if val_on else None)

@@ -38,6 +38,8 @@ from numba import carray, njit, types
 from numba.core.registry import CPUDispatcher
 from numba.extending import intrinsic
 
+from detectors.dispatch import call, request
+
 from .binding import gather_step
 
 logger = logging.getLogger("stability.monitor")
@@ -56,6 +58,10 @@ KERNEL_ARGS = (
     types.Array(types.bool_, 2, "C"),     # alarms (1, n_series)
 )
 KERNEL_SIG = types.none(*KERNEL_ARGS)
+#: the argument types of :func:`fused_step` (slot vector and mask, then the packed buffers)
+FUSED_ARGS = (types.Array(types.float64, 1, "C"), types.Array(types.bool_, 1, "C"),
+              types.Array(types.int64, 1, "C"), types.Array(types.float64, 1, "C"),
+              types.Array(types.bool_, 1, "C"))
 
 # columns of the bank table (one row per binding)
 _FN, _NIN, _NS, _ST, _STR, _BUF, _BUFR, _PAR, _PARN = range(9)
@@ -233,6 +239,12 @@ def build_fused_plan(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
     ``dets[b]`` must be bound to the monitor's output vectors (``bind_outputs``, views of
     ``bufs``) and hold ``n_series[b]`` series of ``n_inputs[b]`` inputs.
     """
+    # cold Numba cache: the plain path (interpreted twins) until the background compiler has
+    # built the driver and every bank kernel (detectors/dispatch.py); the monitor retries then
+    wanted = [request(type(d).kernel, KERNEL_ARGS) for d, n in zip(dets, n_series, strict=True)
+              if n]
+    if not (request(fused_step, FUSED_ARGS) and all(wanted)):
+        return None
     table = bufs.table
     table[:] = 0
     keep: list[Any] = []
@@ -262,8 +274,8 @@ def reference_step(vals: np.ndarray, present: np.ndarray, plan: Any,
 
     ``plan`` is the monitor's :class:`~stability.monitor_layout.GatherPlan`.
     """
-    capture(vals, present, tslots, tracked)
-    gather_step(vals, present, *plan)
+    call(capture, vals, present, tslots, tracked)  # interpreted until compiled
+    call(gather_step, vals, present, *plan)
     for (update, x, m), on in zip(calls, plan.active.tolist(), strict=True):
         if on:
             update(x, m)

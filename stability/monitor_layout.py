@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from detectors.dispatch import compiling
+
 from .binding import Aliases, Pattern, empty_buffers
 from .config import DetectorSpec
 from .monitor_fused import N_TRACKED, FusedPlan, build_fused_plan, step_buffers
@@ -144,6 +146,7 @@ class LayoutMixin:
     _gather: GatherPlan
     _calls: list[tuple[Any, Any, Any]]
     _fused: FusedPlan | None
+    _fused_wait: bool  # no fused plan yet: kernels compile in the background
     _tslots: np.ndarray
     _tracked: np.ndarray
 
@@ -161,6 +164,7 @@ class LayoutMixin:
         self._key_plans: list[KeyPlan] = []
         self._dirty = True
         self._fused = None
+        self._fused_wait = False
         self._tslots = np.zeros(N_TRACKED, dtype=np.int64)  # grad_norm, lr, loss, val_loss
         self._tracked = np.zeros(2 * N_TRACKED)  # ... their values and presence (capture)
         self._grad_slot = 0
@@ -318,6 +322,7 @@ class LayoutMixin:
         # one native call per step (gather + banks + alarm count); None: the plain path
         self._fused = build_fused_plan(sb, [b.det for b in bs], [b.n_inputs for b in bs],
                                        counts)
+        self._fused_wait = self._fused is None and compiling()  # kernels compile aside
         self._dirty = False
 
     def _live_rows(self) -> list[tuple[_Binding, Any, Any]]:
