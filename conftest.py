@@ -7,7 +7,14 @@ Lightning and HF adapters, and tests importing them, skip cleanly without those 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
+
+# The suite compiles kernels on first use (as `stability warmup` does), so every test sees the
+# compiled kernels and the fused driver from its first step whatever the state of the Numba
+# cache; the default cold-start mode (interpreted twins while a child process compiles) is
+# tested explicitly in tests/test_coldstart.py, which sets its modes itself.
+os.environ.setdefault("STABILITY_COLD_START", "blocking")
 
 _ROOT = Path(__file__).resolve().parent
 

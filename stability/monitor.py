@@ -53,7 +53,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -64,13 +64,14 @@ from .binding import Aliases
 from .checkpoints import CheckpointLedger
 from .config import ConfigSource, MonitorConfig, load_config
 from .goodput import GoodputTracker
+from .monitor_emit import EmitMixin, _decision
 from .monitor_fused import fused_step, reference_step
 from .monitor_layout import MAX_STEP, _Binding
 from .monitor_replay import ReplayMixin
 from .monitor_state import GRAD_HISTORY, STATE_VERSION, StateMixin
 from .policy import Policy
 from .policy_context import PolicyContext
-from .types import Alarm, Alert, Control, Decision, Intervention, Rollback
+from .types import Alarm, Control, Decision, Intervention, Rollback
 
 __all__ = ["MAX_STEP", "STATE_VERSION", "Monitor"]
 
@@ -91,15 +92,7 @@ def _new_control(src: Control) -> Control:
     return c
 
 
-def _decision(step: int, alarms: tuple[Alarm, ...], ivs: tuple[Intervention, ...],
-              control: Control, skipped: tuple[str, ...]) -> Decision:
-    d = object.__new__(Decision)
-    d.__dict__.update(step=step, alarms=alarms, interventions=ivs, control=control,
-                      skipped=skipped)
-    return d
-
-
-class Monitor(ReplayMixin, StateMixin):
+class Monitor(EmitMixin, ReplayMixin, StateMixin):
     """Online training monitor (see the module docstring for the input policy).
 
     Parameters
@@ -451,64 +444,6 @@ class Monitor(ReplayMixin, StateMixin):
         return PolicyContext(healthy_checkpoints=self.checkpoints, lr=self._lr_now,
                              lr_prev=self._lr_prev, clip_norm=self.trainer_clip_norm,
                              grad_norm=grad, grad_norm_recent_median=med)
-
-    def report_alarms(self, step: int, alarms: Sequence[Alarm]) -> Decision | None:
-        """Record alarms raised outside the monitor's detectors (e.g. the rank outliers of
-        :class:`~stability.adapters.distributed.ControlSync`, a stall watchdog's alarm).
-
-        They go to the event log, the ``on_alarm`` handlers and, as one :class:`Alert`, to the
-        alert sinks -- exactly like the monitor's own alarms -- but the policy does not act on
-        them (the caller already did: e.g. every rank skipped the step).  Returns the recorded
-        decision (``None`` when ``alarms`` is empty).
-        """
-        alarms = tuple(alarms)
-        if not alarms:
-            return None
-        worst = max(alarms, key=lambda a: 2 if a.severity == "critical" else 1)
-        text = "; ".join(a.message or f"{a.kind} on {a.signal}" for a in alarms[:4])
-        alert = Alert(int(step), reason=text + (f" (+{len(alarms) - 4} more)"
-                                                 if len(alarms) > 4 else ""),
-                      severity=worst.severity, message=text)
-        d = _decision(int(step), alarms, (alert,), self._snapshot(), ())
-        self._emit(d)
-        return d
-
-    def _emit(self, d: Decision) -> None:
-        self.counters["alarm_steps"] += bool(d.alarms)
-        self.counters["alarms"] += len(d.alarms)
-        self.counters["interventions"] += len(d.interventions)
-        log = self.event_log
-        hs = self.handlers
-        hs.begin_step()  # one time budget for every handler and sink call of this step
-        try:
-            for a in d.alarms:
-                if log is not None:
-                    log.alarm(a)
-                hs.alarm(a)
-            for iv in d.interventions:
-                if log is not None:
-                    log.intervention(iv, log_only=self.log_only)
-                if isinstance(iv, Alert):
-                    for sink in self.alert_sinks:
-                        self._send_alert(sink, iv)
-                hs.intervention(iv)
-        finally:
-            hs.end_step()
-
-    def _send_alert(self, sink: Any, alert: Alert) -> None:
-        """``sink.send(alert)`` within the step's handler budget; a failure (or a sink that runs
-        out of time) is logged once per sink and contained unless strict."""
-        try:
-            self.handlers.call(sink, sink.send, alert, f"alert sink {type(sink).__name__}")
-        except Exception as e:
-            self.counters["sink_errors"] += 1
-            if self.strict:
-                raise
-            if id(sink) not in self._sink_failed:
-                self._sink_failed.add(id(sink))
-                logger.warning("alert sink %r failed (%s: %s); contained (strict=False). Further "
-                               "failures of this sink are counted, not logged.", sink,
-                               type(e).__name__, e, exc_info=e)
 
     def __repr__(self) -> str:
         return (f"Monitor(bindings={[b.name for b in self._bindings]}, "

@@ -29,7 +29,6 @@ from .config import DetectorSpec
 from .monitor_fused import N_TRACKED, FusedPlan, build_fused_plan, step_buffers
 from .monitor_io import to_float
 from .registry import make_detector
-from .types import Alarm
 
 __all__ = ["MAX_STEP", "GatherPlan", "LayoutMixin"]
 
@@ -39,7 +38,6 @@ logger = logging.getLogger("stability.monitor")
 MAX_STEP = 2**53 - 1
 _ABSENT, _SCRATCH = 0, 1
 _CAPPED = -2  # _lookup: a name every matching bank refused (series cap)
-_NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}
 _NO_PLAN: Any = object()
 #: value types the fast path converts with ``array("d", ...)`` (real numbers, no ``__float__``
 #: surprises: NumPy complex would silently lose its imaginary part there)
@@ -326,7 +324,7 @@ class LayoutMixin:
         self._dirty = False
 
     def _live_rows(self) -> list[tuple[_Binding, Any, Any]]:
-        """``(binding, scores, alarms)`` of the step just gathered, for :meth:`_make_alarms`."""
+        """``(binding, scores, alarms)`` of the step just gathered, for ``_make_alarms``."""
         return [(b, b.scores[0], b.alarms[0]) for b in self._bindings]  # type: ignore[index]
 
     # ------------------------------------------------------------------ filling a step
@@ -482,42 +480,3 @@ class LayoutMixin:
             else:
                 vals[slots] = a
                 present[slots] = True
-
-    # ------------------------------------------------------------------ alarms
-    def _make_alarms(self, step: int, rows: list[tuple[_Binding, Any, Any]]
-                     ) -> tuple[Alarm, ...]:
-        """The step's alarms from each binding's scores and alarm flags (``rows``).
-
-        A non-finite value alarms once: the other detectors' alarms on that signal are dropped.
-        """
-        names = self._slot_names
-        bad: set[str] = set()
-        for b, _, a in rows:
-            if b.nonfinite and a.any():
-                for i in np.flatnonzero(a).tolist():
-                    bad.update(names[b.slots[j][i]] for j in range(b.n_inputs)
-                               if b.slots[j][i] > _SCRATCH)
-        out: list[Alarm] = []
-        for b, sc, a in rows:
-            if not a.any():
-                continue
-            thr = float(b.det.threshold)
-            items = []
-            for i in np.flatnonzero(a).tolist():
-                comps = [names[b.slots[j][i]] for j in range(b.n_inputs)
-                         if b.slots[j][i] > _SCRATCH]
-                if not b.nonfinite and bad.intersection(comps):
-                    continue
-                score = float(sc[i])
-                signal = ",".join(comps) if comps else b.keys[i]
-                if b.nonfinite:
-                    sev = "critical"
-                    msg = f"{signal} is {_NF_NAMES.get(score, 'non-finite')}"
-                else:
-                    sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
-                                         ) else b.severity
-                    msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
-                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg))
-            items.sort(key=lambda al: al.signal)
-            out.extend(items)
-        return tuple(out)
