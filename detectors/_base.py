@@ -44,6 +44,10 @@ from ._state import STATE_VERSION, CheckedState, StateCheck, check_snapshot
 from .dispatch import call
 from .validation import check_bool, check_float, check_int
 
+#: batch updates up to this many input values run the interpreted twin while the kernel is
+#: not compiled yet (a short replay need not wait for LLVM); larger ones compile at once
+TWIN_MAX_VALUES = 50_000
+
 __all__ = ["BankDetector", "BoolArray", "CheckedState", "FloatArray", "LOG_FLOOR", "MAD_SCALE",
            "MEAN_AD_SCALE", "STATE_VERSION", "check_bool", "check_float", "check_int"]
 
@@ -263,7 +267,11 @@ class BankDetector:
         the outputs are written into ``scores`` / ``alarms`` (``(steps, n_series)``).
         """
         if x.shape[0]:
-            type(self).kernel(x, miss, self._state, self._buf, self._params_arr, scores, alarms)
+            kernel = type(self).kernel
+            if x.size <= TWIN_MAX_VALUES:  # a short run: interpreted until compiled (dispatch)
+                call(kernel, x, miss, self._state, self._buf, self._params_arr, scores, alarms)
+            else:
+                kernel(x, miss, self._state, self._buf, self._params_arr, scores, alarms)
             self._score1[0] = scores[-1]
             self._alarm1[0] = alarms[-1]
 

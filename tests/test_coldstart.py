@@ -331,3 +331,44 @@ def test_compiling_children_take_turns(tmp_path: Path, monkeypatch: pytest.Monke
     t.join(30)
     assert entered.is_set()
     assert (tmp_path / "stability-warm.lock").exists()
+
+
+_REPLAY = r"""
+import json, sys
+from detectors import dispatch
+from detectors._base import TWIN_MAX_VALUES
+from replay.io import load_run
+from stability import Monitor
+
+if sys.argv[1] == "twins":
+    dispatch.set_mode("subprocess")
+    dispatch._request = lambda kernel, sig: None  # nothing ever compiles: twins throughout
+else:
+    dispatch.set_mode("blocking")
+table = load_run("data/runs/lr_blowup")
+mon = Monitor("default", alert_sinks=[])
+ds = mon.replay(table)
+kernel = type(mon.detector("loss_spike")).kernel
+events = [[d.step, [[a.kind, a.signal, float(a.score).hex()] for a in d.alarms],
+           [repr(iv) for iv in d.interventions]] for d in ds.events()]
+state = json.dumps(mon.state_dict(), sort_keys=True, default=lambda a: a.tolist())
+print(json.dumps({"events": events, "state": state, "compiled": bool(kernel.signatures),
+                  "rows": table.num_rows, "twin_max": TWIN_MAX_VALUES}))
+"""
+
+
+def test_a_short_replay_on_a_cold_cache_runs_the_twins_with_the_same_decisions(
+        tmp_path: Path) -> None:
+    """``stability replay`` of a short run with an empty cache does not wait for LLVM: the batch
+    kernels run interpreted (``TWIN_MAX_VALUES``) and decide bit for bit as compiled ones."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("NUMBA_DISABLE_JIT", None)
+    got = {}
+    for how in ("twins", "blocking"):
+        out = subprocess.run([sys.executable, "-c", _REPLAY, how], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=1200, check=True).stdout
+        got[how] = json.loads(out.strip().splitlines()[-1])
+    assert got["twins"]["rows"] <= got["twins"]["twin_max"]  # the run is short enough
+    assert not got["twins"]["compiled"] and got["blocking"]["compiled"]
+    assert got["twins"]["events"] and got["twins"]["events"] == got["blocking"]["events"]
+    assert got["twins"]["state"] == got["blocking"]["state"]
