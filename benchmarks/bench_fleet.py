@@ -85,6 +85,9 @@ def detector_us(worlds: tuple[int, ...] = (4, 64, 1024), steps: int = 300) -> di
 
 
 def main(argv: list[str] | None = None) -> None:
+    from detectors import dispatch
+
+    dispatch.set_mode("blocking")  # steady-state figures (cold start: bench_coldstart.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--seeds", type=int, default=2)

@@ -204,6 +204,9 @@ def cold_start(preset: str, layers: int) -> None:
 
 
 def main() -> None:
+    from detectors import dispatch
+
+    dispatch.set_mode("blocking")  # steady-state figures (cold start: bench_coldstart.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--layers", type=int, default=128)

@@ -308,6 +308,9 @@ def _mib(b: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from detectors import dispatch
+
+    dispatch.set_mode("blocking")  # steady-state figures (cold start: bench_coldstart.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=12, help="timed bare/guarded step pairs")
     ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")

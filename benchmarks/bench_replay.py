@@ -195,6 +195,9 @@ def bench_sweep(steps: int, thresholds: int, run_len: int) -> dict[str, float]:
 
 
 def main() -> None:
+    from detectors import dispatch
+
+    dispatch.set_mode("blocking")  # steady-state figures (cold start: bench_coldstart.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=10_000_000, help="narrow run rows")
     ap.add_argument("--cols", type=int, default=4, help="narrow run columns")

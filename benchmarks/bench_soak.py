@@ -146,6 +146,9 @@ def run(steps: int, layers: int, every: int, use_tracemalloc: bool, max_growth_m
 
 
 def main(argv: list[str] | None = None) -> int:
+    from detectors import dispatch
+
+    dispatch.set_mode("blocking")  # steady-state figures (cold start: bench_coldstart.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10_000_000)
     ap.add_argument("--layers", type=int, default=24)

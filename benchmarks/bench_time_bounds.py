@@ -130,6 +130,9 @@ def new_names(n: int) -> str:
 
 
 def main() -> None:
+    from detectors import dispatch
+
+    dispatch.set_mode("blocking")  # steady-state figures (cold start: bench_coldstart.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=100)
