@@ -62,6 +62,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                       fh)
     finally:
         dist.destroy_process_group()
+    # Leave without C++ static destructors: with torch 2.13 CPU, about one rank process in 8
+    # aborts *after* its Python code has finished ("terminate called without an active
+    # exception", no Python frame, no other thread alive) -- torch's own teardown, also on the
+    # code before this project's session 4; the results above are already written.
+    os._exit(0)
 
 
 def test_one_rank_fault_same_decision_everywhere(tmp_path) -> None:

@@ -123,6 +123,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, plan: list[Any], n_s
         gc.collect()
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # skip C++ static destructors: torch's gloo teardown can abort at exit
 
 
 def run_fleet(out_dir: str, world: int, plan: list[tuple[int, str, int]], n_steps: int,
@@ -259,6 +260,7 @@ def _guard_worker(rank: int, world: int, port: int, out_dir: str, bad_step: int)
         gc.collect()
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # skip C++ static destructors: torch's gloo teardown can abort at exit
 
 
 def test_torch_guard_with_rank_sync_names_the_rank(tmp_path: Any) -> None:

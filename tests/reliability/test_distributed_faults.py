@@ -87,6 +87,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str) -> Non
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    os._exit(0)  # skip C++ static destructors: torch's gloo teardown can abort at exit
 
 
 def _launch(tmp: Path, scenario: str) -> tuple[list[int | None], float]:
