@@ -74,79 +74,116 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
     min_scale = params[_P_SHIFT.min_scale]
     clip = params[_P_SHIFT.clip]
     use_max = params[_P_SHIFT.aggregate] != 0.0
+    do_clip = clip < np.inf
+    # from this count on max(alpha, 1 / (count + 1)) is exactly alpha (1 / (count + 1) < alpha / 2
+    # in real arithmetic, and rounding is monotone): no division in the steady state
+    debias_until = 2.0 / alpha + 2.0
     k = X.shape[1]
-    ys = np.empty(k)  # transformed inputs, computed once per layer and step
+    n = X.shape[2]
+    # The step is done feature by feature over all layers (short, branch-light loops over
+    # contiguous rows) in one scratch block: rows [0, k) the transformed inputs, then per layer
+    # the sum (or maximum) of z, the number of features scored, and whether the layer is scored
+    # (every present feature finite, at least one present) and then whether it learns.
+    work = np.empty((k + 3, n))
+    ys = work[:k]
+    acc = work[k]
+    cnt = work[k + 1]
+    go = work[k + 2]
     for t in range(X.shape[0]):
-        for i in range(X.shape[2]):
-            present = 0
-            bad = False
-            for j in range(k):
-                if not miss[t, j, i]:
-                    present += 1
-                    if not np.isfinite(X[t, j, i]):
-                        bad = True
-            if present == 0:
-                scores[t, i] = np.nan
-                alarms[t, i] = False
-                continue
-            if bad:
-                scores[t, i] = np.inf
-                alarms[t, i] = True
-                continue
-            for j in range(k):
-                if not miss[t, j, i]:
-                    x = X[t, j, i]
-                    ys[j] = math.log(max(x, LOG_FLOOR)) if params[_AS_LOG0 + j] != 0.0 else x
-            acc = 0.0
-            m = 0
-            for j in range(k):
-                if miss[t, j, i]:
-                    continue
-                count = state[3 * j + _COUNT, i]
-                if count == 0.0 or count < warmup:
-                    continue
-                log_j = params[_AS_LOG0 + j] != 0.0
-                y = ys[j]
-                loc = state[3 * j + _LOC, i]
-                s = _floored_scale(loc, state[3 * j + _SCALE, i], log_j, min_scale)
-                z = abs(y - loc) / s
+        sc_t = scores[t]
+        al_t = alarms[t]
+        # the transformed inputs first, in loops of their own (a libm call inside the scoring
+        # loop would push its live values through the stack)
+        for j in range(k):
+            xj = X[t, j]
+            yj = ys[j]
+            if params[_AS_LOG0 + j] != 0.0:
+                for i in range(n):
+                    yj[i] = math.log(max(xj[i], LOG_FLOOR))
+            else:
+                for i in range(n):
+                    yj[i] = xj[i]
+        for i in range(n):
+            acc[i] = 0.0
+            cnt[i] = 0.0
+            go[i] = 1.0
+        for j in range(k):
+            xj = X[t, j]
+            mj = miss[t, j]
+            for i in range(n):
+                if not mj[i]:
+                    cnt[i] += 1.0
+                    if not np.isfinite(xj[i]):
+                        go[i] = 0.0
+        for i in range(n):
+            if cnt[i] == 0.0:  # every feature missing
+                sc_t[i] = np.nan
+                al_t[i] = False
+                go[i] = 0.0
+            elif go[i] == 0.0:  # a present feature is not finite
+                sc_t[i] = np.inf
+                al_t[i] = True
+            cnt[i] = 0.0
+        # scoring and learning are branch-free loops (everything computed, then selected or
+        # stored back unchanged): the compiler vectorises them
+        for j in range(k):
+            log_j = params[_AS_LOG0 + j] != 0.0
+            mj = miss[t, j]
+            yj = ys[j]
+            loc_j = state[3 * j + _LOC]
+            scale_j = state[3 * j + _SCALE]
+            count_j = state[3 * j + _COUNT]
+            for i in range(n):
+                count = count_j[i]
+                ok = (not mj[i]) & (go[i] != 0.0) & (count != 0.0) & (count >= warmup)
+                loc = loc_j[i]
+                z = abs(yj[i] - loc) / _floored_scale(loc, scale_j[i], log_j, min_scale)
                 if use_max:
-                    acc = max(acc, z)
+                    acc[i] = max(acc[i], z) if ok else acc[i]
                 else:
-                    acc += z * z
-                m += 1
-            if m == 0:
+                    acc[i] = acc[i] + z * z if ok else acc[i]
+                cnt[i] = cnt[i] + 1.0 if ok else cnt[i]
+        for i in range(n):
+            if go[i] == 0.0:
+                continue
+            m = cnt[i]
+            if m == 0.0:
                 score = 0.0
             elif use_max:
-                score = acc
+                score = acc[i]
             else:
-                score = math.sqrt(acc / m)
+                score = math.sqrt(acc[i] / m)
             alarm = score > threshold
-            scores[t, i] = score
-            alarms[t, i] = alarm
+            sc_t[i] = score
+            al_t[i] = alarm
             if not learns(alarm, freeze):
-                continue
-            for j in range(k):
-                if miss[t, j, i]:
-                    continue
-                log_j = params[_AS_LOG0 + j] != 0.0
-                y = ys[j]
-                count = state[3 * j + _COUNT, i]
-                if count == 0.0:
-                    state[3 * j + _LOC, i] = y
-                    state[3 * j + _SCALE, i] = 0.0
-                    state[3 * j + _COUNT, i] = 1.0
-                    continue
-                loc = state[3 * j + _LOC, i]
-                scale = state[3 * j + _SCALE, i]
+                go[i] = 0.0
+        for j in range(k):
+            log_j = params[_AS_LOG0 + j] != 0.0
+            mj = miss[t, j]
+            yj = ys[j]
+            loc_j = state[3 * j + _LOC]
+            scale_j = state[3 * j + _SCALE]
+            count_j = state[3 * j + _COUNT]
+            for i in range(n):
+                y = yj[i]
+                loc = loc_j[i]
+                scale = scale_j[i]
+                count = count_j[i]
                 r = y - loc
-                if count >= warmup and clip < np.inf:
+                if do_clip:
                     lim = clip * _floored_scale(loc, scale, log_j, min_scale)
-                    r = min(max(r, -lim), lim)
-                a = max(alpha, 1.0 / (count + 1.0))
-                state[3 * j + _LOC, i] = loc + a * r
-                state[3 * j + _SCALE, i] = (1.0 - a) * scale + a * abs(r)
-                state[3 * j + _COUNT, i] = count + 1.0
+                    r = min(max(r, -lim), lim) if count >= warmup else r
+                a = alpha if count >= debias_until else max(alpha, 1.0 / (count + 1.0))
+                new_loc = loc + a * r
+                new_scale = (1.0 - a) * scale + a * abs(r)
+                if count == 0.0:  # the first value
+                    new_loc = y
+                    new_scale = 0.0
+                learn = (not mj[i]) & (go[i] != 0.0)
+                loc_j[i] = new_loc if learn else loc
+                scale_j[i] = new_scale if learn else scale
+                count_j[i] = count + 1.0 if learn else count
 
 
 class ActivationShift(BankDetector):

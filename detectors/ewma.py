@@ -125,8 +125,9 @@ def _unpack(params):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _series_steps(X, miss, ys, t_lo, scores, alarms, i, t, t_hi, mean, var, count, p, debias):  # type: ignore[no-untyped-def]
-    """Steps ``[t, t_hi)`` of series ``i``; ``ys[t - t_lo]`` holds ``log(x)`` in log space.
+def _series_steps(X, miss, scores, alarms, i, t, t_hi, mean, var, count, p, debias):  # type: ignore[no-untyped-def]
+    """Steps ``[t, t_hi)`` of series ``i``; ``scores[t, i]`` holds ``log(x)`` in log space
+    until the step's score overwrites it.
 
     While ``debias`` it stops early once the count reaches ``p[9]``.
     Returns ``(t, mean, var, count)`` with ``t`` the first step not processed.
@@ -137,7 +138,7 @@ def _series_steps(X, miss, ys, t_lo, scores, alarms, i, t, t_hi, mean, var, coun
             break
         x = X[t, 0, i]
         if not skip_value(miss[t, 0, i], x, scores, alarms, t, i):
-            y = ys[t - t_lo] if log_space else x
+            y = scores[t, i] if log_space else x
             s, a, mean, var, count = _step(y, mean, var, count, p, debias)
             scores[t, i] = s
             alarms[t, i] = a
@@ -154,8 +155,9 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     n = X.shape[2]
     if n < SERIES_OUTER_BELOW:
         # log values of a tile of steps first, in a loop of their own: a libm call inside the
-        # update loop would push every live value through the stack on each step.
-        ys = np.empty(min(TILE, t_steps) if log_space else 0)
+        # update loop would push every live value through the stack on each step.  They are
+        # kept in the score slots of their steps (no scratch array to allocate per call): each
+        # step reads its own before writing its score there.
         for i in range(n):
             mean = state[_MEAN, i]
             var = state[_VAR, i]
@@ -164,30 +166,30 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 t_hi = min(t_lo + TILE, t_steps)
                 if log_space:
                     for t in range(t_lo, t_hi):
-                        ys[t - t_lo] = math.log(max(X[t, 0, i], LOG_FLOOR))
+                        scores[t, i] = math.log(max(X[t, 0, i], LOG_FLOOR))
                 t = t_lo
                 if count < debias_until:  # warm-up: the division in max(alpha, 1/(count + 1))
                     t, mean, var, count = _series_steps(
-                        X, miss, ys, t_lo, scores, alarms, i, t, t_hi, mean, var, count, p, True
+                        X, miss, scores, alarms, i, t, t_hi, mean, var, count, p, True
                     )
                 _, mean, var, count = _series_steps(
-                    X, miss, ys, t_lo, scores, alarms, i, t, t_hi, mean, var, count, p, False
+                    X, miss, scores, alarms, i, t, t_hi, mean, var, count, p, False
                 )
             state[_MEAN, i] = mean
             state[_VAR, i] = var
             state[_COUNT, i] = count
         return
-    # the log values of a row first, in a loop of their own (see above)
-    ys = np.empty(n if log_space else 0)
+    # the log values of a row first, in a loop of their own, in the row's score slots (see
+    # above)
     for t in range(t_steps):
         if log_space:
             for i in range(n):
-                ys[i] = math.log(max(X[t, 0, i], LOG_FLOOR))
+                scores[t, i] = math.log(max(X[t, 0, i], LOG_FLOOR))
         for i in range(n):
             x = X[t, 0, i]
             if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
-            y = ys[i] if log_space else x
+            y = scores[t, i] if log_space else x
             count = state[_COUNT, i]
             if count < debias_until:
                 s, a, mean, var, count = _step(y, state[_MEAN, i], state[_VAR, i], count, p, True)
