@@ -61,32 +61,30 @@ _P = indices(CoherentJumpParams)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _raw_score(state, i, x, y, warmup, min_delta, direction, use_level):  # type: ignore[no-untyped-def]
-    """Raw jump score of a finite ``x`` (``y = log x`` when ``x > 0``) for series ``i``
-    against its state (0 while warming up, without a previous value or for ``x <= 0``), and
+def _raw_score(has, prev, count, typ, level, x, y, warmup, min_delta, direction, use_level):  # type: ignore[no-untyped-def]
+    """Raw jump score of a finite ``x`` (``y = log x`` when ``x > 0``) against a series'
+    state values (0 while warming up, without a previous value or for ``x <= 0``), and
     ``dlog x`` (``nan``: no change).
 
     With ``use_level`` a rise counts from ``max(prev, level)`` and a fall from
     ``min(prev, level)``: a series coming back to its usual level after a collapse (or a
-    spike) does not jump."""
-    if x <= 0.0 or state[_HAS, i] == 0.0:
+    spike) does not jump.  (Scalars in and out: an array argument of an inlined helper costs
+    a reference-count call pair on every use.)"""
+    if x <= 0.0 or has == 0.0:
         return 0.0, np.nan
-    prev = state[_PREV, i]
     d = y - prev
-    if state[_COUNT, i] < warmup:
+    if count < warmup:
         return 0.0, d
-    scale = max(state[_TYP, i], min_delta, 1e-300)
+    scale = max(typ, min_delta, 1e-300)
     hi, lo = prev, prev
     if use_level:
-        hi = max(prev, state[_LEVEL, i])
-        lo = min(prev, state[_LEVEL, i])
-    up = (y - hi) / scale
-    down = (lo - y) / scale
+        hi = max(prev, level)
+        lo = min(prev, level)
     if direction > 0.0:
-        return up, d
+        return (y - hi) / scale, d
     if direction < 0.0:
-        return down, d
-    return max(up, down), d
+        return (lo - y) / scale, d
+    return max((y - hi) / scale, (lo - y) / scale), d
 
 
 @njit(cache=True, error_model="numpy")
@@ -99,6 +97,14 @@ def _kth_largest(vals, n, k):  # type: ignore[no-untyped-def]
                 best = b
         vals[a], vals[best] = vals[best], vals[a]
     return vals[k - 1]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _debias_until(rate):  # type: ignore[no-untyped-def]
+    """From this count on ``max(rate, 1 / (count + 1))`` (and ``1 / (count + 2)``) is exactly
+    ``rate``: ``1 / (count + 1) < rate / 2`` in real arithmetic and rounding is monotone
+    (``inf`` for ``rate == 0``, or where ``2 / rate`` overflows)."""
+    return 2.0 / rate + 2.0 if rate > 0.0 else np.inf
 
 
 @njit(cache=True, error_model="numpy")
@@ -114,12 +120,17 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     level_alpha = params[_P.level_alpha]
     level_down = params[_P.level_alpha_down]
     use_level = level_alpha > 0.0
+    typ_until = _debias_until(alpha)
+    up_until = _debias_until(level_alpha)
+    down_until = _debias_until(level_down)
     n = X.shape[2]
-    raw = np.empty(n)
-    dlog = np.empty(n)
-    scored = np.zeros(n, dtype=np.bool_)
-    pool = np.empty(n)
-    ys = np.empty(n)  # log x of the row, each computed once (scored, then learned)
+    # one scratch block per call: log x of the row (each computed once: scored, then learned),
+    # dlog x, and the pool of raw scores the k-th largest is taken from; the raw scores
+    # themselves wait in the row's score slots
+    work = np.empty((3, n))
+    ys = work[0]
+    dlog = work[1]
+    pool = work[2]
     for t in range(X.shape[0]):
         # the logs first, in a loop of their own: a libm call inside the scoring loop would
         # push its live values through the stack on every series
@@ -127,9 +138,10 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             x = X[t, 0, i]
             ys[i] = math.log(x) if x > 0.0 else 0.0
         m = 0
+        top1 = -np.inf  # the two largest raw scores (exact for min_series <= 2: no nan here)
+        top2 = -np.inf
         for i in range(n):
             x = X[t, 0, i]
-            scored[i] = False
             if miss[t, 0, i]:
                 scores[t, i] = np.nan
                 alarms[t, i] = False
@@ -137,22 +149,39 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 scores[t, i] = np.inf
                 alarms[t, i] = True
             else:
-                raw[i], dlog[i] = _raw_score(state, i, x, ys[i], warmup, min_delta, direction,
-                                             use_level)
-                scored[i] = True
-                pool[m] = raw[i]
+                r, dlog[i] = _raw_score(state[_HAS, i], state[_PREV, i], state[_COUNT, i],
+                                        state[_TYP, i], state[_LEVEL, i], x, ys[i], warmup,
+                                        min_delta, direction, use_level)
+                scores[t, i] = r
+                alarms[t, i] = False
+                pool[m] = r
                 m += 1
+                if r > top1:
+                    top2 = top1
+                    top1 = r
+                elif r > top2:
+                    top2 = r
         if m == 0:
             continue
-        kth = _kth_largest(pool, m, min(min_series, m))
+        kk = min(min_series, m)
+        # raw scores are finite (finite state, finite logs, scale >= 1e-300) and never -0.0:
+        # the k-th largest value does not depend on how it is found
+        if kk == 1:
+            kth = top1
+        elif kk == 2:
+            kth = top2
+        else:
+            kth = _kth_largest(pool, m, kk)
         for i in range(n):
-            if not scored[i]:
+            if miss[t, 0, i]:
                 continue
-            s = min(raw[i], kth)
+            x = X[t, 0, i]
+            if not np.isfinite(x):
+                continue
+            s = min(scores[t, i], kth)
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            x = X[t, 0, i]
             if x <= 0.0:
                 state[_HAS, i] = 0.0  # "off" (e.g. a frozen layer): no log, no change
                 continue
@@ -168,10 +197,15 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 if count >= warmup and clip < np.inf:
                     ad = min(ad, lim)
                     dl = min(max(dl, -lim), lim)
-                a = max(alpha, 1.0 / (count + 1.0))
+                a = alpha if count >= typ_until else max(alpha, 1.0 / (count + 1.0))
                 state[_TYP, i] = typ + a * (ad - typ)
-                rate = level_alpha if dl >= 0.0 else level_down
-                state[_LEVEL, i] += max(rate, 1.0 / (count + 2.0)) * dl
+                if dl >= 0.0:
+                    rate = level_alpha if count >= up_until else max(level_alpha,
+                                                                      1.0 / (count + 2.0))
+                else:
+                    rate = level_down if count >= down_until else max(level_down,
+                                                                       1.0 / (count + 2.0))
+                state[_LEVEL, i] += rate * dl
                 state[_COUNT, i] = count + 1.0
             elif state[_COUNT, i] == 0.0:
                 state[_LEVEL, i] = y
