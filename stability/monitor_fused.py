@@ -45,7 +45,7 @@ from .binding import gather_step
 logger = logging.getLogger("stability.monitor")
 
 __all__ = ["FusedPlan", "StepBuffers", "build_fused_plan", "capture", "fused_step",
-           "kernel_address", "reference_step", "step_buffers"]
+           "gather_runs", "kernel_address", "reference_step", "step_buffers"]
 
 #: the argument types of every bank kernel as ``update_array`` calls it (see detectors/_base.py)
 KERNEL_ARGS = (
@@ -63,9 +63,10 @@ FUSED_ARGS = (types.Array(types.float64, 1, "C"), types.Array(types.bool_, 1, "C
               types.Array(types.int64, 1, "C"), types.Array(types.float64, 1, "C"),
               types.Array(types.bool_, 1, "C"))
 
-# columns of the bank table (one row per binding)
-_FN, _NIN, _NS, _ST, _STR, _BUF, _BUFR, _PAR, _PARN = range(9)
-_NCOL = 9
+# columns of the bank table (one row per binding); _RUN: the first slot when the binding's
+# inputs are consecutive slots (the common case: a family, a glob over every metric), else -1
+_FN, _NIN, _NS, _ST, _STR, _BUF, _BUFR, _PAR, _PARN, _RUN = range(10)
+_NCOL = 10
 #: tracked values: grad norm, LR, loss, val loss (then their presence flags)
 N_TRACKED = 4
 # header of the integer buffer: bindings, gathered inputs, series
@@ -79,7 +80,8 @@ class StepBuffers(NamedTuple):
     ``table`` (row-major), ``tslots``; ``floats`` = ``X``, ``S``, ``tracked``; ``flags`` =
     ``M``, ``A``, ``active`` -- the arguments of :func:`~stability.binding.gather_step` and
     :func:`capture`, and the bank table (one row per binding: kernel address, inputs, series,
-    then address and rows of its state, buffer and parameter arrays).
+    then address and rows of its state, buffer and parameter arrays, and the first slot of its
+    inputs when they are consecutive slots, else -1).
     """
 
     ints: np.ndarray
@@ -158,6 +160,46 @@ def capture(vals, present, slots, out):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, error_model="numpy")
+def gather_runs(vals, present, gidx, boff, soff, X, M, S, A, active, runs):  # type: ignore[no-untyped-def]
+    """:func:`stability.binding.gather_step` (same arguments, same effect) where ``runs[b]``
+    is the first slot of binding ``b``'s inputs when they are consecutive slots (``-1``
+    otherwise): those are copied by plain loops the compiler vectorises instead of one
+    indexed load per input."""
+    n_b = boff.shape[0] - 1
+    for b in range(n_b):
+        lo, hi = boff[b], boff[b + 1]
+        g0 = runs[b]
+        any_p = False
+        if g0 >= 0:
+            # views, indexed from 0 by a range: no negative-index wrap-around to test, so the
+            # loops vectorise
+            n = hi - lo
+            xs, ms = X[lo:hi], M[lo:hi]
+            vs, ps = vals[g0:g0 + n], present[g0:g0 + n]
+            for j in range(n):
+                xs[j] = vs[j]
+            for j in range(n):
+                p = ps[j]
+                ms[j] = not p
+                any_p |= p
+        else:
+            for k in range(lo, hi):
+                s = gidx[k]
+                p = present[s]
+                X[k] = vals[s]
+                M[k] = not p
+                if p:
+                    any_p = True
+        active[b] = any_p
+        if not any_p:
+            for i in range(soff[b], soff[b + 1]):
+                S[i] = np.nan
+                A[i] = False
+    for s in range(present.shape[0]):
+        present[s] = False
+
+
+@njit(cache=True, error_model="numpy")
 def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-def]
     """One monitor step: capture the tracked values, gather, update every active bank, count
     the alarms.
@@ -177,7 +219,7 @@ def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-d
     X, S, tracked = floats[:k], floats[k:k + ns_all], floats[k + ns_all:]
     M, A, active = flags[:k], flags[k:k + ns_all], flags[k + ns_all:]
     capture(vals, present, ints[o4:o4 + N_TRACKED], tracked)
-    gather_step(vals, present, gidx, boff, soff, X, M, S, A, active)
+    gather_runs(vals, present, gidx, boff, soff, X, M, S, A, active, table[:, _RUN])
     # each bank's views are rebuilt from raw addresses: no reference counting per view (the
     # arguments and FusedPlan.keep hold the memory)
     fp, bp = floats.ctypes.data, flags.ctypes.data
@@ -259,8 +301,10 @@ def build_fused_plan(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
         addr = kernel_address(kernel) if ns else 1  # an empty bank is never called
         if not addr:
             return None
+        g = bufs.gidx[bufs.boff[b]:bufs.boff[b + 1]]
+        run = int(g[0]) if g.size and (g == np.arange(g[0], g[0] + g.size)).all() else -1
         table[b] = (addr, n_inputs[b], ns, st.ctypes.data, st.shape[0], buf.ctypes.data,
-                    buf.shape[0], par.ctypes.data, par.shape[0])
+                    buf.shape[0], par.ctypes.data, par.shape[0], run)
         keep.extend((kernel, st, buf, par))
     return FusedPlan((bufs.ints, bufs.floats, bufs.flags), bufs, tuple(keep))
 
