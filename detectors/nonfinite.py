@@ -34,8 +34,28 @@ _P = indices(NonFiniteParams)
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
     threshold = params[_P.threshold]
+    n = X.shape[2]
+    quiet_alarm = 0.0 > threshold
     for t in range(X.shape[0]):
-        for i in range(X.shape[2]):
+        # the common row, every value finite or missing, in branch-free loops the compiler
+        # vectorises: streaks of the present values end, their scores are 0; missing values
+        # score nan and keep their state
+        x_t = X[t, 0]
+        m_t = miss[t, 0]
+        usual = True
+        for i in range(n):
+            usual &= m_t[i] | np.isfinite(x_t[i])
+        if usual:
+            streak = state[_STREAK]
+            s_t = scores[t]
+            a_t = alarms[t]
+            for i in range(n):
+                m = m_t[i]
+                streak[i] = streak[i] if m else 0.0
+                s_t[i] = np.nan if m else 0.0
+                a_t[i] = (not m) & quiet_alarm
+            continue
+        for i in range(n):
             if miss[t, 0, i]:
                 scores[t, i] = np.nan
                 alarms[t, i] = False
