@@ -65,6 +65,95 @@ _P_SHIFT = indices(ShiftParams)
 _AS_LOG0 = len(ShiftParams._fields)
 
 
+#: banks of at least this many layers are updated feature by feature over all layers
+#: (vectorised loops); smaller ones (a replay of a few layers) layer by layer
+FEATURE_MAJOR_FROM = 32
+
+
+@njit(cache=True, error_model="numpy")
+def _shift_layers(X, miss, state, params, scores, alarms, ys, debias_until):  # type: ignore[no-untyped-def]
+    """:func:`_shift_kernel` layer by layer, as it was written first (``ys``: scratch for the
+    transformed inputs, shape ``(k, n)``); only the steady state's division is gone."""
+    threshold = params[_P_SHIFT.threshold]
+    freeze = params[_P_SHIFT.freeze_on_alarm] != 0.0
+    alpha = params[_P_SHIFT.alpha]
+    warmup = params[_P_SHIFT.warmup]
+    min_scale = params[_P_SHIFT.min_scale]
+    clip = params[_P_SHIFT.clip]
+    use_max = params[_P_SHIFT.aggregate] != 0.0
+    k = X.shape[1]
+    n = X.shape[2]
+    for t in range(X.shape[0]):
+        for i in range(n):
+            present = 0
+            bad = False
+            for j in range(k):
+                if not miss[t, j, i]:
+                    present += 1
+                    if not np.isfinite(X[t, j, i]):
+                        bad = True
+            if present == 0:
+                scores[t, i] = np.nan
+                alarms[t, i] = False
+                continue
+            if bad:
+                scores[t, i] = np.inf
+                alarms[t, i] = True
+                continue
+            for j in range(k):
+                if not miss[t, j, i]:
+                    x = X[t, j, i]
+                    ys[j, i] = math.log(max(x, LOG_FLOOR)) if params[_AS_LOG0 + j] != 0.0 else x
+            acc = 0.0
+            m = 0
+            for j in range(k):
+                if miss[t, j, i]:
+                    continue
+                count = state[3 * j + _COUNT, i]
+                if count == 0.0 or count < warmup:
+                    continue
+                log_j = params[_AS_LOG0 + j] != 0.0
+                loc = state[3 * j + _LOC, i]
+                z = abs(ys[j, i] - loc) / _floored_scale(loc, state[3 * j + _SCALE, i], log_j,
+                                                         min_scale)
+                if use_max:
+                    acc = max(acc, z)
+                else:
+                    acc += z * z
+                m += 1
+            if m == 0:
+                score = 0.0
+            elif use_max:
+                score = acc
+            else:
+                score = math.sqrt(acc / m)
+            alarm = score > threshold
+            scores[t, i] = score
+            alarms[t, i] = alarm
+            if not learns(alarm, freeze):
+                continue
+            for j in range(k):
+                if miss[t, j, i]:
+                    continue
+                y = ys[j, i]
+                count = state[3 * j + _COUNT, i]
+                if count == 0.0:
+                    state[3 * j + _LOC, i] = y
+                    state[3 * j + _SCALE, i] = 0.0
+                    state[3 * j + _COUNT, i] = 1.0
+                    continue
+                loc = state[3 * j + _LOC, i]
+                scale = state[3 * j + _SCALE, i]
+                r = y - loc
+                if count >= warmup and clip < np.inf:
+                    lim = clip * _floored_scale(loc, scale, params[_AS_LOG0 + j] != 0.0, min_scale)
+                    r = min(max(r, -lim), lim)
+                a = alpha if count >= debias_until else max(alpha, 1.0 / (count + 1.0))
+                state[3 * j + _LOC, i] = loc + a * r
+                state[3 * j + _SCALE, i] = (1.0 - a) * scale + a * abs(r)
+                state[3 * j + _COUNT, i] = count + 1.0
+
+
 @njit(cache=True, error_model="numpy")
 def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
     threshold = params[_P_SHIFT.threshold]
@@ -83,12 +172,19 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
     # The step is done feature by feature over all layers (short, branch-light loops over
     # contiguous rows) in one scratch block: rows [0, k) the transformed inputs, then per layer
     # the sum (or maximum) of z, the number of features scored, and whether the layer is scored
-    # (every present feature finite, at least one present) and then whether it learns.
-    work = np.empty((k + 3, n))
+    # (every present feature finite, at least one present) and then whether it learns, then
+    # the update of one feature.
+    if n < FEATURE_MAJOR_FROM:
+        _shift_layers(X, miss, state, params, scores, alarms, np.empty((k, n)), debias_until)
+        return
+    work = np.empty((k + 6, n))
     ys = work[:k]
     acc = work[k]
     cnt = work[k + 1]
     go = work[k + 2]
+    new_loc_j = work[k + 3]  # a feature's updated statistics, before they are stored
+    new_scale_j = work[k + 4]
+    step = work[k + 5]  # 1.0 where the feature learns on this step, else 0.0
     for t in range(X.shape[0]):
         sc_t = scores[t]
         al_t = alarms[t]
@@ -143,21 +239,21 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
                 else:
                     acc[i] = acc[i] + z * z if ok else acc[i]
                 cnt[i] = cnt[i] + 1.0 if ok else cnt[i]
+        # the layers' scores (in acc; 0 where no feature was scored), then stored where the
+        # layer was scored, one row per loop
+        if use_max:
+            for i in range(n):
+                acc[i] = acc[i] if cnt[i] != 0.0 else 0.0
+        else:
+            for i in range(n):
+                m = cnt[i]
+                acc[i] = math.sqrt(acc[i] / max(m, 1.0)) if m != 0.0 else 0.0
         for i in range(n):
-            if go[i] == 0.0:
-                continue
-            m = cnt[i]
-            if m == 0.0:
-                score = 0.0
-            elif use_max:
-                score = acc[i]
-            else:
-                score = math.sqrt(acc[i] / m)
-            alarm = score > threshold
-            sc_t[i] = score
-            al_t[i] = alarm
-            if not learns(alarm, freeze):
-                go[i] = 0.0
+            sc_t[i] = acc[i] if go[i] != 0.0 else sc_t[i]
+        for i in range(n):
+            al_t[i] = acc[i] > threshold if go[i] != 0.0 else al_t[i]
+        for i in range(n):
+            go[i] = 1.0 if (go[i] != 0.0) & learns(acc[i] > threshold, freeze) else 0.0
         for j in range(k):
             log_j = params[_AS_LOG0 + j] != 0.0
             mj = miss[t, j]
@@ -180,10 +276,18 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
                 if count == 0.0:  # the first value
                     new_loc = y
                     new_scale = 0.0
-                learn = (not mj[i]) & (go[i] != 0.0)
-                loc_j[i] = new_loc if learn else loc
-                scale_j[i] = new_scale if learn else scale
-                count_j[i] = count + 1.0 if learn else count
+                new_loc_j[i] = new_loc
+                new_scale_j[i] = new_scale
+            # then stored where the feature learns, in loops that each write one row (a loop
+            # storing to several rows of one array is not vectorised)
+            for i in range(n):
+                step[i] = 1.0 if (not mj[i]) & (go[i] != 0.0) else 0.0
+            for i in range(n):
+                loc_j[i] = new_loc_j[i] if step[i] != 0.0 else loc_j[i]
+            for i in range(n):
+                scale_j[i] = new_scale_j[i] if step[i] != 0.0 else scale_j[i]
+            for i in range(n):
+                count_j[i] = count_j[i] + step[i]
 
 
 class ActivationShift(BankDetector):
