@@ -107,6 +107,62 @@ def _debias_until(rate):  # type: ignore[no-untyped-def]
     return 2.0 / rate + 2.0 if rate > 0.0 else np.inf
 
 
+#: banks of at least this many series learn in branch-free loops, one state row per loop
+#: (vectorised); smaller ones series by series
+VECTOR_FROM = 32
+
+
+@njit(cache=True, error_model="numpy")
+def _learn_rows(X, miss, state, scores, alarms, ys, dlog, go, t, kth, threshold, freeze,  # type: ignore[no-untyped-def]
+                alpha, warmup, min_delta, clip, level_alpha, level_down, typ_until, up_until,
+                down_until):
+    """The end of step ``t`` of :func:`_kernel` for a large bank: the same scores, alarms and
+    state as its series-by-series loop, computed for every series and stored where they
+    apply (``scores[t]`` holds the raw scores, ``dlog`` the changes of the scored series)."""
+    n = X.shape[2]
+    do_clip = clip < np.inf
+    x_t, m_t, s_t, a_t = X[t, 0], miss[t, 0], scores[t], alarms[t]
+    prev, has, typ = state[_PREV], state[_HAS], state[_TYP]
+    count, level = state[_COUNT], state[_LEVEL]
+    for i in range(n):
+        s_t[i] = min(s_t[i], kth) if (not m_t[i]) & np.isfinite(x_t[i]) else s_t[i]
+    for i in range(n):
+        a_t[i] = s_t[i] > threshold if (not m_t[i]) & np.isfinite(x_t[i]) else a_t[i]
+    for i in range(n):
+        on = (not m_t[i]) & np.isfinite(x_t[i]) & (x_t[i] > 0.0)
+        go[i] = 1.0 if on & learns(s_t[i] > threshold, freeze) else 0.0
+    for i in range(n):  # level first: its clip limit is the typical change before the step
+        c = count[i]
+        lv = level[i]
+        y = ys[i]
+        dl = y - lv
+        if do_clip:
+            lim = clip * max(typ[i], min_delta, 1e-300)
+            dl = min(max(dl, -lim), lim) if c >= warmup else dl
+        inv = 1.0 / (c + 2.0)
+        up = level_alpha if c >= up_until else max(level_alpha, inv)
+        down = level_down if c >= down_until else max(level_down, inv)
+        moved = lv + (up if dl >= 0.0 else down) * dl
+        first = y if c == 0.0 else lv
+        level[i] = (first if np.isnan(dlog[i]) else moved) if go[i] != 0.0 else lv
+    for i in range(n):  # typical |dlog x|
+        c = count[i]
+        tp = typ[i]
+        ad = abs(dlog[i])
+        if do_clip:
+            ad = min(ad, clip * max(tp, min_delta, 1e-300)) if c >= warmup else ad
+        a = alpha if c >= typ_until else max(alpha, 1.0 / (c + 1.0))
+        typ[i] = tp + a * (ad - tp) if (go[i] != 0.0) & (not np.isnan(dlog[i])) else tp
+    for i in range(n):
+        c = count[i]
+        count[i] = c + 1.0 if (go[i] != 0.0) & (not np.isnan(dlog[i])) else c
+    for i in range(n):
+        prev[i] = ys[i] if go[i] != 0.0 else prev[i]
+    for i in range(n):
+        off = (not m_t[i]) & np.isfinite(x_t[i]) & (x_t[i] <= 0.0)
+        has[i] = 0.0 if off else (1.0 if go[i] != 0.0 else has[i])
+
+
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
     threshold = params[_P.threshold]
@@ -127,10 +183,11 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     # one scratch block per call: log x of the row (each computed once: scored, then learned),
     # dlog x, and the pool of raw scores the k-th largest is taken from; the raw scores
     # themselves wait in the row's score slots
-    work = np.empty((3, n))
+    work = np.empty((4, n))
     ys = work[0]
     dlog = work[1]
     pool = work[2]
+    go = work[3]  # large banks: 1.0 where the series learns on the step
     for t in range(X.shape[0]):
         # the logs first, in a loop of their own: a libm call inside the scoring loop would
         # push its live values through the stack on every series
@@ -172,6 +229,11 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             kth = top2
         else:
             kth = _kth_largest(pool, m, kk)
+        if n >= VECTOR_FROM:
+            _learn_rows(X, miss, state, scores, alarms, ys, dlog, go, t, kth, threshold, freeze,
+                        alpha, warmup, min_delta, clip, level_alpha, level_down, typ_until,
+                        up_until, down_until)
+            continue
         for i in range(n):
             if miss[t, 0, i]:
                 continue
