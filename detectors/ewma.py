@@ -146,6 +146,66 @@ def _series_steps(X, miss, scores, alarms, i, t, t_hi, mean, var, count, p, debi
     return t, mean, var, count
 
 
+#: banks of at least this many series take :func:`_rows_vector` (the monitor's per-layer banks)
+VECTOR_FROM = 32
+
+
+@njit(cache=True, error_model="numpy")
+def _rows_vector(X, miss, state, p, scores, alarms):  # type: ignore[no-untyped-def]
+    """:func:`_kernel` row by row in branch-free loops, one output row per loop (vectorised):
+    every series' :func:`_step` is computed, then stored where it applies."""
+    threshold, freeze, alpha, warmup, log_space, min_std, direction, clip, do_clip = p[:9]
+    debias_until = p[9]
+    n = X.shape[2]
+    work = np.empty((2, n))
+    ys = work[0]  # the transformed values of the row
+    ok = work[1]  # 1.0: the value is present and finite
+    mean, var, count = state[_MEAN], state[_VAR], state[_COUNT]
+    for t in range(X.shape[0]):
+        x_t, m_t, s_t, a_t = X[t, 0], miss[t, 0], scores[t], alarms[t]
+        if log_space:  # the logs in a loop of their own (libm calls)
+            for i in range(n):
+                ys[i] = math.log(max(x_t[i], LOG_FLOOR))
+        else:
+            for i in range(n):
+                ys[i] = x_t[i]
+        for i in range(n):
+            ok[i] = 1.0 if (not m_t[i]) & np.isfinite(x_t[i]) else 0.0
+        for i in range(n):  # the score (skip_value's nan / inf where not ok)
+            mu = mean[i]
+            floor = min_std if log_space else min_std * abs(mu)
+            z = (ys[i] - mu) / max(math.sqrt(var[i]), floor, 1e-300)
+            sz = z if direction > 0.0 else (-z if direction < 0.0 else abs(z))
+            c = count[i]
+            sc = 0.0 if (c == 0.0) | (c < warmup) else sz
+            s_t[i] = sc if ok[i] != 0.0 else (np.nan if m_t[i] else np.inf)
+        for i in range(n):
+            a_t[i] = ((count[i] != 0.0) & (s_t[i] > threshold) if ok[i] != 0.0
+                      else not m_t[i])
+        for i in range(n):  # from here on ok[i]: the series learns
+            ok[i] = 1.0 if (ok[i] != 0.0) & (not (a_t[i] & freeze)) else 0.0
+        for i in range(n):  # mean and variance (ew_update of the clipped value)
+            mu = mean[i]
+            v = var[i]
+            c = count[i]
+            y = ys[i]
+            if do_clip:
+                floor = min_std if log_space else min_std * abs(mu)
+                std = max(math.sqrt(v), floor, 1e-300)
+                y = min(max(y, mu - clip * std), mu + clip * std) if c >= warmup else y
+            a = max(alpha, 1.0 / (c + 1.0)) if c < debias_until else alpha
+            d = y - mu
+            incr = a * d
+            new_mean = ys[i] if c == 0.0 else mu + incr
+            new_var = 0.0 if c == 0.0 else (1.0 - a) * (v + d * incr)
+            mean[i] = new_mean if ok[i] != 0.0 else mu
+            work[0, i] = new_var  # ys[i] is not needed any more
+        for i in range(n):
+            var[i] = ys[i] if ok[i] != 0.0 else var[i]
+        for i in range(n):
+            count[i] = count[i] + ok[i]
+
+
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
     p = _unpack(params)
@@ -153,6 +213,9 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     debias_until = p[9]
     t_steps = X.shape[0]
     n = X.shape[2]
+    if n >= VECTOR_FROM:
+        _rows_vector(X, miss, state, p, scores, alarms)
+        return
     if n < SERIES_OUTER_BELOW:
         # log values of a tile of steps first, in a loop of their own: a libm call inside the
         # update loop would push every live value through the stack on each step.  They are
