@@ -156,12 +156,17 @@ def _kth_deviation(col: FloatArray, n: int, m: float, jr: int, k: int) -> float:
     n_left = jr
     lo = max(0, k + 1 - (n - jr))
     hi = min(k + 1, n_left)
-    while lo < hi:
-        a = (lo + hi) // 2  # take a from the left list and k + 1 - a from the right one
-        if m - col[jr - 1 - a] < col[jr + k - a] - m:
-            lo = a + 1
-        else:
-            hi = a
+    # taking a from the left list and k + 1 - a from the right one, the answer is the first a
+    # in [lo, hi) where the left list's next deviation is not the smaller one (hi if none):
+    # found branch-free, as _upper_bound
+    if lo < hi:
+        span = hi - lo
+        while span > 1:
+            half = span // 2
+            a = lo + half - 1
+            lo = lo + half if m - col[jr - 1 - a] < col[jr + k - a] - m else lo
+            span -= half
+        lo = lo + 1 if m - col[jr - 1 - lo] < col[jr + k - lo] - m else lo
     # the k + 1 smallest: lo from the left, k + 1 - lo from the right; the largest of them
     d = -np.inf
     if lo > 0:
