@@ -17,8 +17,10 @@ import pytest
 from numba import config as numba_config
 from numba import njit
 
+from detectors.dispatch import interpreted
 from stability import Monitor
-from stability.monitor_fused import build_fused_plan, fused_step, reference_step
+from stability.binding import gather_step
+from stability.monitor_fused import build_fused_plan, fused_step, gather_runs, reference_step
 
 EXTRA = [  # the kernels the default preset does not bind
     {"name": "loss_adwin", "detector": "adwin", "inputs": ["loss"]},
@@ -205,3 +207,41 @@ def test_plan_refuses_non_contiguous_state() -> None:
     bs = mon._bindings
     assert build_fused_plan(mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
                             [len(b.keys) for b in bs]) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gather_runs_equals_gather_step(seed: int) -> None:
+    """The run-aware gather of the fused step: consecutive slots copied by plain loops, the
+    others one by one; idle bindings cleared; the same effect as gather_step."""
+    rng = np.random.default_rng(seed)
+    n_slots = 60
+    sizes = rng.integers(0, 12, 7)
+    boff = np.concatenate([[0], np.cumsum(sizes)])
+    counts = np.maximum(sizes // 2, 1) * (sizes > 0)
+    soff = np.concatenate([[0], np.cumsum(counts)])
+    gidx = np.empty(boff[-1], dtype=np.int64)
+    runs = np.full(len(sizes), -1, dtype=np.int64)
+    for b, n in enumerate(sizes):
+        lo = boff[b]
+        if n and b % 2 == 0:  # a run of consecutive slots
+            runs[b] = int(rng.integers(0, n_slots - n))
+            gidx[lo:lo + n] = np.arange(runs[b], runs[b] + n)
+        else:
+            gidx[lo:lo + n] = rng.integers(0, n_slots, n)
+    vals = rng.normal(size=n_slots)
+    present = rng.random(n_slots) < 0.6
+    present[gidx[boff[2]:boff[3]]] = False  # binding 2 idle
+    outs = []
+    for run, extra in ((gather_step, ()), (gather_runs, (runs,)),
+                       (interpreted(gather_runs), (runs,))):
+        args = [vals.copy(), present.copy(), gidx, boff, soff, np.zeros(boff[-1]),
+                np.zeros(boff[-1], dtype=np.bool_), np.ones(soff[-1]),
+                np.ones(soff[-1], dtype=np.bool_), np.zeros(len(sizes), dtype=np.bool_)]
+        run(*args, *extra)
+        outs.append(args)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+    assert not outs[0][1].any()  # present cleared
+    if sizes[2]:
+        assert not outs[0][9][2] and np.isnan(outs[0][7][soff[2]:soff[3]]).all()
