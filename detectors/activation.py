@@ -71,9 +71,11 @@ FEATURE_MAJOR_FROM = 32
 
 
 @njit(cache=True, error_model="numpy")
-def _shift_layers(X, miss, state, params, scores, alarms, ys, debias_until):  # type: ignore[no-untyped-def]
-    """:func:`_shift_kernel` layer by layer, as it was written first (``ys``: scratch for the
-    transformed inputs, shape ``(k, n)``); only the steady state's division is gone."""
+def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[no-untyped-def]
+    """:func:`_shift_kernel` layer by layer, as it was written first (``ys``: scratch for one
+    layer's transformed inputs, ``k`` values).  Kept for small banks (replays): their rows are
+    too short for the feature-major loops, and the interleaved layers hide the latency of each
+    feature's update (a branch instead of the warm-up division costs more than it saves)."""
     threshold = params[_P_SHIFT.threshold]
     freeze = params[_P_SHIFT.freeze_on_alarm] != 0.0
     alpha = params[_P_SHIFT.alpha]
@@ -103,7 +105,7 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys, debias_until):  # 
             for j in range(k):
                 if not miss[t, j, i]:
                     x = X[t, j, i]
-                    ys[j, i] = math.log(max(x, LOG_FLOOR)) if params[_AS_LOG0 + j] != 0.0 else x
+                    ys[j] = math.log(max(x, LOG_FLOOR)) if params[_AS_LOG0 + j] != 0.0 else x
             acc = 0.0
             m = 0
             for j in range(k):
@@ -114,7 +116,7 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys, debias_until):  # 
                     continue
                 log_j = params[_AS_LOG0 + j] != 0.0
                 loc = state[3 * j + _LOC, i]
-                z = abs(ys[j, i] - loc) / _floored_scale(loc, state[3 * j + _SCALE, i], log_j,
+                z = abs(ys[j] - loc) / _floored_scale(loc, state[3 * j + _SCALE, i], log_j,
                                                          min_scale)
                 if use_max:
                     acc = max(acc, z)
@@ -135,7 +137,7 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys, debias_until):  # 
             for j in range(k):
                 if miss[t, j, i]:
                     continue
-                y = ys[j, i]
+                y = ys[j]
                 count = state[3 * j + _COUNT, i]
                 if count == 0.0:
                     state[3 * j + _LOC, i] = y
@@ -148,7 +150,7 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys, debias_until):  # 
                 if count >= warmup and clip < np.inf:
                     lim = clip * _floored_scale(loc, scale, params[_AS_LOG0 + j] != 0.0, min_scale)
                     r = min(max(r, -lim), lim)
-                a = alpha if count >= debias_until else max(alpha, 1.0 / (count + 1.0))
+                a = max(alpha, 1.0 / (count + 1.0))
                 state[3 * j + _LOC, i] = loc + a * r
                 state[3 * j + _SCALE, i] = (1.0 - a) * scale + a * abs(r)
                 state[3 * j + _COUNT, i] = count + 1.0
@@ -169,14 +171,14 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
     debias_until = 2.0 / alpha + 2.0
     k = X.shape[1]
     n = X.shape[2]
+    if n < FEATURE_MAJOR_FROM:
+        _shift_layers(X, miss, state, params, scores, alarms, np.empty(k))
+        return
     # The step is done feature by feature over all layers (short, branch-light loops over
     # contiguous rows) in one scratch block: rows [0, k) the transformed inputs, then per layer
     # the sum (or maximum) of z, the number of features scored, and whether the layer is scored
     # (every present feature finite, at least one present) and then whether it learns, then
     # the update of one feature.
-    if n < FEATURE_MAJOR_FROM:
-        _shift_layers(X, miss, state, params, scores, alarms, np.empty((k, n)), debias_until)
-        return
     work = np.empty((k + 6, n))
     ys = work[:k]
     acc = work[k]
