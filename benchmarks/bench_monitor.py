@@ -13,8 +13,9 @@ Run::
 ``--breakdown`` also times the parts of one step separately (private monitor internals; the
 figures are best-of-repeats, so they do not add up exactly on a loaded machine): the fills, the
 fused step (gather + every bank + alarm count in one Numba call, :mod:`stability.monitor_fused`;
-split into gather / call overhead and the banks' arithmetic), the policy's per-step tracking,
-the decision and goodput bookkeeping, and for comparison the plain path it replaces.
+split into gather / call overhead and the banks' arithmetic, then each bank alone), the
+policy's per-step tracking, the decision and goodput bookkeeping, and for comparison the plain
+path it replaces.
 ``--cold`` times the first ``observe()`` in a fresh process with an empty ``NUMBA_CACHE_DIR``
 (every kernel and the fused driver compiled) and again with that cache filled (wall and CPU
 seconds: on a loaded machine the CPU figure is the one to compare).
@@ -108,6 +109,17 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
             print(f"        {'gather + call overhead':28s} {gather:7.2f} us")
             print(f"        {'bank kernels (arithmetic)':28s} {fused - gather:7.2f} us")
     print(f"      {'rest (python glue)':30s} {total - sum(parts.values()):7.2f} us")
+    print("      bank kernels one at a time (fused step with only that bank, minus none):")
+    ns_col = no_banks[at:at + table.size].reshape(table.shape)[:, 2]
+    for b, binding in enumerate(mon._bindings):
+        if table[b, 2] == 0:
+            continue
+        one = no_banks.copy()
+        one[at:at + table.size].reshape(table.shape)[b, 2] = table[b, 2]
+        assert ns_col[b] == 0
+        us = _best_us(lambda one=one: step_with(one)) - base - gather
+        print(f"        {binding.spec.name:24s} {type(binding.det).__name__:19s} "
+              f"{int(table[b, 2]):4d} series {us:6.2f} us")
     print(f"      {'observe() total':30s} {total:7.2f} us")
     print(f"      {'plain path: gather + 1 call/bank':30s} {_best_us(plain) - base:7.2f} us "
           f"({int(g.active.sum())} active banks; replaced by the fused step)")
