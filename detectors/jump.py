@@ -113,6 +113,37 @@ VECTOR_FROM = 32
 
 
 @njit(cache=True, error_model="numpy")
+def _score_rows(X, miss, state, scores, alarms, ys, dlog, t, warmup, min_delta, direction,  # type: ignore[no-untyped-def]
+                use_level):
+    """The raw scores of step ``t`` of :func:`_kernel` for a large bank, in the score slots
+    (``nan`` / ``inf`` and their alarms where a value is missing / not finite), and ``dlog``:
+    :func:`_raw_score` for every series in branch-free loops, one output row per loop."""
+    n = X.shape[2]
+    x_t, m_t, s_t, a_t = X[t, 0], miss[t, 0], scores[t], alarms[t]
+    prev, has, typ = state[_PREV], state[_HAS], state[_TYP]
+    count, level = state[_COUNT], state[_LEVEL]
+    for i in range(n):
+        x = x_t[i]
+        y = ys[i]
+        pv = prev[i]
+        scale = max(typ[i], min_delta, 1e-300)
+        hi = max(pv, level[i]) if use_level else pv
+        lo = min(pv, level[i]) if use_level else pv
+        if direction > 0.0:
+            r = (y - hi) / scale
+        elif direction < 0.0:
+            r = (lo - y) / scale
+        else:
+            r = max((y - hi) / scale, (lo - y) / scale)
+        r = r if (x > 0.0) & (has[i] != 0.0) & (count[i] >= warmup) else 0.0
+        s_t[i] = r if (not m_t[i]) & np.isfinite(x) else (np.nan if m_t[i] else np.inf)
+    for i in range(n):
+        dlog[i] = ys[i] - prev[i] if (x_t[i] > 0.0) & (has[i] != 0.0) else np.nan
+    for i in range(n):
+        a_t[i] = (not m_t[i]) & (not np.isfinite(x_t[i]))
+
+
+@njit(cache=True, error_model="numpy")
 def _learn_rows(X, miss, state, scores, alarms, ys, dlog, go, t, kth, threshold, freeze,  # type: ignore[no-untyped-def]
                 alpha, warmup, min_delta, clip, level_alpha, level_down, typ_until, up_until,
                 down_until):
@@ -197,9 +228,22 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
         m = 0
         top1 = -np.inf  # the two largest raw scores (exact for min_series <= 2: no nan here)
         top2 = -np.inf
+        if n >= VECTOR_FROM:
+            _score_rows(X, miss, state, scores, alarms, ys, dlog, t, warmup, min_delta,
+                        direction, use_level)
         for i in range(n):
             x = X[t, 0, i]
-            if miss[t, 0, i]:
+            if n >= VECTOR_FROM:  # scored above: pool them
+                if (not miss[t, 0, i]) and np.isfinite(x):
+                    r = scores[t, i]
+                    pool[m] = r
+                    m += 1
+                    if r > top1:
+                        top2 = top1
+                        top1 = r
+                    elif r > top2:
+                        top2 = r
+            elif miss[t, 0, i]:
                 scores[t, i] = np.nan
                 alarms[t, i] = False
             elif not np.isfinite(x):
