@@ -57,7 +57,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ACT_STATS", "UPDATE_RATIO_MODES", "SignalCollector", "Signals", "layer_of"]
+__all__ = ["ACT_STATS", "UPDATE_RATIO_MODES", "SignalCollector", "SignalLayout", "Signals",
+           "layer_of"]
 
 #: Activation statistics, in the order they are reported.
 ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
@@ -98,6 +99,34 @@ class Signals:
         for fam, arr in self.families.items():
             for name, v in zip(layers[fam], arr.tolist(), strict=False):
                 out[f"{fam}/{name}"] = v
+        return out
+
+
+@dataclass
+class SignalLayout:
+    """Where each signal sits in the vector of :meth:`SignalCollector.measure`.
+
+    Examples
+    --------
+    >>> lay = SignalLayout(["grad_norm", "loss"], [("grad_norm", 2)], {"lr": 0.1})
+    >>> s = lay.unpack([3.0, 1.5, 1.0, 2.0])
+    >>> s.scalars, s.families["grad_norm"].tolist()
+    ({'grad_norm': 3.0, 'loss': 1.5, 'lr': 0.1}, [1.0, 2.0])
+    """
+
+    names: list[str]  #: the scalars, first in the vector (``grad_norm`` first)
+    families: list[tuple[str, int]]  #: then each family's values: ``(name, count)``
+    host: dict[str, float]  #: scalars that were host numbers already
+
+    def unpack(self, flat: Any) -> Signals:
+        """The :class:`Signals` of the vector's values (a sequence of floats)."""
+        n = len(self.names)
+        out = Signals(scalars=dict(zip(self.names, flat[:n], strict=False)))
+        out.scalars.update(self.host)
+        pos = n
+        for fam, k in self.families:
+            out.families[fam] = np.asarray(flat[pos:pos + k], dtype=np.float64)
+            pos += k
         return out
 
 
@@ -255,6 +284,17 @@ class SignalCollector:
         -------
         Signals
         """
+        vec, layout = self.measure(loss, extra)
+        return layout.unpack(vec.tolist())  # the one host sync
+
+    def measure(self, loss: Any = None, extra: Mapping[str, Any] | None = None
+                ) -> tuple[torch.Tensor, SignalLayout]:
+        """:meth:`collect` without the host transfer: the signal vector, still on the device.
+
+        Returns ``(vec, layout)``: ``layout.unpack(host_values)`` gives the :class:`Signals`
+        (``sync="deferred"`` guards copy ``vec`` to the host asynchronously and unpack it a step
+        later).  ``vec[0]`` is the global gradient norm (not finite when a gradient is not).
+        """
         device = self.params[0].device if self.params else torch.device("cpu")
         mask = tuple(p.grad is not None for p in self.params)
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -278,7 +318,6 @@ class SignalCollector:
                 names.append(k)
             elif v is not None:
                 host_scalars[k] = float(v)
-        n_scalar = len(parts)
         fams: list[tuple[str, int]] = []
         if self.per_layer:
             parts.append(layer)
@@ -294,14 +333,8 @@ class SignalCollector:
                 parts.append(stats[:, j])
                 fams.append((st, len(self.act_names)))
             self._act.clear()
-        flat = torch.cat([t.reshape(-1).float() for t in parts]).tolist()  # the one host sync
-        out = Signals(scalars=dict(zip(names, flat[:n_scalar], strict=False)))
-        out.scalars.update(host_scalars)
-        pos = n_scalar
-        for fam, n in fams:
-            out.families[fam] = np.asarray(flat[pos:pos + n], dtype=np.float64)
-            pos += n
-        return out
+        return torch.cat([t.reshape(-1).float() for t in parts]), SignalLayout(
+            names, fams, host_scalars)
 
     # ------------------------------------------------------------------ update ratios
     def _samples(self) -> list[torch.Tensor]:

@@ -1,0 +1,466 @@
+"""Sync-free guard steps: ``TorchGuard(..., sync="deferred")``.
+
+With ``sync="step"`` (the default) the guard copies each step's signal vector to the host with
+one ``.tolist()`` between ``backward()`` and ``optimizer.step()``: on a GPU the host waits for the
+whole backward pass before it can launch the optimizer step, and the GPU idles meanwhile.  With
+``sync="deferred"`` nothing on the step path waits for the device:
+
+1. **Signals** -- after ``backward()`` the collector computes the same vector on the device
+   (:meth:`~stability.adapters.signals.SignalCollector.measure`) and starts a non-blocking copy
+   into a reused host buffer (pinned on CUDA; a plain copy on the CPU), recording a CUDA event.
+2. **One step late** -- the guard then observes the *previous* step's signals (its copy was
+   started a whole step ago: waiting on its event costs nothing or next to nothing) under that
+   step's number, so the monitor sees exactly the signal stream of ``sync="step"`` and a
+   recorded run replays to the same decisions.  The decision for step ``t`` acts from step
+   ``t + 1``: its LR factor and clip norm govern step ``t + 1``'s update; its checkpoints are
+   taken right away (the weights are still those after step ``t``'s update, so the checkpoint is
+   exactly ``sync="step"``'s, health and monitor state included); a rollback or a stop *voids*
+   step ``t + 1`` (its update is not applied, its signals are dropped, the scheduler does not
+   step) and is carried out by :meth:`finish` with the step counter and data position of step
+   ``t`` -- the run continues exactly as after ``sync="step"``'s rollback or stop at step ``t``.
+3. **A late ``skip_step``** arrives after step ``t``'s update was applied.  It is *not* turned
+   into skipping step ``t + 1`` (that would throw away a good batch and undo nothing): the
+   update is already bounded by the device-side safety below, the step counts as unhealthy (no
+   checkpoint of it is ever a rollback target), and if the policy escalates, its rollback
+   restores a checkpoint from before the episode as usual.  Such skips are counted in
+   :attr:`DeferredSteps.late_skips`; the goodput ledger counts the step as skipped, as asked.
+4. **Device-side safety**, before every optimizer step, without a sync: the gradients are
+   clipped at the tightest of the guard's ``clip_norm`` and the last decision's
+   ``clip_norm`` with a coefficient computed on the device (as
+   ``torch.nn.utils.clip_grad_norm_(foreach=True)`` does), and non-finite gradients never reach
+   the weights: optimizers with a device-side skip (fused Adam / AdamW / SGD:
+   ``_step_supports_amp_scaling``) get ``optimizer.found_inf`` set, the attribute
+   ``GradScaler`` uses, so the fused kernel leaves weights and state untouched; other
+   optimizers get all-zero gradients on such a step (``torch.where``, so NaN does not survive
+   as ``NaN * 0``) -- their weights can still move by momentum and weight decay (Adam's moments
+   decay, SGD's momentum buffer keeps pushing).  Prefer ``fused=True``.  With a
+   ``GradScaler`` the scaler skips overflow steps itself; with a fused optimizer it does so on
+   the device, otherwise ``scaler.step`` reads its ``found_inf`` with ``.item()`` -- the
+   scaler's host sync, not the guard's.  The update ratio of the step after a skipped one is
+   not reported (there was no optimizer update to measure), as with ``sync="step"``.
+5. **Flush** -- :meth:`DeferredGuard.flush` observes the last step (and carries out its
+   decision); :meth:`~stability.adapters.torch.TorchGuard.detach` and a checkpoint saved by
+   hand (``save_checkpoint``) flush first.  ``state_dict()`` does not observe anything: it
+   carries the pending step's signals (and the control in force), which the restored guard
+   observes at its next step.
+6. **Distributed** -- decisions are reduced across ranks (:class:`ControlSync`) when they are
+   observed, one step late, at the same step on every rank; that collective is the one host
+   sync left on the step path of a distributed run.  Flush on every rank alike (a hand-saved
+   checkpoint or ``detach()``).
+
+Cost of the mode: a spike the policy would have skipped lands (clipped when a clip is in force),
+and one more batch is computed before a rollback or stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._state_check import Fields
+from ..types import Control, Decision
+from .guard_checkpoints import GuardCheckpoints
+from .interventions import TrainingStopped, drop_gradients
+from .signals import SignalLayout, Signals
+
+__all__ = ["SYNC_MODES", "DeferredGuard", "DeferredSteps"]
+
+log = logging.getLogger("stability.adapters")
+
+#: The guard's ``sync=`` modes.
+SYNC_MODES = ("step", "deferred")
+
+
+@dataclass
+class _Pending:
+    """One step's signals on their way to the host."""
+
+    step: int
+    layout: SignalLayout | None
+    view: np.ndarray | None  # numpy view of the host buffer
+    event: Any = None  # torch.cuda.Event of the copy (None: nothing to wait for)
+    ready: Signals | None = None
+
+    def signals(self) -> Signals:
+        if self.ready is None:
+            assert self.layout is not None and self.view is not None
+            if self.event is not None:
+                self.event.synchronize()  # recorded a step ago: done, or nearly
+            self.ready = self.layout.unpack(self.view.tolist())  # numpy: host memory
+        return self.ready
+
+
+class _HostBuffers:
+    """Two reused host buffers (pinned for CUDA) and their numpy views: step ``t`` is copied
+    into one while step ``t - 1`` is read from the other."""
+
+    def __init__(self) -> None:
+        self._bufs: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]
+        self._i = 0
+
+    def take(self, n: int, cuda: bool) -> tuple[torch.Tensor, np.ndarray]:
+        self._i ^= 1
+        have = self._bufs[self._i]
+        if have is None or have[0].numel() < n:
+            buf = torch.empty(max(2 * n, 256), dtype=torch.float32,
+                              pin_memory=cuda and torch.cuda.is_available())
+            have = self._bufs[self._i] = (buf, buf.numpy())
+        return have[0][:n], have[1][:n]
+
+
+class DeferredSteps:
+    """The per-step machinery of a ``sync="deferred"`` guard (see the module docstring).
+
+    Attributes
+    ----------
+    pending : step whose signals are still on their way (``None`` when none)
+    late_skips : int
+        ``skip_step`` requests that arrived after their step's update (not carried out).
+    """
+
+    def __init__(self, guard: Any) -> None:
+        self.g = guard
+        self.pending: _Pending | None = None
+        self.late_skips = 0
+        self._void: tuple[int, Control] | None = None  # step whose stop/rollback voids this one
+        self._bad_step: int | None = None  # last observed step the device (or scaler) skipped
+        self._found_inf = False
+        self._stop_due: TrainingStopped | None = None
+        self._buffers = _HostBuffers()
+        self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ one step
+    def step(self, loss: Any, metrics: Mapping[str, Any] | None) -> Decision:
+        """``TorchGuard.step`` in deferred mode (a voided step does not step the scheduler)."""
+        g = self.g
+        t = g.step_count
+        decision = self.check(loss, metrics, None)
+        try:
+            if g.scaler is not None:
+                if g.should_step:
+                    g.scaler.step(g.optimizer)
+                g.scaler.update()
+            elif g.should_step:
+                g.optimizer.step()
+            g.multiplier.restore()
+            if g.scheduler is not None and g.should_step:
+                g.scheduler.step()
+        finally:
+            g.optimizer.zero_grad(set_to_none=True)
+            self._clear_found_inf()
+        self.finish()
+        if g.watchdog is not None:
+            g.watchdog.beat(t)
+        return decision
+
+    def check(self, loss: Any, metrics: Mapping[str, Any] | None,
+              signals: Signals | None) -> Decision:
+        """Start step ``t``'s signals, observe step ``t - 1``'s, protect step ``t``'s update."""
+        g = self.g
+        if signals is not None:
+            raise ValueError("TorchGuard.check(signals=...) is not supported with "
+                             "sync='deferred' (the guard measures the signals itself).")
+        if self._stop_due is not None:  # a stop observed by a flush that could not raise
+            stopped, self._stop_due = self._stop_due, None
+            raise stopped
+        t = g.step_count
+        g._pos_of_step[t] = g.data_position
+        while len(g._pos_of_step) > 100_000:
+            g._pos_of_step.popitem(last=False)
+        vec, layout = g.collector.measure(loss, g._extra(metrics))
+        started = self._start(t, vec, layout)
+        decision = self._observe_pending()
+        if self._void is not None:  # a stop / rollback of step t - 1: step t is thrown away
+            g.should_step = False
+            drop_gradients(g.collector.params)
+        else:
+            self.pending = started
+            g.should_step = True
+            control = g.control
+            g.multiplier.factor = float(control.lr_factor)
+            self._protect(vec[0], _tightest(g.clip_norm, control.clip_norm))
+            g.collector.before_step(t)
+            g.multiplier.apply()
+        return decision if decision is not None else Decision(-1)
+
+    def finish(self) -> None:
+        """After the optimizer step: a voided step ends with the stop / rollback; advances."""
+        g = self.g
+        g.rolled_back = False
+        g.collector.after_step(stepped=g.should_step)
+        g._consumed = True
+        self._clear_found_inf()
+        void, self._void = self._void, None
+        if void is not None:
+            s, control = void
+            g.step_count, g.data_position = s, g._pos_of_step.get(s, g.data_position)
+            if g._end_run(s, control, g.raise_on_stop):
+                return
+            g.step_count, g.data_position = s + 1, g.data_position + 1  # rollback refused
+        else:
+            t = g.step_count
+            g.step_count = t + 1
+            g.data_position = g._pos_of_step.get(t, g.data_position) + 1
+        g.collector.begin_step(g.step_count)
+        g.multiplier.show()
+        if g._sigterm is not None and g._sigterm.received is not None:
+            self.flush(g.raise_on_stop)  # checkpoints this step, then lets SIGTERM go on
+
+    def flush(self, raise_stop: bool) -> Decision | None:
+        """Observe the pending step once its update is done; carry out its decision."""
+        g = self.g
+        if self.pending is None or self.pending.step >= g.step_count:
+            return None  # nothing pending, or its update is not applied yet (mid-step)
+        saved = g.step_count, g.data_position
+        decision = self._observe_pending()
+        void, self._void = self._void, None
+        if void is not None:
+            s, control = void
+            g.step_count, g.data_position = s, g._pos_of_step.get(s, g.data_position)
+            if g._end_run(s, control, raise_stop):  # (raises a stop when raise_stop)
+                if control.stop and g.raise_on_stop:
+                    self._stop_due = g.stopped  # raised by the next check()
+                return decision
+            g.step_count, g.data_position = saved
+        return decision
+
+    # ------------------------------------------------------------------ internals
+    def _start(self, t: int, vec: torch.Tensor, layout: SignalLayout) -> _Pending:
+        """Copy step ``t``'s vector to a host buffer without waiting for it."""
+        cuda = vec.device.type == "cuda"
+        host, view = self._buffers.take(vec.numel(), cuda)
+        event = None
+        if cuda:
+            host.copy_(vec, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(vec.device))
+        else:
+            host.copy_(vec)
+        return _Pending(t, layout, view, event)
+
+    def _observe_pending(self) -> Decision | None:
+        """Observe the pending step ``s`` with counters at ``s``: decide, take its checkpoints,
+        and remember a stop / rollback (it voids the step in progress)."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return None
+        g = self.g
+        s = p.step
+        sig = g._amp_post(p.signals())
+        if self._bad_step is not None and self._bad_step == s - 1:
+            sig.families.pop("update_ratio", None)  # the skipped step had no update
+        if g.amp_overflow or not math.isfinite(sig.scalars.get("grad_norm", 0.0)):
+            self._bad_step = s
+        saved = g.step_count, g.data_position
+        g.step_count, g.data_position = s, g._pos_of_step.get(s, g.data_position)
+        try:
+            decision = g._decide(s, sig)
+            control = g.control
+            if control.skip_step:
+                self.late_skips += 1
+                log.debug("skip_step for step %d arrived after its update (sync='deferred')", s)
+            if control.save_checkpoint:  # unhealthy: kept for forensics, never a target
+                g._auto_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency")
+            if control.stop or control.rollback_to is not None:
+                self._void = (s, control)
+            else:
+                g._checkpoints_due(s)  # the weights are those after step s's update
+        finally:
+            g.step_count, g.data_position = saved
+        return decision
+
+    def _protect(self, total: torch.Tensor, norm: float | None) -> None:
+        """Clip on the device; keep non-finite gradients from the weights (no host sync)."""
+        g = self.g
+        grads = [p.grad for p in g.collector.params if p.grad is not None]
+        if not grads:
+            return
+        with torch.no_grad():
+            ok = torch.isfinite(total)
+            if norm is not None:
+                coef = (norm / (total + 1e-6)).clamp(max=1.0)
+                for dev_grads in _by_device(grads).values():
+                    torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
+            if g.scaler is not None:
+                return  # the scaler skips a step with non-finite gradients itself
+            if getattr(g.optimizer, "_step_supports_amp_scaling", False):
+                g.optimizer.found_inf = (~ok).float()  # the fused kernel skips the update
+                self._found_inf = True
+                return
+            for gr in grads:
+                key = (gr.device, gr.dtype)
+                zero = self._zeros.get(key)
+                if zero is None:
+                    zero = self._zeros[key] = torch.zeros((), dtype=gr.dtype, device=gr.device)
+                torch.where(ok.to(gr.device), gr, zero, out=gr)
+
+    def _clear_found_inf(self) -> None:
+        if self._found_inf:
+            self._found_inf = False
+            if hasattr(self.g.optimizer, "found_inf"):
+                del self.g.optimizer.found_inf
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The pending step's signals (waits for their copy) and the control in force."""
+        p = self.pending
+        pending = None
+        if p is not None:
+            sig = p.signals()
+            pending = {"step": p.step,
+                       "scalars": {k: _json_float(v) for k, v in sig.scalars.items()},
+                       "families": {k: [_json_float(x) for x in v.tolist()]
+                                    for k, v in sig.families.items()}}
+        return {"pending": pending, "control": self.g.control.to_dict(),
+                "bad_step": self._bad_step, "late_skips": self.late_skips}
+
+    def load_state_dict(self, sd: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`state_dict` output (checked before anything changes)."""
+        if sd is None:
+            self.pending, self._void = None, None
+            return
+        f = Fields("TorchGuard", sd, "deferred.")
+        pending = None
+        if f.get("pending", None) is not None:
+            pf = f.sub("pending")
+            scal = pf.sub("scalars")
+            fams = pf.sub("families")
+            pending = _Pending(pf.integer("step", lo=0), None, None, ready=Signals(
+                scalars={str(k): scal.number(k, nan=True, inf=True) for k in scal.sd},
+                families={str(k): np.asarray([fams.number(f"{k}[{i}]", x, nan=True, inf=True)
+                                              for i, x in enumerate(fams.seq(k))],
+                                             dtype=np.float64) for k in fams.sd}))
+        cf = f.sub("control", {})
+        control = Control.from_dict(cf.sd) if cf.sd else Control()
+        bad = f.opt_integer("bad_step", lo=0)
+        skips = f.integer("late_skips", f.get("late_skips", 0), lo=0)
+        self.pending, self._void, self._bad_step, self.late_skips = pending, None, bad, skips
+        self.g.control = control
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def _json_float(v: float) -> float | str:
+    return v if math.isfinite(v) else str(v)
+
+
+def _tightest(a: float | None, b: float | None) -> float | None:
+    """The tighter of two clip norms (``None``, non-finite and non-positive ones ignored)."""
+    vals = [v for v in (a, b) if v is not None and math.isfinite(v) and v > 0]
+    return min(vals) if vals else None
+
+
+class DeferredGuard(GuardCheckpoints):
+    """How a step of :class:`~stability.adapters.torch.TorchGuard` ends once its decision is
+    known (after the step with ``sync="step"``, one step later with ``sync="deferred"``), and
+    the deferred mode's flush and state.  The attributes are set by ``TorchGuard.__init__``."""
+
+    deferred: DeferredSteps | None
+    control: Control
+    stopped: TrainingStopped | None
+    raise_on_stop: bool
+    checkpoint_every: int
+    _cadence_clock: float
+
+    def flush(self) -> Decision | None:
+        """Observe the pending step of a ``sync="deferred"`` guard and carry out its decision
+        (call at the end of training; :meth:`detach` does).  Returns that decision (``None``:
+        nothing pending, or ``sync="step"``); raises :class:`TrainingStopped` like ``step``."""
+        if self.deferred is None:
+            return None
+        return self.deferred.flush(self.raise_on_stop)
+
+    def _flush_quietly(self) -> None:
+        """:meth:`flush` that never raises (a stop is logged and kept in :attr:`stopped`)."""
+        if self.deferred is None:
+            return
+        try:
+            self.deferred.flush(False)
+        except Exception:  # never crash the user's run on the way out
+            log.warning("observing the last pending step failed", exc_info=True)
+        if self.stopped is not None:
+            log.warning("the last step asked to stop: %s", self.stopped)
+
+    def save_checkpoint(self, healthy: bool, reason: str = "", step: int | None = None,
+                        register: bool = True) -> Any:
+        if self.deferred is not None and self.deferred.pending is not None:
+            self.deferred.flush(False)  # the checkpoint's monitor state has every step
+        return super().save_checkpoint(healthy, reason, step, register)
+
+    save_checkpoint.__doc__ = GuardCheckpoints.save_checkpoint.__doc__
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible guard state (monitor included) with a ``"version"`` key; with
+        ``sync="deferred"`` also the pending step's signals (observed after a restore)."""
+        sd = super().state_dict()
+        if self.deferred is not None:
+            sd["deferred"] = self.deferred.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output (see ``GuardCheckpoints.load_state_dict``)."""
+        sd = dict(sd)
+        pending = sd.pop("deferred", None)
+        if self.deferred is not None:
+            probe = DeferredSteps(self)
+            probe.load_state_dict(pending)  # checked before anything changes
+        elif pending is not None and pending.get("pending") is not None:
+            log.warning("the snapshot of a sync='deferred' guard has a pending step; this "
+                        "sync='step' guard does not observe it")
+        super().load_state_dict(sd, strict=strict)
+        if self.deferred is not None:
+            self.deferred.load_state_dict(pending)
+
+    # ------------------------------------------------------------------ end of a step
+    def _end_run(self, step: int, control: Control, raise_stop: bool) -> bool:
+        """Carry out a stop or rollback requested for ``step``; ``True`` when one was."""
+        if control.stop:
+            if control.rollback_to is not None:
+                # stop with the last good weights in place (the run cannot be brought back)
+                self.rollback(control.rollback_to, None)
+            self.stopped = TrainingStopped(
+                control.stop_reason or "stop requested", step,
+                self.decision.alarms if self.decision else (), self.decision)
+            self.step_count += 1
+            self.data_position += 1
+            if raise_stop:
+                raise self.stopped
+            return True
+        if control.rollback_to is not None and self.rollback(control.rollback_to,
+                                                             control.skip_batches):
+            self.collector.begin_step(self.step_count)
+            return True
+        return False
+
+    def _checkpoints_due(self, step: int) -> None:
+        """The periodic / cadence checkpoint of a healthy ``step``; SIGTERM's checkpoint."""
+        if self.healthy and ((self.checkpoint_every and step % self.checkpoint_every == 0)
+                             or (self.cadence is not None and self._cadence_due())):
+            self._auto_checkpoint(healthy=True, reason="periodic", step=step)
+        if self._sigterm is not None and self._sigterm.received is not None:
+            self._preempted(step)
+
+    def _cadence_due(self) -> bool:
+        """The cadence advisor's interval has elapsed (sooner while an episode is open)."""
+        assert self.cadence is not None
+        now = time.monotonic()
+        self.cadence.note_time(now - self._cadence_clock)
+        self._cadence_clock = now
+        if not self.cadence.saves:
+            return True  # measure the save cost once
+        policy = getattr(self.monitor, "policy", None)  # scripted monitors have none
+        warnings_open = getattr(policy, "episode_onset", None) is not None
+        return self.cadence.should_checkpoint(now - self._last_save_t, warnings_open)
+
