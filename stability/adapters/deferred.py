@@ -18,6 +18,10 @@ whole backward pass before it can launch the optimizer step, and the GPU idles m
    step ``t + 1`` (its update is not applied, its signals are dropped, the scheduler does not
    step) and is carried out by :meth:`finish` with the step counter and data position of step
    ``t`` -- the run continues exactly as after ``sync="step"``'s rollback or stop at step ``t``.
+   Host-side signals need no delay: the LR a step asks for is judged by a probe copy of the
+   policy's :class:`~stability.lr_guard.LRGuard` before that step's update (an LR blow-up is
+   divided out from its first step, as with ``sync="step"``); the factor applied is the
+   smaller of the guard's and the last decision's.
 3. **A late ``skip_step``** arrives after step ``t``'s update was applied.  It is *not* turned
    into skipping step ``t + 1`` (that would throw away a good batch and undo nothing): the
    update is already bounded by the device-side safety below, the step counts as unhealthy (no
@@ -54,6 +58,7 @@ and one more batch is computed before a rollback or stop.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -65,6 +70,7 @@ import numpy as np
 import torch
 
 from .._state_check import Fields
+from ..lr_guard import LRGuard
 from ..types import Control, Decision
 from .guard_checkpoints import GuardCheckpoints
 from .interventions import TrainingStopped, drop_gradients
@@ -174,7 +180,8 @@ class DeferredSteps:
         g._pos_of_step[t] = g.data_position
         while len(g._pos_of_step) > 100_000:
             g._pos_of_step.popitem(last=False)
-        vec, layout = g.collector.measure(loss, g._extra(metrics))
+        extra = g._extra(metrics)
+        vec, layout = g.collector.measure(loss, extra)
         started = self._start(t, vec, layout)
         decision = self._observe_pending()
         if self._void is not None:  # a stop / rollback of step t - 1: step t is thrown away
@@ -184,7 +191,8 @@ class DeferredSteps:
             self.pending = started
             g.should_step = True
             control = g.control
-            g.multiplier.factor = float(control.lr_factor)
+            g.multiplier.factor = min(float(control.lr_factor),
+                                      self._lr_guard_factor(t, extra.get("lr")))
             self._protect(vec[0], _tightest(g.clip_norm, control.clip_norm))
             g.collector.before_step(t)
             g.multiplier.apply()
@@ -275,6 +283,19 @@ class DeferredSteps:
         finally:
             g.step_count, g.data_position = saved
         return decision
+
+    def _lr_guard_factor(self, t: int, lr: Any) -> float:
+        """The LR guard's factor for the LR step ``t`` asks for, judged now: the requested LR
+        is a host number, so it needs no delay (the monitor still observes it a step later).
+        A probe copy of the policy's :class:`~stability.lr_guard.LRGuard` judges it."""
+        policy = getattr(self.g.monitor, "policy", None)
+        guard = getattr(policy, "guard", None)
+        if not isinstance(guard, LRGuard) or not guard.config.enabled or \
+                getattr(policy, "log_only", True) or not isinstance(lr, float):
+            return 1.0
+        probe = copy.copy(guard)  # scalars only: the real guard is untouched
+        f = probe.observe(t, lr)
+        return f if probe.active else 1.0
 
     def _protect(self, total: torch.Tensor, norm: float | None) -> None:
         """Clip on the device; keep non-finite gradients from the weights (no host sync)."""
