@@ -392,3 +392,75 @@ def test_sync_argument_is_checked() -> None:
     m(torch.ones(1, 2)).sum().backward()
     with pytest.raises(ValueError, match="deferred"):
         guard.check(None, signals=guard.collect(None))
+
+
+def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        guard = TorchGuard(model, opt, None, Monitor("small"), checkpoint_every=10,
+                           sync="deferred", log_interventions=False)
+        log = []
+        for i in guard.batches(70):
+            g = torch.Generator().manual_seed(1000 * rank + i)
+            x = torch.randn(16, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            if rank == 1 and i == 50:
+                loss = loss * float("nan")  # only rank 1 sees it
+            loss.backward()
+            for p in model.parameters():  # DDP-style gradient averaging
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            at = guard.step_count
+            d = guard.step(loss)
+            c = guard.control
+            log.append([at, d.step, c.skip_step, c.rollback_to, c.lr_factor, c.clip_norm,
+                        guard.healthy, guard.should_step])
+        guard.flush()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump({"log": log, "w": [float(p.detach().sum()) for p in model.parameters()],
+                       "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                       "rollbacks": guard.rollbacks}, fh)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # (see tests/adapters/test_distributed.py: torch's gloo teardown)
+
+
+def test_two_ranks_take_the_same_late_decisions(tmp_path: Any) -> None:
+    import socket
+    import time
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = torch.multiprocessing.start_processes(_rank_worker, args=(2, port, str(tmp_path)),
+                                                nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("distributed test timed out")
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["log"] == r1["log"]  # the same decision at the same step on both ranks
+    # step 50's decision (NaN on rank 1 only) is observed during step 51, on both ranks
+    seen = [row for row in r0["log"] if row[1] == 50]
+    assert len(seen) == 1 and seen[0][0] == 51 and seen[0][6] is False
+    assert r0["finite"] and r1["finite"]  # the NaN gradients never reached the weights
+    assert r0["w"] == pytest.approx(r1["w"]) and r0["rollbacks"] == r1["rollbacks"]
