@@ -35,6 +35,7 @@ Run::
 
     python benchmarks/bench_overhead.py [--pairs 12] [--models mlp,gpt,big] [--no-cold]
         [--exact]   # also time update_ratio="exact" (the full-copy measurement) for comparison
+        [--sync deferred]  # TorchGuard(sync="deferred"): syncs/step then prints 0
 
 Targets: <= 3% on the >= 10M model, no extra full copy, first observe <= 3 s with an empty
 cache and <= 0.5 s warm.
@@ -178,7 +179,8 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
-                update_ratio: str = "sampled", rows: int = 4) -> dict[str, Any]:
+                update_ratio: str = "sampled", rows: int = 4, sync: str = "step"
+                ) -> dict[str, Any]:
     """Interleaved bare/guarded steps of one model; the figures of the module docstring."""
     make, batch, loss_fn, lr = setup(name, rows)
     bare, guarded = make().to(device), make().to(device)
@@ -186,7 +188,7 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
     opt_b = torch.optim.AdamW(bare.parameters(), lr=lr, weight_decay=0.01)
     opt_g = torch.optim.AdamW(guarded.parameters(), lr=lr, weight_decay=0.01)
     guard = TorchGuard(guarded, opt_g, monitor=Monitor("default"), log_interventions=False,
-                       update_ratio=update_ratio)
+                       update_ratio=update_ratio, sync=sync)
     n_params = sum(p.numel() for p in guarded.parameters())
     p_bytes = sum(p.numel() * p.element_size() for p in guarded.parameters())
     counters = Counters()
@@ -265,7 +267,8 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
     w_over = statistics.median([g - b for g, b in zip(w_guard, w_bare, strict=True)])
     return {
         "model": (name if rows == 4 or name != "big" else f"big x{rows}")
-        + ("" if update_ratio == "sampled" else f" ({update_ratio})"),
+        + ("" if update_ratio == "sampled" else f" ({update_ratio})")
+        + ("" if sync == "step" else f" [{sync}]"),
         "params": n_params, "param_bytes": p_bytes,
         "bare_ms": 1e3 * med_bare, "guard_ms": 1e3 * over, "overhead": over / med_bare,
         "work_ms": 1e3 * statistics.median(work),
@@ -320,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences of 32 tokens per step of the big model (default 4)")
     ap.add_argument("--exact", action="store_true",
                     help="also time update_ratio='exact' (full copy) for comparison")
+    ap.add_argument("--sync", default="step", choices=("step", "deferred"),
+                    help="the guard's sync= mode (deferred: no host sync on the step path)")
     ap.add_argument("--no-cold", action="store_true", help="skip the first-observe timings")
     ap.add_argument("--json", default=None, help="also write the figures here")
     a = ap.parse_args(argv)
@@ -329,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.models.split(","):
         big = name == "big"
         pairs = 3 * a.pairs if big else a.pairs * 10
-        rows.append(bench_model(name, pairs, a.warmup, device, rows=a.big_rows))
+        rows.append(bench_model(name, pairs, a.warmup, device, rows=a.big_rows, sync=a.sync))
         if a.exact:
             rows.append(bench_model(name, pairs, a.warmup, device, update_ratio="exact",
-                                    rows=a.big_rows))
+                                    rows=a.big_rows, sync=a.sync))
     print(f"guard overhead per step ({device}, 1 thread, median of interleaved pairs, default "
           "guard; bare/guard/overhead in thread CPU time on CPU, 'wall' = the same in wall time)")
     print(f"{'model':<14}{'params':>11}{'bare':>10}{'guard':>10}{'overhead':>10}{'wall':>8}"
