@@ -283,8 +283,8 @@ class TorchGuard(DeferredGuard, GuardFeedback):
         """Everything after ``loss.backward()``: decide, clip, step, schedule, zero_grad.
 
         Returns the monitor's :class:`~stability.types.Decision` (``sync="deferred"``: the one
-        observed during this call, the previous step's); raises :class:`TrainingStopped` when
-        the monitor stops the run.
+        observed during this call, the previous step's, or ``Decision(-1)`` when none was);
+        raises :class:`TrainingStopped` when the monitor stops the run.
         """
         if self.deferred is not None:
             return self.deferred.step(loss, metrics)

@@ -388,7 +388,11 @@ def test_sync_argument_is_checked() -> None:
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="'sync'"):
         TorchGuard(m, opt, sync="later")
-    guard = TorchGuard(m, opt, sync="deferred")
+    import stability.torch
+
+    guard = stability.torch.attach(m, opt, sync="deferred")
+    assert guard.sync_mode == "deferred" and guard.deferred is not None
+    assert TorchGuard(m, opt).deferred is None  # sync="step" is the default
     m(torch.ones(1, 2)).sum().backward()
     with pytest.raises(ValueError, match="deferred"):
         guard.check(None, signals=guard.collect(None))
@@ -464,3 +468,30 @@ def test_two_ranks_take_the_same_late_decisions(tmp_path: Any) -> None:
     assert len(seen) == 1 and seen[0][0] == 51 and seen[0][6] is False
     assert r0["finite"] and r1["finite"]  # the NaN gradients never reached the weights
     assert r0["w"] == pytest.approx(r1["w"]) and r0["rollbacks"] == r1["rollbacks"]
+
+
+def _fp16(sync: str, n: int = 40) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows until it comes down
+    rec = _Recorder()
+    guard = TorchGuard(model, opt, None, Monitor("small"), scaler=scaler, recorder=rec,
+                       checkpoint_every=0, sync=sync, log_interventions=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        x = torch.randn(32, 8, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True))
+        scaler.scale(loss).backward()
+        guard.step(loss)
+    guard.flush()
+    return guard, rec, [p.detach().clone() for p in model.parameters()]
+
+
+def test_fp16_scaler_overflow_steps_like_step_mode() -> None:
+    (ga, ra, wa), (gb, rb, wb) = _fp16("step"), _fp16("deferred")
+    over = [s for s, r in ra.rows if r.get("amp_overflow") == 1.0]
+    assert len(over) >= 10 and ga.amp_overflows == gb.amp_overflows == len(over)
+    assert rb.rows == ra.rows  # overflow steps: no grad norms; the step after: no update ratio
+    assert all(torch.equal(a, b) for a, b in zip(wa, wb, strict=True))
