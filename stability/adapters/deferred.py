@@ -343,27 +343,32 @@ class DeferredSteps:
                 "bad_step": self._bad_step, "late_skips": self.late_skips}
 
     def load_state_dict(self, sd: Mapping[str, Any] | None) -> None:
-        """Restore :meth:`state_dict` output (checked before anything changes)."""
-        if sd is None:
-            self.pending, self._void = None, None
-            return
-        f = Fields("TorchGuard", sd, "deferred.")
-        pending = None
-        if f.get("pending", None) is not None:
-            pf = f.sub("pending")
-            scal = pf.sub("scalars")
-            fams = pf.sub("families")
-            pending = _Pending(pf.integer("step", lo=0), None, None, ready=Signals(
-                scalars={str(k): scal.number(k, nan=True, inf=True) for k in scal.sd},
-                families={str(k): np.asarray([fams.number(f"{k}[{i}]", x, nan=True, inf=True)
-                                              for i, x in enumerate(fams.seq(k))],
-                                             dtype=np.float64) for k in fams.sd}))
-        cf = f.sub("control", {})
-        control = Control.from_dict(cf.sd) if cf.sd else Control()
-        bad = f.opt_integer("bad_step", lo=0)
-        skips = f.integer("late_skips", f.get("late_skips", 0), lo=0)
-        self.pending, self._void, self._bad_step, self.late_skips = pending, None, bad, skips
-        self.g.control = control
+        """Restore :meth:`state_dict` output (``None``: nothing pending, default control)."""
+        self.pending, self.g.control, self._bad_step, self.late_skips = _parse_state(sd)
+        self._void = None
+
+
+def _parse_state(sd: Mapping[str, Any] | None) -> tuple[_Pending | None, Control, int | None,
+                                                         int]:
+    """Check :meth:`DeferredSteps.state_dict` output; ``ValueError`` names a bad field."""
+    if sd is None:
+        return None, Control(), None, 0
+    f = Fields("TorchGuard", sd, "deferred.")
+    pending = None
+    if f.get("pending", None) is not None:
+        pf = f.sub("pending")
+        scal, fams = pf.sub("scalars"), pf.sub("families")
+        pending = _Pending(pf.integer("step", lo=0), None, None, ready=Signals(
+            scalars={str(k): scal.number(k, nan=True, inf=True) for k in scal.sd},
+            families={str(k): np.asarray([fams.number(f"{k}[{i}]", x, nan=True, inf=True)
+                                          for i, x in enumerate(fams.seq(k))],
+                                         dtype=np.float64) for k in fams.sd}))
+    cf = f.sub("control", {})
+    control = Control.from_dict(cf.sd) if cf.sd else Control()
+    cf.number("lr_factor", control.lr_factor, lo=0.0, low_open=True)
+    cf.opt_number("clip_norm", control.clip_norm, lo=0.0, low_open=True)
+    bad = f.opt_integer("bad_step", lo=0)
+    return pending, control, bad, f.integer("late_skips", f.get("late_skips", 0), lo=0)
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -435,8 +440,7 @@ class DeferredGuard(GuardCheckpoints):
         sd = dict(sd)
         pending = sd.pop("deferred", None)
         if self.deferred is not None:
-            probe = DeferredSteps(self)
-            probe.load_state_dict(pending)  # checked before anything changes
+            _parse_state(pending)  # checked before anything changes
         elif pending is not None and pending.get("pending") is not None:
             log.warning("the snapshot of a sync='deferred' guard has a pending step; this "
                         "sync='step' guard does not observe it")

@@ -495,3 +495,26 @@ def test_fp16_scaler_overflow_steps_like_step_mode() -> None:
     assert len(over) >= 10 and ga.amp_overflows == gb.amp_overflows == len(over)
     assert rb.rows == ra.rows  # overflow steps: no grad norms; the step after: no update ratio
     assert all(torch.equal(a, b) for a, b in zip(wa, wb, strict=True))
+
+
+def test_a_bad_pending_snapshot_is_refused_before_anything_changes() -> None:
+    m = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    guard = TorchGuard(m, opt, sync="deferred")
+    for _ in range(2):
+        m(torch.ones(1, 2)).sum().backward()
+        guard.step(None)
+    sd = json.loads(json.dumps(guard.state_dict()))
+    bad = copy.deepcopy(sd)
+    bad["deferred"]["pending"]["scalars"]["grad_norm"] = "high"
+    bad["step"] = 40
+    with pytest.raises(ValueError, match="deferred.pending.scalars.grad_norm"):
+        guard.load_state_dict(bad)
+    assert guard.step_count == 2 and guard.deferred.pending.step == 1
+    bad = copy.deepcopy(sd)
+    bad["deferred"]["control"]["lr_factor"] = -1.0
+    with pytest.raises(ValueError, match="lr_factor"):
+        guard.load_state_dict(bad)
+    sd["deferred"]["pending"]["scalars"]["grad_norm"] = "nan"  # non-finite values as text
+    guard.load_state_dict(sd)
+    assert math.isnan(guard.deferred.pending.signals().scalars["grad_norm"])
