@@ -57,8 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ACT_STATS", "UPDATE_RATIO_MODES", "SignalCollector", "SignalLayout", "Signals",
-           "layer_of"]
+__all__ = ["ACT_STATS", "UPDATE_RATIO_MODES", "SignalCollector", "Signals", "layer_of"]
 
 #: Activation statistics, in the order they are reported.
 ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
@@ -270,8 +269,9 @@ class SignalCollector:
         sq.index_add_(0, self._index(mask, device), norms * norms)
         return sq.sqrt()
 
-    def collect(self, loss: Any = None, extra: Mapping[str, Any] | None = None) -> Signals:
-        """Measure this step's signals (call after ``backward()``, before clipping/stepping).
+    def measure(self, loss: Any = None, extra: Mapping[str, Any] | None = None
+                ) -> tuple[torch.Tensor, SignalLayout]:
+        """This step's signals as one vector on the device (:meth:`collect` without the copy).
 
         Parameters
         ----------
@@ -282,18 +282,9 @@ class SignalCollector:
 
         Returns
         -------
-        Signals
-        """
-        vec, layout = self.measure(loss, extra)
-        return layout.unpack(vec.tolist())  # the one host sync
-
-    def measure(self, loss: Any = None, extra: Mapping[str, Any] | None = None
-                ) -> tuple[torch.Tensor, SignalLayout]:
-        """:meth:`collect` without the host transfer: the signal vector, still on the device.
-
-        Returns ``(vec, layout)``: ``layout.unpack(host_values)`` gives the :class:`Signals`
-        (``sync="deferred"`` guards copy ``vec`` to the host asynchronously and unpack it a step
-        later).  ``vec[0]`` is the global gradient norm (not finite when a gradient is not).
+        (vec, layout) : (Tensor, SignalLayout)
+            ``layout.unpack(host values of vec)`` are the :class:`Signals` (``sync="deferred"``
+            guards copy ``vec`` in the background); ``vec[0]`` is the global gradient norm.
         """
         device = self.params[0].device if self.params else torch.device("cpu")
         mask = tuple(p.grad is not None for p in self.params)
@@ -333,8 +324,25 @@ class SignalCollector:
                 parts.append(stats[:, j])
                 fams.append((st, len(self.act_names)))
             self._act.clear()
-        return torch.cat([t.reshape(-1).float() for t in parts]), SignalLayout(
-            names, fams, host_scalars)
+        vec = torch.cat([t.reshape(-1).float() for t in parts])
+        return vec, SignalLayout(names, fams, host_scalars)
+
+    def collect(self, loss: Any = None, extra: Mapping[str, Any] | None = None) -> Signals:
+        """Measure this step's signals (call after ``backward()``, before clipping/stepping).
+
+        Parameters
+        ----------
+        loss : tensor or float, optional
+            The training loss of the step.
+        extra : mapping, optional
+            More scalar signals (floats or 0-d tensors); they join the single host transfer.
+
+        Returns
+        -------
+        Signals
+        """
+        vec, layout = self.measure(loss, extra)
+        return layout.unpack(vec.tolist())  # the one host sync
 
     # ------------------------------------------------------------------ update ratios
     def _samples(self) -> list[torch.Tensor]:
