@@ -25,7 +25,8 @@ Printed per model:
 * ``syncs/step``: calls that would wait for an accelerator (``item``, ``tolist``, ``cpu``,
   ``numpy``, ``float()``/``int()``/``bool()`` of a tensor), counted by a patch during the
   guard's part of a step (``optimizer.step()`` itself excluded: AdamW's own ``.item()`` calls
-  are not the guard's).
+  are not the guard's).  ``--sync deferred`` times ``TorchGuard(sync="deferred")``, which
+  should show 0.
 
 Then the first ``observe()`` of a fresh process (import + ``Monitor("default")`` + first observe
 with the guard's families), once with an empty ``NUMBA_CACHE_DIR`` (``mktemp -d``) and once
@@ -35,7 +36,6 @@ Run::
 
     python benchmarks/bench_overhead.py [--pairs 12] [--models mlp,gpt,big] [--no-cold]
         [--exact]   # also time update_ratio="exact" (the full-copy measurement) for comparison
-        [--sync deferred]  # TorchGuard(sync="deferred"): syncs/step then prints 0
 
 Targets: <= 3% on the >= 10M model, no extra full copy, first observe <= 3 s with an empty
 cache and <= 0.5 s warm.
@@ -63,13 +63,21 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from stability.adapters.torch import TorchGuard  # noqa: E402
+from stability.adapters.torch import TorchGuard as _TorchGuard  # noqa: E402
 from stability.monitor import Monitor  # noqa: E402
 from stability.testing.tinytrain import make_task  # noqa: E402
 
 TARGET_BIG = 0.03
 TARGET_COLD_S = 3.0
 TARGET_WARM_S = 0.5
+
+#: more ``TorchGuard`` arguments from the command line (``--sync``)
+GUARD_KW: dict[str, Any] = {}
+
+
+def TorchGuard(*args: Any, **kw: Any) -> _TorchGuard:
+    """``TorchGuard`` with the command line's :data:`GUARD_KW` (``--sync``)."""
+    return _TorchGuard(*args, **{**GUARD_KW, **kw})
 
 
 # ---------------------------------------------------------------------------------- models
@@ -179,8 +187,7 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
-                update_ratio: str = "sampled", rows: int = 4, sync: str = "step"
-                ) -> dict[str, Any]:
+                update_ratio: str = "sampled", rows: int = 4) -> dict[str, Any]:
     """Interleaved bare/guarded steps of one model; the figures of the module docstring."""
     make, batch, loss_fn, lr = setup(name, rows)
     bare, guarded = make().to(device), make().to(device)
@@ -188,7 +195,7 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
     opt_b = torch.optim.AdamW(bare.parameters(), lr=lr, weight_decay=0.01)
     opt_g = torch.optim.AdamW(guarded.parameters(), lr=lr, weight_decay=0.01)
     guard = TorchGuard(guarded, opt_g, monitor=Monitor("default"), log_interventions=False,
-                       update_ratio=update_ratio, sync=sync)
+                       update_ratio=update_ratio)
     n_params = sum(p.numel() for p in guarded.parameters())
     p_bytes = sum(p.numel() * p.element_size() for p in guarded.parameters())
     counters = Counters()
@@ -267,8 +274,7 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
     w_over = statistics.median([g - b for g, b in zip(w_guard, w_bare, strict=True)])
     return {
         "model": (name if rows == 4 or name != "big" else f"big x{rows}")
-        + ("" if update_ratio == "sampled" else f" ({update_ratio})")
-        + ("" if sync == "step" else f" [{sync}]"),
+        + ("" if update_ratio == "sampled" else f" ({update_ratio})"),
         "params": n_params, "param_bytes": p_bytes,
         "bare_ms": 1e3 * med_bare, "guard_ms": 1e3 * over, "overhead": over / med_bare,
         "work_ms": 1e3 * statistics.median(work),
@@ -319,25 +325,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
     ap.add_argument("--models", default="mlp,gpt,big")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sync", default="step", choices=("step", "deferred"),
+                    help="the guard's sync= mode (deferred: no host sync on the step path)")
     ap.add_argument("--big-rows", type=int, default=4,
                     help="sequences of 32 tokens per step of the big model (default 4)")
     ap.add_argument("--exact", action="store_true",
                     help="also time update_ratio='exact' (full copy) for comparison")
-    ap.add_argument("--sync", default="step", choices=("step", "deferred"),
-                    help="the guard's sync= mode (deferred: no host sync on the step path)")
     ap.add_argument("--no-cold", action="store_true", help="skip the first-observe timings")
     ap.add_argument("--json", default=None, help="also write the figures here")
     a = ap.parse_args(argv)
+    GUARD_KW["sync"] = a.sync
+    if a.sync != "step":
+        print(f"TorchGuard(sync={a.sync!r})")
     torch.set_num_threads(1)
     device = torch.device(a.device)
     rows = []
     for name in a.models.split(","):
         big = name == "big"
         pairs = 3 * a.pairs if big else a.pairs * 10
-        rows.append(bench_model(name, pairs, a.warmup, device, rows=a.big_rows, sync=a.sync))
+        rows.append(bench_model(name, pairs, a.warmup, device, rows=a.big_rows))
         if a.exact:
             rows.append(bench_model(name, pairs, a.warmup, device, update_ratio="exact",
-                                    rows=a.big_rows, sync=a.sync))
+                                    rows=a.big_rows))
     print(f"guard overhead per step ({device}, 1 thread, median of interleaved pairs, default "
           "guard; bare/guard/overhead in thread CPU time on CPU, 'wall' = the same in wall time)")
     print(f"{'model':<14}{'params':>11}{'bare':>10}{'guard':>10}{'overhead':>10}{'wall':>8}"
