@@ -103,29 +103,20 @@ class Signals:
 
 @dataclass
 class SignalLayout:
-    """Where each signal sits in the vector of :meth:`SignalCollector.measure`.
+    """Where the signals sit in :meth:`SignalCollector.measure`'s vector: the scalars ``names``
+    (``grad_norm`` first), then each family's values; ``host`` scalars were host numbers."""
 
-    Examples
-    --------
-    >>> lay = SignalLayout(["grad_norm", "loss"], [("grad_norm", 2)], {"lr": 0.1})
-    >>> s = lay.unpack([3.0, 1.5, 1.0, 2.0])
-    >>> s.scalars, s.families["grad_norm"].tolist()
-    ({'grad_norm': 3.0, 'loss': 1.5, 'lr': 0.1}, [1.0, 2.0])
-    """
-
-    names: list[str]  #: the scalars, first in the vector (``grad_norm`` first)
-    families: list[tuple[str, int]]  #: then each family's values: ``(name, count)``
-    host: dict[str, float]  #: scalars that were host numbers already
+    names: list[str]
+    families: list[tuple[str, int]]
+    host: dict[str, float]
 
     def unpack(self, flat: Any) -> Signals:
-        """The :class:`Signals` of the vector's values (a sequence of floats)."""
+        """The :class:`Signals` of the vector's host values (a sequence of floats)."""
         n = len(self.names)
-        out = Signals(scalars=dict(zip(self.names, flat[:n], strict=False)))
-        out.scalars.update(self.host)
-        pos = n
+        out = Signals(dict(zip(self.names, flat[:n], strict=False)) | self.host)
         for fam, k in self.families:
-            out.families[fam] = np.asarray(flat[pos:pos + k], dtype=np.float64)
-            pos += k
+            out.families[fam] = np.asarray(flat[n:n + k], dtype=np.float64)
+            n += k
         return out
 
 
@@ -271,21 +262,8 @@ class SignalCollector:
 
     def measure(self, loss: Any = None, extra: Mapping[str, Any] | None = None
                 ) -> tuple[torch.Tensor, SignalLayout]:
-        """This step's signals as one vector on the device (:meth:`collect` without the copy).
-
-        Parameters
-        ----------
-        loss : tensor or float, optional
-            The training loss of the step.
-        extra : mapping, optional
-            More scalar signals (floats or 0-d tensors); they join the single host transfer.
-
-        Returns
-        -------
-        (vec, layout) : (Tensor, SignalLayout)
-            ``layout.unpack(host values of vec)`` are the :class:`Signals` (``sync="deferred"``
-            guards copy ``vec`` in the background); ``vec[0]`` is the global gradient norm.
-        """
+        """This step's signals as one device vector and its :class:`SignalLayout` (:meth:`collect`
+        without the host copy; ``vec[0]`` is the global gradient norm)."""
         device = self.params[0].device if self.params else torch.device("cpu")
         mask = tuple(p.grad is not None for p in self.params)
         grads = [p.grad for p in self.params if p.grad is not None]

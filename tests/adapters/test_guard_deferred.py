@@ -332,7 +332,7 @@ def test_state_dict_round_trip_with_a_pending_step() -> None:
     mon = Monitor("small")
     seen_a = _watch(mon)
     ga = TorchGuard(model, opt, sched, mon, checkpoint_every=0, sync="deferred",
-                    log_interventions=False)
+                    log_interventions=False, update_ratio_every=1)
 
     def train(guard: TorchGuard, m: torch.nn.Module, batches: range) -> list[dict]:
         out = []
@@ -352,7 +352,7 @@ def test_state_dict_round_trip_with_a_pending_step() -> None:
     mon_b = Monitor("small")
     seen_b = _watch(mon_b)
     gb = TorchGuard(m2, o2, s2, mon_b, checkpoint_every=0, sync="deferred",
-                    log_interventions=False)
+                    log_interventions=False, update_ratio_every=1)
     gb.load_state_dict(sd)
     assert gb.step_count == 8 and gb.deferred.pending.step == 7
     da, db = train(ga, model, range(8, 14)), train(gb, m2, range(8, 14))
