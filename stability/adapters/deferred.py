@@ -24,15 +24,18 @@ whole backward pass before it can launch the optimizer step, and the GPU idles m
    smaller of the guard's and the last decision's.
 3. **A late ``skip_step``** arrives after step ``t``'s update was applied.  It is *not* turned
    into skipping step ``t + 1`` (that would throw away a good batch and undo nothing): the
-   update is already bounded by the device-side safety below, the step counts as unhealthy (no
-   checkpoint of it is ever a rollback target), and if the policy escalates, its rollback
-   restores a checkpoint from before the episode as usual.  Such skips are counted in
-   :attr:`DeferredSteps.late_skips`; the goodput ledger counts the step as skipped, as asked.
-4. **Device-side safety**, before every optimizer step, without a sync: the gradients are
-   clipped at the tightest of the guard's ``clip_norm`` and the last decision's
-   ``clip_norm`` with a coefficient computed on the device (as
-   ``torch.nn.utils.clip_grad_norm_(foreach=True)`` does), and non-finite gradients never reach
-   the weights: optimizers with a device-side skip (fused Adam / AdamW / SGD:
+   update is already bounded by the device-side safety below (the spike clip), the step counts
+   as unhealthy (no checkpoint of it is ever a rollback target), and if the policy escalates,
+   its rollback restores a checkpoint from before the episode as usual.  Such skips are counted
+   in :attr:`DeferredSteps.late_skips`; the goodput ledger counts the step as skipped, as asked.
+4. **Device-side safety**, before every optimizer step, without a sync.  The gradients are
+   clipped, with a coefficient computed on the device (as
+   ``torch.nn.utils.clip_grad_norm_(foreach=True)`` does), at the tightest of the guard's
+   ``clip_norm``, the last decision's ``clip_norm`` and the *spike clip*: :data:`SPIKE_FACTOR`
+   (10) times the median gradient norm of the last healthy observed steps -- it stands in for
+   the late skip of a gradient spike and does not bind in healthy training
+   (``guard.deferred.spike_factor = None`` turns it off).  Non-finite gradients never reach the
+   weights: optimizers with a device-side skip (fused Adam / AdamW / SGD:
    ``_step_supports_amp_scaling``) get ``optimizer.found_inf`` set, the attribute
    ``GradScaler`` uses, so the fused kernel leaves weights and state untouched; other
    optimizers get all-zero gradients on such a step (``torch.where``, so NaN does not survive
@@ -52,8 +55,8 @@ whole backward pass before it can launch the optimizer step, and the GPU idles m
    sync left on the step path of a distributed run.  Flush on every rank alike (a hand-saved
    checkpoint or ``detach()``).
 
-Cost of the mode: a spike the policy would have skipped lands (clipped when a clip is in force),
-and one more batch is computed before a rollback or stop.
+Cost of the mode: a spike the policy would have skipped lands, clipped (the spike clip, or a
+tighter clip in force), and one more batch is computed before a rollback or stop.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +87,12 @@ log = logging.getLogger("stability.adapters")
 
 #: The guard's ``sync=`` modes.
 SYNC_MODES = ("step", "deferred")
+#: Spike clip: gradients are clipped on the device at this many times the median global
+#: gradient norm of the last :data:`SPIKE_WINDOW` healthy observed steps (once
+#: :data:`SPIKE_MIN` are known), standing in for the skip that comes too late.
+SPIKE_FACTOR = 10.0
+SPIKE_WINDOW = 32
+SPIKE_MIN = 16
 
 
 @dataclass
@@ -141,6 +152,8 @@ class DeferredSteps:
         self._stop_due: TrainingStopped | None = None
         self._buffers = _HostBuffers()
         self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._norms: deque[float] = deque(maxlen=SPIKE_WINDOW)  # healthy grad norms
+        self.spike_factor: float | None = SPIKE_FACTOR
 
     # ------------------------------------------------------------------ one step
     def step(self, loss: Any, metrics: Mapping[str, Any] | None) -> Decision:
@@ -193,7 +206,8 @@ class DeferredSteps:
             control = g.control
             g.multiplier.factor = min(float(control.lr_factor),
                                       self._lr_guard_factor(t, extra.get("lr")))
-            self._protect(vec[0], _tightest(g.clip_norm, control.clip_norm))
+            self._protect(vec[0], _tightest(_tightest(g.clip_norm, control.clip_norm),
+                                            self._spike_clip()))
             g.collector.before_step(t)
             g.multiplier.apply()
         return decision if decision is not None else Decision(-1)
@@ -271,6 +285,9 @@ class DeferredSteps:
         try:
             decision = g._decide(s, sig)
             control = g.control
+            gn = sig.scalars.get("grad_norm", math.nan)
+            if g.healthy and math.isfinite(gn):
+                self._norms.append(gn)
             if control.skip_step:
                 self.late_skips += 1
                 log.debug("skip_step for step %d arrived after its update (sync='deferred')", s)
@@ -283,6 +300,12 @@ class DeferredSteps:
         finally:
             g.step_count, g.data_position = saved
         return decision
+
+    def _spike_clip(self) -> float | None:
+        """:data:`SPIKE_FACTOR` times the median healthy gradient norm (``None``: not yet)."""
+        if self.spike_factor is None or len(self._norms) < SPIKE_MIN:
+            return None
+        return self.spike_factor * statistics.median(self._norms)
 
     def _lr_guard_factor(self, t: int, lr: Any) -> float:
         """The LR guard's factor for the LR step ``t`` asks for, judged now: the requested LR
@@ -340,19 +363,22 @@ class DeferredSteps:
                        "families": {k: [_json_float(x) for x in v.tolist()]
                                     for k, v in sig.families.items()}}
         return {"pending": pending, "control": self.g.control.to_dict(),
-                "bad_step": self._bad_step, "late_skips": self.late_skips}
+                "bad_step": self._bad_step, "late_skips": self.late_skips,
+                "grad_norms": list(self._norms)}
 
     def load_state_dict(self, sd: Mapping[str, Any] | None) -> None:
         """Restore :meth:`state_dict` output (``None``: nothing pending, default control)."""
-        self.pending, self.g.control, self._bad_step, self.late_skips = _parse_state(sd)
+        (self.pending, self.g.control, self._bad_step, self.late_skips,
+         norms) = _parse_state(sd)
+        self._norms = deque(norms, maxlen=SPIKE_WINDOW)
         self._void = None
 
 
-def _parse_state(sd: Mapping[str, Any] | None) -> tuple[_Pending | None, Control, int | None,
-                                                         int]:
+def _parse_state(sd: Mapping[str, Any] | None
+                 ) -> tuple[_Pending | None, Control, int | None, int, list[float]]:
     """Check :meth:`DeferredSteps.state_dict` output; ``ValueError`` names a bad field."""
     if sd is None:
-        return None, Control(), None, 0
+        return None, Control(), None, 0, []
     f = Fields("TorchGuard", sd, "deferred.")
     pending = None
     if f.get("pending", None) is not None:
@@ -368,7 +394,10 @@ def _parse_state(sd: Mapping[str, Any] | None) -> tuple[_Pending | None, Control
     cf.number("lr_factor", control.lr_factor, lo=0.0, low_open=True)
     cf.opt_number("clip_norm", control.clip_norm, lo=0.0, low_open=True)
     bad = f.opt_integer("bad_step", lo=0)
-    return pending, control, bad, f.integer("late_skips", f.get("late_skips", 0), lo=0)
+    norms = [f.number(f"grad_norms[{i}]", x, lo=0.0)
+             for i, x in enumerate(f.seq("grad_norms", None, f.get("grad_norms", [])))]
+    return (pending, control, bad, f.integer("late_skips", f.get("late_skips", 0), lo=0),
+            norms[-SPIKE_WINDOW:])
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

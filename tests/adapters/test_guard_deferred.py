@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import math
+import statistics
 from collections.abc import Iterator
 from typing import Any
 
@@ -518,3 +519,40 @@ def test_a_bad_pending_snapshot_is_refused_before_anything_changes() -> None:
     sd["deferred"]["pending"]["scalars"]["grad_norm"] = "nan"  # non-finite values as text
     guard.load_state_dict(sd)
     assert math.isnan(guard.deferred.pending.signals().scalars["grad_norm"])
+
+
+@pytest.mark.parametrize("spike_factor", [10.0, None])
+def test_spike_clip_bounds_a_gradient_spike_it_is_too_late_to_skip(spike_factor: Any) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = TorchGuard(model, opt, None, Monitor("small"), checkpoint_every=0, sync="deferred",
+                       log_interventions=False, raise_on_stop=False)
+    guard.deferred.spike_factor = spike_factor
+    norms, steps = [], []
+    for i in range(30):
+        x, y = _batch(i)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if i == 25:
+            for p in model.parameters():
+                p.grad.mul_(1e4)  # a gradient spike: the skip decided for it comes a step late
+        norms.append(float(torch.stack([p.grad.norm() for p in model.parameters()]).norm()))
+        w0 = [p.detach().clone() for p in model.parameters()]
+        guard.step(loss)
+        steps.append(float(torch.stack([(p.detach() - w).norm()
+                                        for p, w in zip(model.parameters(), w0,
+                                                        strict=True)]).norm()))
+        if guard.stopped is not None:
+            break
+    # clipped at 10x the median of the healthy norms observed by then (steps 0..24), SGD lr 1e-2
+    bound = 10.0 * statistics.median(norms[:25]) * 1e-2
+    if spike_factor is None:  # the whole spike landed: weights corrupted, the run stopped
+        assert steps[25] > 1e3 * max(steps[:25]) and guard.stopped is not None
+        return
+    guard.flush()
+    assert guard.stopped is None and len(steps) == 30
+    assert steps[25] == pytest.approx(bound, rel=1e-4)
+    assert steps[:25] == pytest.approx([n * 1e-2 for n in norms[:25]], rel=1e-4)  # unclipped
+    assert guard.deferred.late_skips >= 1  # the policy asked to skip it, too late
+    sd = guard.state_dict()["deferred"]  # the healthy norms travel with the state
+    assert sd["grad_norms"] == pytest.approx(norms[:25] + norms[26:], rel=1e-6)
