@@ -1,62 +1,44 @@
-"""Sync-free guard steps: ``TorchGuard(..., sync="deferred")``.
+"""Sync-free guard steps: ``TorchGuard(..., sync="deferred")`` (see ``docs/notes/deferred.md``).
 
-With ``sync="step"`` (the default) the guard copies each step's signal vector to the host with
-one ``.tolist()`` between ``backward()`` and ``optimizer.step()``: on a GPU the host waits for the
-whole backward pass before it can launch the optimizer step, and the GPU idles meanwhile.  With
-``sync="deferred"`` nothing on the step path waits for the device:
+``sync="step"`` copies each step's signal vector to the host (one ``.tolist()``) between
+``backward()`` and ``optimizer.step()``: on a GPU the host waits for the backward pass and the
+GPU then idles until the optimizer step is launched.  ``sync="deferred"`` never waits:
 
-1. **Signals** -- after ``backward()`` the collector computes the same vector on the device
-   (:meth:`~stability.adapters.signals.SignalCollector.measure`) and starts a non-blocking copy
-   into a reused host buffer (pinned on CUDA; a plain copy on the CPU), recording a CUDA event.
-2. **One step late** -- the guard then observes the *previous* step's signals (its copy was
-   started a whole step ago: waiting on its event costs nothing or next to nothing) under that
-   step's number, so the monitor sees exactly the signal stream of ``sync="step"`` and a
-   recorded run replays to the same decisions.  The decision for step ``t`` acts from step
-   ``t + 1``: its LR factor and clip norm govern step ``t + 1``'s update; its checkpoints are
-   taken right away (the weights are still those after step ``t``'s update, so the checkpoint is
-   exactly ``sync="step"``'s, health and monitor state included); a rollback or a stop *voids*
-   step ``t + 1`` (its update is not applied, its signals are dropped, the scheduler does not
-   step) and is carried out by :meth:`finish` with the step counter and data position of step
-   ``t`` -- the run continues exactly as after ``sync="step"``'s rollback or stop at step ``t``.
-   Host-side signals need no delay: the LR a step asks for is judged by a probe copy of the
-   policy's :class:`~stability.lr_guard.LRGuard` before that step's update (an LR blow-up is
-   divided out from its first step, as with ``sync="step"``); the factor applied is the
-   smaller of the guard's and the last decision's.
-3. **A late ``skip_step``** arrives after step ``t``'s update was applied.  It is *not* turned
-   into skipping step ``t + 1`` (that would throw away a good batch and undo nothing): the
-   update is already bounded by the device-side safety below (the spike clip), the step counts
-   as unhealthy (no checkpoint of it is ever a rollback target), and if the policy escalates,
-   its rollback restores a checkpoint from before the episode as usual.  Such skips are counted
-   in :attr:`DeferredSteps.late_skips`; the goodput ledger counts the step as skipped, as asked.
-4. **Device-side safety**, before every optimizer step, without a sync.  The gradients are
-   clipped, with a coefficient computed on the device (as
-   ``torch.nn.utils.clip_grad_norm_(foreach=True)`` does), at the tightest of the guard's
-   ``clip_norm``, the last decision's ``clip_norm`` and the *spike clip*: :data:`SPIKE_FACTOR`
-   (10) times the median gradient norm of the last healthy observed steps -- it stands in for
-   the late skip of a gradient spike and does not bind in healthy training
-   (``guard.deferred.spike_factor = None`` turns it off).  Non-finite gradients never reach the
-   weights: optimizers with a device-side skip (fused Adam / AdamW / SGD:
-   ``_step_supports_amp_scaling``) get ``optimizer.found_inf`` set, the attribute
-   ``GradScaler`` uses, so the fused kernel leaves weights and state untouched; other
-   optimizers get all-zero gradients on such a step (``torch.where``, so NaN does not survive
-   as ``NaN * 0``) -- their weights can still move by momentum and weight decay (Adam's moments
-   decay, SGD's momentum buffer keeps pushing).  Prefer ``fused=True``.  With a
-   ``GradScaler`` the scaler skips overflow steps itself; with a fused optimizer it does so on
-   the device, otherwise ``scaler.step`` reads its ``found_inf`` with ``.item()`` -- the
-   scaler's host sync, not the guard's.  The update ratio of the step after a skipped one is
-   not reported (there was no optimizer update to measure), as with ``sync="step"``.
-5. **Flush** -- :meth:`DeferredGuard.flush` observes the last step (and carries out its
-   decision); :meth:`~stability.adapters.torch.TorchGuard.detach` and a checkpoint saved by
-   hand (``save_checkpoint``) flush first.  ``state_dict()`` does not observe anything: it
-   carries the pending step's signals (and the control in force), which the restored guard
-   observes at its next step.
-6. **Distributed** -- decisions are reduced across ranks (:class:`ControlSync`) when they are
-   observed, one step late, at the same step on every rank; that collective is the one host
-   sync left on the step path of a distributed run.  Flush on every rank alike (a hand-saved
-   checkpoint or ``detach()``).
-
-Cost of the mode: a spike the policy would have skipped lands, clipped (the spike clip, or a
-tighter clip in force), and one more batch is computed before a rollback or stop.
+1. **Signals**: after ``backward()`` the vector is computed on the device
+   (:meth:`~stability.adapters.signals.SignalCollector.measure`) and copied without blocking
+   into a reused host buffer (pinned on CUDA, a plain copy on the CPU), a CUDA event recorded.
+2. **One step late**: the guard observes the *previous* step's signals (copied a step ago:
+   its event is done or nearly) under that step's number -- the monitor sees the signal stream
+   of ``sync="step"``, recorded runs replay to the same decisions.  Step ``t``'s decision acts
+   from step ``t + 1``: its LR factor and clip norm govern step ``t + 1``'s update; its
+   checkpoints are taken at once (the weights are still those after step ``t``: health flag and
+   monitor state as with ``sync="step"``); a rollback or stop *voids* step ``t + 1`` (no
+   update, signals dropped, no scheduler step) and :meth:`DeferredSteps.finish` carries it out
+   with step ``t``'s counter and data position, as ``sync="step"`` does at step ``t``.  The LR
+   a step asks for is a host number: a probe copy of the policy's
+   :class:`~stability.lr_guard.LRGuard` judges it before that step's update (an LR blow-up is
+   divided out from its first step); the smaller factor of the two applies.
+3. **A late ``skip_step``** (its step's update is applied) is not carried over to the next,
+   healthy batch: the update was bounded on the device (below), the step is unhealthy (never a
+   rollback target) and an escalating policy still rolls back.  Counted in
+   :attr:`DeferredSteps.late_skips`; the goodput ledger counts the step as skipped, as asked.
+4. **Device-side safety** before every optimizer step, no sync: the gradients are clipped with
+   a coefficient computed on the device (as ``clip_grad_norm_(foreach=True)``) at the tightest
+   of the guard's ``clip_norm``, the last decision's and the *spike clip* --
+   :data:`SPIKE_FACTOR` times the median gradient norm of the last healthy observed steps,
+   standing in for the late skip of a spike (``guard.deferred.spike_factor = None``: off).
+   Non-finite gradients never reach the weights: fused Adam / AdamW / SGD
+   (``_step_supports_amp_scaling``) get ``optimizer.found_inf`` (as ``GradScaler`` sets it)
+   and skip the update in the kernel, weights and state untouched; other optimizers get
+   all-zero gradients (``torch.where``: ``NaN * 0`` is NaN) -- momentum and weight decay still
+   move their weights.  A ``GradScaler`` skips overflow steps itself (on the device with a
+   fused optimizer, else with its own ``.item()`` in ``scaler.step``).  The update ratio after a
+   skipped step is not reported, as with ``sync="step"``.
+5. **Flush**: :meth:`DeferredGuard.flush` observes the last step and carries out its decision
+   (``detach()`` and a hand-saved checkpoint flush first).  ``state_dict()`` observes nothing:
+   it carries the pending step's signals and the control in force.
+6. **Distributed**: decisions are reduced across ranks (``ControlSync``) when observed, one step
+   late, at the same step everywhere -- the one host sync left on a distributed step path.
 """
 
 from __future__ import annotations
