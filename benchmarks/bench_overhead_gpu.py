@@ -177,6 +177,49 @@ def bench(name: str, precision: str, sync: str, rounds: int, block: int,
             "steps": guarded.i}
 
 
+def profile_guard(name: str, precision: str, sync: str, device: torch.device,
+                  steps: int = 10) -> None:
+    """Top host-side ops of ``guard.step`` (torch profiler, ``steps`` steps, warm)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    loop = Loop(name, precision, device, guarded=True, sync=sync)
+    for _ in range(20):
+        loop.step()
+    guard = loop.guard
+    assert guard is not None
+    inner = guard.step
+
+    def step(loss: Any, metrics: Any = None) -> Any:
+        with record_function("guard.step"):
+            return inner(loss, metrics)
+
+    guard.step = step  # type: ignore[method-assign]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            loop.step()
+        torch.cuda.synchronize()
+    guard.step = inner  # type: ignore[method-assign]
+    per_op: dict[str, list[float]] = {}
+    guard_us = 0.0
+    for e in prof.events():
+        if e.name == "guard.step":
+            guard_us += e.cpu_time_total
+        chain, p = [], e.cpu_parent
+        while p is not None:
+            chain.append(p.name)
+            p = p.cpu_parent
+        if "guard.step" in chain and not any(c.startswith("Optimizer.") for c in chain):
+            row = per_op.setdefault(e.name, [0.0, 0.0])
+            row[0] += e.self_cpu_time_total
+            row[1] += 1
+    print(f"profile {name} {precision} {sync}: guard.step {guard_us / steps / 1e3:.2f} ms host "
+          "per step (optimizer.step inside it included); the guard's own ops (self host time "
+          "per step, calls per step):")
+    for op, (us, n) in sorted(per_op.items(), key=lambda kv: -kv[1][0])[:18]:
+        print(f"  {op:<44}{us / steps / 1e3:8.3f} ms{n / steps:8.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from detectors import dispatch
 
@@ -188,12 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--block", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="MODEL:PRECISION[:SYNC]",
+                    help="only print a torch-profiler table of the guarded loop")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_overhead_gpu.py needs CUDA")
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"blocks of {a.block} steps x {a.rounds} rounds, alternating", flush=True)
+    if a.profile:
+        parts = a.profile.split(":")
+        profile_guard(parts[0], parts[1], parts[2] if len(parts) > 2 else "step", device)
+        return 0
     rows = []
     for name in a.models.split(","):
         for prec in a.precisions.split(","):
