@@ -55,7 +55,9 @@ MODELS: dict[str, tuple[dict[str, int], int, int, float]] = {
     "big": ({}, 4, 32, 3e-4),  # bench_overhead.py's 12.9M model and batch (4 x 32 tokens)
     "big64": ({}, 64, 64, 3e-4),  # the same model, 64 x 64 tokens
     "gpt124": ({"vocab": 8192, "ctx": 256, "d": 768, "n_layer": 12, "n_head": 12}, 16, 256,
-               3e-4),  # GPT-2-small shape (~92M parameters with this vocabulary)
+               3e-4),  # GPT-2-small shape (~98M parameters with this vocabulary)
+    "gpt124L": ({"vocab": 8192, "ctx": 1024, "d": 768, "n_layer": 12, "n_head": 12}, 16, 1024,
+                3e-4),  # the same, nanoGPT's micro-batch: 16 x 1024 tokens
 }
 
 
@@ -75,9 +77,10 @@ class Loop:
     """One training loop (bare or guarded) over the shared batches."""
 
     def __init__(self, name: str, precision: str, device: torch.device, guarded: bool,
-                 sync: str = "step") -> None:
+                 sync: str = "step", fused: bool = False) -> None:
         self.model, self.batches, lr = make(name, device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01,
+                                     fused=fused or None)
         self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
         self.guard: TorchGuard | None = None
@@ -153,9 +156,9 @@ def peak_mem(loop: Loop, n: int = 3) -> int:
 
 
 def bench(name: str, precision: str, sync: str, rounds: int, block: int,
-          device: torch.device) -> dict[str, Any]:
-    bare = Loop(name, precision, device, guarded=False)
-    guarded = Loop(name, precision, device, guarded=True, sync=sync)
+          device: torch.device, fused: bool = False) -> dict[str, Any]:
+    bare = Loop(name, precision, device, guarded=False, fused=fused)
+    guarded = Loop(name, precision, device, guarded=True, sync=sync, fused=fused)
     for loop in (bare, guarded):  # warm-up: kernels, allocator, Numba, cuBLAS handles
         for _ in range(2 * block):
             loop.step()
@@ -170,7 +173,8 @@ def bench(name: str, precision: str, sync: str, rounds: int, block: int,
     b, g = statistics.median(tb), statistics.median(tg)
     n_params = sum(p.numel() for p in bare.model.parameters())
     kw, rows, ctx, _ = MODELS[name]
-    return {"model": name, "params": n_params, "tokens": rows * ctx, "precision": precision,
+    return {"model": name + (" fused" if fused else ""), "params": n_params,
+            "tokens": rows * ctx, "precision": precision,
             "sync": sync, "bare_ms": 1e3 * b, "guard_ms": 1e3 * g, "overhead": (g - b) / b,
             "spread": (max(tg) - min(tg)) / g, "syncs_bare": sb, "syncs_guard": sg,
             "mem_bare": mb, "mem_guard": mg, "acting": guarded.acting(),
@@ -178,11 +182,11 @@ def bench(name: str, precision: str, sync: str, rounds: int, block: int,
 
 
 def profile_guard(name: str, precision: str, sync: str, device: torch.device,
-                  steps: int = 10) -> None:
+                  steps: int = 10, fused: bool = False) -> None:
     """Top host-side ops of ``guard.step`` (torch profiler, ``steps`` steps, warm)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    loop = Loop(name, precision, device, guarded=True, sync=sync)
+    loop = Loop(name, precision, device, guarded=True, sync=sync, fused=fused)
     for _ in range(20):
         loop.step()
     guard = loop.guard
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync", default="step", help="comma list of guard sync modes")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--block", type=int, default=20)
+    ap.add_argument("--fused", action="store_true",
+                    help="AdamW(fused=True) in both loops (else PyTorch's default, foreach)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="MODEL:PRECISION[:SYNC]",
                     help="only print a torch-profiler table of the guarded loop")
@@ -241,15 +247,16 @@ def main(argv: list[str] | None = None) -> int:
           f"blocks of {a.block} steps x {a.rounds} rounds, alternating", flush=True)
     if a.profile:
         parts = a.profile.split(":")
-        profile_guard(parts[0], parts[1], parts[2] if len(parts) > 2 else "step", device)
+        profile_guard(parts[0], parts[1], parts[2] if len(parts) > 2 else "step", device,
+                      fused=a.fused)
         return 0
     rows = []
     for name in a.models.split(","):
         for prec in a.precisions.split(","):
             for sync in a.sync.split(","):
-                r = bench(name, prec, sync, a.rounds, a.block, device)
+                r = bench(name, prec, sync, a.rounds, a.block, device, a.fused)
                 rows.append(r)
-                print(f"{r['model']:<8}{r['params']:>12,}{r['tokens']:>7} tok {prec:<5}"
+                print(f"{r['model']:<14}{r['params']:>12,}{r['tokens']:>7} tok {prec:<5}"
                       f"{sync:<9}bare {r['bare_ms']:7.2f} ms  guarded {r['guard_ms']:7.2f} ms"
                       f"  overhead {100 * r['overhead']:6.1f}% (spread {100 * r['spread']:.1f}%)"
                       f"  syncs/step {r['syncs_bare']:.1f} -> {r['syncs_guard']:.1f}"
