@@ -81,13 +81,20 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     # series by series (they are independent): the column views are made once per series
     for i in range(X.shape[2]):
         ring = buf[:window, i]
-        srt = buf[window:2 * window, i]  # the ring sorted ("median")
+        # the ring sorted ("median"), in a contiguous copy (sorted_push), stored back below
+        srt = np.empty(window if mode == _MEDIAN else 0)
+        if mode == _MEDIAN:
+            srt[:] = buf[window:2 * window, i]
         recent = buf[off:off + patience, i]  # the last `patience` ratios
+        # the series' state in registers over the steps (positions checked in range on load)
+        count = state[_COUNT, i]
+        ref_s = state[_REF, i]
+        pos = int(state[_POS, i])
+        rpos = int(state[_RPOS, i])
         for t in range(X.shape[0]):
             x = X[t, 0, i]
             if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
-            count = state[_COUNT, i]
             ratio = 0.0
             if count >= warmup and count > 0.0:
                 if mode == _MEAN:
@@ -99,11 +106,10 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 elif mode == _MEDIAN:
                     ref = sorted_median(srt, int(min(count, window)))
                 else:
-                    ref = state[_REF, i]
+                    ref = ref_s
                 ratio = x / max(ref, TINY)
-            rpos = int(state[_RPOS, i])
             recent[rpos] = ratio
-            state[_RPOS, i] = (rpos + 1) % patience
+            rpos = rpos + 1 if rpos + 1 < patience else 0  # (rpos + 1) % patience
             s = ratio
             for j in range(patience):
                 s = min(s, recent[j])
@@ -113,20 +119,25 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             if not learns(alarm, freeze):
                 continue
             if has_ring:
-                pos = int(state[_POS, i])
                 if mode == _MEDIAN:
                     n_valid = int(min(count, window))
                     sorted_push(srt, n_valid, window, ring[pos], x)
                 ring[pos] = x
-                state[_POS, i] = (pos + 1) % window
+                pos = pos + 1 if pos + 1 < window else 0  # (pos + 1) % window
             elif mode == _EWM:
                 a = max(alpha, 1.0 / (count + 1.0))
-                state[_REF, i] += a * (x - state[_REF, i])
+                ref_s += a * (x - ref_s)
             elif count == 0.0:
-                state[_REF, i] = x
+                ref_s = x
             elif count < window:
-                state[_REF, i] = max(state[_REF, i], x)
-            state[_COUNT, i] = count + 1.0
+                ref_s = max(ref_s, x)
+            count = count + 1.0
+        state[_COUNT, i] = count
+        state[_REF, i] = ref_s
+        state[_POS, i] = pos
+        state[_RPOS, i] = rpos
+        if mode == _MEDIAN:
+            buf[window:2 * window, i] = srt
 
 
 class RatioToMean(BankDetector):

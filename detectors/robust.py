@@ -113,25 +113,40 @@ def _move_down(col: FloatArray, lo: int, hi: int) -> None:
         j += 1
 
 
+#: windows up to this length find the two positions of a push by counting (a branch-free scan
+#: the compiler vectorises: no chain of dependent loads through values the previous push just
+#: moved), longer ones by binary search
+COUNT_UP_TO = 4096
+
+
 @njit(cache=True, error_model="numpy")
 def sorted_push(col: FloatArray, count: int, window: int, old: float, y: float) -> None:
     """Insert ``y`` into the sorted column ``col[:count]``.
 
     When the window is full (``count == window``) the value ``old`` that leaves the ring is
-    removed in the same pass, so the column keeps ``window`` values.
+    removed in the same pass, so the column keeps ``window`` values.  ``col`` should be
+    contiguous (the full-window positions are counted in one vectorised pass then).
     """
     if count < window:
         q = _upper_bound(col, count, y)
         _move_up(col, q, count)
         col[q] = y
         return
-    r = _lower_bound(col, count, old)
-    if y >= old:
+    if count <= COUNT_UP_TO:
+        # first value >= old and first value > y: the number of values < old and <= y
+        r = 0
+        q = 0
+        for j in range(count):
+            v = col[j]
+            r += v < old
+            q += v <= y
+    else:
+        r = _lower_bound(col, count, old)
         q = _upper_bound(col, count, y)
+    if y >= old:
         _move_down(col, r, q - 1)
         col[q - 1] = y
     else:
-        q = _upper_bound(col, count, y)
         _move_up(col, q, r)
         col[q] = y
 
@@ -146,12 +161,15 @@ def sorted_median(col: FloatArray, n: int) -> float:
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _kth_deviation(col: FloatArray, n: int, m: float, jr: int, k: int) -> float:
-    """``k``-th smallest (from 0) of ``|v - m|`` over the sorted column, ``jr`` = first ``v >= m``.
+def _kth_deviations(col: FloatArray, n: int, m: float, jr: int, k: int) -> tuple[float, float]:
+    """``k``-th and ``(k - 1)``-th smallest (from 0) of ``|v - m|`` over the sorted column
+    (``1 <= k < n``), ``jr`` = first ``v >= m``.
 
     The deviations left of ``m`` (``m - v`` for ``v`` at ``jr - 1, jr - 2, ...``) and right of it
-    (``v - m`` at ``jr, jr + 1, ...``) are two sorted lists (rounding is monotone); the answer
-    is found by a binary search for how many of the ``k + 1`` smallest come from the left list.
+    (``v - m`` at ``jr, jr + 1, ...``) are two sorted lists (rounding is monotone); the ``k + 1``
+    smallest are found by a binary search for how many of them come from the left list.  The
+    ``k``-th is the largest of those, the ``(k - 1)``-th the largest once that one is removed
+    (one search for both).
     """
     n_left = jr
     lo = max(0, k + 1 - (n - jr))
@@ -167,7 +185,32 @@ def _kth_deviation(col: FloatArray, n: int, m: float, jr: int, k: int) -> float:
             lo = lo + half if m - col[jr - 1 - a] < col[jr + k - a] - m else lo
             span -= half
         lo = lo + 1 if m - col[jr - 1 - lo] < col[jr + k - lo] - m else lo
-    # the k + 1 smallest: lo from the left, k + 1 - lo from the right; the largest of them
+    # the k + 1 smallest: lo from the left (the largest m - col[jr - lo]), b = k + 1 - lo from
+    # the right (the largest col[jr + k - lo] - m)
+    b = k + 1 - lo
+    lmax = m - col[jr - lo] if lo > 0 else -np.inf
+    rmax = col[jr + k - lo] - m if b > 0 else -np.inf
+    if lo > 0 and (b == 0 or lmax >= rmax):  # the largest is the left one: drop it
+        d = max(m - col[jr - lo + 1] if lo > 1 else -np.inf, rmax)
+        return lmax, d
+    d = max(lmax, col[jr + k - lo - 1] - m if b > 1 else -np.inf)
+    return rmax, d
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _kth_deviation(col: FloatArray, n: int, m: float, jr: int, k: int) -> float:
+    """``k``-th smallest (from 0) of ``|v - m|`` (:func:`_kth_deviations` for ``k = 0`` too)."""
+    n_left = jr
+    lo = max(0, k + 1 - (n - jr))
+    hi = min(k + 1, n_left)
+    if lo < hi:
+        span = hi - lo
+        while span > 1:
+            half = span // 2
+            a = lo + half - 1
+            lo = lo + half if m - col[jr - 1 - a] < col[jr + k - a] - m else lo
+            span -= half
+        lo = lo + 1 if m - col[jr - 1 - lo] < col[jr + k - lo] - m else lo
     d = -np.inf
     if lo > 0:
         d = m - col[jr - lo]
@@ -178,16 +221,23 @@ def _kth_deviation(col: FloatArray, n: int, m: float, jr: int, k: int) -> float:
 
 @njit(cache=True, error_model="numpy")
 def sorted_mad(col: FloatArray, n: int, m: float) -> float:
-    """Median of ``|v - m|`` over the sorted column ``col[:n]`` (``n >= 1``).
+    """Median of ``|v - m|`` over the sorted column ``col[:n]`` (``n >= 1``), ``m`` its median.
 
-    Equals ``np.median(np.abs(v - m))`` bit for bit; ``O(log n)`` (see :func:`_kth_deviation`).
+    Equals ``np.median(np.abs(v - m))`` bit for bit; ``O(log n)`` (see :func:`_kth_deviations`).
+    The first value ``>= m`` is found next to the middle (``col[k - 1] <= m <= col[k]``) unless
+    values tie with the median or the mean of the middle pair overflows.
     """
     k = n // 2
-    jr = _lower_bound(col, n, m)
-    cur = _kth_deviation(col, n, m, jr, k)
+    if col[k] >= m and (k == 0 or col[k - 1] < m):
+        jr = k
+    elif col[k] >= m:
+        jr = _lower_bound(col, k, m)
+    else:
+        jr = _lower_bound(col, n, m)
     if n % 2 == 1:
-        return cur
-    return (_kth_deviation(col, n, m, jr, k - 1) + cur) / 2.0
+        return _kth_deviation(col, n, m, jr, k)
+    cur, prev = _kth_deviations(col, n, m, jr, k)
+    return (prev + cur) / 2.0
 
 
 class RobustParams(NamedTuple):
@@ -219,7 +269,10 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     # series by series (they are independent): the column views are made once per series
     for i in range(X.shape[2]):
         ring = buf[:window, i]
-        srt = buf[window:, i]  # the ring sorted (robust only)
+        # the ring sorted (robust only), in a contiguous copy (sorted_push), stored back below
+        srt = np.empty(window if robust else 0)
+        if robust:
+            srt[:] = buf[window:, i]
         pos = int(state[_POS, i])  # ring position and fill, kept in registers over the steps
         count = int(state[_COUNT, i])
         for t in range(X.shape[0]):
@@ -263,6 +316,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 count += 1
         state[_POS, i] = pos
         state[_COUNT, i] = count
+        if robust:
+            buf[window:, i] = srt
 
 
 class RobustZScore(BankDetector):
