@@ -72,10 +72,11 @@ FEATURE_MAJOR_FROM = 32
 
 @njit(cache=True, error_model="numpy")
 def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[no-untyped-def]
-    """:func:`_shift_kernel` layer by layer, as it was written first (``ys``: scratch for one
-    layer's transformed inputs, ``k`` values).  Kept for small banks (replays): their rows are
-    too short for the feature-major loops, and the interleaved layers hide the latency of each
-    feature's update (a branch instead of the warm-up division costs more than it saves)."""
+    """:func:`_shift_kernel` layer by layer (``ys``: scratch for one layer's transformed
+    inputs, ``k`` values).  Kept for small banks (replays): their rows are too short for the
+    feature-major loops, and the interleaved layers hide the latency of each feature's update.
+    A feature's floored scale is computed once per step (the score's, reused by the clip of
+    its update) and the warm-up weight's division is skipped in the steady state."""
     threshold = params[_P_SHIFT.threshold]
     freeze = params[_P_SHIFT.freeze_on_alarm] != 0.0
     alpha = params[_P_SHIFT.alpha]
@@ -83,8 +84,16 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[n
     min_scale = params[_P_SHIFT.min_scale]
     clip = params[_P_SHIFT.clip]
     use_max = params[_P_SHIFT.aggregate] != 0.0
+    do_clip = clip < np.inf
+    debias_until = 2.0 / alpha + 2.0  # as in _shift_kernel
     k = X.shape[1]
     n = X.shape[2]
+    logs = np.empty(k, dtype=np.bool_)
+    for j in range(k):
+        logs[j] = params[_AS_LOG0 + j] != 0.0
+    # per feature: its floored scale on this step (set where it was scored: present, count
+    # >= warmup and > 0 -- exactly where its update is clipped)
+    fs = np.empty(k)
     for t in range(X.shape[0]):
         for i in range(n):
             present = 0
@@ -105,7 +114,7 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[n
             for j in range(k):
                 if not miss[t, j, i]:
                     x = X[t, j, i]
-                    ys[j] = math.log(max(x, LOG_FLOOR)) if params[_AS_LOG0 + j] != 0.0 else x
+                    ys[j] = math.log(max(x, LOG_FLOOR)) if logs[j] else x
             acc = 0.0
             m = 0
             for j in range(k):
@@ -114,10 +123,10 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[n
                 count = state[3 * j + _COUNT, i]
                 if count == 0.0 or count < warmup:
                     continue
-                log_j = params[_AS_LOG0 + j] != 0.0
                 loc = state[3 * j + _LOC, i]
-                z = abs(ys[j] - loc) / _floored_scale(loc, state[3 * j + _SCALE, i], log_j,
-                                                         min_scale)
+                f = _floored_scale(loc, state[3 * j + _SCALE, i], logs[j], min_scale)
+                fs[j] = f
+                z = abs(ys[j] - loc) / f
                 if use_max:
                     acc = max(acc, z)
                 else:
@@ -147,10 +156,10 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[n
                 loc = state[3 * j + _LOC, i]
                 scale = state[3 * j + _SCALE, i]
                 r = y - loc
-                if count >= warmup and clip < np.inf:
-                    lim = clip * _floored_scale(loc, scale, params[_AS_LOG0 + j] != 0.0, min_scale)
+                if count >= warmup and do_clip:
+                    lim = clip * fs[j]
                     r = min(max(r, -lim), lim)
-                a = max(alpha, 1.0 / (count + 1.0))
+                a = alpha if count >= debias_until else max(alpha, 1.0 / (count + 1.0))
                 state[3 * j + _LOC, i] = loc + a * r
                 state[3 * j + _SCALE, i] = (1.0 - a) * scale + a * abs(r)
                 state[3 * j + _COUNT, i] = count + 1.0
