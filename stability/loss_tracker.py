@@ -69,10 +69,11 @@ class LossTracker:
     def update_many(self, losses: Any, quiet: Any, probe: Any = None) -> Any:
         """:meth:`update` for each ``losses[k]`` (floats) with ``quiet[k]``, in order.
 
-        The logs come from :func:`math.log` as in :meth:`update` and the two running means
-        from a Numba loop doing the same IEEE operations in the same order, so the state is
-        the loop's bit for bit.  ``probe``: increasing indices into ``losses``; returns
-        :attr:`fast` as it was just before each of them (``None`` without ``probe``).
+        The logs are the C library's ``log`` (as :func:`math.log` in :meth:`update`) and the
+        two running means come from a Numba loop doing the same IEEE operations in the same
+        order, so the state is the loop's bit for bit.  ``probe``: increasing indices into
+        ``losses``; returns :attr:`fast` as it was just before each of them (``None`` without
+        ``probe``).
 
         >>> a, b = LossTracker(), LossTracker()
         >>> for v, q in [(2.0, True), (float("nan"), True), (1.5, False)]:
@@ -89,7 +90,7 @@ class LossTracker:
         else:  # the non-finite losses after the last finite one
             self.nonfinite_run = int(v.size - 1 - last[-1])
         use = np.flatnonzero(fin & (v > 0.0))
-        x = np.fromiter(map(math.log, v[use].tolist()), dtype=np.float64, count=use.size)
+        x = _logs(v[use])
         q = np.asarray(quiet, dtype=np.bool_)[use]
         marks = np.searchsorted(use, np.asarray([] if probe is None else probe, dtype=np.int64))
         at = np.empty(marks.size)
@@ -124,6 +125,16 @@ class LossTracker:
 def _enc(v: float) -> float | str:
     """JSON-safe float (non-finite as a string, read back by ``float``)."""
     return v if math.isfinite(v) else str(v)
+
+
+@njit(cache=True, error_model="numpy")
+def _logs(v):  # type: ignore[no-untyped-def]
+    """``math.log`` of each (positive, finite) value: the C library's ``log``, which
+    :func:`math.log` calls too (one Python call per value cost ~50 ns)."""
+    out = np.empty(v.shape[0])
+    for k in range(v.shape[0]):
+        out[k] = math.log(v[k])
+    return out
 
 
 @njit(cache=True, error_model="numpy")
