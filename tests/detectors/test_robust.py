@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detectors.robust import RobustZScore
+from detectors.robust import (
+    COUNT_UP_TO,
+    RobustZScore,
+    sorted_mad,
+    sorted_median,
+    sorted_push,
+)
 
 from .generic import (
     check_state_roundtrip,
@@ -55,6 +61,38 @@ def test_sorted_window_median_and_mad_equal_numpy():
                 buf = det.state_dict()["buf"][:, 0]
                 sorted_part = buf[window : window + len(win)]
                 np.testing.assert_array_equal(sorted_part, np.sort(win))
+
+
+def test_sorted_push_counting_and_search_paths_agree():
+    # full windows up to COUNT_UP_TO find the push positions by counting, longer ones by
+    # binary search: both keep the window sorted, with ties and repeated values
+    rng = np.random.default_rng(1)
+    for window in (4, 37, COUNT_UP_TO, COUNT_UP_TO + 1):
+        x = rng.integers(0, 5, window + 300).astype(float)
+        x[::7] = rng.normal(size=x[::7].size)
+        ring = np.zeros(window)
+        col = np.zeros(window)
+        for k, v in enumerate(x):
+            count = min(k, window)
+            sorted_push(col, count, window, ring[k % window], v)
+            ring[k % window] = v
+            np.testing.assert_array_equal(col[: count + 1 if count < window else window],
+                                          np.sort(x[max(0, k + 1 - window) : k + 1]))
+
+
+def test_sorted_mad_equals_numpy_with_ties_and_overflow():
+    # the first value >= the median is looked up next to the middle unless values tie with
+    # it (or the middle pair's mean overflows): every case equals numpy bit for bit
+    rng = np.random.default_rng(2)
+    for n in range(1, 40):
+        for v in (rng.normal(size=n), rng.integers(0, 3, n).astype(float), np.full(n, 1.5),
+                  rng.choice([1.7e308, -1.7e308, 1e308, 0.0], n)):
+            v = np.sort(v)
+            with np.errstate(over="ignore", invalid="ignore"):
+                m = sorted_median(v, n)
+                want = np.median(np.abs(v - m))
+            got = sorted_mad(v, n, m)
+            assert got == want or (np.isnan(got) and np.isnan(want)), (v, got, want)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
