@@ -6,12 +6,13 @@ keeps a per-series count of non-finite observations (a NaN streak length is in t
 
 from __future__ import annotations
 
-from typing import ClassVar, NamedTuple
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 from numba import njit
 
-from ._base import BankDetector, FloatArray
+from ._base import BankDetector, BoolArray, FloatArray
 from ._kernel import indices
 from ._state import StateCheck
 from .validation import check_bool, check_float, param_error
@@ -140,6 +141,33 @@ class NonFiniteGuard(BankDetector):
         c.integers("total", c.state[_TOTAL], 0)
         c.integers("streak", c.state[_STREAK], 0)
         c.one_of("last", c.state[_LAST], (0.0, 1.0, 2.0, 3.0))
+
+    def update_finite_many(self, present: Sequence[Any], scores: FloatArray,
+                           alarms: BoolArray, written: bool = False) -> None:
+        """:meth:`update_many_array` for a batch known to hold only finite or missing values
+        (the replay's usual chunk), from the present masks alone: no input block to fill.
+
+        ``present[i]``: series ``i``'s present mask over the batch's rows, or ``True``
+        (present on every row) / ``False`` (never).  ``written``: the columns of the series
+        given as ``True`` / ``False`` already hold their scores and alarms (this method wrote
+        them into the same arrays last time).  Scores, alarms and state are the kernel's.
+        """
+        quiet = bool(0.0 > self._params_arr[int(_P.threshold)])
+        streak = self._state[_STREAK]
+        for i, p in enumerate(present):
+            if p is True or p is False:
+                if not written:
+                    scores[:, i] = 0.0 if p else np.nan
+                    alarms[:, i] = quiet and p
+                if p:
+                    streak[i] = 0.0
+            else:
+                scores[:, i] = np.where(p, 0.0, np.nan)
+                np.logical_and(p, quiet, out=alarms[:, i])
+                if p.any():
+                    streak[i] = 0.0
+        self._score1[0] = scores[-1]
+        self._alarm1[0] = alarms[-1]
 
     @property
     def streak(self) -> FloatArray:

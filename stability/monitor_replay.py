@@ -25,6 +25,8 @@ import numpy as np
 from .decisions import Decisions
 from .monitor_io import _ARROW_NUMERIC, is_table, table_columns
 from .monitor_layout import _SCRATCH, MAX_STEP, LayoutMixin, _Binding
+from .monitor_replay_fill import GuardChunks
+from .monitor_replay_fill import fill_bank as _fill_bank
 from .types import Control, Decision, Intervention
 
 __all__ = ["Decisions", "ReplayMixin"]
@@ -325,31 +327,6 @@ class ReplayMixin(LayoutMixin):
                 gc.enable()
 
 
-def _fill_bank(feeds: list[tuple[int, int, _Column | None]], x: np.ndarray, m: np.ndarray,
-               lo: int, hi: int, first: bool = True) -> None:
-    """Rows ``[lo, hi)`` of a bank's input ``x`` and missing mask ``m`` (one copy per value).
-
-    ``first=False``: ``x`` and ``m`` hold the previous chunk, so what does not change from
-    chunk to chunk (absent inputs, masks of columns without nulls) is not written again.
-    """
-    for j, i, col in feeds:
-        xc = x[:, j, i]
-        mc = m[:, j, i]
-        if col is None:
-            if first:
-                xc[:] = 0.0
-                mc[:] = True
-            continue
-        v, p = col
-        xc[:] = v[lo:hi]
-        if p is None:
-            if first:
-                mc[:] = False
-        else:
-            np.logical_not(p[lo:hi], out=mc)
-            xc[mc] = 0.0
-
-
 class _Replay:
     """One table through the monitor: bank kernels chunk by chunk, then the per-step tail."""
 
@@ -386,23 +363,27 @@ class _Replay:
         for b in mon._bindings:
             n = len(b.keys)
             shape = (self.chunk, b.n_inputs, n)
-            banks.append((b, mon._feeds(b, self.slotcol), np.empty(shape),
-                          np.empty(shape, dtype=np.bool_), np.empty((self.chunk, n)),
-                          np.empty((self.chunk, n), dtype=np.bool_)))
+            feeds = mon._feeds(b, self.slotcol)
+            guard = GuardChunks(b.det, feeds) if GuardChunks.applies(b.det, b.n_inputs) else None
+            banks.append((b, feeds, guard, np.empty(shape), np.empty(shape, dtype=np.bool_),
+                          np.empty((self.chunk, n)), np.empty((self.chunk, n), dtype=np.bool_)))
         t_len = len(self.steps)
         for lo in range(0, t_len, self.chunk):
             hi = min(lo + self.chunk, t_len)
             c = hi - lo
             alarm = np.zeros(c, dtype=np.bool_)
             outs = []
-            for b, feeds, x, m, sc, al in banks:
+            for b, feeds, guard, x, m, sc, al in banks:
                 sc, al = sc[:c], al[:c]
                 outs.append((b, sc, al))
                 if not feeds:
                     continue
-                x, m = x[:c], m[:c]
-                _fill_bank(feeds, x, m, lo, hi, lo == 0)
-                b.det.update_many_array(x, m, sc, al)
+                if guard is not None:  # the non-finite guard: no input copy on finite chunks
+                    guard.run(x, m, sc, al, lo, hi)
+                else:
+                    x, m = x[:c], m[:c]
+                    _fill_bank(feeds, x, m, lo, hi, lo == 0)
+                    b.det.update_many_array(x, m, sc, al)
                 if al.any():  # a flat test; the rows only when some series alarmed
                     alarm[np.flatnonzero(al.reshape(-1)) // al.shape[1]] = True
             self._tail(lo, hi, alarm, outs)

@@ -291,3 +291,33 @@ def test_replay_run_reads_only_the_bound_columns(tmp_path) -> None:  # type: ign
     assert res.alarms == full.alarms and res.interventions == full.interventions
     assert res.alarms and res.goodput == full.goodput
     assert read_bound(path, CFG)[0].column_names == names  # a catch-all input binds them all
+
+
+def test_nonfinite_guard_skips_the_input_copy_on_finite_chunks(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The guard's finite chunks (masks alone) and non-finite ones (its kernel) alternate:
+    the decisions and the state are those of the observe() loop."""
+    from detectors.nonfinite import NonFiniteGuard
+
+    monkeypatch.setattr(mr, "CHUNK_VALUES", 1)  # 1024-row chunks
+    calls = {"masks": 0, "kernel": 0}
+    masks, kernel = NonFiniteGuard.update_finite_many, NonFiniteGuard.update_many_array
+
+    def spy_masks(self, *a):  # type: ignore[no-untyped-def]
+        calls["masks"] += 1
+        return masks(self, *a)
+
+    def spy_kernel(self, *a):  # type: ignore[no-untyped-def]
+        calls["kernel"] += 1
+        return kernel(self, *a)
+
+    monkeypatch.setattr(NonFiniteGuard, "update_finite_many", spy_masks)
+    monkeypatch.setattr(NonFiniteGuard, "update_many_array", spy_kernel)
+    # finite chunk, non-finite chunks (lr NaN, loss NaN, loss inf, one early in the chunk
+    # before the last), then a finite one
+    table = run_table(4200)
+    k = table.column_names.index("train/loss")
+    loss = table.column(k).to_numpy().copy()
+    loss[3 * 1024 + 10] = np.nan
+    table = table.set_column(k, "train/loss", pa.array(loss))
+    same_run(table, CFG)
+    assert calls["masks"] >= 2 and calls["kernel"] >= 3
