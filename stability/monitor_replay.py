@@ -360,20 +360,27 @@ class _Replay:
     def run(self) -> Decisions:
         mon = self.mon
         banks = []
+        # banks fed by the same columns in the same places share one input block, filled
+        # once per chunk by the first of them (kernels do not write their inputs)
+        blocks: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
         for b in mon._bindings:
             n = len(b.keys)
             shape = (self.chunk, b.n_inputs, n)
             feeds = mon._feeds(b, self.slotcol)
             guard = GuardChunks(b.det, feeds) if GuardChunks.applies(b.det, b.n_inputs) else None
-            banks.append((b, feeds, guard, np.empty(shape), np.empty(shape, dtype=np.bool_),
-                          np.empty((self.chunk, n)), np.empty((self.chunk, n), dtype=np.bool_)))
+            key = None if guard else (shape, tuple((j, i, id(c)) for j, i, c in feeds))
+            fill = key not in blocks
+            if fill:
+                blocks[key] = (np.empty(shape), np.empty(shape, dtype=np.bool_))
+            banks.append((b, feeds, guard, fill, *blocks[key], np.empty((self.chunk, n)),
+                          np.empty((self.chunk, n), dtype=np.bool_)))
         t_len = len(self.steps)
         for lo in range(0, t_len, self.chunk):
             hi = min(lo + self.chunk, t_len)
             c = hi - lo
             alarm = np.zeros(c, dtype=np.bool_)
             outs = []
-            for b, feeds, guard, x, m, sc, al in banks:
+            for b, feeds, guard, fill, x, m, sc, al in banks:
                 sc, al = sc[:c], al[:c]
                 outs.append((b, sc, al))
                 if not feeds:
@@ -382,7 +389,8 @@ class _Replay:
                     guard.run(x, m, sc, al, lo, hi)
                 else:
                     x, m = x[:c], m[:c]
-                    _fill_bank(feeds, x, m, lo, hi, lo == 0)
+                    if fill:
+                        _fill_bank(feeds, x, m, lo, hi, lo == 0)
                     b.det.update_many_array(x, m, sc, al)
                 if al.any():  # a flat test; the rows only when some series alarmed
                     alarm[np.flatnonzero(al.reshape(-1)) // al.shape[1]] = True
