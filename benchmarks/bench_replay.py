@@ -23,6 +23,7 @@ Usage::
 
     python benchmarks/bench_replay.py                 # 10M rows x 4 columns, 1M wide rows
     python benchmarks/bench_replay.py --rows 2000000 --wide-rows 200000 --repeat 1  # quick
+    python benchmarks/bench_replay.py --banks   # + CPU time of each bank in the wide replay
 """
 
 from __future__ import annotations
@@ -140,7 +141,49 @@ def kernel_share(table: pa.Table, config: Any) -> float:
     return spent[0]
 
 
-def bench_case(name: str, path: str, config: Any, repeat: int) -> None:
+def bank_times(table: pa.Table, config: Any) -> None:
+    """Print the CPU time of each bank's batch kernel during one replay (largest first), the
+    input fill, the non-finite guard's finite chunks and the per-step tail."""
+    import stability.monitor_replay as mr
+    from detectors._base import BankDetector
+    from detectors.nonfinite import NonFiniteGuard
+
+    spent: dict[str, float] = {}
+
+    def timed(label: Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kw: Any) -> Any:
+            c0 = time.process_time()
+            out = fn(*args, **kw)
+            key = label(*args)
+            spent[key] = spent.get(key, 0.0) + time.process_time() - c0
+            return out
+        return run
+
+    patches = [
+        (BankDetector, "update_many_array", timed(
+            lambda self, x, *a: f"{type(self).__name__} {x.shape[1]}x{x.shape[2]}",
+            BankDetector.update_many_array)),
+        (NonFiniteGuard, "update_finite_many", timed(
+            lambda *a: "NonFiniteGuard, finite chunks", NonFiniteGuard.update_finite_many)),
+        (mr, "_fill_bank", timed(lambda *a: "input fill", mr._fill_bank)),
+        (mr._Replay, "_tail", timed(lambda *a: "per-step tail", mr._Replay._tail)),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, fn in patches:
+        setattr(obj, name, fn)
+    try:
+        c0 = time.process_time()
+        replay_memory(table, config)
+        total = time.process_time() - c0
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    print(f"  CPU ms per part of one replay ({total * 1e3:.0f} ms in all):")
+    for key, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"    {key:<36} {sec * 1e3:8.1f}")
+
+
+def bench_case(name: str, path: str, config: Any, repeat: int, banks: bool = False) -> None:
     from replay.reader import read_run
 
     table = read_run(path)
@@ -153,6 +196,8 @@ def bench_case(name: str, path: str, config: Any, repeat: int) -> None:
          f"({pts / k / 1e6:.0f}M points/s alone)")
     el, n_al = best(lambda: replay_file(path, config), repeat)
     line(f"{name}: replay_run (Parquet -> alarms)", pts, el, f", {n_al} alarms")
+    if banks:
+        bank_times(table, config)
 
 
 def bench_samples(repeat: int) -> None:
@@ -206,6 +251,8 @@ def main() -> None:
     ap.add_argument("--sweep-steps", type=int, default=10_000_000)
     ap.add_argument("--sweep-thresholds", type=int, default=1000)
     ap.add_argument("--sweep-run-len", type=int, default=10_000)
+    ap.add_argument("--banks", action="store_true",
+                    help="also print the CPU time of each bank kernel during one wide replay")
     a = ap.parse_args()
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
@@ -218,7 +265,7 @@ def main() -> None:
         wpath = os.path.join(d, "wide.parquet")
         pq.write_table(wide_table(a.wide_rows), wpath, row_group_size=1 << 20)
         print(f"wide: {a.wide_rows:,} rows x 44 columns, default preset")
-        bench_case("wide", wpath, "default", a.repeat)
+        bench_case("wide", wpath, "default", a.repeat, a.banks)
     print("samples: data/runs/*, default preset")
     bench_samples(a.repeat)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
