@@ -158,6 +158,31 @@ def test_corr_matches_reference_on_every_prefix(cfg, seed):
 
 
 @pytest.mark.parametrize("cfg", CORR_CFGS)
+def test_corr_constant_lr_windows_skip_the_sums_and_match_the_reference(cfg):
+    # long constant-LR stretches (every stored LR change zero: the sums are skipped below the
+    # gate) between ramps that open it, across several batch calls and a state round trip
+    rng = np.random.default_rng(3)
+    t = 900
+    lr = np.full(t, 1e-3)
+    lr[300:340] *= np.linspace(1.0, 8.0, 40)
+    lr[340:] *= 8.0
+    lr[700:720] *= np.linspace(1.0, 0.5, 20)
+    lr[720:] *= 0.5
+    loss = np.exp(rng.normal(0, 0.03, t))
+    loss[310:360] *= np.linspace(1.0, 3.0, 50)
+    det = LRLossCorrelation(**cfg)
+    parts = []
+    for lo, hi in ((0, 250), (250, 500), (500, t)):
+        parts.append(det.update_many(loss[lo:hi], lr[lo:hi])[0][:, 0])
+        det.load_state_dict(det.state_dict())
+    s = np.concatenate(parts)
+    r = ref_corr(loss, lr, **cfg)
+    np.testing.assert_allclose(s, r, rtol=1e-9, atol=1e-9)
+    assert np.any(s != 0.0)  # the gate opened on the ramp
+    np.testing.assert_array_equal(s[r == 0.0], 0.0)
+
+
+@pytest.mark.parametrize("cfg", CORR_CFGS)
 def test_corr_stream_batch_roundtrip(cfg):
     loss, lr = loss_lr_stream(2)
     miss = np.zeros((loss.shape[0], 2, 2), dtype=bool)
