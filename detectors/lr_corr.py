@@ -58,7 +58,7 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
     nonzero = np.zeros(X.shape[2], dtype=np.int64)
     for i in range(X.shape[2]):
         for k in range(w):
-            nonzero[i] += buf[k, i] != 0.0
+            nonzero[i] += int(buf[k, i] != 0.0)
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             loss = X[t, 0, i]
@@ -87,7 +87,7 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             # every LR change of the window is zero but this step's: the sum of the changes
             # is this step's (up to the sign of a zero, which no comparison sees), and below
             # the gate the score is 0 whatever the sums -- skip them
-            quiet = nonzero[i] - (buf[pos, i] != 0.0) == 0 and not a >= log_ratio
+            quiet = nonzero[i] - int(buf[pos, i] != 0.0) == 0 and not a >= log_ratio
             if count >= 2.0 and n + 1 >= w and not quiet:
                 # window = the w - 1 stored pairs before pos, plus (a, b)
                 # r = 1 .. w - 1 is k = (pos - r) % w: pos - 1 down to 0, then w - 1 down to
@@ -127,7 +127,7 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             if not learns(alarm, freeze):
                 continue
             if count >= 2.0:
-                nonzero[i] += (a != 0.0) - (buf[pos, i] != 0.0)
+                nonzero[i] += int(a != 0.0) - int(buf[pos, i] != 0.0)
                 buf[pos, i] = a
                 buf[w + pos, i] = b
                 state[_C_POS, i] = (pos + 1) % w
