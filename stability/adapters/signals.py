@@ -4,10 +4,14 @@
 
 * the global gradient norm before clipping and per-layer gradient norms, fused:
   ``torch._foreach_norm`` over all gradients, then one ``index_add_`` to sum squares per layer;
-* the update-to-weight ratio ``||w_t+1 - w_t|| / ||w_t||`` per layer (every
-  ``update_ratio_every`` steps).  It is only known after the optimizer step, so it is kept on the
-  device and reported with the *next* step's signals -- that keeps it inside the single host
-  transfer.  Two ways to measure it (``update_ratio=``):
+* the global weight norm ``param_norm`` and the update-to-weight ratio
+  ``||w_t+1 - w_t|| / ||w_t||`` per layer, every ``update_ratio_every`` steps
+  (:data:`UPDATE_RATIO_EVERY` = 4 by default: steps 0, 4, 8, ...; ``1`` = every step).  These
+  are the guard's only reads of the weights, so on the other steps the weights are not touched
+  at all and ``param_norm`` is simply not reported (missing: "not logged on this step", which
+  the monitor and a replay handle as such).  The ratio is only known after the optimizer step,
+  so it is kept on the device and reported with the *next* step's signals (steps 1, 5, 9, ...)
+  -- that keeps it inside the single host transfer.  Two ways to measure it (``update_ratio=``):
 
   - ``"sampled"`` (default): no parameter copy.  Before the step a fixed subset of each
     tensor's elements is gathered (``torch.take``): about ``update_ratio_samples`` (default
@@ -25,7 +29,11 @@
     SGD with momentum within 2-6% (its updates are heavy-tailed across rows).  A spike
     confined to unsampled coordinates of a large tensor is underestimated; ``param_norm``
     (exact) still sees it.
-  - ``"exact"``: the previous behaviour, a full copy of every parameter when due.
+  - ``"exact"``: a full copy of every parameter when due.
+
+  Every-step, exact measurement (the most expensive): ``update_ratio_every=1,
+  update_ratio="exact"``.  ``update_ratio_every=0`` turns the update ratios off and measures
+  ``param_norm`` on every step.
 
   Reading the update back from an optimizer's state (``lr * m_hat / (sqrt(v_hat) + eps)`` for
   Adam) was not chosen: it would re-implement every optimizer's arithmetic (AMSGrad, maximize,
@@ -44,7 +52,10 @@ names of the convention: ``grad_norm/<layer>``, ``update_ratio/<layer>``,
 
 Overhead: see ``benchmarks/bench_overhead.py`` (fraction of the bare step, extra memory, host
 syncs per step).  The default copies no full parameter: only the sampled update-ratio slices
-(a few KiB per tensor).
+(a few KiB per tensor), on the due steps.  Per step the guard reads every gradient once (the
+gradient norms, reused for clipping: a loop that clips pays no second norm); every
+``update_ratio_every`` steps it also reads every weight once (``param_norm`` and the ratio's
+denominator) and gathers the update-ratio sample twice.
 """
 
 from __future__ import annotations
@@ -57,7 +68,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ACT_STATS", "UPDATE_RATIO_MODES", "SignalCollector", "Signals", "layer_of"]
+__all__ = ["ACT_STATS", "UPDATE_RATIO_EVERY", "UPDATE_RATIO_MODES", "SignalCollector",
+           "Signals", "layer_of"]
 
 #: Activation statistics, in the order they are reported.
 ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
@@ -65,6 +77,10 @@ ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
 UPDATE_RATIO_MODES = ("sampled", "exact")
 #: Contiguous elements per sampled block of the ``"sampled"`` update ratio.
 SAMPLE_BLOCK = 16
+#: Default cadence of the weight reads: ``param_norm`` and the update ratios every this many
+#: steps (see the module docstring; ``benchmarks/bench_rescue.py --quick`` figures in
+#: ``docs/notes/cheapguard.md``).
+UPDATE_RATIO_EVERY = 4
 
 
 def layer_of(param_name: str, depth: int | None = None) -> str:
@@ -116,7 +132,12 @@ class SignalCollector:
     per_layer : bool
         Report per-layer gradient norms (the global norm is always reported).
     update_ratio_every : int
-        Measure update/weight ratios every this many steps (0 = never).
+        Read the weights every this many steps (the steps ``s`` with ``s % k == 0``): the
+        update/weight ratios and ``param_norm`` are measured on those steps only (the ratio of
+        step ``s`` is reported with step ``s + 1``) and missing on the others.  Default
+        :data:`UPDATE_RATIO_EVERY`; ``1`` = every step; ``0`` = no update ratios, ``param_norm``
+        every step.  The step is the one given to :meth:`begin_step` (without it: counted by
+        :meth:`after_step` from 0).
     update_ratio : {"sampled", "exact"}
         ``"sampled"`` (default) copies at most ``update_ratio_samples`` strided elements per
         tensor; ``"exact"`` copies every parameter when a ratio is due.
@@ -146,7 +167,7 @@ class SignalCollector:
         layer_depth: int | None = None,
         layer_fn: Callable[[str], str] | None = None,
         per_layer: bool = True,
-        update_ratio_every: int = 1,
+        update_ratio_every: int = UPDATE_RATIO_EVERY,
         activations: Iterable[str] | Mapping[str, torch.nn.Module] | None = None,
         activation_every: int = 10,
         update_ratio: str = "sampled",
@@ -181,6 +202,7 @@ class SignalCollector:
         # flat element indices of each tensor's sample (None: the whole tensor)
         self._sample_idx = [_sample_index(p.shape, self.update_ratio_samples)
                             for p in self.params]
+        self._step = 0  # the step being collected (begin_step, else counted by after_step)
         self._pending_ratio: torch.Tensor | None = None
         self._snapshot: list[torch.Tensor] | None = None
         self._weight_norms: torch.Tensor | None = None  # per-tensor norms of this step's weights
@@ -219,9 +241,23 @@ class SignalCollector:
 
     def begin_step(self, step: int) -> None:
         """Call before the forward pass of ``step``: turns activation hooks on when due."""
+        self._step = int(step)
         self._act_on = bool(self.act_names) and step % self.activation_every == 0
         if not self._act_on:
             self._act.clear()
+
+    def weights_due(self, step: int) -> bool:
+        """Whether ``param_norm`` (and, with ratios on, the update ratio) is measured at ``step``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> col = SignalCollector(torch.nn.Linear(2, 2), update_ratio_every=4)
+        >>> [s for s in range(10) if col.weights_due(s)]
+        [0, 4, 8]
+        """
+        every = self.update_ratio_every
+        return every <= 1 or step % every == 0
 
     # ------------------------------------------------------------------ gradients
     def _index(self, mask: tuple[bool, ...], device: torch.device) -> torch.Tensor:
@@ -256,12 +292,14 @@ class SignalCollector:
         Signals
         """
         device = self.params[0].device if self.params else torch.device("cpu")
-        mask = tuple(p.grad is not None for p in self.params)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads_all = [p.grad for p in self.params]
+        mask = tuple(g is not None for g in grads_all)
+        grads = [g for g in grads_all if g is not None]
         layer = self._group_norms(grads, mask, device)
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
-        if self.params:
+        self._weight_norms = None
+        if self.params and self.weights_due(self._step):
             # global weight norm (weight-corruption evidence: an abrupt jump between two steps);
             # the per-tensor norms are kept for the update ratio's denominator
             pn = torch._foreach_norm([p.detach() for p in self.params])
@@ -339,6 +377,7 @@ class SignalCollector:
 
     def after_step(self, stepped: bool = True) -> None:
         """Call right after ``optimizer.step()`` (or a skipped step, ``stepped=False``)."""
+        self._step += 1
         snap, self._snapshot = self._snapshot, None
         wnorms, self._weight_norms = self._weight_norms, None
         if snap is None or not stepped or not self.params:
