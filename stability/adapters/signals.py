@@ -4,14 +4,16 @@
 
 * the global gradient norm before clipping and per-layer gradient norms, fused:
   ``torch._foreach_norm`` over all gradients, then one ``index_add_`` to sum squares per layer;
-* the global weight norm ``param_norm`` and the update-to-weight ratio
-  ``||w_t+1 - w_t|| / ||w_t||`` per layer, every ``update_ratio_every`` steps
-  (:data:`UPDATE_RATIO_EVERY` = 4 by default: steps 0, 4, 8, ...; ``1`` = every step).  These
-  are the guard's only reads of the weights, so on the other steps the weights are not touched
-  at all and ``param_norm`` is simply not reported (missing: "not logged on this step", which
-  the monitor and a replay handle as such).  The ratio is only known after the optimizer step,
-  so it is kept on the device and reported with the *next* step's signals (steps 1, 5, 9, ...)
-  -- that keeps it inside the single host transfer.  Two ways to measure it (``update_ratio=``):
+* the global weight norm ``param_norm`` every ``param_norm_every`` steps (default 1: the
+  ``weight_jump`` detector's warm-up and typical change count values, and on a sparse series
+  the preset's 20-value warm-up spans 20 k steps -- in ``bench_rescue.py --quick`` that lost
+  two GPT ``weight_scale`` rescues at k = 4);
+* the update-to-weight ratio ``||w_t+1 - w_t|| / ||w_t||`` per layer every
+  ``update_ratio_every`` steps (:data:`UPDATE_RATIO_EVERY` = 4 by default: the steps
+  ``s % 4 == 0``; ``1`` = every step).  On the other steps it is missing ("not logged on this
+  step", which the monitor and a replay handle as such).  It is only known after the optimizer
+  step, so it is kept on the device and reported with the *next* step's signals (steps 1, 5,
+  9, ...) -- that keeps it inside the single host transfer.  Two ways (``update_ratio=``):
 
   - ``"sampled"`` (default): no parameter copy.  Before the step a fixed subset of each
     tensor's elements is gathered (``torch.take``): about ``update_ratio_samples`` (default
@@ -32,8 +34,7 @@
   - ``"exact"``: a full copy of every parameter when due.
 
   Every-step, exact measurement (the most expensive): ``update_ratio_every=1,
-  update_ratio="exact"``.  ``update_ratio_every=0`` turns the update ratios off and measures
-  ``param_norm`` on every step.
+  update_ratio="exact"``; ``update_ratio_every=0`` turns the ratios off.
 
   Reading the update back from an optimizer's state (``lr * m_hat / (sqrt(v_hat) + eps)`` for
   Adam) was not chosen: it would re-implement every optimizer's arithmetic (AMSGrad, maximize,
@@ -53,9 +54,9 @@ names of the convention: ``grad_norm/<layer>``, ``update_ratio/<layer>``,
 Overhead: see ``benchmarks/bench_overhead.py`` (fraction of the bare step, extra memory, host
 syncs per step).  The default copies no full parameter: only the sampled update-ratio slices
 (a few KiB per tensor), on the due steps.  Per step the guard reads every gradient once (the
-gradient norms, reused for clipping: a loop that clips pays no second norm); every
-``update_ratio_every`` steps it also reads every weight once (``param_norm`` and the ratio's
-denominator) and gathers the update-ratio sample twice.
+gradient norms, reused for clipping: a loop that clips pays no second norm) and every weight
+once (``param_norm``, also the ratio's denominator); every ``update_ratio_every`` steps it
+gathers the update-ratio sample twice.
 """
 
 from __future__ import annotations
@@ -77,8 +78,7 @@ ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
 UPDATE_RATIO_MODES = ("sampled", "exact")
 #: Contiguous elements per sampled block of the ``"sampled"`` update ratio.
 SAMPLE_BLOCK = 16
-#: Default cadence of the weight reads: ``param_norm`` and the update ratios every this many
-#: steps (see the module docstring; ``benchmarks/bench_rescue.py --quick`` figures in
+#: Default cadence of the update ratios (see the module docstring and
 #: ``docs/notes/cheapguard.md``).
 UPDATE_RATIO_EVERY = 4
 
@@ -132,12 +132,13 @@ class SignalCollector:
     per_layer : bool
         Report per-layer gradient norms (the global norm is always reported).
     update_ratio_every : int
-        Read the weights every this many steps (the steps ``s`` with ``s % k == 0``): the
-        update/weight ratios and ``param_norm`` are measured on those steps only (the ratio of
-        step ``s`` is reported with step ``s + 1``) and missing on the others.  Default
-        :data:`UPDATE_RATIO_EVERY`; ``1`` = every step; ``0`` = no update ratios, ``param_norm``
-        every step.  The step is the one given to :meth:`begin_step` (without it: counted by
-        :meth:`after_step` from 0).
+        Measure update/weight ratios on the steps ``s % k == 0`` (reported with step ``s + 1``,
+        missing on the others; 0 = never).  Default :data:`UPDATE_RATIO_EVERY`.  The step is
+        the one given to :meth:`before_step`.
+    param_norm_every : int
+        Measure ``param_norm`` on the steps ``s % k == 0`` (missing on the others; 0 = never;
+        default 1).  The step is the one given to :meth:`begin_step` (without it: counted by
+        :meth:`after_step` from 0).  Also an attribute, to set on a guard's collector.
     update_ratio : {"sampled", "exact"}
         ``"sampled"`` (default) copies at most ``update_ratio_samples`` strided elements per
         tensor; ``"exact"`` copies every parameter when a ratio is due.
@@ -172,6 +173,7 @@ class SignalCollector:
         activation_every: int = 10,
         update_ratio: str = "sampled",
         update_ratio_samples: int = 4096,
+        param_norm_every: int = 1,
     ) -> None:
         if update_ratio not in UPDATE_RATIO_MODES:
             raise ValueError("The 'update_ratio' parameter of SignalCollector must be one of "
@@ -180,9 +182,11 @@ class SignalCollector:
                 or update_ratio_samples < 1:
             raise ValueError("The 'update_ratio_samples' parameter of SignalCollector must be an "
                              f"int in the range [1, inf). Got {update_ratio_samples!r} instead.")
-        if update_ratio_every < 0:
-            raise ValueError("The 'update_ratio_every' parameter of SignalCollector must be an "
-                             f"int in the range [0, inf). Got {update_ratio_every} instead.")
+        for nm, v in (("update_ratio_every", update_ratio_every),
+                      ("param_norm_every", param_norm_every)):
+            if v < 0:
+                raise ValueError(f"The '{nm}' parameter of SignalCollector must be an int in "
+                                 f"the range [0, inf). Got {v} instead.")
         if activation_every < 1:
             raise ValueError("The 'activation_every' parameter of SignalCollector must be an "
                              f"int in the range [1, inf). Got {activation_every} instead.")
@@ -196,6 +200,7 @@ class SignalCollector:
         self._group = [index[k] for k in keys]
         self.per_layer = per_layer
         self.update_ratio_every = int(update_ratio_every)
+        self.param_norm_every = int(param_norm_every)
         self.activation_every = int(activation_every)
         self.update_ratio = update_ratio
         self.update_ratio_samples = int(update_ratio_samples)
@@ -246,18 +251,18 @@ class SignalCollector:
         if not self._act_on:
             self._act.clear()
 
-    def weights_due(self, step: int) -> bool:
-        """Whether ``param_norm`` (and, with ratios on, the update ratio) is measured at ``step``.
+    def due(self, metric: str, step: int) -> bool:
+        """Whether ``metric`` (``"param_norm"`` or ``"update_ratio"``) is measured at ``step``.
 
         Examples
         --------
         >>> import torch
         >>> col = SignalCollector(torch.nn.Linear(2, 2), update_ratio_every=4)
-        >>> [s for s in range(10) if col.weights_due(s)]
-        [0, 4, 8]
+        >>> [s for s in range(10) if col.due("update_ratio", s)], col.due("param_norm", 3)
+        ([0, 4, 8], True)
         """
-        every = self.update_ratio_every
-        return every <= 1 or step % every == 0
+        every = self.param_norm_every if metric == "param_norm" else self.update_ratio_every
+        return every > 0 and step % every == 0
 
     # ------------------------------------------------------------------ gradients
     def _index(self, mask: tuple[bool, ...], device: torch.device) -> torch.Tensor:
@@ -299,7 +304,7 @@ class SignalCollector:
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
         self._weight_norms = None
-        if self.params and self.weights_due(self._step):
+        if self.params and self.due("param_norm", self._step):
             # global weight norm (weight-corruption evidence: an abrupt jump between two steps);
             # the per-tensor norms are kept for the update ratio's denominator
             pn = torch._foreach_norm([p.detach() for p in self.params])
@@ -362,7 +367,7 @@ class SignalCollector:
         full copy of the parameters.
         """
         self._snapshot = None
-        if not (self.update_ratio_every and step % self.update_ratio_every == 0 and self.params):
+        if not (self.params and self.due("update_ratio", step)):
             self._weight_norms = None
             return
         with torch.no_grad():
@@ -371,7 +376,7 @@ class SignalCollector:
                 return
             self._snapshot = [t.clone() if t.data_ptr() == p.data_ptr() else t
                               for t, p in zip(self._samples(), self.params, strict=False)]
-            if self._weight_norms is None:  # collect() did not run this step
+            if self._weight_norms is None:  # not measured by collect() this step
                 self._weight_norms = _stack_f32(
                     torch._foreach_norm([p.detach() for p in self.params]), self.params[0].device)
 

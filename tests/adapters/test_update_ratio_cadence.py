@@ -1,6 +1,7 @@
-"""Cadence of the weight reads: ``param_norm`` and update ratios every ``update_ratio_every`` steps.
+"""Cadence of the weight signals: update ratios every ``update_ratio_every`` steps (4 by default),
+``param_norm`` every ``param_norm_every`` steps (1 by default).
 
-On the other steps the two are missing ("not logged on this step"); a replay of the recorded run
+On the other steps they are missing ("not logged on this step"); a replay of the recorded run
 gives the live decisions.
 """
 
@@ -48,6 +49,7 @@ def _model() -> torch.nn.Module:
 
 
 def _run(steps: int, monitor: Any = None, corrupt_at: int | None = None,
+         param_norm_every: int | None = None,
          **kw: Any) -> tuple[TorchGuard, _Rows, list[Any], list[float]]:
     """A guarded AdamW loop; returns the guard, its records, the decisions and the true weight
     norms before each step (``corrupt_at``: the first layer's weights x 4 before that step)."""
@@ -56,6 +58,8 @@ def _run(steps: int, monitor: Any = None, corrupt_at: int | None = None,
     rec = _Rows()
     guard = TorchGuard(m, opt, None, monitor, checkpoint_every=0, recorder=rec,
                        log_interventions=False, **kw)
+    if param_norm_every is not None:  # (a collector setting, set on the guard's collector)
+        guard.collector.param_norm_every = param_norm_every
     gen = torch.Generator().manual_seed(1)
     xs = torch.randn(steps, 16, 6, generator=gen)
     ys = xs[..., :1].sin() + 0.1 * torch.randn(steps, 16, 1, generator=gen)
@@ -76,42 +80,52 @@ def _steps_with(rec: _Rows, prefix: str) -> list[int]:
     return [s for s, m in rec.rows if any(k == prefix or k.startswith(prefix + "/") for k in m)]
 
 
-def test_default_reads_weights_every_k_steps_only() -> None:
+def test_default_measures_update_ratios_every_k_steps() -> None:
     guard, rec, _, norms = _run(13)
     k = guard.collector.update_ratio_every
     assert k == UPDATE_RATIO_EVERY > 1  # sparse by default
     steps = [s for s, _ in rec.rows]
     assert steps == list(range(13))
     assert _steps_with(rec, "grad_norm") == steps  # gradients: every step
-    assert _steps_with(rec, "param_norm") == [s for s in steps if s % k == 0]
+    assert _steps_with(rec, "param_norm") == steps  # weight norm: every step
     # the ratio of a due step s is measured after its optimizer step: reported with step s + 1
     assert _steps_with(rec, "update_ratio") == [s for s in steps if s % k == 1]
-    # a present value is the exact weight norm of that step
-    for s, m in rec.rows:
-        if "param_norm" in m:
-            assert m["param_norm"] == pytest.approx(norms[s], rel=1e-5)
+    for s, m in rec.rows:  # the exact weight norm of that step
+        assert m["param_norm"] == pytest.approx(norms[s], rel=1e-5)
     ratios = [v for _, m in rec.rows for n, v in m.items() if n.startswith("update_ratio/")]
     assert ratios and all(0 < v < 1 for v in ratios)
 
 
-@pytest.mark.parametrize("every", [1, 3])
-def test_explicit_cadence(every: int) -> None:
-    _, rec, _, _ = _run(10, update_ratio_every=every)
-    assert _steps_with(rec, "param_norm") == [s for s in range(10) if s % every == 0]
-    assert _steps_with(rec, "update_ratio") == [s for s in range(1, 10) if (s - 1) % every == 0]
+@pytest.mark.parametrize(("every", "pn_every"), [(1, 1), (3, 2), (0, 0), (2, 5)])
+def test_explicit_cadences(every: int, pn_every: int) -> None:
+    guard, rec, _, norms = _run(11, update_ratio_every=every, param_norm_every=pn_every)
+    pn_steps = [s for s in range(11) if pn_every and s % pn_every == 0]
+    assert _steps_with(rec, "param_norm") == pn_steps
+    assert _steps_with(rec, "update_ratio") == [s for s in range(1, 11)
+                                                if every and (s - 1) % every == 0]
+    for s, m in rec.rows:
+        if "param_norm" in m:
+            assert m["param_norm"] == pytest.approx(norms[s], rel=1e-5)
 
 
-def test_ratios_off_keeps_param_norm_every_step() -> None:
-    _, rec, _, _ = _run(5, update_ratio_every=0)
-    assert _steps_with(rec, "param_norm") == list(range(5))
-    assert _steps_with(rec, "update_ratio") == []
+def test_ratio_without_param_norm_on_its_step_matches_every_step_ratio() -> None:
+    """A due ratio on a step without ``param_norm`` measures its denominator itself."""
+    _, dense, _, _ = _run(6, update_ratio_every=2)
+    _, sparse, _, _ = _run(6, update_ratio_every=2, param_norm_every=3)  # step 2: no norm
+
+    def ratios(rec: _Rows) -> dict[int, list[float]]:
+        return {s: [v for n, v in sorted(m.items()) if n.startswith("update_ratio/")]
+                for s, m in rec.rows}
+
+    got, want = ratios(sparse), ratios(dense)
+    assert got[3] and got == want
 
 
 def test_collector_without_begin_step_counts_its_own_steps() -> None:
     """A loop that never calls ``begin_step`` gets the cadence from ``after_step``'s count."""
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    col = SignalCollector(m, update_ratio_every=2)
+    col = SignalCollector(m, update_ratio_every=2, param_norm_every=2)
     seen = []
     for step in range(5):
         m(torch.randn(4, 6)).sum().backward()
@@ -124,11 +138,14 @@ def test_collector_without_begin_step_counts_its_own_steps() -> None:
     assert seen == [(True, False), (False, True), (True, False), (False, True), (True, False)]
 
 
-def test_sparse_weight_signals_replay_to_the_live_decisions() -> None:
+@pytest.mark.parametrize("pn_every", [1, 4])
+def test_sparse_weight_signals_replay_to_the_live_decisions(pn_every: int) -> None:
     # a weight corruption on a due step, after the weight_jump detector's warm-up (20 values)
-    k = UPDATE_RATIO_EVERY
-    at = k * 25
-    _, rec, live, _ = _run(at + 3 * k, monitor=Monitor(LOG_ONLY), corrupt_at=at)
+    at = pn_every * 25
+    _, rec, live, _ = _run(at + 12, monitor=Monitor(LOG_ONLY), corrupt_at=at,
+                           param_norm_every=pn_every)
+    assert sum("param_norm" in m for _, m in rec.rows) < len(rec.rows) or pn_every == 1
+    assert sum(any(n.startswith("update_ratio/") for n in m) for _, m in rec.rows) < len(live) / 2
     corrupted = [d for d in live if any(a.kind == "weight_corruption" for a in d.alarms)]
     assert corrupted and corrupted[0].step == at  # seen at once on the sparse series
     replayed = Monitor(LOG_ONLY).replay(rec.table())
