@@ -4,10 +4,13 @@
 
 * the global gradient norm before clipping and per-layer gradient norms, fused:
   ``torch._foreach_norm`` over all gradients, then one ``index_add_`` to sum squares per layer;
-* the global weight norm ``param_norm`` every ``param_norm_every`` steps (default 1: the
-  ``weight_jump`` detector's warm-up and typical change count values, and on a sparse series
-  the preset's 20-value warm-up spans 20 k steps -- in ``bench_rescue.py --quick`` that lost
-  two GPT ``weight_scale`` rescues at k = 4);
+* the global weight norm ``param_norm``, every step, from per-tensor norms of which each is
+  re-read every ``param_norm_every`` steps (:data:`PARAM_NORM_EVERY` = 4): the tensors are split
+  into k phases of about equal size and step ``s`` re-reads phase ``s % k``, so a step reads
+  about 1/k of the weights and a change of any tensor shows within k - 1 steps.  (Reporting
+  the exact norm every k steps instead was tried: ``weight_jump`` counts its warm-up in
+  values, so on a sparse series the warm-up spans 20 k steps, which lost two short GPT
+  ``weight_scale`` rescues in ``bench_rescue.py --quick``);
 * the update-to-weight ratio ``||w_t+1 - w_t|| / ||w_t||`` per layer every
   ``update_ratio_every`` steps (:data:`UPDATE_RATIO_EVERY` = 4 by default: the steps
   ``s % 4 == 0``; ``1`` = every step).  On the other steps it is missing ("not logged on this
@@ -16,29 +19,22 @@
   9, ...) -- that keeps it inside the single host transfer.  Two ways (``update_ratio=``):
 
   - ``"sampled"`` (default): no parameter copy.  Before the step a fixed subset of each
-    tensor's elements is gathered (``torch.take``): about ``update_ratio_samples`` (default
-    4096) elements in blocks of 16 contiguous ones (a cache line), spread over every row
-    (or evenly spaced rows of a very tall matrix), the blocks' columns shifting from row to
-    row (:func:`_sample_index`); tensors that small are copied whole, so their part is
-    exact.  After the step ``||dw||^2`` of a tensor is estimated as
-    ``n / m * sum(dw_i^2)`` over its ``m`` sampled elements, summed per layer.  The weight
-    norm ``||w_t||`` is exact (the per-tensor norms the collector computes anyway for
-    ``param_norm``).  It measures the optimizer's real update (momentum, Adam's
-    normalisation, weight decay, clipping and the LR factor included) on a subset of
-    coordinates, the same coordinates every step (so the estimate is consistent from step to
-    step).  Measured against ``"exact"`` (``tests/adapters/test_update_ratio_sampled.py``,
-    tolerance 7%): AdamW within about 1% on an MLP, the char-GPT and a 12.9M transformer;
-    SGD with momentum within 2-6% (its updates are heavy-tailed across rows).  A spike
-    confined to unsampled coordinates of a large tensor is underestimated; ``param_norm``
-    (exact) still sees it.
+    tensor's elements is gathered (``torch.take``): about ``update_ratio_samples`` (4096)
+    elements in blocks of 16 contiguous ones spread over the rows (:func:`_sample_index`;
+    smaller tensors are copied whole).  After the step ``||dw||^2`` of a tensor is estimated
+    as ``n / m * sum(dw_i^2)`` over its ``m`` sampled elements, summed per layer, against
+    the latest per-tensor weight norms of ``param_norm``.  It measures the optimizer's real
+    update (momentum, Adam, weight decay, clipping, LR factor) on the same coordinates every
+    step.  Against ``"exact"`` (``tests/adapters/test_update_ratio_sampled.py``, tolerance
+    7%): AdamW within about 1% (MLP, char-GPT, 12.9M transformer), SGD with momentum within
+    2-6%.  A spike confined to unsampled coordinates is underestimated; ``param_norm`` sees it.
   - ``"exact"``: a full copy of every parameter when due.
 
   Every-step, exact measurement (the most expensive): ``update_ratio_every=1,
-  update_ratio="exact"``; ``update_ratio_every=0`` turns the ratios off.
+  param_norm_every=1, update_ratio="exact"``; ``update_ratio_every=0`` turns the ratios off.
 
-  Reading the update back from an optimizer's state (``lr * m_hat / (sqrt(v_hat) + eps)`` for
-  Adam) was not chosen: it would re-implement every optimizer's arithmetic (AMSGrad, maximize,
-  fused/foreach variants, decoupled decay) and silently drift from it;
+  (Reading the update back from an optimizer's state would re-implement, and drift from,
+  every optimizer's arithmetic);
 * per-layer activation statistics of chosen modules via forward hooks (mean, std, abs-max,
   excess kurtosis), every ``activation_every`` steps, on training forwards only, computed on
   the device with one temporary per hooked module (``var_mean`` + ``aminmax`` + one centred
@@ -51,12 +47,10 @@ once (``.tolist()``). Layer families are returned as NumPy arrays for the monito
 names of the convention: ``grad_norm/<layer>``, ``update_ratio/<layer>``,
 ``act_mean|act_std|act_absmax|act_kurtosis/<layer>``.
 
-Overhead: see ``benchmarks/bench_overhead.py`` (fraction of the bare step, extra memory, host
-syncs per step).  The default copies no full parameter: only the sampled update-ratio slices
-(a few KiB per tensor), on the due steps.  Per step the guard reads every gradient once (the
-gradient norms, reused for clipping: a loop that clips pays no second norm) and every weight
-once (``param_norm``, also the ratio's denominator); every ``update_ratio_every`` steps it
-gathers the update-ratio sample twice.
+Overhead (``benchmarks/bench_overhead.py``): per step the guard reads every gradient once (the
+norms, reused for clipping: a loop that clips pays no second norm) and about 1/k of the weights
+(``param_norm``); every ``update_ratio_every`` steps it gathers the update-ratio sample twice.
+No full parameter is copied.
 """
 
 from __future__ import annotations
@@ -69,8 +63,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ACT_STATS", "UPDATE_RATIO_EVERY", "UPDATE_RATIO_MODES", "SignalCollector",
-           "Signals", "layer_of"]
+__all__ = ["ACT_STATS", "PARAM_NORM_EVERY", "UPDATE_RATIO_EVERY", "UPDATE_RATIO_MODES",
+           "SignalCollector", "Signals", "layer_of"]
 
 #: Activation statistics, in the order they are reported.
 ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
@@ -78,9 +72,10 @@ ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
 UPDATE_RATIO_MODES = ("sampled", "exact")
 #: Contiguous elements per sampled block of the ``"sampled"`` update ratio.
 SAMPLE_BLOCK = 16
-#: Default cadence of the update ratios (see the module docstring and
-#: ``docs/notes/cheapguard.md``).
+#: Default cadences of the update ratios and of the per-tensor weight norms (see the module
+#: docstring and ``docs/notes/cheapguard.md``).
 UPDATE_RATIO_EVERY = 4
+PARAM_NORM_EVERY = 4
 
 
 def layer_of(param_name: str, depth: int | None = None) -> str:
@@ -136,9 +131,10 @@ class SignalCollector:
         missing on the others; 0 = never).  Default :data:`UPDATE_RATIO_EVERY`.  The step is
         the one given to :meth:`before_step`.
     param_norm_every : int
-        Measure ``param_norm`` on the steps ``s % k == 0`` (missing on the others; 0 = never;
-        default 1).  The step is the one given to :meth:`begin_step` (without it: counted by
-        :meth:`after_step` from 0).  Also an attribute, to set on a guard's collector.
+        Re-read each tensor's weight norm every this many steps (one of k phases per step;
+        ``param_norm`` is reported every step; 1 = all exact every step, 0 = no
+        ``param_norm``).  Default :data:`PARAM_NORM_EVERY`.  The step is the one given to
+        :meth:`begin_step` (else counted by :meth:`after_step`).  Also an attribute.
     update_ratio : {"sampled", "exact"}
         ``"sampled"`` (default) copies at most ``update_ratio_samples`` strided elements per
         tensor; ``"exact"`` copies every parameter when a ratio is due.
@@ -173,7 +169,7 @@ class SignalCollector:
         activation_every: int = 10,
         update_ratio: str = "sampled",
         update_ratio_samples: int = 4096,
-        param_norm_every: int = 1,
+        param_norm_every: int = PARAM_NORM_EVERY,
     ) -> None:
         if update_ratio not in UPDATE_RATIO_MODES:
             raise ValueError("The 'update_ratio' parameter of SignalCollector must be one of "
@@ -210,7 +206,8 @@ class SignalCollector:
         self._step = 0  # the step being collected (begin_step, else counted by after_step)
         self._pending_ratio: torch.Tensor | None = None
         self._snapshot: list[torch.Tensor] | None = None
-        self._weight_norms: torch.Tensor | None = None  # per-tensor norms of this step's weights
+        self._pn: torch.Tensor | None = None  # latest per-tensor weight norms
+        self._phases: tuple[int, list[list[int]], dict[Any, torch.Tensor]] | None = None
         self._scale: torch.Tensor | None = None  # n / m per tensor (sampled mode)
         self._idx_cache: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._act_on = False
@@ -251,18 +248,28 @@ class SignalCollector:
         if not self._act_on:
             self._act.clear()
 
-    def due(self, metric: str, step: int) -> bool:
-        """Whether ``metric`` (``"param_norm"`` or ``"update_ratio"``) is measured at ``step``.
-
-        Examples
-        --------
-        >>> import torch
-        >>> col = SignalCollector(torch.nn.Linear(2, 2), update_ratio_every=4)
-        >>> [s for s in range(10) if col.due("update_ratio", s)], col.due("param_norm", 3)
-        ([0, 4, 8], True)
-        """
-        every = self.param_norm_every if metric == "param_norm" else self.update_ratio_every
-        return every > 0 and step % every == 0
+    def _weight_norms(self, step: int, device: torch.device) -> torch.Tensor:
+        """Per-tensor weight norms: ``step``'s phase re-read, the others' latest (all when
+        none are known or ``param_norm_every <= 1``)."""
+        k = self.param_norm_every
+        if self._pn is None or k <= 1 or self._pn.device != device:
+            self._pn = _stack_f32(torch._foreach_norm([p.detach() for p in self.params]), device)
+            return self._pn
+        if self._phases is None or self._phases[0] != k:  # largest first into the lightest
+            load, bins = [0] * k, [[] for _ in range(k)]  # type: ignore[var-annotated]
+            for i in sorted(range(len(self.params)), key=lambda i: -self.params[i].numel()):
+                b = min(range(k), key=load.__getitem__)
+                bins[b].append(i)
+                load[b] += self.params[i].numel()
+            self._phases = (k, [sorted(b) for b in bins], {})
+        part, idx = self._phases[1][step % k], self._phases[2]
+        if part:
+            if (step % k, device) not in idx:
+                idx[step % k, device] = torch.tensor(part, dtype=torch.long, device=device)
+            norms = _stack_f32(torch._foreach_norm([self.params[i].detach() for i in part]),
+                               device)
+            self._pn.index_copy_(0, idx[step % k, device], norms)
+        return self._pn
 
     # ------------------------------------------------------------------ gradients
     def _index(self, mask: tuple[bool, ...], device: torch.device) -> torch.Tensor:
@@ -303,13 +310,11 @@ class SignalCollector:
         layer = self._group_norms(grads, mask, device)
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
-        self._weight_norms = None
-        if self.params and self.due("param_norm", self._step):
+        if self.params and self.param_norm_every > 0:
             # global weight norm (weight-corruption evidence: an abrupt jump between two steps);
             # the per-tensor norms are kept for the update ratio's denominator
-            pn = torch._foreach_norm([p.detach() for p in self.params])
-            self._weight_norms = _stack_f32(pn, device)
-            parts.append(self._weight_norms.square().sum().sqrt().reshape(1))
+            pn = self._weight_norms(self._step, device)
+            parts.append(pn.square().sum().sqrt().reshape(1))
             names.append("param_norm")
         scalars_in = dict(extra or {})
         if loss is not None:
@@ -367,8 +372,8 @@ class SignalCollector:
         full copy of the parameters.
         """
         self._snapshot = None
-        if not (self.params and self.due("update_ratio", step)):
-            self._weight_norms = None
+        every = self.update_ratio_every
+        if not (self.params and every > 0 and step % every == 0):
             return
         with torch.no_grad():
             if self.update_ratio == "exact":
@@ -376,15 +381,15 @@ class SignalCollector:
                 return
             self._snapshot = [t.clone() if t.data_ptr() == p.data_ptr() else t
                               for t, p in zip(self._samples(), self.params, strict=False)]
-            if self._weight_norms is None:  # not measured by collect() this step
-                self._weight_norms = _stack_f32(
-                    torch._foreach_norm([p.detach() for p in self.params]), self.params[0].device)
+            if self._pn is None or not self.param_norm_every:  # none kept by collect()
+                self._pn = None
+                self._weight_norms(step, self.params[0].device)
 
     def after_step(self, stepped: bool = True) -> None:
         """Call right after ``optimizer.step()`` (or a skipped step, ``stepped=False``)."""
         self._step += 1
         snap, self._snapshot = self._snapshot, None
-        wnorms, self._weight_norms = self._weight_norms, None
+        wnorms = self._pn
         if snap is None or not stepped or not self.params:
             return
         device = self.params[0].device
@@ -403,7 +408,7 @@ class SignalCollector:
                 self._scale = torch.tensor(
                     [p.numel() / v.numel() for p, v in zip(self.params, views, strict=False)],
                     dtype=torch.float32, device=device)
-            if wnorms is None:  # (set together with the snapshot)
+            if wnorms is None:  # (set with the snapshot; None only after a state_reset)
                 return
             g = len(self.layer_names)
             idx = self._index(mask, device)
@@ -415,7 +420,7 @@ class SignalCollector:
         """Forget pending measurements (after a rollback)."""
         self._pending_ratio = None
         self._snapshot = None
-        self._weight_norms = None
+        self._pn = None  # the weights were restored: re-read all of them
         self._act.clear()
 
     def remove(self) -> None:
@@ -461,11 +466,9 @@ def _sample_index(shape: torch.Size, samples: int) -> torch.Tensor | None:
     """Flat indices of the update-ratio sample of a tensor of ``shape`` (``None``: take it all).
 
     About ``samples`` elements in blocks of :data:`SAMPLE_BLOCK` contiguous ones (a cache line
-    each, so that the sample costs a few hundred cache lines per tensor, not one per element).
-    The blocks are spread over the rows (last dimension = a row): every row gets blocks when
-    there are no more rows than blocks (so the sparse rows of an embedding are all seen), else
-    evenly spaced rows get one; the blocks' columns shift by one block from row to row, so
-    every column is sampled as often as any other.
+    each).  The blocks are spread over the rows (last dimension = a row): every row gets blocks
+    when there are no more rows than blocks (the sparse rows of an embedding are all seen),
+    else evenly spaced rows get one; the blocks' columns shift by one block from row to row.
 
     Examples
     --------
