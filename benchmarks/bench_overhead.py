@@ -24,7 +24,9 @@ Printed per model:
   cheaper steps).  ``work``: the time spent in ``guard.step()`` minus the optimizer's own
   ``step()`` (optimizer step hooks) and ``zero_grad()`` (both are the bare loop's work too), as
   a fraction of the bare step, with the same windows -- the guard's own work measured
-  directly, far less noisy than a difference of two steps.
+  directly, far less noisy than a difference of two steps.  In a ``+clip`` row the guard
+  clips for the loop, so the bare loop's ``clip_grad_norm_`` time of the same pair is
+  subtracted too.
   On CPU the times are the thread's CPU time (``time.thread_time``: with one torch thread all
   the work runs on it), which other processes' load disturbs far less than wall time; the
   wall-time fraction is printed beside it.
@@ -249,11 +251,16 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
 
     opt_g.zero_grad = timed_zero_grad  # type: ignore[method-assign]
 
+    clip_t: list[float] = []
+
     def bare_step(x: torch.Tensor, y: torch.Tensor) -> None:
         loss = loss_fn(bare, x, y)
         loss.backward()
         if clip is not None:
+            t0 = clock()
             torch.nn.utils.clip_grad_norm_(bare.parameters(), clip)
+            _sync(device)
+            clip_t.append(clock() - t0)
         opt_b.step()
         opt_b.zero_grad(set_to_none=True)
         _sync(device)
@@ -280,8 +287,10 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
             ws.append(w1 - w0)
     for h in hooks:
         h.remove()
-    for lst in (t_bare, t_guard, w_bare, w_guard, work):
+    for lst in (t_bare, t_guard, w_bare, w_guard, work, clip_t):
         del lst[:warmup]
+    if clip is not None:  # the guard did the loop's clipping
+        work = [w - c for w, c in zip(work, clip_t, strict=True)]
     copied: list[int] = []
     syncs: list[int] = []
     with counters.installed():  # then two cadence windows of counted guarded steps
