@@ -38,7 +38,8 @@ Printed per model:
 * ``syncs/step``: calls that would wait for an accelerator (``item``, ``tolist``, ``cpu``,
   ``numpy``, ``float()``/``int()``/``bool()`` of a tensor), counted by a patch during the
   guard's part of a step (``optimizer.step()`` itself excluded: AdamW's own ``.item()`` calls
-  are not the guard's).
+  are not the guard's).  ``--sync deferred`` times ``TorchGuard(sync="deferred")``, which
+  should show 0.
 
 Then the first ``observe()`` of a fresh process (import + ``Monitor("default")`` + first observe
 with the guard's families), once with an empty ``NUMBA_CACHE_DIR`` (``mktemp -d``) and once
@@ -77,13 +78,21 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from stability.adapters.torch import TorchGuard  # noqa: E402
+from stability.adapters.torch import TorchGuard as _TorchGuard  # noqa: E402
 from stability.monitor import Monitor  # noqa: E402
 from stability.testing.tinytrain import make_task  # noqa: E402
 
 TARGET_BIG = 0.03
 TARGET_COLD_S = 3.0
 TARGET_WARM_S = 0.5
+
+#: more ``TorchGuard`` arguments from the command line (``--sync``)
+GUARD_KW: dict[str, Any] = {}
+
+
+def TorchGuard(*args: Any, **kw: Any) -> _TorchGuard:
+    """``TorchGuard`` with the command line's :data:`GUARD_KW` (``--sync``)."""
+    return _TorchGuard(*args, **{**GUARD_KW, **kw})
 
 
 # ---------------------------------------------------------------------------------- models
@@ -369,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
     ap.add_argument("--models", default="mlp,gpt,big")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sync", default="step", choices=("step", "deferred"),
+                    help="the guard's sync= mode (deferred: no host sync on the step path)")
     ap.add_argument("--big-rows", type=int, default=4,
                     help="sequences of 32 tokens per step of the big model (default 4)")
     ap.add_argument("--exact", action="store_true",
@@ -380,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cold", action="store_true", help="skip the first-observe timings")
     ap.add_argument("--json", default=None, help="also write the figures here")
     a = ap.parse_args(argv)
+    GUARD_KW["sync"] = a.sync
+    if a.sync != "step":
+        print(f"TorchGuard(sync={a.sync!r})")
     torch.set_num_threads(1)
     device = torch.device(a.device)
     rows = []

@@ -202,6 +202,9 @@ class Job:
     override: str = "{}"  # JSON of the config override (a string keeps the job hashable)
     preset: str = "small"
     checkpoint_every: int = 25  # the guard's checkpoint cadence (monitored runs)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a GradScaler)
+    device: str = "cpu"
+    sync: str = "step"  # the guard's sync mode (step | deferred)
 
     @property
     def cost(self) -> float:  # rough seconds, for scheduling the longest first
@@ -239,7 +242,9 @@ def run_job(job: Job) -> dict[str, Any]:
         if job.candidate is not None:
             mon = make_monitor(job.preset, json.loads(job.override))
         r = train_run(job.model, job.steps, seed=job.seed, fault=fault, monitor=mon,
-                      checkpoint_every=job.checkpoint_every)
+                      checkpoint_every=job.checkpoint_every, precision=job.precision,
+                      device=job.device,
+                      guard_kwargs=None if job.sync == "step" else {"sync": job.sync})
     except Exception as exc:  # a crashing monitor is a result, not the end of the benchmark
         row.update(error=f"{type(exc).__name__}: {exc}", final=math.nan, stopped=None,
                    rollbacks=0, steps_lost=0, steps_skipped=0, batches_skipped=0, acting=0,
@@ -604,6 +609,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default=None, help="steps per model, e.g. mlp=300,gpt=120")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--preset", default="small")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                    help="autocast precision of every run (fp16 with a GradScaler)")
+    ap.add_argument("--device", default="cpu", help="torch device of every run, e.g. cuda")
+    ap.add_argument("--sync", default="step", choices=("step", "deferred"),
+                    help="the guard's sync mode in monitored runs")
     ap.add_argument("--checkpoint-every", type=int, default=25,
                     help="the guard's checkpoint cadence in steps (steps lost to a rollback "
                          "scale with it)")
@@ -645,21 +655,27 @@ def main(argv: list[str] | None = None) -> int:
         n = steps[m]
         cf_seeds = sorted(set(range(n_clean)) | set(range(n_seeds)))
         for s in cf_seeds:
-            jobs.append(Job(m, n, s, None, None, preset=a.preset))  # counterfactual (cached)
+            jobs.append(Job(m, n, s, None, None, preset=a.preset,  # counterfactual (cached)
+                            precision=a.precision, device=a.device))
         for s in range(n_seeds):
             for c in classes:
-                jobs.append(Job(m, n, s, c, None, preset=a.preset))  # no monitor (cached)
+                jobs.append(Job(m, n, s, c, None, preset=a.preset,  # no monitor (cached)
+                                precision=a.precision, device=a.device))
         for name, ov in cands.items():
             js = json.dumps(ov, sort_keys=True)
             for s in range(n_clean):
-                jobs.append(Job(m, n, s, None, name, js, a.preset, a.checkpoint_every))
+                jobs.append(Job(m, n, s, None, name, js, a.preset, a.checkpoint_every,
+                                a.precision, a.device, a.sync))
             for s in range(n_seeds):
                 for c in classes:
-                    jobs.append(Job(m, n, s, c, name, js, a.preset, a.checkpoint_every))
+                    jobs.append(Job(m, n, s, c, name, js, a.preset, a.checkpoint_every,
+                                    a.precision, a.device, a.sync))
     print(f"bench_rescue: {len(jobs)} runs ({len(classes)} classes x {len(models)} models x "
           f"{n_seeds} seeds, {n_clean} clean seeds per model, {len(cands)} candidate(s)); "
           f"steps {', '.join(f'{m}={steps[m]}' for m in models)}; preset={a.preset}; "
-          f"checkpoint every {a.checkpoint_every} steps; workers={a.workers}", flush=True)
+          f"checkpoint every {a.checkpoint_every} steps; {a.precision} on {a.device}; "
+          f"sync={a.sync}; "
+          f"workers={a.workers}", flush=True)
     for c in classes:
         fc = CLASSES[c]
         print(f"  {c:20} {fc.kind:17} {fc.about}")

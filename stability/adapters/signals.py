@@ -112,6 +112,25 @@ class Signals:
         return out
 
 
+@dataclass
+class SignalLayout:
+    """Where the signals sit in :meth:`SignalCollector.measure`'s vector: the scalars ``names``
+    (``grad_norm`` first), then each family's values; ``host`` scalars were host numbers."""
+
+    names: list[str]
+    families: list[tuple[str, int]]
+    host: dict[str, float]
+
+    def unpack(self, flat: Any) -> Signals:
+        """The :class:`Signals` of the vector's host values (a sequence of floats)."""
+        n = len(self.names)
+        out = Signals(dict(zip(self.names, flat[:n], strict=False)) | self.host)
+        for fam, k in self.families:
+            out.families[fam] = np.asarray(flat[n:n + k], dtype=np.float64)
+            n += k
+        return out
+
+
 class SignalCollector:
     """Fused per-step signal collection for one model.
 
@@ -289,20 +308,10 @@ class SignalCollector:
         sq.index_add_(0, self._index(mask, device), norms * norms)
         return sq.sqrt()
 
-    def collect(self, loss: Any = None, extra: Mapping[str, Any] | None = None) -> Signals:
-        """Measure this step's signals (call after ``backward()``, before clipping/stepping).
-
-        Parameters
-        ----------
-        loss : tensor or float, optional
-            The training loss of the step.
-        extra : mapping, optional
-            More scalar signals (floats or 0-d tensors); they join the single host transfer.
-
-        Returns
-        -------
-        Signals
-        """
+    def measure(self, loss: Any = None, extra: Mapping[str, Any] | None = None
+                ) -> tuple[torch.Tensor, SignalLayout]:
+        """This step's signals as one device vector and its :class:`SignalLayout` (:meth:`collect`
+        without the host copy; ``vec[0]`` is the global gradient norm)."""
         device = self.params[0].device if self.params else torch.device("cpu")
         grads_all = [p.grad for p in self.params]
         mask = tuple(g is not None for g in grads_all)
@@ -326,7 +335,6 @@ class SignalCollector:
                 names.append(k)
             elif v is not None:
                 host_scalars[k] = float(v)
-        n_scalar = len(parts)
         fams: list[tuple[str, int]] = []
         if self.per_layer:
             parts.append(layer)
@@ -342,14 +350,25 @@ class SignalCollector:
                 parts.append(stats[:, j])
                 fams.append((st, len(self.act_names)))
             self._act.clear()
-        flat = torch.cat([t.reshape(-1).float() for t in parts]).tolist()  # the one host sync
-        out = Signals(scalars=dict(zip(names, flat[:n_scalar], strict=False)))
-        out.scalars.update(host_scalars)
-        pos = n_scalar
-        for fam, n in fams:
-            out.families[fam] = np.asarray(flat[pos:pos + n], dtype=np.float64)
-            pos += n
-        return out
+        vec = torch.cat([t.reshape(-1).float() for t in parts])
+        return vec, SignalLayout(names, fams, host_scalars)
+
+    def collect(self, loss: Any = None, extra: Mapping[str, Any] | None = None) -> Signals:
+        """Measure this step's signals (call after ``backward()``, before clipping/stepping).
+
+        Parameters
+        ----------
+        loss : tensor or float, optional
+            The training loss of the step.
+        extra : mapping, optional
+            More scalar signals (floats or 0-d tensors); they join the single host transfer.
+
+        Returns
+        -------
+        Signals
+        """
+        vec, layout = self.measure(loss, extra)
+        return layout.unpack(vec.tolist())  # the one host sync
 
     # ------------------------------------------------------------------ update ratios
     def _samples(self) -> list[torch.Tensor]:

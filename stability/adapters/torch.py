@@ -34,6 +34,12 @@ Skipped steps: the gradients are dropped and the optimizer does not step; the sc
 advances by default (``step_scheduler_on_skip=True``) so the LR schedule stays aligned with the
 data position -- set it to ``False`` to freeze the schedule on skipped steps instead.
 
+Deferred decisions (``sync="deferred"``, see :mod:`stability.adapters.deferred`): no host sync
+on the step path; step ``t``'s signals are copied to the host in the background and observed
+during step ``t + 1``, whose update the decision already governs (one step late), with the device
+clipping the gradients and keeping non-finite ones from the weights.  Call :meth:`flush` at the
+end of training (:meth:`detach` does) so the last step's signals are observed.
+
 Steps: the monitor step is the guard's optimizer-step counter. A rollback to the checkpoint of
 step ``s`` sets it back to ``s + 1`` together with the model, optimizer, scheduler and data
 position (the monitor's own state is *not* rolled back: it must remember what happened).
@@ -59,8 +65,9 @@ from ..preemption import install_sigterm_checkpoint
 from ..types import Control, Decision
 from ..watchdog import StallWatchdog
 from .amp import AMP_OVERFLOW, LOSS_SCALE, ensure_unscaled, scaler_enabled
+from .deferred import SYNC_MODES, DeferredGuard, DeferredSteps, _tightest
 from .distributed import ControlSync
-from .guard_checkpoints import GuardCheckpoints, find_ledger
+from .guard_checkpoints import find_ledger
 from .guard_feedback import GuardFeedback
 from .interventions import (
     CheckpointStore,
@@ -76,7 +83,7 @@ __all__ = ["TorchGuard", "TrainingStopped", "attach", "find_ledger"]
 log = logging.getLogger("stability.adapters")
 
 
-class TorchGuard(GuardCheckpoints, GuardFeedback):
+class TorchGuard(DeferredGuard, GuardFeedback):
     """Signals in, decisions out, interventions carried out on real objects.
 
     Parameters
@@ -130,6 +137,10 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         Preemption: on SIGTERM, checkpoint at the end of the current step (never mid-update),
         then hand the signal to the previous handler (default: the process exits).  Main
         thread only (see :mod:`stability.preemption`).
+    sync : {"step", "deferred"}
+        ``"step"`` (default): one host sync per step, the decision acts on the step it was
+        made for.  ``"deferred"``: no host sync on the step path, decisions act one step late,
+        device-side clipping and non-finite protection (:mod:`stability.adapters.deferred`).
     """
 
     def __init__(
@@ -158,7 +169,11 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         update_ratio: str = "sampled",
         watchdog: bool | StallWatchdog | None = None,
         cadence: CadenceAdvisor | None = None,
+        sync: str = "step",
     ) -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"The 'sync' parameter of TorchGuard must be one of {SYNC_MODES}. "
+                             f"Got {sync!r} instead.")
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
                              f"the range [0, inf). Got {checkpoint_every} instead.")
@@ -226,6 +241,8 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
             else StallWatchdog.for_monitor(self.monitor) if watchdog else None)
         self.cadence = cadence
         self._cadence_clock = self._last_save_t = time.monotonic()
+        self.sync_mode = sync
+        self.deferred = DeferredSteps(self) if sync == "deferred" else None
 
     # ------------------------------------------------------------------ data
     def batches(self, n_batches: int, max_iterations: int | None = None) -> Iterator[int]:
@@ -265,9 +282,12 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
     def step(self, loss: Any, metrics: Mapping[str, Any] | None = None) -> Decision:
         """Everything after ``loss.backward()``: decide, clip, step, schedule, zero_grad.
 
-        Returns the monitor's :class:`~stability.types.Decision`; raises
-        :class:`TrainingStopped` when the monitor stops the run.
+        Returns the monitor's :class:`~stability.types.Decision` (``sync="deferred"``: the one
+        observed during this call, the previous step's, or ``Decision(-1)`` when none was);
+        raises :class:`TrainingStopped` when the monitor stops the run.
         """
+        if self.deferred is not None:
+            return self.deferred.step(loss, metrics)
         decision = self.check(loss, metrics)
         try:
             if self.scaler is not None:
@@ -289,6 +309,10 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
 
     def collect(self, loss: Any, metrics: Mapping[str, Any] | None = None) -> Signals:
         """Measure this step's signals (one host sync); adds ``lr`` and pending validation."""
+        return self._amp_post(self.collector.collect(loss, self._extra(metrics)))
+
+    def _extra(self, metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The step's signals besides the collector's: LR, AMP, validation, watchdog, own."""
         extra: dict[str, Any] = {"lr": self.multiplier.base_lrs()[0]}
         if self.scaler is not None:
             extra.update(self._amp_extra())
@@ -298,7 +322,10 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
             extra.update(self.watchdog.metrics())
         if metrics:
             extra.update(metrics)
-        sig = self.collector.collect(loss, extra)
+        return extra
+
+    def _amp_post(self, sig: Signals) -> Signals:
+        """Sets :attr:`amp_overflow`; an overflow step reports no gradient norms."""
         if self.scaler is not None and AMP_OVERFLOW not in sig.scalars:
             # a scaler without a found-inf record: non-finite unscaled grads are what it skips
             sig.scalars[AMP_OVERFLOW] = float(not math.isfinite(sig.scalars.get("grad_norm", 0.0)))
@@ -331,11 +358,34 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
 
         Call after ``backward()`` and before ``optimizer.step()``; read :attr:`should_step`.
         """
+        if self.deferred is not None:
+            return self.deferred.check(loss, metrics, signals)
         step = self.step_count
         self._pos_of_step[step] = self.data_position
         while len(self._pos_of_step) > 100_000:
             self._pos_of_step.popitem(last=False)
         sig = signals if signals is not None else self.collect(loss, metrics)
+        decision = self._decide(step, sig)
+        control = self.control
+        # act before the optimizer step
+        self.multiplier.factor = float(control.lr_factor)
+        self.should_step = not (control.skip_step or control.rollback_to is not None
+                                or control.stop)
+        if self.should_step and self.amp_overflow:
+            # the scaler skips this step itself: nothing to clip, no update to measure
+            self.multiplier.restore()
+        elif self.should_step:
+            norm = _tightest(self.clip_norm, control.clip_norm)
+            if norm is not None:
+                clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"))
+            self.collector.before_step(step)
+            self.multiplier.apply()  # idempotent; also done by the optimizer pre-hook
+        else:
+            drop_gradients(self.collector.params)
+        return decision
+
+    def _decide(self, step: int, sig: Signals) -> Decision:
+        """Observe ``step``, reduce across ranks, record; sets decision / control / healthy."""
         decision = self._observe(step, sig)
         control = decision.control
         alarmed = bool(decision.alarms)
@@ -356,71 +406,29 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
                 log_interventions(decision, log)
         if self.recorder is not None:
             self.recorder.log(step, sig.flat(self.collector.layers))
-        # act before the optimizer step
-        self.multiplier.factor = float(control.lr_factor)
-        self.should_step = not (control.skip_step or control.rollback_to is not None
-                                or control.stop)
         if self.amp_overflow:
             self.amp_overflows += 1
-        if self.should_step and self.amp_overflow:
-            # the scaler skips this step itself: nothing to clip, no update to measure
-            self.multiplier.restore()
-        elif self.should_step:
-            norm = _tightest(self.clip_norm, control.clip_norm)
-            if norm is not None:
-                clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"))
-            self.collector.before_step(step)
-            self.multiplier.apply()  # idempotent; also done by the optimizer pre-hook
-        else:
-            drop_gradients(self.collector.params)
         self._count_step(step, decision.control, control)
         return decision
 
     def finish(self) -> None:
         """After the optimizer/scheduler step: checkpoints, rollback, stop; advances the step."""
+        if self.deferred is not None:
+            self.deferred.finish()
+            return
         control, step = self.control, self.step_count
         self.rolled_back = False
         self.collector.after_step(stepped=self.should_step)
         self._consumed = True
         if control.save_checkpoint:  # unhealthy: kept for forensics, never a rollback target
             self._auto_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency")
-        if control.stop:
-            if control.rollback_to is not None:
-                # stop with the last good weights in place (the run cannot be brought back)
-                self.rollback(control.rollback_to, None)
-            self.stopped = TrainingStopped(
-                control.stop_reason or "stop requested", step,
-                self.decision.alarms if self.decision else (), self.decision)
-            self.step_count += 1
-            self.data_position += 1
-            if self.raise_on_stop:
-                raise self.stopped
+        if self._end_run(step, control, self.raise_on_stop):
             return
-        if control.rollback_to is not None and self.rollback(control.rollback_to,
-                                                             control.skip_batches):
-            self.collector.begin_step(self.step_count)
-            return
-        if self.healthy and ((self.checkpoint_every and step % self.checkpoint_every == 0)
-                             or (self.cadence is not None and self._cadence_due())):
-            self._auto_checkpoint(healthy=True, reason="periodic", step=step)
-        if self._sigterm is not None and self._sigterm.received is not None:
-            self._preempted(step)
+        self._checkpoints_due(step)
         self.step_count += 1
         self.data_position = self._pos_of_step.get(step, self.data_position) + 1
         self.collector.begin_step(self.step_count)
         self.multiplier.show()  # between steps param_groups show the LR really applied
-
-    def _cadence_due(self) -> bool:
-        """The cadence advisor's interval has elapsed (sooner while an episode is open)."""
-        assert self.cadence is not None
-        now = time.monotonic()
-        self.cadence.note_time(now - self._cadence_clock)
-        self._cadence_clock = now
-        if not self.cadence.saves:
-            return True  # measure the save cost once
-        policy = getattr(self.monitor, "policy", None)  # scripted monitors have none
-        warnings_open = getattr(policy, "episode_onset", None) is not None
-        return self.cadence.should_checkpoint(now - self._last_save_t, warnings_open)
 
     @contextlib.contextmanager
     def base_lr(self) -> Iterator[None]:
@@ -457,7 +465,9 @@ class TorchGuard(GuardCheckpoints, GuardFeedback):
         return d
 
     def detach(self) -> None:
-        """Remove every hook this guard installed (and stop its watchdog)."""
+        """Observe a pending step (:meth:`flush`), remove every hook this guard installed (and
+        stop its watchdog)."""
+        self._flush_quietly()
         self.multiplier.remove()
         self.collector.remove()
         if self.watchdog is not None:
@@ -490,11 +500,6 @@ def _activation_names(model: torch.nn.Module, activations: Any) -> Any:
                                  "is not a module of the model (see model.named_modules()).")
             out[str(a) or "model"] = mods[str(a)]
     return out
-
-
-def _tightest(a: float | None, b: float | None) -> float | None:
-    vals = [v for v in (a, b) if v is not None and math.isfinite(v) and v > 0]
-    return min(vals) if vals else None
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,

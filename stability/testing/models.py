@@ -170,19 +170,20 @@ def make_schedule(name: str, steps: int) -> Callable[[int], float]:
     return SCHEDULES[name](steps, max(1, steps // 10))
 
 
-def precision_context(name: str) -> tuple[Callable[[], Any], Any]:
+def precision_context(name: str, device: str = "cpu") -> tuple[Callable[[], Any], Any]:
     """``(autocast context factory, GradScaler or None)`` for precision ``name``.
 
-    ``fp16`` uses CPU autocast in float16 with a ``torch.amp.GradScaler("cpu")`` (initial scale
-    2**12, so a short run sees both growth and overflow back-off).
+    ``fp16`` uses autocast in float16 with a ``torch.amp.GradScaler(device)`` (initial scale
+    2**12, so a short run sees both growth and overflow back-off).  ``device`` is the device
+    type (``"cpu"`` or ``"cuda"``).
     """
     if name == "fp32":
         return contextlib.nullcontext, None
     if name == "bf16":
-        return (lambda: torch.autocast("cpu", dtype=torch.bfloat16)), None
+        return (lambda: torch.autocast(device, dtype=torch.bfloat16)), None
     if name == "fp16":
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=100)
-        return (lambda: torch.autocast("cpu", dtype=torch.float16)), scaler
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=100)
+        return (lambda: torch.autocast(device, dtype=torch.float16)), scaler
     raise ValueError(f"The 'precision' parameter must be one of {PRECISIONS}. "
                      f"Got {name!r} instead.")
 

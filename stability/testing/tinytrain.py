@@ -106,7 +106,8 @@ def evaluate(model: nn.Module, task: Task) -> float:
     """Mean loss over the task's fixed held-out batches."""
     was = model.training
     model.eval()
-    vals = [float(task.loss_fn(model, x, y)) for x, y in task.val_batches]
+    dev = next(model.parameters()).device
+    vals = [float(task.loss_fn(model, x.to(dev), y.to(dev))) for x, y in task.val_batches]
     model.train(was)
     return float(np.mean(vals))
 
@@ -130,6 +131,7 @@ def train_run(
     optimizer: str = "adamw",
     precision: str = "fp32",
     schedule: str = "warmup_cosine",
+    device: str = "cpu",
 ) -> RunResult:
     """Train a tiny model for ``steps`` data positions, optionally with a fault and a monitor.
 
@@ -161,20 +163,24 @@ def train_run(
     optimizer, precision, schedule : str
         See :data:`.models.OPTIMIZERS`, :data:`.models.PRECISIONS` and
         :data:`.models.SCHEDULES` (defaults: AdamW, fp32, warm-up + cosine).
+    device : str
+        Where the model trains (``"cpu"``, ``"cuda"``, ``"cuda:1"``); batches are made on the
+        CPU and moved there, so a run's data is the same on every device.
 
     Returns
     -------
     RunResult
     """
     task = make_task(model, seed, batch_size)
-    net = task.make_model()
+    dev = torch.device(device)
+    net = task.make_model().to(dev)
     net.train()
     from .models import make_optimizer, make_schedule, precision_context
 
     opt = make_optimizer(optimizer, net.parameters(), lr, task.lr)
     clock = {"it": 0, "lr_it": 0}  # lr_it: the iteration the scheduler computes the LR for
     sched_fn = make_schedule(schedule, steps)
-    autocast, scaler = precision_context(precision)
+    autocast, scaler = precision_context(precision, dev.type)
     inj = FaultInjector(fault, task, net)
 
     def lam(s: int) -> float:
@@ -203,7 +209,7 @@ def train_run(
         for pos in positions:
             it = clock["it"]
             inj.before_forward(it)
-            x, y = inj.batch(pos)
+            x, y = (t.to(dev) for t in inj.batch(pos))
             ts = time.perf_counter()
             with autocast():
                 loss = task.loss_fn(net, x, y)
