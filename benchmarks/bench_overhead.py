@@ -5,9 +5,9 @@ For three models trained on CPU with ``torch.set_num_threads(1)`` -- the MLP and
 and a guarded copy of the same model (same initial weights, same batches) take steps in turn in
 one process (bare, guarded, bare, guarded, ...), so that the load of a shared machine hits both
 alike.  The guard runs with its default settings (``TorchGuard(model, opt, monitor=Monitor())``:
-gradient norms every step, ``param_norm`` and sampled update ratios every ``update_ratio_every``
-(4) steps, no activation hooks, in-memory checkpoint every 100 steps -- the benchmark's steps
-stay below 100 after the warm-up, so no checkpoint is timed).
+gradient norms every step, ``param_norm`` every ``param_norm_every`` (2) steps, sampled update
+ratios every ``update_ratio_every`` (4) steps, no activation hooks, in-memory checkpoint every 100
+steps -- the benchmark's steps stay below 100 after the warm-up, so no checkpoint is timed).
 
 With ``--bare-clip`` each model gets a second, separately labelled row (``+clip``) against a
 loop that clips: the bare loop calls ``torch.nn.utils.clip_grad_norm_(params, 1.0)`` after
@@ -17,16 +17,16 @@ guard's read of the gradients is not extra.  The plain row is always printed too
 
 Printed per model:
 
-* ``overhead``: median over windows of ``update_ratio_every`` consecutive step pairs of the
-  window's mean ``guarded - bare``, over ``median(bare)``; also in ms (the order within a pair
-  alternates).  Any such window holds exactly one step that reads the weights, so this is the
-  cost per step averaged over the cadence (a plain median over steps would only show the
-  cheaper steps).  ``work``: the time spent in ``guard.step()`` minus the optimizer's own
-  ``step()`` (optimizer step hooks) and ``zero_grad()`` (both are the bare loop's work too), as
-  a fraction of the bare step, with the same windows -- the guard's own work measured
-  directly, far less noisy than a difference of two steps.  In a ``+clip`` row the guard
-  clips for the loop, so the bare loop's ``clip_grad_norm_`` time of the same pair is
-  subtracted too.
+* ``overhead``: median over windows of k consecutive step pairs (k = the least common
+  multiple of the two cadences) of the window's mean ``guarded - bare``, over ``median(bare)``;
+  also in ms (the order within a pair alternates).  Any such window holds the same number of
+  steps that read the weights, so this is the cost per step averaged over the cadence (a plain
+  median over steps would only show the cheaper steps).  ``work``: the time spent in
+  ``guard.step()`` minus the optimizer's own ``step()`` (optimizer step hooks) and
+  ``zero_grad()`` (both are the bare loop's work too), as a fraction of the bare step, with the
+  same windows -- the guard's own work measured directly, far less noisy than a difference of
+  two steps.  In a ``+clip`` row the guard clips for the loop, so the bare loop's
+  ``clip_grad_norm_`` time of the same pair is subtracted too.
   On CPU the times are the thread's CPU time (``time.thread_time``: with one torch thread all
   the work runs on it), which other processes' load disturbs far less than wall time; the
   wall-time fraction is printed beside it.
@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -228,7 +229,8 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
     kw: dict[str, Any] = {} if every is None else {"update_ratio_every": every}
     guard = TorchGuard(guarded, opt_g, monitor=Monitor("default"), log_interventions=False,
                        update_ratio=update_ratio, clip_norm=clip, **kw)
-    k = max(1, guard.collector.update_ratio_every)
+    k = math.lcm(max(1, guard.collector.update_ratio_every),
+                 max(1, guard.collector.param_norm_every))
     n_params = sum(p.numel() for p in guarded.parameters())
     p_bytes = sum(p.numel() * p.element_size() for p in guarded.parameters())
     counters = Counters()
@@ -427,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target: <= {100 * TARGET_BIG:.0f}% on the >= 10M model{against}: step difference "
               f"{100 * r['overhead']:.1f}%, guard work {100 * r['work_overhead']:.1f}% "
               f"({'met' if est <= TARGET_BIG else 'MISSED'} on the larger of the two; "
-              f"update_ratio_every={r['every']})")
+              f"cadence window {r['every']} steps)")
     for r in rows:
         if "(" not in r["model"] and r["clip"] is None:
             frac = r["copied_bytes"] / r["param_bytes"]

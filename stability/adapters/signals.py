@@ -4,13 +4,10 @@
 
 * the global gradient norm before clipping and per-layer gradient norms, fused:
   ``torch._foreach_norm`` over all gradients, then one ``index_add_`` to sum squares per layer;
-* the global weight norm ``param_norm``, every step, from per-tensor norms of which each is
-  re-read every ``param_norm_every`` steps (:data:`PARAM_NORM_EVERY` = 4): the tensors are split
-  into k phases of about equal size and step ``s`` re-reads phase ``s % k``, so a step reads
-  about 1/k of the weights and a change of any tensor shows within k - 1 steps.  (Reporting
-  the exact norm every k steps instead was tried: ``weight_jump`` counts its warm-up in
-  values, so on a sparse series the warm-up spans 20 k steps, which lost two short GPT
-  ``weight_scale`` rescues in ``bench_rescue.py --quick``);
+* the global weight norm ``param_norm`` on the steps ``s % param_norm_every == 0``
+  (:data:`PARAM_NORM_EVERY` = 2; missing -- "not logged on this step" -- on the others).  The
+  ``weight_jump`` detector counts its warm-up (20) in values: at k = 4 it spanned 80 steps and
+  lost two short GPT ``weight_scale`` rescues in ``bench_rescue.py --quick``;
 * the update-to-weight ratio ``||w_t+1 - w_t|| / ||w_t||`` per layer every
   ``update_ratio_every`` steps (:data:`UPDATE_RATIO_EVERY` = 4 by default: the steps
   ``s % 4 == 0``; ``1`` = every step).  On the other steps it is missing ("not logged on this
@@ -23,11 +20,11 @@
     elements in blocks of 16 contiguous ones spread over the rows (:func:`_sample_index`;
     smaller tensors are copied whole).  After the step ``||dw||^2`` of a tensor is estimated
     as ``n / m * sum(dw_i^2)`` over its ``m`` sampled elements, summed per layer, against
-    the latest per-tensor weight norms of ``param_norm``.  It measures the optimizer's real
-    update (momentum, Adam, weight decay, clipping, LR factor) on the same coordinates every
-    step.  Against ``"exact"`` (``tests/adapters/test_update_ratio_sampled.py``, tolerance
-    7%): AdamW within about 1% (MLP, char-GPT, 12.9M transformer), SGD with momentum within
-    2-6%.  A spike confined to unsampled coordinates is underestimated; ``param_norm`` sees it.
+    the exact per-tensor weight norms.  It measures the optimizer's real update (momentum,
+    Adam, weight decay, clipping, LR factor) on the same coordinates every step.  Against
+    ``"exact"`` (``tests/adapters/test_update_ratio_sampled.py``, tolerance 7%): AdamW within
+    about 1% (MLP, char-GPT, 12.9M transformer), SGD with momentum within 2-6%.  A spike
+    confined to unsampled coordinates is underestimated; ``param_norm`` sees it.
   - ``"exact"``: a full copy of every parameter when due.
 
   Every-step, exact measurement (the most expensive): ``update_ratio_every=1,
@@ -48,8 +45,8 @@ names of the convention: ``grad_norm/<layer>``, ``update_ratio/<layer>``,
 ``act_mean|act_std|act_absmax|act_kurtosis/<layer>``.
 
 Overhead (``benchmarks/bench_overhead.py``): per step the guard reads every gradient once (the
-norms, reused for clipping: a loop that clips pays no second norm) and about 1/k of the weights
-(``param_norm``); every ``update_ratio_every`` steps it gathers the update-ratio sample twice.
+norms, reused for clipping: a loop that clips pays no second norm); every ``param_norm_every``
+steps every weight once; every ``update_ratio_every`` steps the update-ratio sample twice.
 No full parameter is copied.
 """
 
@@ -75,7 +72,7 @@ SAMPLE_BLOCK = 16
 #: Default cadences of the update ratios and of the per-tensor weight norms (see the module
 #: docstring and ``docs/notes/cheapguard.md``).
 UPDATE_RATIO_EVERY = 4
-PARAM_NORM_EVERY = 4
+PARAM_NORM_EVERY = 2
 
 
 def layer_of(param_name: str, depth: int | None = None) -> str:
@@ -150,10 +147,9 @@ class SignalCollector:
         missing on the others; 0 = never).  Default :data:`UPDATE_RATIO_EVERY`.  The step is
         the one given to :meth:`before_step`.
     param_norm_every : int
-        Re-read each tensor's weight norm every this many steps (one of k phases per step;
-        ``param_norm`` is reported every step; 1 = all exact every step, 0 = no
-        ``param_norm``).  Default :data:`PARAM_NORM_EVERY`.  The step is the one given to
-        :meth:`begin_step` (else counted by :meth:`after_step`).  Also an attribute.
+        Measure ``param_norm`` on the steps ``s % k == 0`` (missing on the others; 0 = never).
+        Default :data:`PARAM_NORM_EVERY`.  The step is the one given to :meth:`begin_step`
+        (else counted by :meth:`after_step`).  Also an attribute.
     update_ratio : {"sampled", "exact"}
         ``"sampled"`` (default) copies at most ``update_ratio_samples`` strided elements per
         tensor; ``"exact"`` copies every parameter when a ratio is due.
@@ -225,8 +221,7 @@ class SignalCollector:
         self._step = 0  # the step being collected (begin_step, else counted by after_step)
         self._pending_ratio: torch.Tensor | None = None
         self._snapshot: list[torch.Tensor] | None = None
-        self._pn: torch.Tensor | None = None  # latest per-tensor weight norms
-        self._phases: tuple[int, list[list[int]], dict[Any, torch.Tensor]] | None = None
+        self._pn: torch.Tensor | None = None  # per-tensor weight norms of this step
         self._scale: torch.Tensor | None = None  # n / m per tensor (sampled mode)
         self._idx_cache: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._act_on = False
@@ -267,29 +262,6 @@ class SignalCollector:
         if not self._act_on:
             self._act.clear()
 
-    def _weight_norms(self, step: int, device: torch.device) -> torch.Tensor:
-        """Per-tensor weight norms: ``step``'s phase re-read, the others' latest (all when
-        none are known or ``param_norm_every <= 1``)."""
-        k = self.param_norm_every
-        if self._pn is None or k <= 1 or self._pn.device != device:
-            self._pn = _stack_f32(torch._foreach_norm([p.detach() for p in self.params]), device)
-            return self._pn
-        if self._phases is None or self._phases[0] != k:  # largest first into the lightest
-            load, bins = [0] * k, [[] for _ in range(k)]  # type: ignore[var-annotated]
-            for i in sorted(range(len(self.params)), key=lambda i: -self.params[i].numel()):
-                b = min(range(k), key=load.__getitem__)
-                bins[b].append(i)
-                load[b] += self.params[i].numel()
-            self._phases = (k, [sorted(b) for b in bins], {})
-        part, idx = self._phases[1][step % k], self._phases[2]
-        if part:
-            if (step % k, device) not in idx:
-                idx[step % k, device] = torch.tensor(part, dtype=torch.long, device=device)
-            norms = _stack_f32(torch._foreach_norm([self.params[i].detach() for i in part]),
-                               device)
-            self._pn.index_copy_(0, idx[step % k, device], norms)
-        return self._pn
-
     # ------------------------------------------------------------------ gradients
     def _index(self, mask: tuple[bool, ...], device: torch.device) -> torch.Tensor:
         if self._idx_cache is None or self._idx_cache[0] != mask:
@@ -319,10 +291,12 @@ class SignalCollector:
         layer = self._group_norms(grads, mask, device)
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
-        if self.params and self.param_norm_every > 0:
+        every, self._pn = self.param_norm_every, None
+        if self.params and every > 0 and self._step % every == 0:
             # global weight norm (weight-corruption evidence: an abrupt jump between two steps);
             # the per-tensor norms are kept for the update ratio's denominator
-            pn = self._weight_norms(self._step, device)
+            pn = self._pn = _stack_f32(torch._foreach_norm([p.detach() for p in self.params]),
+                                       device)
             parts.append(pn.square().sum().sqrt().reshape(1))
             names.append("param_norm")
         scalars_in = dict(extra or {})
@@ -400,15 +374,15 @@ class SignalCollector:
                 return
             self._snapshot = [t.clone() if t.data_ptr() == p.data_ptr() else t
                               for t, p in zip(self._samples(), self.params, strict=False)]
-            if self._pn is None or not self.param_norm_every:  # none kept by collect()
-                self._pn = None
-                self._weight_norms(step, self.params[0].device)
+            if self._pn is None:  # not measured by collect() this step
+                self._pn = _stack_f32(
+                    torch._foreach_norm([p.detach() for p in self.params]), self.params[0].device)
 
     def after_step(self, stepped: bool = True) -> None:
         """Call right after ``optimizer.step()`` (or a skipped step, ``stepped=False``)."""
         self._step += 1
         snap, self._snapshot = self._snapshot, None
-        wnorms = self._pn
+        wnorms, self._pn = self._pn, None
         if snap is None or not stepped or not self.params:
             return
         device = self.params[0].device
@@ -439,7 +413,7 @@ class SignalCollector:
         """Forget pending measurements (after a rollback)."""
         self._pending_ratio = None
         self._snapshot = None
-        self._pn = None  # the weights were restored: re-read all of them
+        self._pn = None
         self._act.clear()
 
     def remove(self) -> None:
