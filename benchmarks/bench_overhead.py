@@ -230,7 +230,7 @@ def bench_model(name: str, pairs: int, warmup: int, device: torch.device,
     guard = TorchGuard(guarded, opt_g, monitor=Monitor("default"), log_interventions=False,
                        update_ratio=update_ratio, clip_norm=clip, **kw)
     k = math.lcm(max(1, guard.collector.update_ratio_every),
-                 max(1, guard.collector.param_norm_every))
+                 max(1, getattr(guard.collector, "param_norm_every", 1)))  # (older guards)
     n_params = sum(p.numel() for p in guarded.parameters())
     p_bytes = sum(p.numel() * p.element_size() for p in guarded.parameters())
     counters = Counters()
