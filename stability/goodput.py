@@ -154,8 +154,11 @@ class GoodputTracker:
 
     def update(self, step: int, *, skipped: bool = False, degraded: bool = False) -> None:
         """Count one optimizer step."""
+        self._count(step, skipped, degraded)
+
+    def _count(self, step: int, skipped: bool, degraded: bool) -> None:
         self._requested = None  # a requested rollback is final once the next step runs
-        dt = self._close()
+        dt = self._close() if self.timing else 0.0
         self.steps += 1
         self.time_total += dt
         if skipped:
@@ -167,8 +170,8 @@ class GoodputTracker:
             self.degraded_steps += 1
             self.time_degraded += dt
         self._last_dt = -1.0 if skipped else dt  # -1: already skipped
-        self.last_step = int(step)
-        self._history.append((self.last_step, self._cum))
+        self.last_step = step = int(step)
+        self._history.append((step, self._cum))
 
     def update_many(self, steps: Any, *, skipped: bool = False, degraded: bool = False) -> None:
         """:meth:`update` for each of ``steps`` (increasing ints) in order, in bulk while the
@@ -204,8 +207,8 @@ class GoodputTracker:
         monitor feeds the ledger (live and in replay), so an adapter never counts a rollback
         twice.
         """
-        self.update(step, skipped=control.skip_step,
-                    degraded=control.lr_factor < 1.0 or control.clip_norm is not None)
+        self._count(step, control.skip_step,
+                    control.lr_factor < 1.0 or control.clip_norm is not None)
         if control.rollback_to is not None:
             self.note_rollback(step, control.rollback_to, _requested=True)
 
