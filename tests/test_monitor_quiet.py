@@ -28,7 +28,7 @@ LAYERS = ["a", "b", "c"]
 def _stream(n: int = 120, seed: int = 0) -> list[tuple[dict, dict]]:
     rng = np.random.default_rng(seed)
     out = []
-    for s in range(n):
+    for _ in range(n):
         m = {"loss": float(np.exp(rng.normal(0.7, 0.02))), "lr": 1e-3,
              "grad_norm": float(np.exp(rng.normal(0, 0.05)))}
         f = {"grad_norm": np.exp(rng.normal(0, 0.05, len(LAYERS))),
