@@ -266,7 +266,7 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
             self._relayout()
         fused = self._fused  # capture + gather + every bank + alarm count: one native call
         if fused:
-            n_alarms = fused_step(self._vals, self._present, *fused.args)
+            n_alarms = fused_step(*self._fused_args)
         else:
             n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
                                       self._tslots, self._tracked)

@@ -149,6 +149,7 @@ class LayoutMixin:
     _gather: GatherPlan
     _calls: list[tuple[Any, Any, Any]]
     _fused: FusedPlan | None
+    _fused_args: tuple[np.ndarray, ...]
     _fused_wait: bool  # no fused plan yet: kernels compile in the background
     _tslots: np.ndarray
     _tracked: np.ndarray
@@ -167,6 +168,7 @@ class LayoutMixin:
         self._key_plans: list[KeyPlan] = []
         self._dirty = True
         self._fused = None
+        self._fused_args = ()
         self._fused_wait = False
         self._tslots = np.zeros(N_TRACKED, dtype=np.int64)  # grad_norm, lr, loss, val_loss
         self._tracked = np.zeros(2 * N_TRACKED)  # ... their values and presence (capture)
@@ -325,6 +327,8 @@ class LayoutMixin:
         # one native call per step (gather + banks + alarm count); None: the plain path
         self._fused = build_fused_plan(sb, [b.det for b in bs], [b.n_inputs for b in bs],
                                        counts)
+        # the driver's whole argument tuple (the slot vector is replaced only with a relayout)
+        self._fused_args = (self._vals, self._present, *self._fused.args) if self._fused else ()
         self._fused_wait = self._fused is None and compiling()  # kernels compile aside
         self._dirty = False
 
