@@ -154,9 +154,6 @@ class GoodputTracker:
 
     def update(self, step: int, *, skipped: bool = False, degraded: bool = False) -> None:
         """Count one optimizer step."""
-        self._count(step, skipped, degraded)
-
-    def _count(self, step: int, skipped: bool, degraded: bool) -> None:
         self._requested = None  # a requested rollback is final once the next step runs
         dt = self._close() if self.timing else 0.0
         self.steps += 1
@@ -207,8 +204,8 @@ class GoodputTracker:
         monitor feeds the ledger (live and in replay), so an adapter never counts a rollback
         twice.
         """
-        self._count(step, control.skip_step,
-                    control.lr_factor < 1.0 or control.clip_norm is not None)
+        self.update(step, skipped=control.skip_step,
+                    degraded=control.lr_factor < 1.0 or control.clip_norm is not None)
         if control.rollback_to is not None:
             self.note_rollback(step, control.rollback_to, _requested=True)
 
