@@ -387,8 +387,6 @@ class LayoutMixin:
         keys = [*metrics]
         plans = self._key_plans
         plan = plans[0] if plans and plans[0].keys == keys else self._key_plan(keys)
-        slots, rng = plan.slots, plan.block
-        vals, present = self._vals, self._present
         values = metrics.values()
         if plan.valid and _PLAIN.issuperset(map(type, values)):
             buf = plan.buf
@@ -397,13 +395,15 @@ class LayoutMixin:
             except (TypeError, ValueError, OverflowError, struct.error):
                 pass
             else:
+                rng = plan.block
                 if rng is not None:
                     self._vals_mv[rng] = buf
                     self._present_mv[rng] = plan.ones
                 else:
-                    vals[slots] = plan.arr
-                    present[slots] = True
+                    self._vals[plan.slots] = plan.arr
+                    self._present[plan.slots] = True
                 return
+        vals, present, slots = self._vals, self._present, plan.slots
         for k, v, s in zip(keys, values, slots.tolist(), strict=True):
             if s == _SCRATCH or v is None:
                 continue
