@@ -9,6 +9,7 @@
 Run::
 
     python benchmarks/bench_monitor.py [--steps 20000] [--layers 128] [--breakdown] [--cold]
+                                       [--cpu] [--families-only]
 
 ``--breakdown`` also times the parts of one step separately (private monitor internals; the
 figures are best-of-repeats, so they do not add up exactly on a loaded machine): the fills, the
@@ -16,6 +17,9 @@ fused step (gather + every bank + alarm count in one Numba call, :mod:`stability
 split into gather / call overhead and the banks' arithmetic, then each bank alone), the
 policy's per-step tracking, the decision and goodput bookkeeping, and for comparison the plain
 path it replaces.
+``--cpu`` times the blocks in process CPU time instead of wall time (on a shared, loaded machine:
+compare two checkouts by running them alternately and taking medians); ``--families-only``
+skips (b).
 ``--cold`` times the first ``observe()`` in a fresh process with an empty ``NUMBA_CACHE_DIR``
 (every kernel and the fused driver compiled) and again with that cache filled (wall and CPU
 seconds: on a loaded machine the CPU figure is the one to compare).
@@ -133,8 +137,8 @@ class PlainMonitor(Monitor):
         self._fused = None
 
 
-def bench(steps: int, layers: int, keyed: bool, preset: str, parts: bool = False
-          ) -> tuple[float, float]:
+def bench(steps: int, layers: int, keyed: bool, preset: str, parts: bool = False,
+          cpu: bool = False) -> tuple[float, float]:
     """Best-block µs/step of the monitor and of the plain path, fed the same stream in
     alternating blocks (same load for both)."""
     names = [f"L{i}" for i in range(layers)]
@@ -163,14 +167,15 @@ def bench(steps: int, layers: int, keyed: bool, preset: str, parts: bool = False
             mon.observe(t, *inputs[t])
     block = 250
     per_block: list[list[float]] = [[], []]
+    clock = time.process_time if cpu else time.perf_counter
     for lo in range(warm, steps - block + 1, block):
         for k, mon in enumerate(mons):
             obs = mon.observe
-            t0 = time.perf_counter()
+            t0 = clock()
             for t in range(lo, lo + block):
                 m, f = inputs[t]
                 obs(t, m, f)
-            per_block[k].append(1e6 * (time.perf_counter() - t0) / block)
+            per_block[k].append(1e6 * (clock() - t0) / block)
     mon = mons[0]
     assert mon.counters == mons[1].counters  # same decisions
     best, med = min(per_block[0]), float(np.median(per_block[0]))
@@ -226,15 +231,20 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="time the parts of one step")
     ap.add_argument("--cold", action="store_true",
                     help="also time the first observe() with an empty, then a warm Numba cache")
+    ap.add_argument("--cpu", action="store_true", help="time blocks in process CPU time")
+    ap.add_argument("--families-only", action="store_true", help="skip (b), separate keys")
     a = ap.parse_args()
     print(f"Monitor.observe(), preset {a.preset!r}, {len(SCALARS)} scalars + {a.layers} layers x "
           f"({len(STATS)} act stats + grad_norm), {a.steps} steps, policy included")
-    fa, pa = bench(a.steps, a.layers, keyed=False, preset=a.preset, parts=a.breakdown)
-    fb, pb = bench(a.steps, a.layers, keyed=True, preset=a.preset, parts=a.breakdown)
+    fa, pa = bench(a.steps, a.layers, keyed=False, preset=a.preset, parts=a.breakdown,
+                   cpu=a.cpu)
     print(f"(a) families as arrays: {fa:.2f} us/step (best block; target <= 10; plain path "
           f"{pa:.2f})")
-    print(f"(b) separate keys:      {fb:.2f} us/step (best block; target <= 100; plain path "
-          f"{pb:.2f})")
+    if not a.families_only:
+        fb, pb = bench(a.steps, a.layers, keyed=True, preset=a.preset, parts=a.breakdown,
+                       cpu=a.cpu)
+        print(f"(b) separate keys:      {fb:.2f} us/step (best block; target <= 100; plain "
+              f"path {pb:.2f})")
     if a.cold:
         cold_start(a.preset, a.layers)
 

@@ -230,7 +230,8 @@ def train_one(cfg: Config, fault: Fault | None, run_id: str, runs_dir: Path,
         train_run(cfg.arch, cfg.steps, cfg.seed, spec, recorder=rec, eval_every=eval_every,
                   checkpoint_every=0, on_step=_StopAfterNaN(), optimizer=cfg.optimizer,
                   precision=cfg.precision, schedule=cfg.schedule,
-                  guard_kwargs={"activations": ACTIVATIONS[cfg.arch], "activation_every": 10})
+                  guard_kwargs={"activations": ACTIVATIONS[cfg.arch], "activation_every": 10,
+                                "update_ratio_every": 1})  # dense weight signals in the data
     parts = sorted(tmp.glob("part-*.parquet"))
     if len(parts) != 1:
         raise RuntimeError(f"{run_id}: expected one part file, got {len(parts)}")

@@ -155,7 +155,7 @@ class GoodputTracker:
     def update(self, step: int, *, skipped: bool = False, degraded: bool = False) -> None:
         """Count one optimizer step."""
         self._requested = None  # a requested rollback is final once the next step runs
-        dt = self._close()
+        dt = self._close() if self.timing else 0.0
         self.steps += 1
         self.time_total += dt
         if skipped:
@@ -167,8 +167,8 @@ class GoodputTracker:
             self.degraded_steps += 1
             self.time_degraded += dt
         self._last_dt = -1.0 if skipped else dt  # -1: already skipped
-        self.last_step = int(step)
-        self._history.append((self.last_step, self._cum))
+        self.last_step = step = int(step)
+        self._history.append((step, self._cum))
 
     def update_many(self, steps: Any, *, skipped: bool = False, degraded: bool = False) -> None:
         """:meth:`update` for each of ``steps`` (increasing ints) in order, in bulk while the

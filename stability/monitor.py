@@ -266,7 +266,7 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
             self._relayout()
         fused = self._fused  # capture + gather + every bank + alarm count: one native call
         if fused:
-            n_alarms = fused_step(self._vals, self._present, *fused.args)
+            n_alarms = fused_step(*self._fused_args)
         else:
             n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
                                       self._tslots, self._tracked)
@@ -274,7 +274,7 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
                 self._dirty = True  # the next step builds the fused plan
         g, lr, loss, val, g_on, lr_on, loss_on, val_on = self._tracked.tolist()
         tivs = self._track_values(s, lr if lr_on else None, loss if loss_on else None,
-                                  val if val_on else None)
+                                  val if val_on else None) if lr_on or loss_on or val_on else ()
         self.last_step = s
         return self._finish_step(s, self._live_rows() if n_alarms else None,
                                  g if g_on else None, tivs, tuple(skipped) if skipped else ())
@@ -289,6 +289,23 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
         ``rows`` holds each binding's ``(binding, scores, alarms)`` of step ``s`` when any bank
         alarmed (``None`` otherwise); ``tivs`` are the interventions :meth:`_track` returned.
         """
+        if rows is None and not tivs and not self._policy_dirty:
+            # a quiet step (the common case): the same effect as the general path below, with
+            # nothing to decide -- no policy step, no emit, the shared snapshot
+            if gnow is not None and math.isfinite(gnow):
+                self._grad_hist.append(gnow)
+                self._grad_last = gnow
+            snap = self._snap
+            if snap is None:
+                snap = self._snapshot()
+            d = _decision(s, (), (), snap, skipped)
+            self.goodput.update_from_control(s, snap)
+            counters = self.counters
+            counters["steps"] = n = counters["steps"] + 1
+            every = self.goodput_every
+            if every and n % every == 0 and self.event_log is not None:
+                self._log_goodput()
+            return d
         if rows is not None:
             alarms = self._make_alarms(s, rows)
             ivs = self._policy_step(s, alarms, gnow)

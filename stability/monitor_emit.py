@@ -20,14 +20,19 @@ __all__ = ["EmitMixin"]
 
 logger = logging.getLogger("stability.monitor")
 
+_new = object.__new__
 _NF_NAMES = {1.0: "NaN", 2.0: "+inf", 3.0: "-inf"}  # the nonfinite kernel's scores
 
 
 def _decision(step: int, alarms: tuple[Alarm, ...], ivs: tuple[Intervention, ...],
               control: Control, skipped: tuple[str, ...]) -> Decision:
-    d = object.__new__(Decision)
-    d.__dict__.update(step=step, alarms=alarms, interventions=ivs, control=control,
-                      skipped=skipped)
+    d = _new(Decision)  # frozen: the fields go straight into the instance dict
+    f = d.__dict__
+    f["step"] = step
+    f["alarms"] = alarms
+    f["interventions"] = ivs
+    f["control"] = control
+    f["skipped"] = skipped
     return d
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -53,6 +54,9 @@ class KeyPlan(NamedTuple):
     valid: bool              # every key is a valid name
     block: slice | None      # the slots form this contiguous range
     ones: bytes              # one 0x01 byte per key: "present" for the block
+    pack: Any                # ``struct.Struct(f"{n}d").pack_into``: the values, as doubles...
+    buf: array               # ... into this buffer (then one copy into the slot vector)
+    arr: np.ndarray          # ``buf`` as float64 (for scattered slots)
 
 
 class FamilyPlan(NamedTuple):
@@ -63,6 +67,7 @@ class FamilyPlan(NamedTuple):
     shapes: list[tuple[int]]
     spans: list[slice]       # each family's part of the block
     ones: bytes              # ``hi - lo`` bytes 0x01: "present" for the block
+    block: slice             # ``[lo, hi)``
 
 
 class Family(NamedTuple):
@@ -144,6 +149,7 @@ class LayoutMixin:
     _gather: GatherPlan
     _calls: list[tuple[Any, Any, Any]]
     _fused: FusedPlan | None
+    _fused_args: tuple[np.ndarray, ...]
     _fused_wait: bool  # no fused plan yet: kernels compile in the background
     _tslots: np.ndarray
     _tracked: np.ndarray
@@ -162,6 +168,7 @@ class LayoutMixin:
         self._key_plans: list[KeyPlan] = []
         self._dirty = True
         self._fused = None
+        self._fused_args = ()
         self._fused_wait = False
         self._tslots = np.zeros(N_TRACKED, dtype=np.int64)  # grad_norm, lr, loss, val_loss
         self._tracked = np.zeros(2 * N_TRACKED)  # ... their values and presence (capture)
@@ -320,6 +327,8 @@ class LayoutMixin:
         # one native call per step (gather + banks + alarm count); None: the plain path
         self._fused = build_fused_plan(sb, [b.det for b in bs], [b.n_inputs for b in bs],
                                        counts)
+        # the driver's whole argument tuple (the slot vector is replaced only with a relayout)
+        self._fused_args = (self._vals, self._present, *self._fused.args) if self._fused else ()
         self._fused_wait = self._fused is None and compiling()  # kernels compile aside
         self._dirty = False
 
@@ -355,9 +364,8 @@ class LayoutMixin:
             return None
         return s
 
-    def _key_plan(self, metrics: Mapping[Any, Any]) -> KeyPlan:
-        """Slots of ``metrics``' keys, cached for the two most recent key layouts."""
-        keys = list(metrics)
+    def _key_plan(self, keys: list[Any]) -> KeyPlan:
+        """Slots of the metric names ``keys``, cached for the two most recent key layouts."""
         plans = self._key_plans
         for plan in plans:
             if plan.keys == keys:
@@ -369,27 +377,33 @@ class LayoutMixin:
         n = len(slots)
         rng = (slice(slots[0], slots[0] + n) if n and ok and
                slots == list(range(slots[0], slots[0] + n)) else None)
-        plan = KeyPlan(keys, np.array(slots, dtype=np.int64), ok, rng, b"\x01" * n)
+        buf = array("d", bytes(8 * n))
+        plan = KeyPlan(keys, np.array(slots, dtype=np.int64), ok, rng, b"\x01" * n,
+                       struct.Struct(f"{n}d").pack_into, buf, np.frombuffer(buf))
         self._key_plans = [plan] + plans[:1]
         return plan
 
     def _fill(self, metrics: Mapping[Any, Any], skipped: list[str]) -> None:
-        keys, slots, ok, rng, ones = self._key_plan(metrics)
-        vals, present = self._vals, self._present
-        values = list(metrics.values())
-        if ok and _PLAIN.issuperset(map(type, values)):
-            try:  # fast path: plain Python / NumPy real numbers only
-                buf = array("d", values)
-            except (TypeError, ValueError, OverflowError):
+        keys = [*metrics]
+        plans = self._key_plans
+        plan = plans[0] if plans and plans[0].keys == keys else self._key_plan(keys)
+        values = metrics.values()
+        if plan.valid and _PLAIN.issuperset(map(type, values)):
+            buf = plan.buf
+            try:  # fast path: plain Python / NumPy real numbers only (as ``float()`` converts
+                plan.pack(buf, 0, *values)  # them; a failure leaves the slots untouched)
+            except (TypeError, ValueError, OverflowError, struct.error):
                 pass
             else:
+                rng = plan.block
                 if rng is not None:
                     self._vals_mv[rng] = buf
-                    self._present_mv[rng] = ones
+                    self._present_mv[rng] = plan.ones
                 else:
-                    vals[slots] = np.frombuffer(buf, dtype=np.float64)
-                    present[slots] = True
+                    self._vals[plan.slots] = plan.arr
+                    self._present[plan.slots] = True
                 return
+        vals, present, slots = self._vals, self._present, plan.slots
         for k, v, s in zip(keys, values, slots.tolist(), strict=True):
             if s == _SCRATCH or v is None:
                 continue
@@ -418,37 +432,33 @@ class LayoutMixin:
             hi = fam.block.stop
             shapes.append((len(fam.layers),))
             spans.append(fam.block)
-        return FamilyPlan(lo, hi, shapes, spans, b"\x01" * (hi - lo)) if lo >= 0 else None
+        return FamilyPlan(lo, hi, shapes, spans, b"\x01" * (hi - lo),
+                          slice(lo, hi)) if lo >= 0 else None
 
-    def _fill_families_fast(self, families: Mapping[str, Any]) -> bool:
-        """All given families at once if they fill one contiguous block: float64 arrays of the
-        declared shapes are copied straight in (memoryview), others converted by one
-        ``concatenate``; ``False``: use the checked path."""
+    def _fill_families(self, families: Mapping[str, Any], skipped: list[str]) -> None:
+        # fast path: all given families at once if they fill one contiguous block: float64
+        # arrays of the declared shapes are copied straight in (memoryview), others converted
+        # by one ``concatenate``; anything else goes through the checked path below
         names = tuple(families)
         plan = self._fam_plans.get(names, _NO_PLAN)
         if plan is _NO_PLAN:
             plan = self._fam_plans[names] = self._fam_plan(names)
-        if plan is None:
-            return False
-        lo, hi, shapes, spans, ones = plan
-        vmv = self._vals_mv
-        try:  # the exact format and shape, or an exception (nothing half-written is used)
-            for sl, a in zip(spans, families.values(), strict=True):
-                vmv[sl] = a
-        except Exception:  # e.g. float32, a list, a torch tensor: convert
-            arrs = tuple(families.values())
-            try:
-                if [a.shape for a in arrs] != shapes:
-                    return False
-                np.concatenate(arrs, out=self._vals[lo:hi], casting="same_kind")
-            except Exception:  # anything unusual goes through the checked path
-                return False
-        self._present_mv[lo:hi] = ones
-        return True
-
-    def _fill_families(self, families: Mapping[str, Any], skipped: list[str]) -> None:
-        if self._fill_families_fast(families):
-            return
+        if plan is not None:
+            vmv = self._vals_mv
+            try:  # the exact format and shape, or an exception (nothing half-written is used)
+                for sl, a in zip(plan.spans, families.values(), strict=True):
+                    vmv[sl] = a
+            except Exception:  # e.g. float32, a list, a torch tensor: convert
+                arrs = tuple(families.values())
+                try:
+                    if [a.shape for a in arrs] != plan.shapes:
+                        raise ValueError("shapes")
+                    np.concatenate(arrs, out=self._vals[plan.block], casting="same_kind")
+                except Exception:  # anything unusual goes through the checked path
+                    plan = None
+            if plan is not None:
+                self._present_mv[plan.block] = plan.ones
+                return
         vals, present = self._vals, self._present
         for name, arr in families.items():
             fam = self._families.get(name)

@@ -46,12 +46,15 @@ class RecoveryMixin(PolicyState):
         list of Intervention
             Non-empty only when an LR fault starts or ends.
         """
-        step = int(step)
+        if type(step) is not int:
+            step = int(step)
         out: list[Intervention] = []
         if val is not None:
             self.val.update(step, val, self.loss.fast)
         if loss is not None:
-            self._track_loss(step, loss)
+            # _track_loss, inlined (every step)
+            self.loss.update(loss, step - self._ep.last_seen > self.config.cooldown
+                             and not self.guard.active and self._probation is None)
             if self._probation is not None:
                 out = self._check_probation(step, control)
         if lr is None or not self.config.lr_guard.enabled:

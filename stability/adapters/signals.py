@@ -4,32 +4,34 @@
 
 * the global gradient norm before clipping and per-layer gradient norms, fused:
   ``torch._foreach_norm`` over all gradients, then one ``index_add_`` to sum squares per layer;
-* the update-to-weight ratio ``||w_t+1 - w_t|| / ||w_t||`` per layer (every
-  ``update_ratio_every`` steps).  It is only known after the optimizer step, so it is kept on the
-  device and reported with the *next* step's signals -- that keeps it inside the single host
-  transfer.  Two ways to measure it (``update_ratio=``):
+* the global weight norm ``param_norm`` on the steps ``s % param_norm_every == 0``
+  (:data:`PARAM_NORM_EVERY` = 2; missing -- "not logged on this step" -- on the others).  The
+  ``weight_jump`` detector counts its warm-up (20) in values: at k = 4 it spanned 80 steps and
+  lost two short GPT ``weight_scale`` rescues in ``bench_rescue.py --quick``;
+* the update-to-weight ratio ``||w_t+1 - w_t|| / ||w_t||`` per layer every
+  ``update_ratio_every`` steps (:data:`UPDATE_RATIO_EVERY` = 4 by default: the steps
+  ``s % 4 == 0``; ``1`` = every step).  On the other steps it is missing ("not logged on this
+  step", which the monitor and a replay handle as such).  It is only known after the optimizer
+  step, so it is kept on the device and reported with the *next* step's signals (steps 1, 5,
+  9, ...) -- that keeps it inside the single host transfer.  Two ways (``update_ratio=``):
 
   - ``"sampled"`` (default): no parameter copy.  Before the step a fixed subset of each
-    tensor's elements is gathered (``torch.take``): about ``update_ratio_samples`` (default
-    4096) elements in blocks of 16 contiguous ones (a cache line), spread over every row
-    (or evenly spaced rows of a very tall matrix), the blocks' columns shifting from row to
-    row (:func:`_sample_index`); tensors that small are copied whole, so their part is
-    exact.  After the step ``||dw||^2`` of a tensor is estimated as
-    ``n / m * sum(dw_i^2)`` over its ``m`` sampled elements, summed per layer.  The weight
-    norm ``||w_t||`` is exact (the per-tensor norms the collector computes anyway for
-    ``param_norm``).  It measures the optimizer's real update (momentum, Adam's
-    normalisation, weight decay, clipping and the LR factor included) on a subset of
-    coordinates, the same coordinates every step (so the estimate is consistent from step to
-    step).  Measured against ``"exact"`` (``tests/adapters/test_update_ratio_sampled.py``,
-    tolerance 7%): AdamW within about 1% on an MLP, the char-GPT and a 12.9M transformer;
-    SGD with momentum within 2-6% (its updates are heavy-tailed across rows).  A spike
-    confined to unsampled coordinates of a large tensor is underestimated; ``param_norm``
-    (exact) still sees it.
-  - ``"exact"``: the previous behaviour, a full copy of every parameter when due.
+    tensor's elements is gathered (``torch.take``): about ``update_ratio_samples`` (4096)
+    elements in blocks of 16 contiguous ones spread over the rows (:func:`_sample_index`;
+    smaller tensors are copied whole).  After the step ``||dw||^2`` of a tensor is estimated
+    as ``n / m * sum(dw_i^2)`` over its ``m`` sampled elements, summed per layer, against
+    the exact per-tensor weight norms.  It measures the optimizer's real update (momentum,
+    Adam, weight decay, clipping, LR factor) on the same coordinates every step.  Against
+    ``"exact"`` (``tests/adapters/test_update_ratio_sampled.py``, tolerance 7%): AdamW within
+    about 1% (MLP, char-GPT, 12.9M transformer), SGD with momentum within 2-6%.  A spike
+    confined to unsampled coordinates is underestimated; ``param_norm`` sees it.
+  - ``"exact"``: a full copy of every parameter when due.
 
-  Reading the update back from an optimizer's state (``lr * m_hat / (sqrt(v_hat) + eps)`` for
-  Adam) was not chosen: it would re-implement every optimizer's arithmetic (AMSGrad, maximize,
-  fused/foreach variants, decoupled decay) and silently drift from it;
+  Every-step, exact measurement (the most expensive): ``update_ratio_every=1,
+  param_norm_every=1, update_ratio="exact"``; ``update_ratio_every=0`` turns the ratios off.
+
+  (Reading the update back from an optimizer's state would re-implement, and drift from,
+  every optimizer's arithmetic);
 * per-layer activation statistics of chosen modules via forward hooks (mean, std, abs-max,
   excess kurtosis), every ``activation_every`` steps, on training forwards only, computed on
   the device with one temporary per hooked module (``var_mean`` + ``aminmax`` + one centred
@@ -42,9 +44,10 @@ once (``.tolist()``). Layer families are returned as NumPy arrays for the monito
 names of the convention: ``grad_norm/<layer>``, ``update_ratio/<layer>``,
 ``act_mean|act_std|act_absmax|act_kurtosis/<layer>``.
 
-Overhead: see ``benchmarks/bench_overhead.py`` (fraction of the bare step, extra memory, host
-syncs per step).  The default copies no full parameter: only the sampled update-ratio slices
-(a few KiB per tensor).
+Overhead (``benchmarks/bench_overhead.py``): per step the guard reads every gradient once (the
+norms, reused for clipping: a loop that clips pays no second norm); every ``param_norm_every``
+steps every weight once; every ``update_ratio_every`` steps the update-ratio sample twice.
+No full parameter is copied.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ACT_STATS", "UPDATE_RATIO_MODES", "SignalCollector", "Signals", "layer_of"]
+__all__ = ["ACT_STATS", "PARAM_NORM_EVERY", "UPDATE_RATIO_EVERY", "UPDATE_RATIO_MODES",
+           "SignalCollector", "Signals", "layer_of"]
 
 #: Activation statistics, in the order they are reported.
 ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
@@ -65,6 +69,10 @@ ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
 UPDATE_RATIO_MODES = ("sampled", "exact")
 #: Contiguous elements per sampled block of the ``"sampled"`` update ratio.
 SAMPLE_BLOCK = 16
+#: Default cadences of the update ratios and of the per-tensor weight norms (see the module
+#: docstring and ``docs/notes/cheapguard.md``).
+UPDATE_RATIO_EVERY = 4
+PARAM_NORM_EVERY = 2
 
 
 def layer_of(param_name: str, depth: int | None = None) -> str:
@@ -135,7 +143,13 @@ class SignalCollector:
     per_layer : bool
         Report per-layer gradient norms (the global norm is always reported).
     update_ratio_every : int
-        Measure update/weight ratios every this many steps (0 = never).
+        Measure update/weight ratios on the steps ``s % k == 0`` (reported with step ``s + 1``,
+        missing on the others; 0 = never).  Default :data:`UPDATE_RATIO_EVERY`.  The step is
+        the one given to :meth:`before_step`.
+    param_norm_every : int
+        Measure ``param_norm`` on the steps ``s % k == 0`` (missing on the others; 0 = never).
+        Default :data:`PARAM_NORM_EVERY`.  The step is the one given to :meth:`begin_step`
+        (else counted by :meth:`after_step`).  Also an attribute.
     update_ratio : {"sampled", "exact"}
         ``"sampled"`` (default) copies at most ``update_ratio_samples`` strided elements per
         tensor; ``"exact"`` copies every parameter when a ratio is due.
@@ -165,11 +179,12 @@ class SignalCollector:
         layer_depth: int | None = None,
         layer_fn: Callable[[str], str] | None = None,
         per_layer: bool = True,
-        update_ratio_every: int = 1,
+        update_ratio_every: int = UPDATE_RATIO_EVERY,
         activations: Iterable[str] | Mapping[str, torch.nn.Module] | None = None,
         activation_every: int = 10,
         update_ratio: str = "sampled",
         update_ratio_samples: int = 4096,
+        param_norm_every: int = PARAM_NORM_EVERY,
     ) -> None:
         if update_ratio not in UPDATE_RATIO_MODES:
             raise ValueError("The 'update_ratio' parameter of SignalCollector must be one of "
@@ -178,9 +193,11 @@ class SignalCollector:
                 or update_ratio_samples < 1:
             raise ValueError("The 'update_ratio_samples' parameter of SignalCollector must be an "
                              f"int in the range [1, inf). Got {update_ratio_samples!r} instead.")
-        if update_ratio_every < 0:
-            raise ValueError("The 'update_ratio_every' parameter of SignalCollector must be an "
-                             f"int in the range [0, inf). Got {update_ratio_every} instead.")
+        for nm, v in (("update_ratio_every", update_ratio_every),
+                      ("param_norm_every", param_norm_every)):
+            if v < 0:
+                raise ValueError(f"The '{nm}' parameter of SignalCollector must be an int in "
+                                 f"the range [0, inf). Got {v} instead.")
         if activation_every < 1:
             raise ValueError("The 'activation_every' parameter of SignalCollector must be an "
                              f"int in the range [1, inf). Got {activation_every} instead.")
@@ -194,15 +211,17 @@ class SignalCollector:
         self._group = [index[k] for k in keys]
         self.per_layer = per_layer
         self.update_ratio_every = int(update_ratio_every)
+        self.param_norm_every = int(param_norm_every)
         self.activation_every = int(activation_every)
         self.update_ratio = update_ratio
         self.update_ratio_samples = int(update_ratio_samples)
         # flat element indices of each tensor's sample (None: the whole tensor)
         self._sample_idx = [_sample_index(p.shape, self.update_ratio_samples)
                             for p in self.params]
+        self._step = 0  # the step being collected (begin_step, else counted by after_step)
         self._pending_ratio: torch.Tensor | None = None
         self._snapshot: list[torch.Tensor] | None = None
-        self._weight_norms: torch.Tensor | None = None  # per-tensor norms of this step's weights
+        self._pn: torch.Tensor | None = None  # per-tensor weight norms of this step
         self._scale: torch.Tensor | None = None  # n / m per tensor (sampled mode)
         self._idx_cache: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._act_on = False
@@ -238,6 +257,7 @@ class SignalCollector:
 
     def begin_step(self, step: int) -> None:
         """Call before the forward pass of ``step``: turns activation hooks on when due."""
+        self._step = int(step)
         self._act_on = bool(self.act_names) and step % self.activation_every == 0
         if not self._act_on:
             self._act.clear()
@@ -265,17 +285,19 @@ class SignalCollector:
         """This step's signals as one device vector and its :class:`SignalLayout` (:meth:`collect`
         without the host copy; ``vec[0]`` is the global gradient norm)."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        mask = tuple(p.grad is not None for p in self.params)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads_all = [p.grad for p in self.params]
+        mask = tuple(g is not None for g in grads_all)
+        grads = [g for g in grads_all if g is not None]
         layer = self._group_norms(grads, mask, device)
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
-        if self.params:
+        every, self._pn = self.param_norm_every, None
+        if self.params and every > 0 and self._step % every == 0:
             # global weight norm (weight-corruption evidence: an abrupt jump between two steps);
             # the per-tensor norms are kept for the update ratio's denominator
-            pn = torch._foreach_norm([p.detach() for p in self.params])
-            self._weight_norms = _stack_f32(pn, device)
-            parts.append(self._weight_norms.square().sum().sqrt().reshape(1))
+            pn = self._pn = _stack_f32(torch._foreach_norm([p.detach() for p in self.params]),
+                                       device)
+            parts.append(pn.square().sum().sqrt().reshape(1))
             names.append("param_norm")
         scalars_in = dict(extra or {})
         if loss is not None:
@@ -343,8 +365,8 @@ class SignalCollector:
         full copy of the parameters.
         """
         self._snapshot = None
-        if not (self.update_ratio_every and step % self.update_ratio_every == 0 and self.params):
-            self._weight_norms = None
+        every = self.update_ratio_every
+        if not (self.params and every > 0 and step % every == 0):
             return
         with torch.no_grad():
             if self.update_ratio == "exact":
@@ -352,14 +374,15 @@ class SignalCollector:
                 return
             self._snapshot = [t.clone() if t.data_ptr() == p.data_ptr() else t
                               for t, p in zip(self._samples(), self.params, strict=False)]
-            if self._weight_norms is None:  # collect() did not run this step
-                self._weight_norms = _stack_f32(
+            if self._pn is None:  # not measured by collect() this step
+                self._pn = _stack_f32(
                     torch._foreach_norm([p.detach() for p in self.params]), self.params[0].device)
 
     def after_step(self, stepped: bool = True) -> None:
         """Call right after ``optimizer.step()`` (or a skipped step, ``stepped=False``)."""
+        self._step += 1
         snap, self._snapshot = self._snapshot, None
-        wnorms, self._weight_norms = self._weight_norms, None
+        wnorms, self._pn = self._pn, None
         if snap is None or not stepped or not self.params:
             return
         device = self.params[0].device
@@ -378,7 +401,7 @@ class SignalCollector:
                 self._scale = torch.tensor(
                     [p.numel() / v.numel() for p, v in zip(self.params, views, strict=False)],
                     dtype=torch.float32, device=device)
-            if wnorms is None:  # (set together with the snapshot)
+            if wnorms is None:  # (set with the snapshot; None only after a state_reset)
                 return
             g = len(self.layer_names)
             idx = self._index(mask, device)
@@ -390,7 +413,7 @@ class SignalCollector:
         """Forget pending measurements (after a rollback)."""
         self._pending_ratio = None
         self._snapshot = None
-        self._weight_norms = None
+        self._pn = None
         self._act.clear()
 
     def remove(self) -> None:
@@ -436,11 +459,9 @@ def _sample_index(shape: torch.Size, samples: int) -> torch.Tensor | None:
     """Flat indices of the update-ratio sample of a tensor of ``shape`` (``None``: take it all).
 
     About ``samples`` elements in blocks of :data:`SAMPLE_BLOCK` contiguous ones (a cache line
-    each, so that the sample costs a few hundred cache lines per tensor, not one per element).
-    The blocks are spread over the rows (last dimension = a row): every row gets blocks when
-    there are no more rows than blocks (so the sparse rows of an embedding are all seen), else
-    evenly spaced rows get one; the blocks' columns shift by one block from row to row, so
-    every column is sampled as often as any other.
+    each).  The blocks are spread over the rows (last dimension = a row): every row gets blocks
+    when there are no more rows than blocks (the sparse rows of an embedding are all seen),
+    else evenly spaced rows get one; the blocks' columns shift by one block from row to row.
 
     Examples
     --------

@@ -156,7 +156,7 @@ class TorchGuard(DeferredGuard, GuardFeedback):
         clip_norm: float | None = None,
         step_scheduler_on_skip: bool = True,
         layer_depth: int | None = None,
-        update_ratio_every: int = 1,
+        update_ratio_every: int = 4,
         activations: Any = None,
         activation_every: int = 10,
         recorder: Any = None,

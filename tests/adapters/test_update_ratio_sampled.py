@@ -31,7 +31,7 @@ def _ratios(opt_name: str, mode: str) -> list[np.ndarray]:
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     else:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05)
-    col = SignalCollector(m, update_ratio=mode)
+    col = SignalCollector(m, update_ratio=mode, update_ratio_every=1)
     gen = torch.Generator().manual_seed(1)
     out = []
     for step in range(4):
@@ -116,7 +116,8 @@ def test_default_guard_copies_no_full_parameter(mode: str) -> None:
     n_params = sum(p.numel() for p in m.parameters())
     biggest = max(p.numel() for p in m.parameters())
     kw = {} if mode == "sampled" else {"update_ratio": "exact"}
-    guard = TorchGuard(m, opt, checkpoint_every=0, log_interventions=False, **kw)
+    guard = TorchGuard(m, opt, checkpoint_every=0, log_interventions=False,
+                       update_ratio_every=1, **kw)
     assert guard.collector.update_ratio == mode
     with _CloneCounter() as cc:
         for _ in range(3):
@@ -144,8 +145,8 @@ def test_sampled_follows_replaced_parameter_storage() -> None:
     """Cached sample views are rebuilt when a parameter gets new storage (e.g. a reload)."""
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    col = SignalCollector(m)
-    ref = SignalCollector(m, update_ratio="exact")
+    col = SignalCollector(m, update_ratio_every=1)
+    ref = SignalCollector(m, update_ratio="exact", update_ratio_every=1)
     for step in range(3):
         m(torch.randn(16, 96)).pow(2).mean().backward()
         for c in (col, ref):
