@@ -90,3 +90,24 @@ def test_monitor_quiet_tracking_decides_alike(monkeypatch) -> None:  # type: ign
     assert fast.state_dict() == slow.state_dict()
     assert fast.counters == slow.counters
     assert (fast._lr_now, fast._lr_prev) == (slow._lr_now, slow._lr_prev)
+
+
+def test_goodput_from_control_equals_update() -> None:
+    """``update_from_control`` (inlined ``update`` with the clock off) counts as ``update``."""
+    from stability.goodput import GoodputTracker
+    from stability.types import Control
+
+    a, b = GoodputTracker(auto_start=False), GoodputTracker(auto_start=False)
+    for s in range(60):
+        c = Control(skip_step=s % 7 == 3, lr_factor=0.5 if 20 <= s < 30 else 1.0,
+                    clip_norm=1.0 if s == 40 else None)
+        a.update_from_control(s, c)
+        b.update(s, skipped=c.skip_step, degraded=c.lr_factor < 1.0 or c.clip_norm is not None)
+        if s == 50:
+            a.update_from_control(s + 1, Control(rollback_to=45))
+            b.update(s + 1)
+            b.note_rollback(s + 1, 45, _requested=True)
+            break
+    assert a.state_dict() == b.state_dict() and a.summary() == b.summary()
+    assert list(a._history) == list(b._history) and a._requested == b._requested
+    assert a.cancel_rollback(51) and b.cancel_rollback(51) and a.state_dict() == b.state_dict()
