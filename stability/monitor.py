@@ -273,7 +273,7 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
             if self._fused_wait and not compiling():  # the background compiler is done:
                 self._dirty = True  # the next step builds the fused plan
         g, lr, loss, val, g_on, lr_on, loss_on, val_on = self._tracked.tolist()
-        if lr_on and loss_on and not val_on and self.policy.track_quiet(s, lr, loss):
+        if lr_on and loss_on and self.policy.track_quiet(s, lr, loss, val if val_on else None):
             self._lr_prev, self._lr_now = self._lr_now, lr  # _track_values: nothing requested
             tivs: tuple[Intervention, ...] = ()
         elif lr_on or loss_on or val_on:

@@ -79,12 +79,12 @@ class RecoveryMixin(PolicyState):
             self._apply_persistent(step, control)
         return out
 
-    def track_quiet(self, step: int, lr: float, loss: float) -> bool:
-        """:meth:`track` ``(step, lr, loss)`` (``int`` step, ``float`` LR and loss, no control,
-        no validation loss) if it can request nothing: no probation, the LR guard enabled,
-        primed and inactive, and ``lr`` inside its healthy band.  Returns ``False`` (and does
-        nothing) otherwise.  The state afterwards is :meth:`track`'s, bit for bit: the same
-        operations, inlined (the monitor's quiet step).
+    def track_quiet(self, step: int, lr: float, loss: float, val: float | None = None) -> bool:
+        """:meth:`track` ``(step, lr, loss, control, val)`` (``int`` step, ``float`` LR and
+        losses) if it can request nothing: no probation, the LR guard enabled, primed and
+        inactive, and ``lr`` inside its healthy band.  Returns ``False`` (and does nothing)
+        otherwise.  The state afterwards is :meth:`track`'s, bit for bit: the same operations,
+        inlined (the monitor's quiet step; ``control`` is not touched when nothing is asked).
         """
         g = self.guard
         if g.active or not g.primed or self._probation is not None:
@@ -105,6 +105,8 @@ class RecoveryMixin(PolicyState):
             up = hi * c.tolerance
         if lr > up:
             return False  # an LR fault starts: general path
+        if val is not None:
+            self.val.update(step, val, self.loss.fast)
         # LossTracker.update(loss, quiet), inlined (the guard is and stays inactive)
         lt = self.loss
         if math.isnan(loss) or math.isinf(loss):

@@ -39,7 +39,8 @@ def _lr_loss(n: int, seed: int) -> list[tuple[float, float]]:
 
 def _state(p: Policy) -> bytes:
     g, lt = p.guard, p.loss
-    return pickle.dumps((p.state_dict(), vars(g), lt.fast, lt.base, lt.nonfinite_run))
+    return pickle.dumps((p.state_dict(), vars(g), lt.fast, lt.base, lt.nonfinite_run,
+                         vars(p.val)))
 
 
 @pytest.mark.parametrize("cfg", [{}, {"lr_guard": {"allow_restarts": True, "min_steps": 3}},
@@ -49,12 +50,13 @@ def test_track_quiet_equals_track(cfg) -> None:  # type: ignore[no-untyped-def]
     slow, fast = Policy(cfg), Policy(cfg)
     taken = declined = 0
     for s, (lr, loss) in enumerate(_lr_loss(400, seed=1)):
-        ref = slow.track(s, lr, loss)
-        if fast.track_quiet(s, lr, loss):
+        val = None if s % 9 else loss * (1.0 + 0.01 * (s % 5)) + 0.001 * (s > 200) * s
+        ref = slow.track(s, lr, loss, None, val)
+        if fast.track_quiet(s, lr, loss, val):
             assert ref == []  # track_quiet takes only steps that request nothing
             taken += 1
         else:
-            assert fast.track(s, lr, loss) == ref
+            assert fast.track(s, lr, loss, None, val) == ref
             declined += 1
         assert _state(fast) == _state(slow), s
     if cfg.get("lr_guard", {}).get("enabled", True):
