@@ -98,7 +98,9 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
     fused = _best_us(lambda: step_with(ints)) - base
     gather = _best_us(lambda: step_with(no_banks)) - base
     parts["fused step (1 njit call)"] = fused
-    parts["policy tracking"] = _best_us(lambda: mon._track_values(step, 3e-4, 1.0, None))
+    # what observe() does with a step's LR and loss: the inlined quiet tracking when it applies
+    parts["policy tracking"] = _best_us(lambda: mon.policy.track_quiet(step, 3e-4, 1.0)
+                                        or mon._track_values(step, 3e-4, 1.0, None))
     parts["decision + goodput"] = _best_us(lambda: mon._finish_step(step, None, 1.0, (), ()))
     box = [step]
 

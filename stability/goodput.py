@@ -107,16 +107,10 @@ class GoodputTracker:
         self.time_skipped = 0.0
         self.time_lost = 0.0        # step time later thrown away by rollbacks
         self.time_restore = 0.0     # rollback restores
-        self.time_checkpoint = 0.0
-        self.time_restart = 0.0
-        self.time_stall = 0.0
-        self.time_other = 0.0
+        self.time_checkpoint = self.time_restart = self.time_stall = self.time_other = 0.0
         self.wall_time = 0.0
-        self.checkpoints = 0
-        self.checkpoint_failures = 0
-        self.batches_skipped = 0
-        self.restarts = 0
-        self.stalls = 0
+        self.checkpoints = self.checkpoint_failures = self.batches_skipped = 0
+        self.restarts = self.stalls = 0
         self._last_dt = 0.0         # the last counted step's time (for mark_skipped)
         self._last_time: float | None = None
         self.last_step: int | None = None
@@ -200,12 +194,28 @@ class GoodputTracker:
         Degraded = LR cut (``lr_factor < 1``) or a policy clip in force (``clip_norm`` set).
         A rollback requested in ``control`` is counted via :meth:`note_rollback`, as requested;
         until the next step the trainer may replace that count with the rollback it really did
-        (:meth:`rollback_done`) or withdraw it (:meth:`cancel_rollback`).  This is how the
-        monitor feeds the ledger (live and in replay), so an adapter never counts a rollback
-        twice.
+        (:meth:`rollback_done`) or withdraw it (:meth:`cancel_rollback`).  The monitor feeds
+        the ledger so (live and in replay): an adapter never counts a rollback twice.
         """
-        self.update(step, skipped=control.skip_step,
-                    degraded=control.lr_factor < 1.0 or control.clip_norm is not None)
+        skipped = control.skip_step
+        degraded = control.lr_factor < 1.0 or control.clip_norm is not None
+        if self.timing or type(step) is not int:
+            self.update(step, skipped=skipped, degraded=degraded)
+        else:  # update(), inlined with the clock off (dt = 0.0, the same additions)
+            self._requested = None
+            self.steps += 1
+            self.time_total += 0.0
+            if skipped:
+                self.skipped += 1
+                self.time_skipped += 0.0
+            else:
+                self._cum += 0.0
+            if degraded:
+                self.degraded_steps += 1
+                self.time_degraded += 0.0
+            self._last_dt = -1.0 if skipped else 0.0
+            self.last_step = step
+            self._history.append((step, self._cum))
         if control.rollback_to is not None:
             self.note_rollback(step, control.rollback_to, _requested=True)
 
@@ -375,24 +385,16 @@ class GoodputTracker:
         buckets = self.time_buckets()
         w = self.wall_time
         return {
-            "steps": self.steps,
-            "productive": self.productive,
-            "skipped": self.skipped,
-            "lost_to_rollback": self.lost,
-            "rollbacks": self.rollbacks,
-            "degraded_steps": self.degraded_steps,
-            "checkpoints": self.checkpoints,
+            "steps": self.steps, "productive": self.productive, "skipped": self.skipped,
+            "lost_to_rollback": self.lost, "rollbacks": self.rollbacks,
+            "degraded_steps": self.degraded_steps, "checkpoints": self.checkpoints,
             "checkpoint_failures": self.checkpoint_failures,
-            "batches_skipped": self.batches_skipped,
-            "restarts": self.restarts,
-            "stalls": self.stalls,
-            "goodput": None if not self.steps else self.fraction,
-            "goodput_time": None if not w else buckets["productive"] / w,
-            "wall_time_s": w,
+            "batches_skipped": self.batches_skipped, "restarts": self.restarts,
+            "stalls": self.stalls, "goodput": None if not self.steps else self.fraction,
+            "goodput_time": None if not w else buckets["productive"] / w, "wall_time_s": w,
             "time_s": buckets,
             "time_fraction": {k: (v / w if w else None) for k, v in buckets.items()},
-            "time_total_s": self.time_total,
-            "time_degraded_s": self.time_degraded,
+            "time_total_s": self.time_total, "time_degraded_s": self.time_degraded,
             "time_skipped_s": self.time_skipped,
         }
 

@@ -273,8 +273,14 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
             if self._fused_wait and not compiling():  # the background compiler is done:
                 self._dirty = True  # the next step builds the fused plan
         g, lr, loss, val, g_on, lr_on, loss_on, val_on = self._tracked.tolist()
-        tivs = self._track_values(s, lr if lr_on else None, loss if loss_on else None,
-                                  val if val_on else None) if lr_on or loss_on or val_on else ()
+        if lr_on and loss_on and self.policy.track_quiet(s, lr, loss, val if val_on else None):
+            self._lr_prev, self._lr_now = self._lr_now, lr  # _track_values: nothing requested
+            tivs: tuple[Intervention, ...] = ()
+        elif lr_on or loss_on or val_on:
+            tivs = self._track_values(s, lr if lr_on else None, loss if loss_on else None,
+                                      val if val_on else None)
+        else:
+            tivs = ()
         self.last_step = s
         return self._finish_step(s, self._live_rows() if n_alarms else None,
                                  g if g_on else None, tivs, tuple(skipped) if skipped else ())

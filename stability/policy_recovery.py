@@ -79,6 +79,62 @@ class RecoveryMixin(PolicyState):
             self._apply_persistent(step, control)
         return out
 
+    def track_quiet(self, step: int, lr: float, loss: float, val: float | None = None) -> bool:
+        """:meth:`track` ``(step, lr, loss, control, val)`` (``int`` step, ``float`` LR and
+        losses) if it can request nothing: no probation, the LR guard enabled, primed and
+        inactive, and ``lr`` inside its healthy band.  Returns ``False`` (and does nothing)
+        otherwise.  The state afterwards is :meth:`track`'s, bit for bit: the same operations,
+        inlined (the monitor's quiet step; ``control`` is not touched when nothing is asked).
+        """
+        g = self.guard
+        if g.active or not g.primed or self._probation is not None:
+            return False
+        c = g.config
+        if not (0.0 < lr < math.inf and self.config.lr_guard.enabled):
+            return False  # (NaN fails too); observe() ignores such an LR: general path
+        # LRGuard.upper(), inlined
+        ref = g.ref
+        if g.n < c.min_steps or not math.isfinite(ref):
+            up = math.inf
+        elif not g.warm:
+            up = ref * c.warmup_jump
+        else:
+            hi = ref
+            if c.allow_restarts and math.isfinite(g.peak):
+                hi = max(hi, g.peak)
+            up = hi * c.tolerance
+        if lr > up:
+            return False  # an LR fault starts: general path
+        if val is not None:
+            self.val.update(step, val, self.loss.fast)
+        # LossTracker.update(loss, quiet), inlined (the guard is and stays inactive)
+        lt = self.loss
+        if math.isnan(loss) or math.isinf(loss):
+            lt.nonfinite_run += 1
+        else:
+            lt.nonfinite_run = 0
+            if loss > 0.0:
+                x = math.log(loss)
+                fast = lt.fast
+                lt.fast = x if math.isnan(fast) else fast + lt.fast_alpha * (x - fast)
+                if step - self._ep.last_seen > self.config.cooldown:
+                    base = lt.base
+                    lt.base = x if math.isnan(base) else base + lt.base_alpha * (x - base)
+        # LRGuard.observe(step, lr) -> _healthy(lr), inlined
+        g.last_lr = lr
+        g.n += 1
+        g.ref = lr
+        peak = g.peak
+        if not math.isfinite(peak) or lr > peak:
+            g.peak = lr
+            g.since_peak = 0
+        else:
+            g.since_peak += 1
+            if g.since_peak >= c.settle:
+                g.warm = True
+        g.factor = 1.0
+        return True
+
     def track_many(self, steps: Any, lr: Any = None, loss: Any = None, val: Any = None) -> int:
         """:meth:`track` over consecutive steps, in bulk, for as long as it requests nothing.
 
