@@ -103,8 +103,9 @@ class TorchGuard(DeferredGuard, GuardFeedback):
         The loop's own clipping norm (used when the monitor has not set one; the tighter wins).
     step_scheduler_on_skip : bool
         Whether the scheduler advances on a skipped step.
-    layer_depth, update_ratio_every, activations, activation_every
-        Passed to :class:`~stability.adapters.signals.SignalCollector`.
+    layer_depth, update_ratio_every, param_norm_every, activations, activation_every
+        Passed to :class:`~stability.adapters.signals.SignalCollector` (weights read every
+        2 / 4 steps by default; 1 = every step).
     update_ratio : {"sampled", "exact"}
         How update ratios are measured: ``"sampled"`` (default) copies no full parameter (about
         4096 elements per tensor; ~1% error with AdamW, a few % with SGD), ``"exact"`` copies
@@ -170,6 +171,7 @@ class TorchGuard(DeferredGuard, GuardFeedback):
         watchdog: bool | StallWatchdog | None = None,
         cadence: CadenceAdvisor | None = None,
         sync: str = "step",
+        param_norm_every: int = 2,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"The 'sync' parameter of TorchGuard must be one of {SYNC_MODES}. "
@@ -199,7 +201,7 @@ class TorchGuard(DeferredGuard, GuardFeedback):
         self.collector = SignalCollector(
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
             activations=_activation_names(model, activations), activation_every=activation_every,
-            update_ratio=update_ratio)
+            update_ratio=update_ratio, param_norm_every=param_norm_every)
         self.multiplier = LRMultiplier(optimizer, scheduler=scheduler)
         self.scaler = scaler if scaler_enabled(scaler) else None
         self.log_interventions = log_interventions

@@ -163,3 +163,16 @@ def test_sparse_weight_signals_replay_to_the_live_decisions(pn_every: int, at: i
             (a.kind, a.signal, a.score) for a in want.alarms]
         assert [i.to_dict() for i in got.interventions] == [
             i.to_dict() for i in want.interventions]
+
+
+def test_the_guard_passes_param_norm_every_to_its_collector() -> None:
+    import torch
+
+    from stability.adapters.torch import TorchGuard
+
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert TorchGuard(m, opt, param_norm_every=3).collector.param_norm_every == 3
+    assert TorchGuard(m, opt).collector.param_norm_every == 2
+    with pytest.raises(ValueError, match="param_norm_every"):
+        TorchGuard(m, opt, param_norm_every=-1)
