@@ -55,26 +55,35 @@ def _jump_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
     min_delta = params[_P_LRJUMP.min_delta]
     clip = params[_P_LRJUMP.clip]
     direction = params[_P_LRJUMP.direction]
-    for t in range(X.shape[0]):
-        for i in range(X.shape[2]):
+    # series by series (they are independent): the state in registers over the steps, and the
+    # log of a value equal to the last one logged reused (a constant LR logs once per call)
+    for i in range(X.shape[2]):
+        prev = state[_J_PREV, i]
+        has = state[_J_HAS, i]
+        typ = state[_J_TYP, i]
+        count = state[_J_COUNT, i]
+        last_x = np.nan
+        last_y = np.nan
+        for t in range(X.shape[0]):
             x = X[t, 0, i]
             if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             if x <= 0.0:
-                state[_J_HAS, i] = 0.0
+                has = 0.0
                 scores[t, i] = 0.0
                 alarms[t, i] = False
                 continue
-            y = math.log(x)
-            if state[_J_HAS, i] == 0.0:
-                state[_J_PREV, i] = y
-                state[_J_HAS, i] = 1.0
+            if x != last_x:
+                last_x = x
+                last_y = math.log(x)
+            y = last_y
+            if has == 0.0:
+                prev = y
+                has = 1.0
                 scores[t, i] = 0.0
                 alarms[t, i] = False
                 continue
-            d = y - state[_J_PREV, i]
-            typ = state[_J_TYP, i]
-            count = state[_J_COUNT, i]
+            d = y - prev
             scale = max(typ, min_delta, 1e-300)
             if count < warmup:
                 s = 0.0
@@ -93,9 +102,13 @@ def _jump_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             if count >= warmup and clip < np.inf:
                 ad = min(ad, clip * scale)
             a = max(alpha, 1.0 / (count + 1.0))
-            state[_J_TYP, i] = typ + a * (ad - typ)
-            state[_J_COUNT, i] = count + 1.0
-            state[_J_PREV, i] = y
+            typ = typ + a * (ad - typ)
+            count = count + 1.0
+            prev = y
+        state[_J_PREV, i] = prev
+        state[_J_HAS, i] = has
+        state[_J_TYP, i] = typ
+        state[_J_COUNT, i] = count
 
 
 class LRJump(BankDetector):

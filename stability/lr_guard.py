@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from ._state_check import Fields
 
@@ -173,37 +174,17 @@ class LRGuard:
         if self.active or not self.primed or lv.size == 0:
             return 0
         c = self.config
-        valid = np.isfinite(lv) & (lv > 0.0)  # others are ignored by observe()
-        pos = np.flatnonzero(valid)
-        x = lv[pos]
-        m = x.size
-        if m == 0:
-            return int(lv.size)
-        # the state before each valid LR, were every earlier one healthy
-        ref_b = np.concatenate(([self.ref], x[:-1]))
-        n_b = self.n + np.arange(m)
-        peak_a = np.fmax.accumulate(np.concatenate(([self.peak], x)))[1:]
-        peak_b = np.concatenate(([self.peak], peak_a[:-1]))
-        new_peak = ~np.isfinite(peak_b) | (x > peak_b)
-        last = np.maximum.accumulate(np.where(new_peak, np.arange(m), -1))
-        since_a = np.where(last >= 0, np.arange(m) - last, self.since_peak + np.arange(1, m + 1))
-        warm_a = self.warm | np.logical_or.accumulate(since_a >= c.settle)
-        warm_b = np.concatenate(([self.warm], warm_a[:-1]))
-        hi = np.fmax(ref_b, peak_b) if c.allow_restarts else ref_b
-        with np.errstate(invalid="ignore", over="ignore"):
-            up = np.where(warm_b, hi * c.tolerance, ref_b * c.warmup_jump)
-        up[(n_b < c.min_steps) | ~np.isfinite(ref_b)] = np.inf
-        bad = np.flatnonzero(x > up)
-        k = int(bad[0]) if bad.size else m
-        if k:
-            j = k - 1
-            self.n += k
-            self.ref = self.last_lr = float(x[j])
-            self.peak = float(peak_a[j])
-            self.since_peak = int(since_a[j])
-            self.warm = bool(warm_a[j])
+        k, j, n, peak, since, warm = _observe_healthy(
+            lv, self.n, self.ref, self.peak, self.since_peak, self.warm, c.tolerance,
+            c.warmup_jump, c.settle, c.min_steps, c.allow_restarts)
+        if j >= 0:  # the last LR taken
+            self.n = int(n)
+            self.ref = self.last_lr = float(lv[j])
+            self.peak = float(peak)
+            self.since_peak = int(since)
+            self.warm = bool(warm)
             self.factor = 1.0
-        return int(pos[k]) if k < m else int(lv.size)
+        return int(k)
 
     def _healthy(self, lr: float) -> None:
         self.n += 1
@@ -268,3 +249,38 @@ class LRGuard:
         self.reset()
         for k, v in vals.items():
             setattr(self, k, v)
+
+
+@njit(cache=True, error_model="numpy")
+def _observe_healthy(lv, n, ref, peak, since, warm, tol, jump, settle, min_steps,  # type: ignore[no-untyped-def]
+                     restarts):
+    """:meth:`LRGuard.observe` of a primed guard without a fault, LR after LR, up to the
+    first LR above the band (its index, ``lv.size`` if none) -- the same comparisons and
+    products as :meth:`LRGuard.upper` and :meth:`LRGuard._healthy`; returns that index, the
+    index of the last LR taken (``-1``: none) and the state after it."""
+    last = -1
+    for k in range(lv.shape[0]):
+        lr = lv[k]
+        if not (math.isfinite(lr) and lr > 0.0):
+            continue  # ignored by observe()
+        if n >= min_steps and math.isfinite(ref):
+            if not warm:
+                up = ref * jump
+            else:
+                hi = ref
+                if restarts and math.isfinite(peak):
+                    hi = max(hi, peak)
+                up = hi * tol
+            if lr > up:
+                return k, last, n, peak, since, warm
+        n += 1
+        ref = lr
+        if not math.isfinite(peak) or lr > peak:
+            peak = lr
+            since = 0
+        else:
+            since += 1
+            if since >= settle:
+                warm = True
+        last = k
+    return lv.shape[0], last, n, peak, since, warm

@@ -367,7 +367,8 @@ class _Replay:
             n = len(b.keys)
             shape = (self.chunk, b.n_inputs, n)
             feeds = mon._feeds(b, self.slotcol)
-            guard = GuardChunks(b.det, feeds) if GuardChunks.applies(b.det, b.n_inputs) else None
+            guard = (GuardChunks(b.det, feeds, len(self.steps), self.chunk)
+                     if GuardChunks.applies(b.det, b.n_inputs) else None)
             key = None if guard else (shape, tuple((j, i, id(c)) for j, i, c in feeds))
             fill = key not in blocks
             if fill:

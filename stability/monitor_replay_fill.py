@@ -10,7 +10,6 @@ the present masks alone (:meth:`detectors.nonfinite.NonFiniteGuard.update_finite
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -48,21 +47,32 @@ def fill_bank(feeds: Feeds, x: np.ndarray, m: np.ndarray, lo: int, hi: int,
             xc[mc] = 0.0
 
 
-def _finite(col: Column, lo: int, hi: int) -> bool:
-    """Whether the present values of rows ``[lo, hi)`` are all finite (their sum is finite:
-    a NaN or an infinity makes it non-finite; a sum that overflows only says no)."""
-    v, p = col
-    s = np.add.reduce(v[lo:hi]) if p is None else np.add.reduce(v[lo:hi], where=p[lo:hi])
-    return math.isfinite(float(s))
+def finite_chunks(feeds: Feeds, t_len: int, chunk: int) -> np.ndarray:
+    """Per chunk of ``chunk`` rows: whether the present values of every column are all finite
+    (their sum is finite: a NaN or an infinity makes it non-finite; a sum that overflows only
+    says no).  One pass per column for all the chunks."""
+    starts = np.arange(0, t_len, chunk)
+    ok = np.ones(starts.size, dtype=np.bool_)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for _, _, col in feeds:
+            if col is None:
+                continue
+            v, p = col
+            if p is not None:
+                v = np.where(p, v, 0.0)
+            ok &= np.isfinite(np.add.reduceat(v, starts))
+    return ok
 
 
 class GuardChunks:
     """A one-input non-finite guard bank through the chunks: its kernel on its filled input
     where a chunk holds a non-finite value, the present masks alone elsewhere."""
 
-    def __init__(self, det: Any, feeds: Feeds) -> None:
+    def __init__(self, det: Any, feeds: Feeds, t_len: int, chunk: int) -> None:
         self.det = det
         self.feeds = feeds
+        self.chunk = chunk
+        self.ok = finite_chunks(feeds, t_len, chunk)
         self.filled = False  # x / m hold an earlier chunk (fill_bank's first=False)
         self.written = False  # the constant score / alarm columns hold their values
 
@@ -75,7 +85,7 @@ class GuardChunks:
         """Rows ``[lo, hi)`` into ``sc`` / ``al`` (``(hi - lo, n)`` views of the bank's
         output blocks; ``x`` / ``m``: its input blocks)."""
         feeds = self.feeds
-        if all(col is None or _finite(col, lo, hi) for _, _, col in feeds):
+        if self.ok[lo // self.chunk]:
             present: list[Any] = [False] * len(feeds)
             for _, i, col in feeds:
                 if col is not None:

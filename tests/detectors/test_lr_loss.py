@@ -103,6 +103,25 @@ def test_jump_stream_batch_roundtrip(cfg):
     np.testing.assert_allclose(s[:, 1], ref_jump(lr[:, 1], miss=miss[:, 1], **cfg), rtol=1e-12)
 
 
+@pytest.mark.parametrize("cfg", JUMP_CFGS)
+def test_jump_piecewise_constant_lr_reuses_logs_exactly(cfg):
+    """Repeated LRs (whose log the kernel reuses), zeros and non-finite values between them:
+    the batch equals the step-by-step stream and every split, bit for bit."""
+    rng = np.random.default_rng(5)
+    lr = np.repeat(rng.choice([1e-4, 3e-4, 1e-3, 3e-2], size=(40, 2)), 15, axis=0)
+    lr[[50, 51, 300], 0] = 0.0
+    lr[[120, 421], 1] = np.nan
+    miss = np.zeros_like(lr, dtype=bool)
+    miss[200:230, 0] = True
+    f = lambda n: LRJump(n_series=n, **cfg)  # noqa: E731
+    check_stream_equals_batch(f, lr, missing=miss)
+    check_split_batches(f, lr)
+    s, _ = f(2).update_many(lr, missing=miss)
+    for i in range(2):
+        np.testing.assert_allclose(s[:, i], ref_jump(lr[:, i], miss=miss[:, i], **cfg),
+                                   rtol=1e-12, atol=1e-12)
+
+
 def test_jump_golden_and_benign_schedules():
     lr = schedule(1000, kind="step")
     lr2 = schedule(1000, kind="cosine")
