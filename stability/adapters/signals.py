@@ -52,7 +52,6 @@ No full parameter is copied.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,15 +59,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ACT_STATS", "PARAM_NORM_EVERY", "UPDATE_RATIO_EVERY", "UPDATE_RATIO_MODES",
-           "SignalCollector", "Signals", "layer_of"]
+from .param_lists import SAMPLE_BLOCK, ParamLists
+
+__all__ = ["ACT_STATS", "PARAM_NORM_EVERY", "SAMPLE_BLOCK", "UPDATE_RATIO_EVERY",
+           "UPDATE_RATIO_MODES", "SignalCollector", "Signals", "layer_of"]
 
 #: Activation statistics, in the order they are reported.
 ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
 #: Ways to measure update ratios (see the module docstring).
 UPDATE_RATIO_MODES = ("sampled", "exact")
-#: Contiguous elements per sampled block of the ``"sampled"`` update ratio.
-SAMPLE_BLOCK = 16
 #: Default cadences of the update ratios and of the per-tensor weight norms (see the module
 #: docstring and ``docs/notes/cheapguard.md``).
 UPDATE_RATIO_EVERY = 4
@@ -215,15 +214,13 @@ class SignalCollector:
         self.activation_every = int(activation_every)
         self.update_ratio = update_ratio
         self.update_ratio_samples = int(update_ratio_samples)
-        # flat element indices of each tensor's sample (None: the whole tensor)
-        self._sample_idx = [_sample_index(p.shape, self.update_ratio_samples)
-                            for p in self.params]
+        # cached lists and index tensors: the ops per step do not grow with the tensor count
+        self._lists = ParamLists(self.params, self._group, len(self.layer_names),
+                                 self.update_ratio_samples)
         self._step = 0  # the step being collected (begin_step, else counted by after_step)
         self._pending_ratio: torch.Tensor | None = None
-        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshot: Any = None  # what the update ratio compares against
         self._pn: torch.Tensor | None = None  # per-tensor weight norms of this step
-        self._scale: torch.Tensor | None = None  # n / m per tensor (sampled mode)
-        self._idx_cache: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._act_on = False
         self._act: dict[str, torch.Tensor] = {}
         self._hooks: list[Any] = []
@@ -263,40 +260,28 @@ class SignalCollector:
             self._act.clear()
 
     # ------------------------------------------------------------------ gradients
-    def _index(self, mask: tuple[bool, ...], device: torch.device) -> torch.Tensor:
-        if self._idx_cache is None or self._idx_cache[0] != mask:
-            idx = [g for g, m in zip(self._group, mask, strict=False) if m]
-            self._idx_cache = (mask, torch.tensor(idx, dtype=torch.long, device=device))
-        return self._idx_cache[1]
-
-    def _group_norms(self, tensors: list[torch.Tensor], mask: tuple[bool, ...],
-                     device: torch.device) -> torch.Tensor:
-        """Per-layer L2 norms of ``tensors`` (the params selected by ``mask``), fused."""
-        g = len(self.layer_names)
+    def _group_norms(self, tensors: list[torch.Tensor], mask: tuple[bool, ...] | None
+                     ) -> torch.Tensor:
+        """Per-layer L2 norms of ``tensors`` (the params selected by ``mask``, ``None``: all)."""
+        lists = self._lists
         if not tensors:
-            return torch.zeros(g, device=device)
-        norms = _stack_f32(torch._foreach_norm(tensors), device)
-        sq = torch.zeros(g, device=device, dtype=torch.float32)
-        sq.index_add_(0, self._index(mask, device), norms * norms)
-        return sq.sqrt()
+            return torch.zeros(len(self.layer_names), device=lists.device)
+        return lists.layer_sq(lists.norms(tensors), mask).sqrt()
 
     def measure(self, loss: Any = None, extra: Mapping[str, Any] | None = None
                 ) -> tuple[torch.Tensor, SignalLayout]:
         """This step's signals as one device vector and its :class:`SignalLayout` (:meth:`collect`
         without the host copy; ``vec[0]`` is the global gradient norm)."""
-        device = self.params[0].device if self.params else torch.device("cpu")
-        grads_all = [p.grad for p in self.params]
-        mask = tuple(g is not None for g in grads_all)
-        grads = [g for g in grads_all if g is not None]
-        layer = self._group_norms(grads, mask, device)
+        device = self._lists.device
+        grads, mask = self._lists.grads()
+        layer = self._group_norms(grads, mask)
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
         every, self._pn = self.param_norm_every, None
         if self.params and every > 0 and self._step % every == 0:
             # global weight norm (weight-corruption evidence: an abrupt jump between two steps);
             # the per-tensor norms are kept for the update ratio's denominator
-            pn = self._pn = _stack_f32(torch._foreach_norm([p.detach() for p in self.params]),
-                                       device)
+            pn = self._pn = self._lists.norms(self.params)
             parts.append(pn.square().sum().sqrt().reshape(1))
             names.append("param_norm")
         scalars_in = dict(extra or {})
@@ -345,19 +330,6 @@ class SignalCollector:
         return layout.unpack(vec.tolist())  # the one host sync
 
     # ------------------------------------------------------------------ update ratios
-    def _samples(self) -> list[torch.Tensor]:
-        """Each tensor's sampled elements (a gathered copy), or the tensor itself when small."""
-        out = []
-        for i, (p, idx) in enumerate(zip(self.params, self._sample_idx, strict=False)):
-            if idx is None:
-                out.append(p.detach())
-                continue
-            if idx.device != p.device:
-                idx = self._sample_idx[i] = idx.to(p.device)
-                self._scale = None
-            out.append(torch.take(p.detach(), idx))
-        return out
-
     def before_step(self, step: int) -> None:
         """Call right before ``optimizer.step()``: keeps what the ratio needs when one is due.
 
@@ -370,13 +342,11 @@ class SignalCollector:
             return
         with torch.no_grad():
             if self.update_ratio == "exact":
-                self._snapshot = [p.detach().clone() for p in self.params]
+                self._snapshot = [p.clone() for p in self.params]
                 return
-            self._snapshot = [t.clone() if t.data_ptr() == p.data_ptr() else t
-                              for t, p in zip(self._samples(), self.params, strict=False)]
+            self._snapshot = self._lists.sample()
             if self._pn is None:  # not measured by collect() this step
-                self._pn = _stack_f32(
-                    torch._foreach_norm([p.detach() for p in self.params]), self.params[0].device)
+                self._pn = self._lists.norms(self.params)
 
     def after_step(self, stepped: bool = True) -> None:
         """Call right after ``optimizer.step()`` (or a skipped step, ``stepped=False``)."""
@@ -385,27 +355,19 @@ class SignalCollector:
         wnorms, self._pn = self._pn, None
         if snap is None or not stepped or not self.params:
             return
-        device = self.params[0].device
-        mask = tuple(True for _ in self.params)
+        lists = self._lists
         with torch.no_grad():
             if self.update_ratio == "exact":
-                diffs = list(torch._foreach_sub([p.detach() for p in self.params], snap))
-                dn = self._group_norms(diffs, mask, device)
-                wn = self._group_norms(snap, mask, device)
+                diffs = list(torch._foreach_sub(self.params, snap))
+                dn = self._group_norms(diffs, None)
+                wn = self._group_norms(snap, None)
                 self._pending_ratio = dn / wn.clamp_min(1e-12)
                 return
-            views = self._samples()
-            torch._foreach_sub_(snap, views)  # w_t - w_t+1, in place: no new buffers
-            sq = _stack_f32(torch._foreach_norm(snap), device)
-            if self._scale is None or self._scale.device != device:
-                self._scale = torch.tensor(
-                    [p.numel() / v.numel() for p, v in zip(self.params, views, strict=False)],
-                    dtype=torch.float32, device=device)
+            sq = lists.sample_sq(snap)
             if wnorms is None:  # (set with the snapshot; None only after a state_reset)
                 return
-            g = len(self.layer_names)
-            idx = self._index(mask, device)
-            dsq = torch.zeros(g, device=device).index_add_(0, idx, sq.square() * self._scale)
+            g, idx, device = len(self.layer_names), lists.index(None), lists.device
+            dsq = torch.zeros(g, device=device).index_add_(0, idx, sq)
             wsq = torch.zeros(g, device=device).index_add_(0, idx, wnorms.square())
             self._pending_ratio = dsq.sqrt() / wsq.sqrt().clamp_min(1e-12)
 
@@ -443,50 +405,3 @@ def activation_stats(x: torch.Tensor) -> torch.Tensor:
     c.square_().square_()  # (x - m)^4, in place: the one temporary
     kurt = c.mean() / var.square().clamp_min(1e-24) - 3.0
     return torch.stack([m, var.sqrt(), torch.maximum(hi, -lo), kurt])
-
-
-def _stack_f32(norms: Any, device: torch.device) -> torch.Tensor:
-    """Per-tensor 0-d norms as one float32 vector on ``device`` (one conversion at most)."""
-    try:
-        out = torch.stack(list(norms))
-    except RuntimeError:  # norms on several devices
-        return torch.stack([n.to(device, torch.float32) for n in norms])
-    return out if out.dtype == torch.float32 and out.device == device else out.to(
-        device, torch.float32)
-
-
-def _sample_index(shape: torch.Size, samples: int) -> torch.Tensor | None:
-    """Flat indices of the update-ratio sample of a tensor of ``shape`` (``None``: take it all).
-
-    About ``samples`` elements in blocks of :data:`SAMPLE_BLOCK` contiguous ones (a cache line
-    each).  The blocks are spread over the rows (last dimension = a row): every row gets blocks
-    when there are no more rows than blocks (the sparse rows of an embedding are all seen),
-    else evenly spaced rows get one; the blocks' columns shift by one block from row to row.
-
-    Examples
-    --------
-    >>> _sample_index((10,), 4096) is None
-    True
-    >>> idx = _sample_index((128, 64), 4096)
-    >>> rows, cols = idx // 64, idx % 64
-    >>> idx.numel(), rows.unique().numel(), cols.bincount().unique().tolist()
-    (4096, 128, [64])
-    """
-    n = math.prod(shape)
-    if n <= samples:
-        return None
-    cols = int(shape[-1]) if len(shape) >= 2 else n
-    rows = n // cols
-    b = min(SAMPLE_BLOCK, cols)
-    slots = cols // b  # block-aligned places in a row
-    nb = max(1, samples // b)
-    starts = []
-    if rows <= nb:  # every row, per_row blocks each, shifted by one slot from row to row
-        per_row = min(slots, nb // rows)
-        for r in range(rows):
-            starts += [r * cols + b * ((j * slots // per_row + r) % slots)
-                       for j in range(per_row)]
-    else:  # evenly spaced rows, one block each, the slot advancing from block to block
-        starts = [(i * rows // nb) * cols + b * (i % slots) for i in range(nb)]
-    base = torch.tensor(starts, dtype=torch.long)
-    return (base[:, None] + torch.arange(b)).reshape(-1)
