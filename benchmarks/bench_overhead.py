@@ -31,9 +31,9 @@ Printed per model:
   the work runs on it), which other processes' load disturbs far less than wall time; the
   wall-time fraction is printed beside it.
 * ``copied/step``: the most bytes the guard copies in one step (``Tensor.clone`` / ``copy_`` /
-  ``contiguous`` / ``to`` / ``torch.take`` counted by a patch, over two cadence windows), next
-  to the parameter bytes -- a full parameter copy would show as 100% (small models are mostly
-  made of tensors below the 4096-element sample, which are copied whole).
+  ``contiguous`` / ``to`` / ``torch.take`` / ``torch._foreach_mul`` counted by a patch, over two
+  cadence windows), next to the parameter bytes -- a full parameter copy would show as 100%
+  (small models are mostly made of tensors below the 4096-element sample, copied whole).
 * ``py peak``: ``tracemalloc`` peak of the guard's Python-side allocations in one step.
 * ``syncs/step``: calls that would wait for an accelerator (``item``, ``tolist``, ``cpu``,
   ``numpy``, ``float()``/``int()``/``bool()`` of a tensor), counted by a patch during the
@@ -45,9 +45,14 @@ Then the first ``observe()`` of a fresh process (import + ``Monitor("default")``
 with the guard's families), once with an empty ``NUMBA_CACHE_DIR`` (``mktemp -d``) and once
 again with that directory warm.
 
+``--ops`` prints only the dispatched ATen ops per step, bare vs guarded (``guard_ops.py``; with
+``--sync step,deferred`` both modes); models ``gpt150`` / ``tiny150`` have the 150 parameter
+tensors of ``bench_overhead_gpu.py``'s ``gpt124`` at CPU size (``tiny150``: host cost only).
+
 Run::
 
     python benchmarks/bench_overhead.py [--pairs 12] [--models mlp,gpt,big] [--no-cold]
+        [--ops]         # only the op counts (e.g. --models gpt150,tiny150 --sync step,deferred)
         [--exact]       # also time update_ratio="exact" (the full-copy measurement)
         [--bare-clip]   # also time both loops clipping at 1.0 (a separate "+clip" row)
         [--every K]     # the guard's update_ratio_every (default: the guard's default)
@@ -123,9 +128,16 @@ Setup = tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, torch
               Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], float]
 
 
+#: BigLM shapes besides ``big``: 150 parameter tensors (``bench_overhead_gpu.py``'s ``gpt124``
+#: has 150) at CPU size; ``tiny150``'s are all tiny (host cost only: see ``guard_ops.py``)
+SHAPES: dict[str, dict[str, int]] = {"big": {},
+                                     "gpt150": {"d": 64, "n_layer": 12, "n_head": 4},
+                                     "tiny150": {"d": 8, "n_layer": 12, "n_head": 2}}
+
+
 def setup(name: str, rows: int = 4) -> Setup:
-    """``(make_model, batch(i), loss_fn, lr)`` for ``mlp``, ``gpt`` or ``big`` (``rows`` x 32
-    tokens per step)."""
+    """``(make_model, batch(i), loss_fn, lr)`` for ``mlp``, ``gpt`` or a :data:`SHAPES` model
+    (``rows`` x 32 tokens per step)."""
     if name in ("mlp", "gpt"):
         task = make_task(name, seed=0)
         return task.make_model, task.batch, task.loss_fn, task.lr
@@ -142,7 +154,7 @@ def setup(name: str, rows: int = 4) -> Setup:
 
     def make() -> nn.Module:
         torch.manual_seed(0)
-        return BigLM()
+        return BigLM(**SHAPES[name])
 
     return make, batch, loss_fn, 3e-4
 
@@ -173,12 +185,21 @@ class Counters:
             return take(t, idx)
 
         torch.take = counted_take
+        fmul = torch._foreach_mul
+
+        def counted_fmul(ts: Any, *a: Any, **k: Any) -> Any:  # (a copy of the small tensors)
+            if self.active:
+                self.copied += sum(t.numel() * t.element_size() for t in ts)
+            return fmul(ts, *a, **k)
+
+        torch._foreach_mul = counted_fmul
         try:
             yield self
         finally:
             for name, fn in self._orig.items():
                 setattr(torch.Tensor, name, fn)
             torch.take = take
+            torch._foreach_mul = fmul
 
     def _wrap(self, name: str, fn: Any) -> Any:
         counter = self
@@ -380,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
     ap.add_argument("--models", default="mlp,gpt,big")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--sync", default="step", choices=("step", "deferred"),
-                    help="the guard's sync= mode (deferred: no host sync on the step path)")
+    ap.add_argument("--sync", default="step",
+                    help="the guard's sync= mode, step or deferred (deferred: no host sync on the "
+                    "step path); with --ops a comma list")
     ap.add_argument("--big-rows", type=int, default=4,
                     help="sequences of 32 tokens per step of the big model (default 4)")
     ap.add_argument("--exact", action="store_true",
@@ -392,8 +414,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the guard's update_ratio_every (default: the guard's default)")
     ap.add_argument("--no-cold", action="store_true", help="skip the first-observe timings")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--ops", action="store_true",
+                    help="only count dispatched ops per step, bare vs guarded (guard_ops.py)")
     a = ap.parse_args(argv)
     GUARD_KW["sync"] = a.sync
+    if a.ops:
+        return _ops(a.models, a.sync)
     if a.sync != "step":
         print(f"TorchGuard(sync={a.sync!r})")
     torch.set_num_threads(1)
@@ -450,6 +476,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"first observe {c['first_observe']:.2f} s (target <= {target} s: {ok})")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "cold": cold}, indent=1))
+    return 0
+
+
+def _ops(models: str, syncs: str) -> int:
+    """``--ops``: the op-count table of ``guard_ops.py`` (``--sync`` may list both modes)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from guard_ops import run_ops
+
+    run_ops(models.split(","), syncs.split(","), setup)
     return 0
 
 

@@ -309,7 +309,7 @@ class SignalCollector:
                 parts.append(stats[:, j])
                 fams.append((st, len(self.act_names)))
             self._act.clear()
-        vec = torch.cat([t.reshape(-1).float() for t in parts])
+        vec = torch.cat([(t if t.dim() == 1 else t.reshape(-1)).float() for t in parts])
         return vec, SignalLayout(names, fams, host_scalars)
 
     def collect(self, loss: Any = None, extra: Mapping[str, Any] | None = None) -> Signals:
