@@ -60,14 +60,14 @@ class ParamLists:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: Sequence[int],
                  n_layers: int, samples: int) -> None:
-        self.params = list(params)
+        self.params: list[torch.Tensor] = list(params)
         self.group = list(group)
         self.n_layers = int(n_layers)
         idx = [sample_index(p.shape, samples) for p in self.params]
         self.large_pos = [i for i, t in enumerate(idx) if t is not None]
         self.small_pos = [i for i, t in enumerate(idx) if t is None]
-        self.large = [self.params[i] for i in self.large_pos]
-        self.small = [self.params[i] for i in self.small_pos]
+        self.large: list[torch.Tensor] = [self.params[i] for i in self.large_pos]
+        self.small: list[torch.Tensor] = [self.params[i] for i in self.small_pos]
         self._idx_cpu = [t for t in idx if t is not None]
         # n / m of each tensor, in the parameters' order (1 for a tensor taken whole)
         self._scale_list = [1.0 if t is None else p.numel() / t.numel()

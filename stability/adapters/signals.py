@@ -358,7 +358,7 @@ class SignalCollector:
         lists = self._lists
         with torch.no_grad():
             if self.update_ratio == "exact":
-                diffs = list(torch._foreach_sub(self.params, snap))
+                diffs = list(torch._foreach_sub(lists.params, snap))
                 dn = self._group_norms(diffs, None)
                 wn = self._group_norms(snap, None)
                 self._pending_ratio = dn / wn.clamp_min(1e-12)
