@@ -47,7 +47,12 @@ names of the convention: ``grad_norm/<layer>``, ``update_ratio/<layer>``,
 Overhead (``benchmarks/bench_overhead.py``): per step the guard reads every gradient once (the
 norms, reused for clipping: a loop that clips pays no second norm); every ``param_norm_every``
 steps every weight once; every ``update_ratio_every`` steps the update-ratio sample twice.
-No full parameter is copied.
+No full parameter is copied.  The torch ops dispatched per step (the host's cost when the
+accelerator waits for it) do not grow with the number of parameter tensors: foreach calls over
+cached tensor lists, one ``index_add_`` per per-layer reduction
+(:mod:`stability.adapters.param_lists`); only the update-ratio sample of each tensor above
+``update_ratio_samples`` elements is one ``torch.take`` before and one after the step, on the
+ratio steps (``bench_overhead.py --ops``).
 """
 
 from __future__ import annotations
