@@ -254,7 +254,7 @@ class SignalCollector:
             out = output[0] if isinstance(output, (tuple, list)) else output
             if isinstance(out, torch.Tensor) and out.numel() > 1:
                 with torch.no_grad():
-                    self._act[name] = activation_stats(out)
+                    self._act[name] = _moments(out)
         return hook
 
     def begin_step(self, step: int) -> None:
@@ -309,7 +309,8 @@ class SignalCollector:
             self._pending_ratio = None
         if self._act_on and len(self._act) == len(self.act_names):
             # (a step where a hooked module did not run reports no activation family at all)
-            stats = torch.stack([self._act[n].to(device) for n in self.act_names])  # (layers, 4)
+            stats = _finish_stats(  # (layers, 4), finished for all layers at once
+                torch.stack([self._act[n].to(device) for n in self.act_names]))
             for j, st in enumerate(ACT_STATS):
                 parts.append(stats[:, j])
                 fams.append((st, len(self.act_names)))
@@ -403,10 +404,22 @@ def activation_stats(x: torch.Tensor) -> torch.Tensor:
     >>> [round(v, 4) for v in s.tolist()]
     [0.0, 1.0, 1.0, -2.0]
     """
+    return _finish_stats(_moments(x)[None])[0]
+
+
+def _moments(x: torch.Tensor) -> torch.Tensor:
+    """``[mean, variance, min, max, centred fourth moment]`` of ``x`` (the hook's part)."""
     x = x.detach().float().reshape(-1)
     var, m = torch.var_mean(x, correction=0)
     lo, hi = torch.aminmax(x)
     c = x - m
     c.square_().square_()  # (x - m)^4, in place: the one temporary
-    kurt = c.mean() / var.square().clamp_min(1e-24) - 3.0
-    return torch.stack([m, var.sqrt(), torch.maximum(hi, -lo), kurt])
+    return torch.stack([m, var, lo, hi, c.mean()])
+
+
+def _finish_stats(mom: torch.Tensor) -> torch.Tensor:
+    """:func:`activation_stats` of every row of ``(layers, 5)`` :func:`_moments`: one set of
+    element-wise ops for all hooked layers (the same arithmetic per element)."""
+    var = mom[:, 1]
+    kurt = mom[:, 4] / var.square().clamp_min(1e-24) - 3.0
+    return torch.stack([mom[:, 0], var.sqrt(), torch.maximum(mom[:, 3], -mom[:, 2]), kurt], 1)
