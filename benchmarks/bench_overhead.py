@@ -53,6 +53,7 @@ Run::
 
     python benchmarks/bench_overhead.py [--pairs 12] [--models mlp,gpt,big] [--no-cold]
         [--ops]         # only the op counts (e.g. --models gpt150,tiny150 --sync step,deferred)
+        [--fused]       # with --ops: AdamW(fused=True) in both loops
         [--exact]       # also time update_ratio="exact" (the full-copy measurement)
         [--bare-clip]   # also time both loops clipping at 1.0 (a separate "+clip" row)
         [--every K]     # the guard's update_ratio_every (default: the guard's default)
@@ -416,10 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--ops", action="store_true",
                     help="only count dispatched ops per step, bare vs guarded (guard_ops.py)")
+    ap.add_argument("--fused", action="store_true", help="--ops with AdamW(fused=True)")
     a = ap.parse_args(argv)
     GUARD_KW["sync"] = a.sync
     if a.ops:
-        return _ops(a.models, a.sync)
+        return _ops(a.models, a.sync, a.fused)
     if a.sync != "step":
         print(f"TorchGuard(sync={a.sync!r})")
     torch.set_num_threads(1)
@@ -479,12 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _ops(models: str, syncs: str) -> int:
+def _ops(models: str, syncs: str, fused: bool = False) -> int:
     """``--ops``: the op-count table of ``guard_ops.py`` (``--sync`` may list both modes)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from guard_ops import run_ops
 
-    run_ops(models.split(","), syncs.split(","), setup)
+    run_ops(models.split(","), syncs.split(","), setup, fused)
     return 0
 
 

@@ -55,17 +55,19 @@ class OpCounter(TorchDispatchMode):
 
 def guard_ops(make: Callable[[], torch.nn.Module], batch: Callable[[int], Any],
               loss_fn: Callable[..., torch.Tensor], lr: float, guard_factory: Callable[..., Any],
-              warmup: int = 4) -> dict[str, Any]:
+              warmup: int = 4, fused: bool = False) -> dict[str, Any]:
     """Ops per step of a bare and a guarded loop of one model (see the module docstring).
 
-    ``guard_factory(model, optimizer)`` builds the guard.  Returns ``bare`` and ``guarded``
+    ``guard_factory(model, optimizer)`` builds the guard; ``fused``: ``AdamW(fused=True)``
+    in both loops (else PyTorch's default).  Returns ``bare`` and ``guarded``
     (lists of ops per step), ``guard`` (per-step differences), ``mean`` / ``lo`` / ``hi`` of
     those, the parameter tensor count ``tensors`` and the ``top`` guard ops over the window.
     """
     bare, guarded = make(), make()
     guarded.load_state_dict(bare.state_dict())
-    opt_b = torch.optim.AdamW(bare.parameters(), lr=lr, weight_decay=0.01)
-    opt_g = torch.optim.AdamW(guarded.parameters(), lr=lr, weight_decay=0.01)
+    opt_b = torch.optim.AdamW(bare.parameters(), lr=lr, weight_decay=0.01, fused=fused or None)
+    opt_g = torch.optim.AdamW(guarded.parameters(), lr=lr, weight_decay=0.01,
+                              fused=fused or None)
     guard = guard_factory(guarded, opt_g)
     col = guard.collector
     k = math.lcm(max(1, col.update_ratio_every), max(1, col.param_norm_every))
@@ -100,10 +102,11 @@ def guard_ops(make: Callable[[], torch.nn.Module], batch: Callable[[int], Any],
             "top": [(op, n) for op, n in top.most_common() if n > 0][:8]}
 
 
-def print_ops(rows: list[dict[str, Any]]) -> None:
+def print_ops(rows: list[dict[str, Any]], fused: bool = False) -> None:
     """The ``--ops`` table."""
-    print("dispatched ATen ops per step (TorchDispatchMode; bare = forward + backward + AdamW "
-          "step + zero_grad, guarded = forward + backward + guard.step; guard = the difference, "
+    print("dispatched ATen ops per step (TorchDispatchMode; bare = forward + backward + AdamW"
+          f"{'(fused=True)' if fused else ''} step + zero_grad, guarded = forward + backward + "
+          "guard.step; guard = the difference, "
           "mean over two cadence windows [least, most of one step])")
     print(f"{'model':<12}{'sync':<10}{'tensors':>8}{'bare':>8}{'guarded':>9}{'guard':>8}"
           f"{'range':>12}   top guard ops over the window")
@@ -114,8 +117,8 @@ def print_ops(rows: list[dict[str, Any]]) -> None:
               f"{r['mean']:>8.1f}{'[' + str(r['lo']) + ', ' + str(r['hi']) + ']':>12}   {top}")
 
 
-def run_ops(models: list[str], syncs: list[str], setup: Callable[[str], Any]
-            ) -> list[dict[str, Any]]:
+def run_ops(models: list[str], syncs: list[str], setup: Callable[[str], Any],
+            fused: bool = False) -> list[dict[str, Any]]:
     """Count and print the ops of each model (``setup(name)`` as in ``bench_overhead.py``) under
     each guard ``sync`` mode, with the default guard (``Monitor("default")``)."""
     from stability.adapters.torch import TorchGuard
@@ -130,6 +133,6 @@ def run_ops(models: list[str], syncs: list[str], setup: Callable[[str], Any]
                 return TorchGuard(m, opt, monitor=Monitor("default"), log_interventions=False,
                                   sync=sync)
             rows.append({"model": name, "sync": sync,
-                         **guard_ops(make, batch, loss_fn, lr, factory)})
-    print_ops(rows)
+                         **guard_ops(make, batch, loss_fn, lr, factory, fused=fused)})
+    print_ops(rows, fused)
     return rows
