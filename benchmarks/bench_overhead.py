@@ -31,9 +31,10 @@ Printed per model:
   the work runs on it), which other processes' load disturbs far less than wall time; the
   wall-time fraction is printed beside it.
 * ``copied/step``: the most bytes the guard copies in one step (``Tensor.clone`` / ``copy_`` /
-  ``contiguous`` / ``to`` / ``torch.take`` / ``torch._foreach_mul`` counted by a patch, over two
-  cadence windows), next to the parameter bytes -- a full parameter copy would show as 100%
-  (small models are mostly made of tensors below the 4096-element sample, copied whole).
+  ``contiguous`` / ``to`` / ``torch.take`` / ``torch._foreach_mul`` / ``torch._foreach_copy_``
+  counted by a patch, over two cadence windows), next to the parameter bytes -- a full
+  parameter copy would show as 100% (small models are mostly made of tensors below the
+  4096-element sample, copied whole).
 * ``py peak``: ``tracemalloc`` peak of the guard's Python-side allocations in one step.
 * ``syncs/step``: calls that would wait for an accelerator (``item``, ``tolist``, ``cpu``,
   ``numpy``, ``float()``/``int()``/``bool()`` of a tensor), counted by a patch during the
@@ -194,6 +195,14 @@ class Counters:
             return fmul(ts, *a, **k)
 
         torch._foreach_mul = counted_fmul
+        fcopy = torch._foreach_copy_
+
+        def counted_fcopy(dst: Any, src: Any, *a: Any, **k: Any) -> Any:  # (strided samples)
+            if self.active:
+                self.copied += sum(t.numel() * t.element_size() for t in src)
+            return fcopy(dst, src, *a, **k)
+
+        torch._foreach_copy_ = counted_fcopy
         try:
             yield self
         finally:
@@ -201,6 +210,7 @@ class Counters:
                 setattr(torch.Tensor, name, fn)
             torch.take = take
             torch._foreach_mul = fmul
+            torch._foreach_copy_ = fcopy
 
     def _wrap(self, name: str, fn: Any) -> Any:
         counter = self

@@ -28,10 +28,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["SAMPLE_BLOCK", "ParamLists", "sample_index", "stack_f32"]
+__all__ = ["SAMPLE_BLOCK", "ParamLists", "sample_index", "stack_f32", "strided_pieces"]
 
 #: Contiguous elements per sampled block of the ``"sampled"`` update ratio.
 SAMPLE_BLOCK = 16
+#: A sample as strided views of the flattened tensor: ``(size, stride, offset)`` each.
+Pieces = list[tuple[tuple[int, ...], tuple[int, ...], int]]
 
 
 class ParamLists:
@@ -64,15 +66,23 @@ class ParamLists:
         self.group = list(group)
         self.n_layers = int(n_layers)
         idx = [sample_index(p.shape, samples) for p in self.params]
+        pieces = [None if t is None else strided_pieces(t, _block(p.shape))
+                  for p, t in zip(self.params, idx, strict=True)]
         self.large_pos = [i for i, t in enumerate(idx) if t is not None]
         self.small_pos = [i for i, t in enumerate(idx) if t is None]
-        self.large: list[torch.Tensor] = [self.params[i] for i in self.large_pos]
+        # the large tensors whose sample is one or two strided views first (copied with one
+        # foreach op), then the others (one torch.take each)
+        strided = [i for i in self.large_pos if pieces[i] is not None]
+        order = strided + [i for i in self.large_pos if pieces[i] is None]
+        self.n_strided = len(strided)
+        self.large: list[torch.Tensor] = [self.params[i] for i in order]
         self.small: list[torch.Tensor] = [self.params[i] for i in self.small_pos]
-        self._idx_cpu = [t for t in idx if t is not None]
+        self._idx_cpu: list[torch.Tensor] = [t for t in (idx[i] for i in order) if t is not None]
+        self._pieces: list[Pieces] = [p for p in (pieces[i] for i in strided) if p is not None]
         # n / m of each tensor, in the parameters' order (1 for a tensor taken whole)
         self._scale_list = [1.0 if t is None else p.numel() / t.numel()
                             for p, t in zip(self.params, idx, strict=True)]
-        order = self.large_pos + self.small_pos  # the order of the sampled lists
+        order += self.small_pos  # the order of the sampled lists
         self._reorder = order != list(range(len(order)))
         self._perm_list = sorted(range(len(order)), key=order.__getitem__)
         self._dev: Any = None  # the device the cached tensors below are on
@@ -81,6 +91,9 @@ class ParamLists:
         self._perm: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
         self._large_idx: list[torch.Tensor] = []
+        self._views_key: Any = None  # (device, data pointers) the views below were made for
+        self._views: tuple[list[torch.Tensor], list[list[torch.Tensor]],
+                           list[list[torch.Tensor]]] | None = None
 
     # ------------------------------------------------------------------ device caches
     @property
@@ -135,14 +148,53 @@ class ParamLists:
             small = list(torch._foreach_mul(self.small, 1.0)) if self.small else []
             return self._take(), small
 
-    def _take(self) -> list[torch.Tensor]:
+    def _take(self, into: int = 0) -> list[torch.Tensor]:
+        """The current sample of every large tensor (in :attr:`large`'s order); the strided
+        ones are copied into the reused buffers ``into`` (0: before the step, 1: after)."""
         self._ensure(self.device)
+        n = self.n_strided
+        views = self._strided_views() if n else None
         try:
-            return [torch.take(p, i) for p, i in zip(self.large, self._large_idx, strict=True)]
+            if views is None:
+                return [torch.take(p, i) for p, i in zip(self.large, self._large_idx,
+                                                         strict=True)]
+            srcs, flats, dsts = views
+            torch._foreach_copy_(dsts[into], srcs)
+            return flats[into] + [torch.take(p, i) for p, i in zip(
+                self.large[n:], self._large_idx[n:], strict=True)]
         except RuntimeError:  # a parameter moved to another device on its own
-            self._dev = None
+            self._dev = self._views_key = None
             self._ensure(self.device)
             return [torch.take(p, i) for p, i in zip(self.large, self._large_idx, strict=True)]
+
+    def _strided_views(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]],
+                                      list[list[torch.Tensor]]] | None:
+        """Views of the strided samples and two sets of buffers for their copies, rebuilt when
+        a parameter's storage changed (``None``: a parameter is not contiguous: take them)."""
+        params = self.large[:self.n_strided]
+        key = (self._dev, [p.data_ptr() for p in params])
+        if key == self._views_key:
+            return self._views
+        self._views_key, self._views = key, None
+        if not all(p.is_contiguous() for p in params):
+            return None
+        srcs: list[torch.Tensor] = []
+        flats: list[list[torch.Tensor]] = [[], []]
+        dsts: list[list[torch.Tensor]] = [[], []]
+        for p, pieces, idx in zip(params, self._pieces, self._idx_cpu, strict=False):
+            base = p.detach()
+            bufs = [torch.empty(idx.numel(), dtype=p.dtype, device=p.device) for _ in (0, 1)]
+            at = 0
+            for size, stride, offset in pieces:
+                srcs.append(base.as_strided(size, stride, base.storage_offset() + offset))
+                m = math.prod(size)
+                for k in (0, 1):
+                    dsts[k].append(bufs[k][at:at + m].view(size))
+                at += m
+            for k in (0, 1):
+                flats[k].append(bufs[k])
+        self._views = (srcs, flats, dsts)
+        return self._views
 
     def sample_sq(self, snap: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
         """``n / m * ||w_t - w_t+1||^2`` over each tensor's sample, in the parameters' order.
@@ -152,7 +204,7 @@ class ParamLists:
         large, small = snap
         with torch.no_grad():
             if large:
-                torch._foreach_sub_(large, self._take())  # w_t - w_t+1, no new buffers
+                torch._foreach_sub_(large, self._take(1))  # w_t - w_t+1, no new buffers
             if small:
                 torch._foreach_sub_(small, self.small)
             sq = self.norms(large + small)
@@ -161,6 +213,43 @@ class ParamLists:
             sq = sq.index_select(0, self._perm)
         assert self._scale is not None
         return sq.square() * self._scale
+
+
+def _block(shape: torch.Size | tuple[int, ...]) -> int:
+    """Elements per block of :func:`sample_index` for a tensor of ``shape``."""
+    return min(SAMPLE_BLOCK, int(shape[-1]) if len(shape) >= 2 else math.prod(shape))
+
+
+def strided_pieces(idx: torch.Tensor, block: int) -> Pieces | None:
+    """``idx`` (flat indices in blocks of ``block`` contiguous ones) as at most two strided views
+    ``(size, stride, offset)`` of the flat tensor, element order kept (``None``: it is not).
+
+    Block ``i = q * S + s`` must start at ``start_0 + q * d1 + s * d2``: the blocks of evenly
+    spaced rows whose column cycles through the ``S`` slots of a row (a GPT's weight matrices
+    with a multiple of 256 rows).
+
+    Examples
+    --------
+    >>> strided_pieces(sample_index((512, 64), 4096), 16)
+    [((64, 4, 16), (512, 144, 1), 0)]
+    >>> strided_pieces(sample_index((300, 64), 4096), 16) is None
+    True
+    """
+    starts = idx.view(-1, block)[:, 0].tolist()
+    nb = len(starts)
+    if nb < 2:
+        return [((1, 1, block), (block, block, 1), starts[0])] if starts else None
+    d2 = starts[1] - starts[0]
+    period = next((i for i in range(2, nb) if starts[i] - starts[i - 1] != d2), nb)
+    d1 = starts[period] - starts[0] if period < nb else period * d2
+    if any(v != starts[0] + (i // period) * d1 + (i % period) * d2
+           for i, v in enumerate(starts)):
+        return None
+    q, r = divmod(nb, period)
+    pieces: Pieces = [((q, period, block), (d1, d2, 1), starts[0])]
+    if r:
+        pieces.append(((1, r, block), (d1, d2, 1), starts[0] + q * d1))
+    return pieces
 
 
 def stack_f32(norms: Any, device: torch.device) -> torch.Tensor:

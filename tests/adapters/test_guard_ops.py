@@ -50,9 +50,23 @@ def _stack(n_layers: int, width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
-def _guard_ops(n_layers: int, sync: str, width: int = 8, steps: int = 8) -> list[Counter[str]]:
+class _Wide(torch.nn.Module):
+    """``n`` weight matrices of 512 x 64, each above the 4096-element update-ratio sample."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ws = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(512, 64) / 8)
+                                         for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(torch.tanh(x @ w.T).mean(1, keepdim=True) for w in self.ws)  # type: ignore
+
+
+def _guard_ops(n_layers: int, sync: str, width: int = 8, steps: int = 8,
+               model: torch.nn.Module | None = None) -> list[Counter[str]]:
     """The guard's own ops in each of ``steps`` steps (after 4 warm-up steps)."""
-    model = _stack(n_layers, width)
+    model = _stack(n_layers, width) if model is None else model
     # fused AdamW: with sync="deferred" non-finite gradients are then kept from the weights
     # by the optimizer's found_inf (one op); other optimizers get a torch.where per gradient
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -94,9 +108,19 @@ def test_guard_ops_per_step_do_not_grow_with_the_tensor_count(sync: str) -> None
     assert max(sum(c.values()) for c in many) < 60
 
 
-def test_large_tensors_add_two_gathers_on_ratio_steps_only() -> None:
-    """A tensor above the 4096-element sample is gathered (``torch.take``) before and after
-    the update on the ratio steps (every 4th): there is no multi-tensor gather in PyTorch."""
+def test_large_tensors_sampled_as_strided_views_add_no_ops() -> None:
+    """A GPT's weight matrices (a multiple of 256 rows): the sample is one or two strided views
+    per tensor, copied for all of them with one ``_foreach_copy_`` before and after the update."""
+    few, many = (_guard_ops(0, "step", width=64, model=_Wide(n)) for n in (2, 8))
+    assert few == many
+    assert sum(c["aten._foreach_copy_.default"] for c in many) == 2 * 2  # 2 ratio steps
+    assert not any(c["aten.take.default"] for c in many)
+
+
+def test_other_large_tensors_add_two_gathers_on_ratio_steps_only() -> None:
+    """A tensor above the 4096-element sample that no strided view covers is gathered
+    (``torch.take``) before and after the update on the ratio steps (every 4th): there is no
+    multi-tensor gather in PyTorch."""
     few, many = _guard_ops(2, "step", width=80), _guard_ops(6, "step", width=80)
     for step, (a, b) in enumerate(zip(few, many, strict=True)):
         extra = b - a
@@ -125,16 +149,19 @@ def _reference_ratio(params: list[torch.Tensor], group: list[int], n_layers: int
 
 def test_signals_are_bit_identical_to_the_per_tensor_computation() -> None:
     torch.manual_seed(0)
-    # large and small tensors interleaved, two tensors of different sizes per layer group
-    model = torch.nn.Sequential(torch.nn.Linear(96, 80), torch.nn.Tanh(),
-                                torch.nn.Linear(80, 20), torch.nn.Tanh(),
+    # large and small tensors interleaved, tensors of different sizes per layer group
+    model = torch.nn.Sequential(torch.nn.Linear(96, 512), torch.nn.Tanh(),
+                                torch.nn.Linear(512, 20), torch.nn.Tanh(),
                                 torch.nn.Linear(20, 90), torch.nn.Tanh(),
                                 torch.nn.Linear(90, 70))
     names = [n for n, _ in model.named_parameters()]
     col = SignalCollector(model, layer_fn=lambda n: "even" if names.index(n) % 2 else "odd",
                           update_ratio_every=1, param_norm_every=1)
     params = col.params
-    assert col._lists.large_pos and col._lists.small_pos and col._lists._reorder
+    lists = col._lists
+    assert lists.large_pos and lists.small_pos and lists._reorder
+    # strided views (two for the first weight: 256 blocks over 6 slots) and torch.take both
+    assert lists._pieces and len(lists._pieces[0]) == 2 and len(lists.large) > lists.n_strided
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     group = col._group
@@ -163,3 +190,30 @@ def test_signals_are_bit_identical_to_the_per_tensor_computation() -> None:
         col.after_step()
         opt.zero_grad()
         expect = _reference_ratio(params, group, 2, before, wn)
+
+
+def test_strided_views_follow_a_parameter_whose_storage_was_replaced() -> None:
+    """``p.data = ...`` (a device move, a loader that assigns) gives the parameter new storage:
+    the cached views of the sample are rebuilt, the ratios stay those of a fresh collector."""
+    got = []
+    for swap in (False, True):
+        model = _Wide(2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        col = SignalCollector(model, update_ratio_every=1)
+        assert col._lists.n_strided == 2
+        gen = torch.Generator().manual_seed(1)
+        ratios = []
+        for step in range(3):
+            model(torch.randn(4, 64, generator=gen)).sum().backward()
+            ratios.append(col.collect().families.get("update_ratio"))
+            if swap and step == 1:
+                for p in model.parameters():
+                    p.data = p.data.clone()
+            col.before_step(step)
+            opt.step()
+            col.after_step()
+            opt.zero_grad()
+        got.append(ratios[1:] + [col.collect().families["update_ratio"]])
+    for a, b in zip(*got, strict=True):
+        assert np.all(a > 0)
+        np.testing.assert_array_equal(a, b)
