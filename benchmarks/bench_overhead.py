@@ -187,30 +187,24 @@ class Counters:
             return take(t, idx)
 
         torch.take = counted_take
-        fmul = torch._foreach_mul
-
-        def counted_fmul(ts: Any, *a: Any, **k: Any) -> Any:  # (a copy of the small tensors)
-            if self.active:
-                self.copied += sum(t.numel() * t.element_size() for t in ts)
-            return fmul(ts, *a, **k)
-
-        torch._foreach_mul = counted_fmul
-        fcopy = torch._foreach_copy_
-
-        def counted_fcopy(dst: Any, src: Any, *a: Any, **k: Any) -> Any:  # (strided samples)
-            if self.active:
-                self.copied += sum(t.numel() * t.element_size() for t in src)
-            return fcopy(dst, src, *a, **k)
-
-        torch._foreach_copy_ = counted_fcopy
+        # the sample's foreach copies: of the small tensors (_foreach_mul by 1), strided views
+        fmul, fcopy = torch._foreach_mul, torch._foreach_copy_
+        torch._foreach_mul = self._wrap_list(fmul, 0)
+        torch._foreach_copy_ = self._wrap_list(fcopy, 1)
         try:
             yield self
         finally:
             for name, fn in self._orig.items():
                 setattr(torch.Tensor, name, fn)
-            torch.take = take
-            torch._foreach_mul = fmul
-            torch._foreach_copy_ = fcopy
+            torch.take, torch._foreach_mul, torch._foreach_copy_ = take, fmul, fcopy
+
+    def _wrap_list(self, fn: Any, arg: int) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            if self.active:
+                self.copied += sum(t.numel() * t.element_size() for t in a[arg])
+            return fn(*a, **k)
+
+        return wrapped
 
     def _wrap(self, name: str, fn: Any) -> Any:
         counter = self
