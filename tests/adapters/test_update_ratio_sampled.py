@@ -78,7 +78,9 @@ def test_small_tensors_are_exact() -> None:
 
 
 class _CloneCounter:
-    """Counts the elements of every tensor cloned or gathered (``torch.take``) while active."""
+    """Counts the elements of every tensor cloned or gathered (``torch.take``, and the
+    sample's foreach copies: ``_foreach_mul`` by 1 of small tensors, ``_foreach_copy_`` of
+    strided views) while active."""
 
     def __init__(self) -> None:
         self.numel = 0
@@ -100,13 +102,26 @@ class _CloneCounter:
             counter.largest = max(counter.largest, idx.numel())
             return counter._take(t, idx)
 
+        self._fmul, self._fcopy = torch._foreach_mul, torch._foreach_copy_
+
+        def count_list(fn: Any, arg: int) -> Any:
+            def wrapped(*a: Any, **k: Any) -> Any:
+                for t in a[arg]:
+                    counter.numel += t.numel()
+                    counter.largest = max(counter.largest, t.numel())
+                return fn(*a, **k)
+            return wrapped
+
         torch.Tensor.clone = clone  # type: ignore[method-assign]
         torch.take = take
+        torch._foreach_mul = count_list(self._fmul, 0)
+        torch._foreach_copy_ = count_list(self._fcopy, 1)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         torch.Tensor.clone = self._orig  # type: ignore[method-assign]
         torch.take = self._take
+        torch._foreach_mul, torch._foreach_copy_ = self._fmul, self._fcopy
 
 
 @pytest.mark.parametrize("mode", ["sampled", "exact"])
