@@ -11,13 +11,16 @@ grow with the number of parameter tensors:
 * the weight norms are one ``torch._foreach_norm`` over the parameters themselves (no
   per-tensor ``detach``: it runs under ``torch.no_grad()``);
 * the sampled update ratio copies the tensors small enough to be taken whole with one foreach
-  op and gathers the ``torch.take`` sample of each larger one (one op per *large* tensor, on the
-  ratio steps only: there is no multi-tensor gather in PyTorch); its per-tensor scale and the
-  order in which the norms are summed per layer are cached (the same order as before: the
-  values are bit-identical).
+  op, and the samples of the larger ones that are one or two strided views (a GPT's weight
+  matrices: :func:`strided_pieces`) with one ``_foreach_copy_`` into reused buffers; any other
+  large tensor's sample is one ``torch.take`` (there is no multi-tensor gather in PyTorch),
+  before and after the update on the ratio steps.  The per-tensor scale and the order in
+  which the norms are summed per layer are cached (the order of the per-tensor computation
+  this replaces: the values are bit-identical).
 
 Everything device-bound is built on the first use and rebuilt when the parameters move to
-another device.  The parameter list itself is fixed (as the collector's is).
+another device; the strided views when a parameter's storage changes (``p.data = ...``).  The
+parameter list itself is fixed (as the collector's is).
 """
 
 from __future__ import annotations
