@@ -311,7 +311,9 @@ class DeferredSteps:
         with torch.no_grad():
             ok = torch.isfinite(total)
             if norm is not None:
-                coef = (norm / (total + 1e-6)).clamp(max=1.0)
+                # computed as sync="step" does on the host (float64): the same bits
+                wide = total.double() if total.device.type != "mps" else total
+                coef = torch.where(wide > norm, norm / (wide + 1e-6), 1.0).to(total.dtype)
                 for dev_grads in _by_device(grads).values():
                     torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
             if g.scaler is not None:

@@ -86,12 +86,15 @@ def _trainer(out: Any, cb: Any, steps: int = 12, lr_at: dict[int, float] | None 
                                 callbacks=[cb], optimizers=optimizers)
 
 
-def _run(out: Any, sync: str, steps: int = 16, **kw: Any) -> dict[str, Any]:
+def _run(out: Any, sync: str, steps: int = 16, fp16: bool = False, **kw: Any) -> dict[str, Any]:
     mon = Monitor("small")
     seen = _watch(mon)
     cb = StabilityTrainerCallback(mon, sync=sync, activations=["transformer.h.0"],
                                   activation_every=3)
-    tr = _trainer(out, cb, steps=steps, **kw)
+    tr = _trainer(out, cb, steps=steps, fp16=fp16, **kw)
+    if fp16:  # what accelerate does on a GPU: fp16 autocast and a GradScaler (overflowing)
+        tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+        tr.accelerator.native_amp = True
     tr.train()
     return {"seen": seen, "cb": cb, "tr": tr, "mon": mon,
             "weights": [p.detach().clone() for p in tr.model.parameters()],
@@ -99,9 +102,10 @@ def _run(out: Any, sync: str, steps: int = 16, **kw: Any) -> dict[str, Any]:
             "events": [(i.step, i.type, i.reason) for i in cb.guard.interventions]}
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_healthy_run_is_the_step_mode_run(tmp_path: Any, bf16: bool) -> None:
-    kw: dict[str, Any] = {"save_strategy": "steps", "save_steps": 5, "bf16": bf16}
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_healthy_run_is_the_step_mode_run(tmp_path: Any, precision: str) -> None:
+    kw: dict[str, Any] = {"save_strategy": "steps", "save_steps": 5, "max_grad_norm": 0.57,
+                          "bf16": precision == "bf16", "fp16": precision == "fp16"}
     a = _run(tmp_path / "a", "step", **kw)
     b = _run(tmp_path / "b", "deferred", **kw)
     assert b["cb"].guard.deferred is not None and a["cb"].guard.deferred is None
@@ -110,7 +114,9 @@ def test_healthy_run_is_the_step_mode_run(tmp_path: Any, bf16: bool) -> None:
     assert any("update_ratio" in f for _, _, f in a["seen"])
     assert any("act_mean" in f for _, _, f in a["seen"])
     for wa, wb in zip(a["weights"], b["weights"], strict=True):
-        assert torch.equal(wa, wb)  # clipped at max_grad_norm=1.0 on the device: same bits
+        assert torch.equal(wa, wb)  # clipped on the device: the same bits
+    norms = [m["grad_norm"] for _, m, _ in a["seen"] if "grad_norm" in m]
+    assert min(norms) < 0.57 < max(norms)  # the clip bound on some steps, not on others
     assert b["ledger"] == a["ledger"] == [(4, True, "trainer"), (9, True, "trainer"),
                                           (14, True, "trainer"), (15, True, "trainer")]
     assert b["events"] == a["events"]
@@ -126,7 +132,12 @@ def test_healthy_run_is_the_step_mode_run(tmp_path: Any, bf16: bool) -> None:
         assert rb == ra and len(ra) >= 5
     ga, gb = a["cb"].guard, b["cb"].guard
     assert gb.step_count == ga.step_count == 16 and gb.voided_steps == 0
-    assert b["tr"].args.max_grad_norm == 1.0  # the user's arguments are untouched
+    assert b["tr"].args.max_grad_norm == 0.57  # the user's arguments are untouched
+    if precision == "fp16":  # scaler-skipped overflow steps: information, the same in both
+        assert gb.scaler is not None and gb.amp_overflows == ga.amp_overflows >= 1
+        la, lb = ([repr(h["grad_norm"]) for h in x["tr"].state.log_history if "grad_norm" in h]
+                  for x in (a, b))
+        assert lb == la and la.count("nan") == ga.amp_overflows < len(la)  # nan: overflow
 
 
 def test_sync_argument_is_checked() -> None:
