@@ -103,8 +103,8 @@ def _run(root: Any, sync: str, precision: str = "fp32", steps: int = 40,
     seen = _watch(mon)
     model = Tiny(nan_at=nan_at)
     cb = StabilityCallback(mon, checkpoint_every=10, sync=sync, activations=["net.1"],
-                           activation_every=3, **kw)
-    tr = _trainer(root, [cb], steps=steps, gradient_clip_val=1.0, **_precision(precision))
+                           activation_every=3, clip_norm=3.0, **kw)
+    tr = _trainer(root, [cb], steps=steps, **_precision(precision))
     tr.fit(model, _loader())
     return {"seen": seen, "cb": cb, "tr": tr, "model": model, "mon": mon,
             "weights": [p.detach().clone() for p in model.parameters()],
@@ -121,7 +121,9 @@ def test_healthy_run_is_the_step_mode_run(tmp_path: Any, precision: str) -> None
     assert b["seen"] == a["seen"]  # the same signal stream (families included), same order
     assert any("act_mean" in f for _, _, f in a["seen"])
     for wa, wb in zip(a["weights"], b["weights"], strict=True):
-        assert torch.equal(wa, wb)
+        assert torch.equal(wa, wb)  # clipped on the device at clip_norm: the same bits
+    norms = [m["grad_norm"] for _, m, _ in a["seen"] if "grad_norm" in m]
+    assert min(norms) < 3.0 < max(norms)  # the clip bound on some steps, not on others
     assert b["ledger"] == a["ledger"] == [(29, True, "periodic"), (39, True, "periodic")]
     assert b["events"] == a["events"]
     ga, gb = a["cb"].guard, b["cb"].guard
