@@ -247,3 +247,42 @@ def test_resume_mid_run_gives_the_uninterrupted_decisions(tmp_path: Any) -> None
     assert mon.counters["steps"] == ref["mon"].counters["steps"]
     assert [(r.step, r.healthy) for r in mon.checkpoints.records] == \
         [(r, h) for r, h, _ in ref["ledger"]]
+
+
+def _count_syncs_in(cb: Any, hooks: tuple[str, ...], syncs: Any) -> dict[str, list[int]]:
+    """Wrap ``hooks`` of ``cb``: host syncs counted per call (``syncs``: an installed
+    ``_Syncs`` of ``test_guard_deferred``)."""
+    per: dict[str, list[int]] = {h: [] for h in hooks}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def counted(*a: Any, **k: Any) -> Any:
+            syncs.calls, syncs.active = 0, True
+            try:
+                return fn(*a, **k)
+            finally:
+                syncs.active = False
+                per[name].append(syncs.calls)
+        return counted
+
+    for h in hooks:
+        setattr(cb, h, wrap(h, getattr(cb, h)))
+    return per
+
+
+@pytest.mark.parametrize("sync", ["step", "deferred"])
+def test_no_host_sync_in_the_step_hooks(tmp_path: Any, sync: str) -> None:
+    from tests.adapters.test_guard_deferred import _Syncs
+
+    cb = StabilityTrainerCallback(Monitor("small"), sync=sync, activations=["transformer.h.0"],
+                                  activation_every=2)
+    tr = _trainer(tmp_path, cb, steps=12, optim="adamw_torch_fused", logging_steps=100)
+    with _Syncs().installed() as syncs:
+        per = _count_syncs_in(cb, ("on_pre_optimizer_step", "on_step_end"), syncs)
+        tr.train()
+    steady = slice(2, None)  # (the first steps allocate the reused host buffers)
+    if sync == "step":
+        assert min(per["on_pre_optimizer_step"][steady]) >= 1
+    else:
+        assert per["on_pre_optimizer_step"][steady] == [0] * 10
+        assert per["on_step_end"][steady] == [0] * 10
+    assert cb.guard.step_count == 12

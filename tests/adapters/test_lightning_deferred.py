@@ -205,3 +205,23 @@ def test_resume_with_a_pending_step(tmp_path: Any) -> None:
     assert events and events == [(i.step, i.type, i.reason) for i in ref.guard.interventions
                                   if i.step >= 31]
     assert tr.global_step == 64 and cb.guard.step_count == ref.guard.step_count
+
+
+@pytest.mark.parametrize("sync", ["step", "deferred"])
+def test_no_host_sync_in_the_step_hooks(tmp_path: Any, sync: str) -> None:
+    from tests.adapters.test_guard_deferred import _Syncs
+    from tests.adapters.test_hf_deferred import _count_syncs_in
+
+    cb = StabilityCallback(Monitor("small"), checkpoint_every=0, sync=sync,
+                           activations=["net.1"], activation_every=2)
+    hooks = ("on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+    with _Syncs().installed() as syncs:
+        per = _count_syncs_in(cb, hooks, syncs)
+        _trainer(tmp_path, [cb], steps=12).fit(Tiny(fused=True), _loader())
+    steady = slice(2, None)  # (the first steps allocate the reused host buffers)
+    if sync == "step":
+        assert min(per["on_before_optimizer_step"][steady]) >= 1
+    else:
+        for h in hooks:
+            assert per[h][steady] == [0] * 10, h
+    assert cb.guard.step_count == 12
