@@ -225,3 +225,59 @@ def test_no_host_sync_in_the_step_hooks(tmp_path: Any, sync: str) -> None:
         for h in hooks:
             assert per[h][steady] == [0] * 10, h
     assert cb.guard.step_count == 12
+
+
+def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+    import json
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0",
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2", RANK=str(rank))
+    torch.set_num_threads(1)
+    mon = Monitor("small")
+    cb = StabilityCallback(mon, checkpoint_every=10, sync="deferred", log_metrics=False)
+    model = Tiny(nan_at=25 if rank == 1 else -1)  # (DDP averages the NaN into both ranks)
+    tr = _trainer(out_dir, [cb], steps=40, devices=2, strategy="ddp")
+    log: list[Any] = []
+    orig = cb.on_train_batch_end
+
+    def spy(*a: Any, **k: Any) -> None:
+        orig(*a, **k)
+        g = cb.guard
+        log.append([tr.global_step, g.step_count, g.control.to_dict(), g.healthy])
+
+    cb.on_train_batch_end = spy  # type: ignore[method-assign]
+    tr.fit(model, _loader())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump({"log": log, "events": [[i.step, i.type] for i in cb.guard.interventions],
+                   "w": [p.detach().tolist() for p in model.parameters()],
+                   "ledger": [r.step for r in mon.checkpoints.records],
+                   "synced": cb.guard.sync is not None and tr.world_size == 2}, fh)
+    os._exit(0)  # (see tests/adapters/test_distributed.py: torch's gloo teardown)
+
+
+def test_ddp_ranks_take_the_same_late_decisions(tmp_path: Any) -> None:
+    import json
+    import socket
+    import time
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed unavailable")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = torch.multiprocessing.start_processes(_ddp_worker, args=(port, str(tmp_path)),
+                                                nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("distributed test timed out")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["synced"] and r1["synced"]  # decisions reduced across the two ranks
+    assert r0["log"] == r1["log"] and len(r0["log"]) == 40  # same decisions, same steps
+    assert r0["events"] == r1["events"] and any(s == 25 for s, _ in r0["events"])
+    assert r0["w"] == r1["w"] and r0["ledger"] == r1["ledger"]
+    assert all(torch.isfinite(torch.tensor(w)).all() for w in r0["w"])
