@@ -286,3 +286,22 @@ def test_no_host_sync_in_the_step_hooks(tmp_path: Any, sync: str) -> None:
         assert per["on_pre_optimizer_step"][steady] == [0] * 10
         assert per["on_step_end"][steady] == [0] * 10
     assert cb.guard.step_count == 12
+
+
+def test_a_rollback_found_at_a_save_step_acts_as_in_step_mode(tmp_path: Any) -> None:
+    # step 7 is observed before HF's save of trainer step 8: its rollback is carried out at once,
+    # with the bookkeeping of sync="step" (tests/adapters/test_hf.py), no voided step
+    out = {}
+    for sync in ("step", "deferred"):
+        mon = _Scripted({7: Control(rollback_to=3, skip_batches=(6, 7))})
+        cb = StabilityTrainerCallback(mon, sync=sync)
+        tr = _trainer(tmp_path / sync, cb, steps=12, save_strategy="steps", save_steps=4)
+        tr.train()
+        g = cb.guard
+        out[sync] = (mon.seen, g.rollbacks, g.steps_lost, g.voided_steps, g.step_count,
+                     cb.cancelled_saves, sorted(os.listdir(tmp_path / sync)),
+                     [p.detach().clone() for p in tr.model.parameters()])
+    a, b = out["step"], out["deferred"]
+    assert b[:7] == a[:7]
+    assert a[0] == [*range(8), *range(4, 8)] and a[1:6] == (1, 4, 0, 8, [8])
+    assert all(torch.equal(x, y) for x, y in zip(a[7], b[7], strict=True))
