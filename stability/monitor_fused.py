@@ -31,6 +31,7 @@ kernel that is not a Numba dispatcher).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -45,7 +46,7 @@ from .binding import gather_step
 logger = logging.getLogger("stability.monitor")
 
 __all__ = ["FusedPlan", "StepBuffers", "build_fused_plan", "capture", "fused_step",
-           "gather_runs", "kernel_address", "reference_step", "step_buffers"]
+           "gather_runs", "kernel_address", "log_groups", "reference_step", "step_buffers"]
 
 #: the argument types of every bank kernel as ``update_array`` calls it (see detectors/_base.py)
 KERNEL_ARGS = (
@@ -64,24 +65,31 @@ FUSED_ARGS = (types.Array(types.float64, 1, "C"), types.Array(types.bool_, 1, "C
               types.Array(types.bool_, 1, "C"))
 
 # columns of the bank table (one row per binding); _RUN: the first slot when the binding's
-# inputs are consecutive slots (the common case: a family, a glob over every metric), else -1
-_FN, _NIN, _NS, _ST, _STR, _BUF, _BUFR, _PAR, _PARN, _RUN = range(10)
-_NCOL = 10
+# inputs are consecutive slots (the common case: a family, a glob over every metric), else -1;
+# _LOG: the address of the binding's (1, 2, n) input with a log row (a log group), else 0
+_FN, _NIN, _NS, _ST, _STR, _BUF, _BUFR, _PAR, _PARN, _RUN, _LOG = range(11)
+_NCOL = 11
 #: tracked values: grad norm, LR, loss, val loss (then their presence flags)
 N_TRACKED = 4
-# header of the integer buffer: bindings, gathered inputs, series
-_HEAD = 3
+# header of the integer buffer: bindings, gathered inputs, series, log groups
+_HEAD = 4
+# columns of the log-group table: first input of the group's values in X, address of its
+# (2, n) block (values, logs), n, first binding of the group
+_GSRC, _GDST, _GN, _GB = range(4)
+_GCOL = 4
 
 
 class StepBuffers(NamedTuple):
     """The three buffers :func:`fused_step` takes and the named views into them.
 
-    ``ints`` = header ``[n_bindings, n_inputs, n_series]``, ``gidx``, ``boff``, ``soff``,
-    ``table`` (row-major), ``tslots``; ``floats`` = ``X``, ``S``, ``tracked``; ``flags`` =
+    ``ints`` = header ``[n_bindings, n_inputs, n_series, n_log_groups]``, ``gidx``, ``boff``,
+    ``soff``, ``table`` (row-major), ``tslots``, ``groups`` (room for one log group per
+    binding, row-major); ``floats`` = ``X``, ``S``, ``tracked``; ``flags`` =
     ``M``, ``A``, ``active`` -- the arguments of :func:`~stability.binding.gather_step` and
     :func:`capture`, and the bank table (one row per binding: kernel address, inputs, series,
-    then address and rows of its state, buffer and parameter arrays, and the first slot of its
-    inputs when they are consecutive slots, else -1).
+    then address and rows of its state, buffer and parameter arrays, the first slot of its
+    inputs when they are consecutive slots, else -1, and the address of its input with a log
+    row, else 0) and the log-group table (:func:`log_groups`).
     """
 
     ints: np.ndarray
@@ -92,6 +100,7 @@ class StepBuffers(NamedTuple):
     soff: np.ndarray
     table: np.ndarray
     tslots: np.ndarray
+    groups: np.ndarray
     X: np.ndarray
     S: np.ndarray
     tracked: np.ndarray
@@ -104,15 +113,15 @@ def step_buffers(n_bindings: int, n_inputs: int, n_series: int) -> StepBuffers:
     """Zeroed :class:`StepBuffers` for ``n_bindings`` banks with ``n_inputs`` gathered inputs
     and ``n_series`` series in all."""
     nb, k, ns = n_bindings, n_inputs, n_series
-    ints = np.zeros(_HEAD + k + 2 * (nb + 1) + nb * _NCOL + N_TRACKED, dtype=np.int64)
-    ints[:_HEAD] = (nb, k, ns)
+    o = np.cumsum([_HEAD, k, nb + 1, nb + 1, nb * _NCOL, N_TRACKED, nb * _GCOL])
+    ints = np.zeros(int(o[-1]), dtype=np.int64)
+    ints[:_HEAD] = (nb, k, ns, 0)
     floats = np.zeros(k + ns + 2 * N_TRACKED)
     flags = np.zeros(k + ns + nb, dtype=np.bool_)
-    o = np.cumsum([_HEAD, k, nb + 1, nb + 1, nb * _NCOL, N_TRACKED])
     return StepBuffers(ints, floats, flags, ints[o[0]:o[1]], ints[o[1]:o[2]], ints[o[2]:o[3]],
-                       ints[o[3]:o[4]].reshape(nb, _NCOL), ints[o[4]:o[5]], floats[:k],
-                       floats[k:k + ns], floats[k + ns:], flags[:k], flags[k:k + ns],
-                       flags[k + ns:])
+                       ints[o[3]:o[4]].reshape(nb, _NCOL), ints[o[4]:o[5]],
+                       ints[o[5]:o[6]].reshape(nb, _GCOL), floats[:k], floats[k:k + ns],
+                       floats[k + ns:], flags[:k], flags[k:k + ns], flags[k + ns:])
 
 
 @intrinsic
@@ -201,25 +210,41 @@ def gather_runs(vals, present, gidx, boff, soff, X, M, S, A, active, runs):  # t
 
 @njit(cache=True, error_model="numpy")
 def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-def]
-    """One monitor step: capture the tracked values, gather, update every active bank, count
-    the alarms.
+    """One monitor step: capture the tracked values, gather, compute the shared log rows,
+    update every active bank, count the alarms.
 
     ``vals`` / ``present`` are the slot vector and mask; ``ints`` / ``floats`` / ``flags`` the
     packed :class:`StepBuffers` (the same effect as :func:`capture` then
     :func:`stability.binding.gather_step` on their views, then one ``update_array`` per
-    active bank).  Returns the number of alarms the banks raised on this step.
+    active bank: a bank of a log group gets its input with the group's log row, which its
+    kernel reads instead of taking the same logs again -- bit-identical, see
+    :meth:`detectors.BankDetector.uses_log_row`).  Returns the number of alarms the banks
+    raised on this step.
     """
-    nb, k, ns_all = ints[0], ints[1], ints[2]
+    nb, k, ns_all, ng = ints[0], ints[1], ints[2], ints[3]
     o1 = _HEAD + k
     o2 = o1 + nb + 1
     o3 = o2 + nb + 1
     o4 = o3 + nb * _NCOL
+    o5 = o4 + N_TRACKED
     gidx, boff, soff = ints[_HEAD:o1], ints[o1:o2], ints[o2:o3]
     table = ints[o3:o4].reshape((nb, _NCOL))
+    groups = ints[o5:o5 + nb * _GCOL].reshape((nb, _GCOL))
     X, S, tracked = floats[:k], floats[k:k + ns_all], floats[k + ns_all:]
     M, A, active = flags[:k], flags[k:k + ns_all], flags[k + ns_all:]
-    capture(vals, present, ints[o4:o4 + N_TRACKED], tracked)
+    capture(vals, present, ints[o4:o5], tracked)
     gather_runs(vals, present, gidx, boff, soff, X, M, S, A, active, table[:, _RUN])
+    for g in range(ng):  # the log rows: math.log(x) where x > 0 (what the kernels read)
+        if active[groups[g, _GB]]:
+            n = groups[g, _GN]
+            src = X[groups[g, _GSRC]:groups[g, _GSRC] + n]
+            blk = carray(_as_voidptr(groups[g, _GDST]), (2, n), np.float64)
+            xs, logs = blk[0], blk[1]
+            for i in range(n):
+                xs[i] = src[i]
+            for i in range(n):
+                x = xs[i]
+                logs[i] = math.log(x) if x > 0.0 else 0.0
     # each bank's views are rebuilt from raw addresses: no reference counting per view (the
     # arguments and FusedPlan.keep hold the memory)
     fp, bp = floats.ctypes.data, flags.ctypes.data
@@ -228,7 +253,10 @@ def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-d
         if not active[b] or ns == 0:
             continue
         nin = table[b, _NIN]
-        x = carray(_as_voidptr(fp + 8 * boff[b]), (1, nin, ns), np.float64)
+        if table[b, _LOG] != 0:  # its log group's values and log row
+            x = carray(_as_voidptr(table[b, _LOG]), (1, 2, ns), np.float64)
+        else:
+            x = carray(_as_voidptr(fp + 8 * boff[b]), (1, nin, ns), np.float64)
         m = carray(_as_voidptr(bp + boff[b]), (1, nin, ns), np.bool_)
         sc = carray(_as_voidptr(fp + 8 * (k + soff[b])), (1, ns), np.float64)
         al = carray(_as_voidptr(bp + k + soff[b]), (1, ns), np.bool_)
@@ -304,9 +332,33 @@ def build_fused_plan(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
         g = bufs.gidx[bufs.boff[b]:bufs.boff[b + 1]]
         run = int(g[0]) if g.size and (g == np.arange(g[0], g[0] + g.size)).all() else -1
         table[b] = (addr, n_inputs[b], ns, st.ctypes.data, st.shape[0], buf.ctypes.data,
-                    buf.shape[0], par.ctypes.data, par.shape[0], run)
+                    buf.shape[0], par.ctypes.data, par.shape[0], run, 0)
         keep.extend((kernel, st, buf, par))
+    groups = log_groups(bufs, dets, n_inputs, n_series)
+    if groups:  # one (2, n) block per group: the values and their logs
+        blocks = np.zeros(2 * sum(n_series[g[0]] for g in groups))
+        keep.append(blocks)
+        at = blocks.ctypes.data
+        for row, members in zip(bufs.groups, groups, strict=False):
+            n = n_series[members[0]]
+            row[:] = (bufs.boff[members[0]], at, n, members[0])
+            table[members, _LOG] = at
+            at += 16 * n
+        bufs.ints[3] = len(groups)
     return FusedPlan((bufs.ints, bufs.floats, bufs.flags), bufs, tuple(keep))
+
+
+def log_groups(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
+               n_series: list[int]) -> list[list[int]]:
+    """The bindings that read the same values and the logs of them, grouped: one log row
+    per group, shared (bindings of one input gathered from the same slots whose detector
+    :meth:`~detectors.BankDetector.uses_log_row`; groups of two or more, in binding order)."""
+    by_slots: dict[bytes, list[int]] = {}
+    for b, det in enumerate(dets):
+        if n_inputs[b] == 1 and n_series[b] and det.uses_log_row():
+            key = bufs.gidx[bufs.boff[b]:bufs.boff[b + 1]].tobytes()
+            by_slots.setdefault(key, []).append(b)
+    return [g for g in by_slots.values() if len(g) > 1]
 
 
 def reference_step(vals: np.ndarray, present: np.ndarray, plan: Any,
