@@ -77,7 +77,7 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
     if families:
         mon._fill_families(families, sk)
     present = mon._present.copy()  # this step's presence pattern (the step clears it)
-    ints, floats, flags = fp.args
+    (ints,) = fp.args
     no_banks = ints.copy()  # the bank table with zero series everywhere: every bank skipped
     table = fp.bufs.table   # a view into ints
     at = (table.ctypes.data - ints.ctypes.data) // ints.itemsize
@@ -88,7 +88,7 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
 
     def step_with(table_ints: np.ndarray) -> None:
         mon._present[:] = present
-        fused_step(mon._vals, mon._present, table_ints, floats, flags)
+        fused_step(table_ints)
 
     def plain() -> None:
         mon._present[:] = present

@@ -59,10 +59,9 @@ KERNEL_ARGS = (
     types.Array(types.bool_, 2, "C"),     # alarms (1, n_series)
 )
 KERNEL_SIG = types.none(*KERNEL_ARGS)
-#: the argument types of :func:`fused_step` (slot vector and mask, then the packed buffers)
-FUSED_ARGS = (types.Array(types.float64, 1, "C"), types.Array(types.bool_, 1, "C"),
-              types.Array(types.int64, 1, "C"), types.Array(types.float64, 1, "C"),
-              types.Array(types.bool_, 1, "C"))
+#: the argument types of :func:`fused_step`: the integer buffer alone (it holds the addresses
+#: of the others: each array argument of a Numba call costs ~0.05 µs of unboxing)
+FUSED_ARGS = (types.Array(types.int64, 1, "C"),)
 
 # columns of the bank table (one row per binding); _RUN: the first slot when the binding's
 # inputs are consecutive slots (the common case: a family, a glob over every metric), else -1;
@@ -71,8 +70,11 @@ _FN, _NIN, _NS, _ST, _STR, _BUF, _BUFR, _PAR, _PARN, _RUN, _LOG = range(11)
 _NCOL = 11
 #: tracked values: grad norm, LR, loss, val loss (then their presence flags)
 N_TRACKED = 4
-# header of the integer buffer: bindings, gathered inputs, series, log groups
-_HEAD = 4
+# header of the integer buffer: bindings, gathered inputs, series, log groups, then address
+# and length of the slot vector, address of its mask, address and length of the float buffer,
+# of the flag buffer
+_HEAD = 11
+_H_VALS, _H_NVALS, _H_PRESENT, _H_FLOATS, _H_NFLOATS, _H_FLAGS, _H_NFLAGS = range(4, 11)
 # columns of the log-group table: first input of the group's values in X, address of its
 # (2, n) block (values, logs), n, first binding of the group
 _GSRC, _GDST, _GN, _GB = range(4)
@@ -82,7 +84,8 @@ _GCOL = 4
 class StepBuffers(NamedTuple):
     """The three buffers :func:`fused_step` takes and the named views into them.
 
-    ``ints`` = header ``[n_bindings, n_inputs, n_series, n_log_groups]``, ``gidx``, ``boff``,
+    ``ints`` = header ``[n_bindings, n_inputs, n_series, n_log_groups]`` (then the addresses
+    and lengths of the slot vector and mask, ``floats`` and ``flags``), ``gidx``, ``boff``,
     ``soff``, ``table`` (row-major), ``tslots``, ``groups`` (room for one log group per
     binding, row-major); ``floats`` = ``X``, ``S``, ``tracked``; ``flags`` =
     ``M``, ``A``, ``active`` -- the arguments of :func:`~stability.binding.gather_step` and
@@ -115,9 +118,10 @@ def step_buffers(n_bindings: int, n_inputs: int, n_series: int) -> StepBuffers:
     nb, k, ns = n_bindings, n_inputs, n_series
     o = np.cumsum([_HEAD, k, nb + 1, nb + 1, nb * _NCOL, N_TRACKED, nb * _GCOL])
     ints = np.zeros(int(o[-1]), dtype=np.int64)
-    ints[:_HEAD] = (nb, k, ns, 0)
     floats = np.zeros(k + ns + 2 * N_TRACKED)
     flags = np.zeros(k + ns + nb, dtype=np.bool_)
+    ints[:_HEAD] = (nb, k, ns, 0, 0, 0, 0, floats.ctypes.data, floats.size, flags.ctypes.data,
+                    flags.size)
     return StepBuffers(ints, floats, flags, ints[o[0]:o[1]], ints[o[1]:o[2]], ints[o[2]:o[3]],
                        ints[o[3]:o[4]].reshape(nb, _NCOL), ints[o[4]:o[5]],
                        ints[o[5]:o[6]].reshape(nb, _GCOL), floats[:k], floats[k:k + ns],
@@ -209,12 +213,13 @@ def gather_runs(vals, present, gidx, boff, soff, X, M, S, A, active, runs):  # t
 
 
 @njit(cache=True, error_model="numpy")
-def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-def]
+def fused_step(ints):  # type: ignore[no-untyped-def]
     """One monitor step: capture the tracked values, gather, compute the shared log rows,
     update every active bank, count the alarms.
 
-    ``vals`` / ``present`` are the slot vector and mask; ``ints`` / ``floats`` / ``flags`` the
-    packed :class:`StepBuffers` (the same effect as :func:`capture` then
+    ``ints`` is the integer buffer of the packed :class:`StepBuffers`; its header holds the
+    addresses of the slot vector and mask and of ``floats`` / ``flags`` (kept alive by the
+    :class:`FusedPlan`).  The same effect as :func:`capture` then
     :func:`stability.binding.gather_step` on their views, then one ``update_array`` per
     active bank: a bank of a log group gets its input with the group's log row, which its
     kernel reads instead of taking the same logs again -- bit-identical, see
@@ -222,6 +227,11 @@ def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-d
     raised on this step.
     """
     nb, k, ns_all, ng = ints[0], ints[1], ints[2], ints[3]
+    fp, bp = ints[_H_FLOATS], ints[_H_FLAGS]
+    vals = carray(_as_voidptr(ints[_H_VALS]), (ints[_H_NVALS],), np.float64)
+    present = carray(_as_voidptr(ints[_H_PRESENT]), (ints[_H_NVALS],), np.bool_)
+    floats = carray(_as_voidptr(fp), (ints[_H_NFLOATS],), np.float64)
+    flags = carray(_as_voidptr(bp), (ints[_H_NFLAGS],), np.bool_)
     o1 = _HEAD + k
     o2 = o1 + nb + 1
     o3 = o2 + nb + 1
@@ -245,9 +255,8 @@ def fused_step(vals, present, ints, floats, flags):  # type: ignore[no-untyped-d
             for i in range(n):
                 x = xs[i]
                 logs[i] = math.log(x) if x > 0.0 else 0.0
-    # each bank's views are rebuilt from raw addresses: no reference counting per view (the
-    # arguments and FusedPlan.keep hold the memory)
-    fp, bp = floats.ctypes.data, flags.ctypes.data
+    # each bank's views are rebuilt from raw addresses: no reference counting per view
+    # (FusedPlan holds the memory)
     for b in range(nb):
         ns = table[b, _NS]
         if not active[b] or ns == 0:
@@ -291,7 +300,7 @@ def kernel_address(kernel: Any) -> int:
 class FusedPlan(NamedTuple):
     """The buffers :func:`fused_step` reads, and the arrays the bank table points into."""
 
-    args: tuple[np.ndarray, np.ndarray, np.ndarray]  # (ints, floats, flags) of ``bufs``
+    args: tuple[np.ndarray]  # ``(ints,)``: the argument of :func:`fused_step`
     bufs: StepBuffers
     keep: tuple[Any, ...]    # every array (and kernel) the table points at: kept alive
 
@@ -302,12 +311,16 @@ def _c_float(a: Any, ndim: int) -> bool:
 
 
 def build_fused_plan(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
-                     n_series: list[int]) -> FusedPlan | None:
-    """Fill the bank table of ``bufs`` for the banks ``dets`` (in binding order); ``None`` when
-    one of them cannot be driven natively (then the monitor uses :func:`reference_step`).
+                     n_series: list[int], vals: np.ndarray, present: np.ndarray
+                     ) -> FusedPlan | None:
+    """Fill the bank table of ``bufs`` for the banks ``dets`` (in binding order) and the slot
+    vector ``vals`` and mask ``present`` (float64 / bool, C-contiguous, one size) the step
+    reads; ``None`` when one of the banks cannot be driven natively (then the monitor uses
+    :func:`reference_step`).
 
     ``dets[b]`` must be bound to the monitor's output vectors (``bind_outputs``, views of
-    ``bufs``) and hold ``n_series[b]`` series of ``n_inputs[b]`` inputs.
+    ``bufs``) and hold ``n_series[b]`` series of ``n_inputs[b]`` inputs.  The plan holds
+    ``vals`` and ``present``: a monitor replacing them builds a new plan.
     """
     # cold Numba cache: the plain path (interpreted twins) until the background compiler has
     # built the driver and every bank kernel (detectors/dispatch.py); the monitor retries then
@@ -315,9 +328,14 @@ def build_fused_plan(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
               if n]
     if not (request(fused_step, FUSED_ARGS) and all(wanted)):
         return None
+    if not (_c_float(vals, 1) and type(present) is np.ndarray and present.dtype == np.bool_
+            and present.shape == vals.shape and present.flags.c_contiguous
+            and present.flags.writeable):
+        return None
     table = bufs.table
     table[:] = 0
-    keep: list[Any] = []
+    bufs.ints[_H_VALS:_H_PRESENT + 1] = (vals.ctypes.data, vals.size, present.ctypes.data)
+    keep: list[Any] = [vals, present]
     for b, det in enumerate(dets):
         kernel = type(det).kernel
         st, buf, par = det._state, det._buf, det._params_arr
@@ -345,7 +363,7 @@ def build_fused_plan(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],
             table[members, _LOG] = at
             at += 16 * n
         bufs.ints[3] = len(groups)
-    return FusedPlan((bufs.ints, bufs.floats, bufs.flags), bufs, tuple(keep))
+    return FusedPlan((bufs.ints,), bufs, tuple(keep))
 
 
 def log_groups(bufs: StepBuffers, dets: list[Any], n_inputs: list[int],

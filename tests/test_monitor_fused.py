@@ -153,7 +153,7 @@ def test_fused_step_equals_reference_step() -> None:
             mon._vals[:] = vals
             mon._present[:] = present
         a, b = mons
-        n_fused = fused_step(a._vals, a._present, *a._fused.args)
+        n_fused = fused_step(*a._fused.args)
         n_ref = reference_step(b._vals, b._present, b._gather, b._calls, b._tslots, b._tracked)
         assert n_fused == n_ref
         np.testing.assert_array_equal(a._tracked, b._tracked)
@@ -205,8 +205,25 @@ def test_plan_refuses_non_contiguous_state() -> None:
     det = mon._bindings[1].det
     det._state = np.asfortranarray(np.zeros((det._state.shape[0], 3)))[:, ::2]
     bs = mon._bindings
-    assert build_fused_plan(mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
-                            [len(b.keys) for b in bs]) is None
+    args = (mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
+            [len(b.keys) for b in bs])
+    assert build_fused_plan(*args, mon._vals, mon._present) is None
+
+
+def test_plan_refuses_other_slot_vectors() -> None:
+    """The driver reads the slot vector and mask through raw addresses: only float64 / bool
+    C-contiguous writeable vectors of one size are accepted."""
+    mon = Monitor(CONFIG)
+    mon.observe(0, {"loss": 1.0})
+    bs = mon._bindings
+    args = (mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
+            [len(b.keys) for b in bs])
+    vals, present = mon._vals, mon._present
+    assert build_fused_plan(*args, vals, present) is not None
+    for v, p in ((vals.astype(np.float32), present), (vals, present.astype(np.uint8)),
+                 (vals[::2], present[::2]), (vals, present[:-1]),
+                 (np.repeat(vals, 2)[::2], present)):
+        assert build_fused_plan(*args, v, p) is None
 
 
 @pytest.mark.parametrize("seed", range(6))
