@@ -7,6 +7,11 @@ unboxing, ~0.5 µs per call) cost more than the arithmetic.  :func:`fused_step` 
 work in one call:
 
 * the gather loop of :func:`~stability.binding.gather_step` (bit for bit the same code);
+* one *log row* per group of banks that read the same values and their logs (the per-layer
+  grad norms feed an EWMA bank and a coherent-jump bank; :func:`log_groups`): ``math.log(x)``
+  where ``x > 0``, computed once and handed to each of them as a second input row, which
+  their kernels read instead of calling ``log`` again (bit-identical:
+  :meth:`detectors.BankDetector.uses_log_row`);
 * each active bank's kernel called through its native entry point (the address of the
   specialisation ``update_array`` would have used, :func:`kernel_address`), with its input,
   output, state, buffer and parameter arrays rebuilt from their data addresses (the bank
@@ -15,7 +20,8 @@ work in one call:
 * the number of alarms of the step (``0`` on a quiet step, the common case).
 
 The step's arrays live in three packed buffers (:class:`StepBuffers`: integers, floats, flags;
-the gather plan's arrays are views into them), so the call unboxes five arrays, not thirteen.
+the gather plan's arrays are views into them); the integer buffer's header holds the addresses
+of the others and of the slot vector and mask, so the call unboxes one array, not thirteen.
 One driver serves every config (its signature does not depend on the banks), so it compiles
 once and is cached like the kernels; the kernels keep their single specialisation.
 
@@ -23,9 +29,9 @@ Safety: the driver writes through raw addresses, so :class:`FusedPlan` holds a r
 every array it points at (they cannot be freed under it).  The monitor rebuilds the plan in
 ``_relayout`` -- every detector call that reallocates its arrays (``grow``, ``reset``,
 ``apply_state``) already forces one, because it also reallocates the output arrays the monitor
-binds.  :func:`reference_step` is the plain path (gather + one ``update_array`` per bank) the
-tests compare the driver with; it is also used where the driver cannot be (JIT disabled, a
-kernel that is not a Numba dispatcher).
+binds, and so does a new slot vector (a new name).  :func:`reference_step` is the plain path
+(gather + one ``update_array`` per bank) the tests compare the driver with; it is also used
+where the driver cannot be (JIT disabled, a kernel that is not a Numba dispatcher).
 """
 
 from __future__ import annotations
