@@ -321,7 +321,7 @@ class DeferredSteps:
             return
         fused = g.scaler is None and getattr(g.optimizer, "_step_supports_amp_scaling", False)
         fire = self.gate.arm(g.step_count, g.control.skip_step, vec, layout.names, layout.host,
-                             None if g.sync is None else g.sync.group)
+                             g.sync)
         with torch.no_grad():
             total = vec[0]
             ok = torch.isfinite(total)
@@ -380,7 +380,7 @@ def _parse_state(sd: Mapping[str, Any] | None) -> tuple[
         _Pending | None, Control, int | None, int, list[float], Any]:
     """Check :meth:`DeferredSteps.state_dict` output; ``ValueError`` names a bad field."""
     if sd is None:
-        return None, Control(), None, 0, [], ([], 0, None)
+        return None, Control(), None, 0, [], ([], 0, 0, None)
     f = Fields("TorchGuard", sd, "deferred.")
     pending = None
     if f.get("pending", None) is not None:

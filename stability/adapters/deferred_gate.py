@@ -76,6 +76,7 @@ class SkipGate:
         self.factor = factor
         self.gated = 0
         self._losses: deque[float] = deque(maxlen=LOSS_WINDOW)  # healthy observed losses
+        self._healthy = 0  # healthy observed steps (at most LOSS_MIN): the same on every rank
         self._armed: tuple[int, float] | None = None  # (step, threshold) of the armed step
         self._fire: torch.Tensor | None = None  # the armed step's device flag
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live, copy)
@@ -83,18 +84,19 @@ class SkipGate:
     # ------------------------------------------------------------------ step t
     def threshold(self) -> float | None:
         """The loss above which an armed step is skipped (``None``: not known yet / off)."""
-        if self.factor is None or len(self._losses) < LOSS_MIN:
+        if self.factor is None or self._healthy < LOSS_MIN:
             return None
-        med = statistics.median(self._losses)
+        med = statistics.median(self._losses) if self._losses else math.nan
         if not (math.isfinite(med) and med > 0):
             return math.inf  # (a loss that can be <= 0: only non-finite losses are gated)
         return float(np.float32(self.factor * med))  # the device compares in float32
 
     def arm(self, step: int, skip_asked: bool, vec: torch.Tensor, names: list[str],
-            host: Mapping[str, float], group: Any = None) -> torch.Tensor | None:
+            host: Mapping[str, float], sync: Any = None) -> torch.Tensor | None:
         """Step ``step``'s device flag (``True``: skip its update) when the last observed
-        decision asked to skip; ``None`` when the gate is not armed.  ``group``: the process
-        group the flag is reduced over (``None``: one rank)."""
+        decision asked to skip; ``None`` when the gate is not armed.  ``sync``: the guard's
+        :class:`~stability.adapters.distributed.ControlSync` (its group reduces the flag;
+        ``None``: one rank)."""
         self._armed, self._fire = None, None
         thr = self.threshold()
         if not skip_asked or thr is None:
@@ -106,11 +108,11 @@ class SkipGate:
             fire = torch.tensor(not host["loss"] <= thr, device=vec.device)
         else:
             return None
-        if group is not None:
+        if sync is not None:
             import torch.distributed as dist
 
             flag = fire.to(torch.float32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # async on the device
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sync.group)  # async on the device
             fire = flag > 0
         self._armed, self._fire = (step, thr), fire
         return fire
@@ -163,27 +165,30 @@ class SkipGate:
 
     def note(self, scalars: Mapping[str, float], healthy: bool) -> None:
         """A healthy observed step's loss joins the median."""
+        if not healthy:
+            return
+        self._healthy = min(self._healthy + 1, LOSS_MIN)  # (arms every rank at the same step)
         loss = scalars.get("loss")
-        if healthy and loss is not None and math.isfinite(loss):
+        if loss is not None and math.isfinite(loss):
             self._losses.append(float(loss))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The healthy losses, the armed step (not observed yet) and the count (JSON-safe)."""
         armed = self._armed
-        return {"losses": list(self._losses), "gated": self.gated,
+        return {"losses": list(self._losses), "healthy": self._healthy, "gated": self.gated,
                 "armed": None if armed is None else
                 {"step": armed[0], "threshold": armed[1] if math.isfinite(armed[1]) else "inf"}}
 
     def load_state_dict(self, sd: GateState) -> None:
         """Restore :func:`parse_gate` output."""
-        losses, self.gated, self._armed = sd
+        losses, self._healthy, self.gated, self._armed = sd
         self._losses = deque(losses, maxlen=LOSS_WINDOW)
         self._fire, self._saved = None, []
 
 
-#: checked :meth:`SkipGate.state_dict` output: (healthy losses, gated, armed step)
-GateState = tuple[list[float], int, tuple[int, float] | None]
+#: checked :meth:`SkipGate.state_dict` output: (healthy losses, healthy steps, gated, armed step)
+GateState = tuple[list[float], int, int, tuple[int, float] | None]
 
 
 def parse_gate(f: Fields) -> GateState:
@@ -195,4 +200,6 @@ def parse_gate(f: Fields) -> GateState:
     if f.get("armed", None) is not None:
         af = f.sub("armed")
         armed = (af.integer("step", lo=0), af.number("threshold", lo=0.0, inf=True))
-    return losses[-LOSS_WINDOW:], f.integer("gated", f.get("gated", 0), lo=0), armed
+    healthy = f.integer("healthy", f.get("healthy", len(losses)), lo=0)
+    return (losses[-LOSS_WINDOW:], min(healthy, LOSS_MIN),
+            f.integer("gated", f.get("gated", 0), lo=0), armed)
