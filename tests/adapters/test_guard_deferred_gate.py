@@ -274,3 +274,37 @@ def test_every_rank_skips_when_one_rank_sees_the_bad_batch(tmp_path: Any) -> Non
     assert r0["moved"] == r1["moved"] == [True] * (SKIP + 1) + [False] + [True] * (N - SKIP - 2)
     assert r0["w"] == r1["w"]
     assert (r0["gated"], r1["gated"]) == (0, 1)  # each rank's own view of its loss
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adamw_fused", "adamw_foreach"])
+def test_the_gate_skips_on_the_gpu_without_a_host_sync(kind: str) -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 3)).to("cuda")
+    opt = _opt(kind, model.parameters())
+    guard = TorchGuard(model, opt, None, _Scripted({SKIP}), checkpoint_every=0, sync="deferred",
+                       log_interventions=False)
+    syncs, skipped = [], None
+    for i in range(N):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x.cuda()), y.cuda())
+        (loss * (1e3 if i == SKIP + 1 else 1.0)).backward()
+        w0 = [t for t in _state(model, opt) if t.is_cuda]  # (Adam's CPU step count advances)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                guard.step(loss * (1e3 if i == SKIP + 1 else 1.0))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(m.message) for m in w))
+        if i == SKIP + 1:
+            skipped = _same([t for t in _state(model, opt) if t.is_cuda], w0)
+    guard.flush()
+    assert skipped and guard.deferred.gate.gated == 1
+    assert max(syncs[3:]) == 0
