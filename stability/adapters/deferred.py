@@ -62,7 +62,7 @@ import torch
 from .._state_check import Fields
 from ..lr_guard import LRGuard
 from ..types import Control, Decision
-from .deferred_gate import SkipGate, parse_gate
+from .deferred_gate import GateState, SkipGate, parse_gate
 from .guard_checkpoints import GuardCheckpoints
 from .interventions import TrainingStopped, drop_gradients
 from .signals import SignalLayout, Signals
@@ -329,10 +329,8 @@ class DeferredSteps:
                 coef = (norm / (total + 1e-6)).clamp(max=1.0)
                 for dev_grads in _by_device(grads).values():
                     torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
-            gate_in_ok = fire is not None and (fused or not self.gate.hold(g.optimizer))
-            if gate_in_ok:
-                assert fire is not None
-                ok = ok & ~fire
+            if fire is not None and (fused or not self.gate.hold(g.optimizer)):
+                ok = ok & ~fire  # the gated step joins the non-finite ones
             elif g.scaler is not None:
                 return  # the scaler skips a step with non-finite gradients itself
             if fused:
@@ -377,7 +375,7 @@ class DeferredSteps:
 
 
 def _parse_state(sd: Mapping[str, Any] | None) -> tuple[
-        _Pending | None, Control, int | None, int, list[float], Any]:
+        _Pending | None, Control, int | None, int, list[float], GateState]:
     """Check :meth:`DeferredSteps.state_dict` output; ``ValueError`` names a bad field."""
     if sd is None:
         return None, Control(), None, 0, [], ([], 0, 0, None)

@@ -43,7 +43,7 @@ import torch
 
 from .._state_check import Fields
 
-__all__ = ["LOSS_GATE_FACTOR", "LOSS_MIN", "LOSS_WINDOW", "SkipGate", "parse_gate"]
+__all__ = ["LOSS_GATE_FACTOR", "LOSS_MIN", "LOSS_WINDOW", "GateState", "SkipGate", "parse_gate"]
 
 log = logging.getLogger("stability.adapters")
 
