@@ -98,8 +98,8 @@ class SkipGate:
         :class:`~stability.adapters.distributed.ControlSync` (its group reduces the flag;
         ``None``: one rank)."""
         self._armed, self._fire = None, None
-        thr = self.threshold()
-        if not skip_asked or thr is None:
+        thr = self.threshold() if skip_asked else None
+        if thr is None:
             return None
         if "loss" in names:
             loss = vec[names.index("loss")]
