@@ -144,9 +144,10 @@ def kernel_share(table: pa.Table, config: Any) -> float:
 def bank_times(table: pa.Table, config: Any) -> None:
     """Print the CPU time of each bank's batch kernel during one replay (largest first), the
     input fill, the non-finite guard's finite chunks and the per-step tail."""
-    import stability.monitor_replay as mr
+    import stability.monitor_replay_run as mr
     from detectors._base import BankDetector
     from detectors.nonfinite import NonFiniteGuard
+    from stability.monitor_replay_fill import Block
 
     spent: dict[str, float] = {}
 
@@ -165,8 +166,8 @@ def bank_times(table: pa.Table, config: Any) -> None:
             BankDetector.update_many_array)),
         (NonFiniteGuard, "update_finite_many", timed(
             lambda *a: "NonFiniteGuard, finite chunks", NonFiniteGuard.update_finite_many)),
-        (mr, "_fill_bank", timed(lambda *a: "input fill", mr._fill_bank)),
-        (mr._Replay, "_tail", timed(lambda *a: "per-step tail", mr._Replay._tail)),
+        (Block, "fill", timed(lambda *a: "input fill", Block.fill)),
+        (mr.Replay, "_tail", timed(lambda *a: "per-step tail", mr.Replay._tail)),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, fn in patches:

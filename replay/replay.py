@@ -47,6 +47,7 @@ from replay.runs import discover_many as discover_many
 from replay.runs import discover_runs as discover_runs
 from replay.runs import parallel_map as parallel_map
 from replay.runs import read_table as read_table
+from replay.stream import plan_replay, replay_stream
 from stability.types import Alarm, Decision, Intervention
 
 
@@ -376,6 +377,13 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
 
     t0 = time.perf_counter()
     cfg = load_config(_default_config(config))  # parsed once for the probe and the replay
+    stream, names = plan_replay(p, cfg)
+    if stream is not None:  # in replay order already: batch after batch, bounded memory
+        if said:
+            sys.stderr.write("\r\033[K")
+        res = replay_stream(stream, cfg, rid, p, events, progress, names=names)
+        res.seconds = time.perf_counter() - t0
+        return res
     table, names = read_bound(p, cfg)
     if said:
         sys.stderr.write("\r\033[K")  # clear the line for the bar / the summary

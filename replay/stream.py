@@ -1,0 +1,188 @@
+"""Streamed replay of a Parquet run: :func:`replay.replay.replay_run`'s path when the run is
+already in replay order.
+
+A run whose steps are strictly increasing (file after file) and whose columns are already in
+the recorded-run schema (``step`` int64, float64 metrics) reads, under :func:`read_run`, to the
+table of its files' rows as they are: no sort, no merge, no conversion.  Such a run is read in
+record batches of :data:`STREAM_ROWS` rows and fed to one monitor batch after batch
+(:meth:`stability.monitor.Monitor.replay_stream`), which gives the decisions of the whole-table
+replay bit for bit.  Memory stays bounded (a batch, the steps and the events, not the run), and
+the batches' buffers are reused from batch to batch instead of being faulted in afresh.
+
+Any other run (unsorted or duplicate steps, other column types, long format, an old recorder's
+``step`` metric, ...) returns ``None`` from :func:`plan_stream` and is read whole as before.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from replay.reader import _alias_table, _open, _plan, _resolve, _Source
+from replay.schema import STEP, RunFormatError, alias_resolver, read_metadata
+
+__all__ = ["STREAM_ROWS", "RunStream", "plan_replay", "plan_stream", "replay_stream"]
+
+#: rows per streamed batch: a float64 column of a batch (1 MiB) stays in the allocator's reused
+#: pages (a larger one is mapped and unmapped per read: page faults on every batch)
+STREAM_ROWS = 1 << 17
+
+
+@dataclass
+class RunStream:
+    """A run to stream: per file, what to read and the names it gets."""
+
+    files: list[tuple[_Source, list[str], list[str]]]  # (file, raw columns, canonical names)
+    schema: pa.Schema  # the run's unified schema (``step`` first)
+    steps: np.ndarray  # every step of the run, in order (int64)
+    batch_rows: int = STREAM_ROWS
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.schema.names)
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        """The run's rows in batches of at most :attr:`batch_rows` rows, in the unified schema
+        (columns a file lacks are null)."""
+        types = dict(zip(self.schema.names, self.schema.types, strict=True))
+        for src, raw, canon in self.files:
+            pf = _open(src, stream=True)
+            rename = dict(zip(raw, canon, strict=True))
+            try:
+                for batch in pf.iter_batches(batch_size=self.batch_rows, columns=raw):
+                    n = batch.num_rows
+                    index = {rename[c]: k for k, c in enumerate(batch.schema.names)}
+                    cols = [batch.column(index[f]) if f in index else pa.nulls(n, types[f])
+                            for f in self.schema.names]
+                    yield pa.RecordBatch.from_arrays(cols, schema=self.schema)
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                raise RunFormatError(
+                    src.display, f"cannot read Parquet data (truncated or corrupted?): {exc}"
+                ) from None
+            finally:
+                pf.close()
+
+
+def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = None,
+                batch_rows: int | None = None) -> RunStream | None:
+    """The stream of a run whose :func:`replay.reader.read_run` table is its files' rows as
+    they are (``columns``: as :func:`read_run`'s), or ``None``: read it whole.
+
+    Reads the footers and the ``step`` column of every file (the steps must be strictly
+    increasing across the files; they are the result's :attr:`RunStream.steps`).
+    ``batch_rows``: rows per batch (default :data:`STREAM_ROWS`).
+    """
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sources = _resolve(path)
+            amap = _alias_table(None, True)
+            plan, schema, _ = _plan(sources, amap, columns)
+            if caught:  # dropped columns, an old recorder's step metric: read_run says so
+                return None
+            resolve = alias_resolver(amap)
+            files = []
+            steps = []
+            for src, raw, is_long in plan:
+                if is_long:
+                    return None
+                canon = [STEP] + [resolve(n) for n in raw[1:]]
+                if len(set(canon)) != len(canon):  # columns coalesced by the aliases
+                    return None
+                pf = _open(src)
+                try:
+                    types = pf.schema_arrow
+                    if raw[:1] != [STEP] or types.field(STEP).type != pa.int64() or any(
+                            types.field(n).type != pa.float64() for n in raw[1:]):
+                        return None
+                    st = pf.read(columns=[STEP]).column(0)
+                finally:
+                    pf.close()
+                if st.null_count:
+                    return None
+                steps.append(np.asarray(st.to_numpy(), dtype=np.int64))
+                files.append((src, raw, canon))
+            read_metadata(schema, sources[0].display)  # what read_run validates
+    except (RunFormatError, pa.ArrowException, OSError, ValueError, KeyError):
+        return None  # read_run gives the error
+    all_steps = np.concatenate(steps) if steps else np.zeros(0, dtype=np.int64)
+    if all_steps.size > 1 and not bool(np.all(all_steps[1:] > all_steps[:-1])):
+        return None
+    return RunStream(files, schema, all_steps, batch_rows or STREAM_ROWS)
+
+
+def plan_replay(p: str, cfg: Any) -> tuple[Any, list[str] | None]:
+    """The :class:`RunStream` of a Parquet run in replay order for a monitor built from the
+    parsed config ``cfg`` (only the columns it binds, as :func:`replay.replay.read_bound`
+    reads them) and the run's column names when that is a projection; ``None``: read whole."""
+    from .io import detect_format
+    from .reader import read_schema
+    from .replay import _monitor
+
+    try:
+        if detect_format(p) != "parquet":
+            return None, None
+    except (OSError, ValueError):
+        return None, None
+    if any(i == "*" for d in cfg.detectors for i in d.inputs):
+        return plan_stream(p), None
+    try:
+        names = read_schema(p).names
+    except (OSError, ValueError):
+        return None, None
+    metrics = [c for c in names if c != "step"]
+    keep = _monitor(cfg).bound_names(metrics)  # a probe: asking binds the names
+    return plan_stream(p, None if len(keep) == len(metrics) else keep), names
+
+
+def replay_stream(stream: RunStream, config: Any, run_id: str = "", path: str = "",
+                  events: str | os.PathLike[str] | None = None,
+                  progress: bool | None = False, *,
+                  names: Sequence[str] | None = None) -> Any:
+    """:func:`replay.replay.replay_table` of a :class:`RunStream`: the same
+    :class:`~replay.replay.ReplayResult`, the run read batch after batch.  ``names``: the
+    run's column names when the stream reads only some of them (for the unbound-metrics
+    warning)."""
+    from replay.replay import (
+        PROGRESS_ROWS,
+        Progress,
+        ReplayResult,
+        _monitor,
+        decisions_to_records,
+        goodput,
+        unbound_warning,
+        write_events,
+    )
+
+    t0 = time.perf_counter()
+    mon = _monitor(config)
+    n = int(stream.steps.size)
+    if progress is None:
+        progress = n > PROGRESS_ROWS and sys.stderr.isatty()
+    bar = Progress(n, f"replay {run_id}".strip(), bool(progress))
+    decisions = []
+    try:
+        for d in mon.replay_stream(stream.batches()):
+            decisions += d.events()  # the steps with alarms / interventions
+            bar.update(len(d))
+    finally:
+        bar.close()
+    note = unbound_warning(mon, stream.names if names is None else names)
+    if note is not None:
+        warnings.warn(f"{run_id or path or 'run'}: {note}", UserWarning, stacklevel=2)
+    alarms = [a for d in decisions for a in d.alarms]
+    ivs = [i for d in decisions for i in d.interventions]
+    res = ReplayResult(run_id=run_id, path=path, n_steps=n, steps=stream.steps,
+                       alarms=alarms, interventions=ivs, goodput=goodput(stream.steps, ivs))
+    if events is not None:
+        write_events(events, decisions_to_records(decisions), run_id)
+    res.seconds = time.perf_counter() - t0
+    return res
