@@ -47,7 +47,7 @@ from replay.runs import discover_many as discover_many
 from replay.runs import discover_runs as discover_runs
 from replay.runs import parallel_map as parallel_map
 from replay.runs import read_table as read_table
-from replay.stream import plan_replay, replay_stream
+from replay.stream import OutOfOrder, plan_replay, replay_stream
 from stability.types import Alarm, Decision, Intervention
 
 
@@ -381,9 +381,13 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
     if stream is not None:  # in replay order already: batch after batch, bounded memory
         if said:
             sys.stderr.write("\r\033[K")
-        res = replay_stream(stream, cfg, rid, p, events, progress, names=names)
-        res.seconds = time.perf_counter() - t0
-        return res
+        try:
+            res = replay_stream(stream, cfg, rid, p, events, progress, names=names)
+        except OutOfOrder:  # unsorted or duplicate steps after all: sorted and merged whole
+            pass
+        else:
+            res.seconds = time.perf_counter() - t0
+            return res
     table, names = read_bound(p, cfg)
     if said:
         sys.stderr.write("\r\033[K")  # clear the line for the bar / the summary

@@ -1,16 +1,18 @@
 """Streamed replay of a Parquet run: :func:`replay.replay.replay_run`'s path when the run is
 already in replay order.
 
-A run whose steps are strictly increasing (file after file) and whose columns are already in
-the recorded-run schema (``step`` int64, float64 metrics) reads, under :func:`read_run`, to the
+A run whose columns are already in the recorded-run schema (``step`` int64, float64 metrics)
+and whose steps are strictly increasing (file after file) reads, under :func:`read_run`, to the
 table of its files' rows as they are: no sort, no merge, no conversion.  Such a run is read in
 record batches of :data:`STREAM_ROWS` rows and fed to one monitor batch after batch
 (:meth:`stability.monitor.Monitor.replay_stream`), which gives the decisions of the whole-table
 replay bit for bit.  Memory stays bounded (a batch, the steps and the events, not the run), and
 the batches' buffers are reused from batch to batch instead of being faulted in afresh.
 
-Any other run (unsorted or duplicate steps, other column types, long format, an old recorder's
-``step`` metric, ...) returns ``None`` from :func:`plan_stream` and is read whole as before.
+:func:`plan_stream` decides from the footers; the steps are checked as the batches are read,
+and a run found out of order (:class:`OutOfOrder`, before the batch is replayed) is replayed
+anew from the whole table, as is any run :func:`plan_stream` declines (other column types, long
+format, an old recorder's ``step`` metric, ...).
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ import pyarrow as pa
 from replay.reader import _alias_table, _open, _plan, _resolve, _Source
 from replay.schema import STEP, RunFormatError, alias_resolver, read_metadata
 
-__all__ = ["STREAM_ROWS", "RunStream", "plan_replay", "plan_stream", "replay_stream"]
+__all__ = ["STREAM_ROWS", "OutOfOrder", "RunStream", "plan_replay", "plan_stream", "replay_stream"]
 
 #: rows per streamed batch: a float64 column of a batch (1 MiB) stays in the allocator's reused
 #: pages (a larger one is mapped and unmapped per read: page faults on every batch)
 STREAM_ROWS = 1 << 17
+
+
+class OutOfOrder(Exception):
+    """A streamed run's steps are not strictly increasing (or a step is null): read it whole."""
 
 
 @dataclass
@@ -42,8 +48,12 @@ class RunStream:
 
     files: list[tuple[_Source, list[str], list[str]]]  # (file, raw columns, canonical names)
     schema: pa.Schema  # the run's unified schema (``step`` first)
-    steps: np.ndarray  # every step of the run, in order (int64)
+    n_rows: int
     batch_rows: int = STREAM_ROWS
+
+    def __post_init__(self) -> None:
+        #: every step of the run, in order (int64), filled as :meth:`batches` reads them
+        self.steps = np.empty(self.n_rows, dtype=np.int64)
 
     @property
     def names(self) -> list[str]:
@@ -51,8 +61,13 @@ class RunStream:
 
     def batches(self) -> Iterator[pa.RecordBatch]:
         """The run's rows in batches of at most :attr:`batch_rows` rows, in the unified schema
-        (columns a file lacks are null)."""
+        (columns a file lacks are null).
+
+        Raises :class:`OutOfOrder` before the first batch whose steps are not strictly
+        increasing (from the run's first row) or hold a null.
+        """
         types = dict(zip(self.schema.names, self.schema.types, strict=True))
+        at, last = 0, None
         for src, raw, canon in self.files:
             pf = _open(src, stream=True)
             rename = dict(zip(raw, canon, strict=True))
@@ -60,6 +75,16 @@ class RunStream:
                 for batch in pf.iter_batches(batch_size=self.batch_rows, columns=raw):
                     n = batch.num_rows
                     index = {rename[c]: k for k, c in enumerate(batch.schema.names)}
+                    step = batch.column(index[STEP])
+                    if step.null_count or at + n > self.n_rows:
+                        raise OutOfOrder(src.display)
+                    st = self.steps[at:at + n]
+                    st[:] = step.to_numpy()
+                    if n and ((last is not None and st[0] <= last)
+                              or not bool(np.all(st[1:] > st[:-1]))):
+                        raise OutOfOrder(src.display)
+                    at += n
+                    last = st[-1] if n else last
                     cols = [batch.column(index[f]) if f in index else pa.nulls(n, types[f])
                             for f in self.schema.names]
                     yield pa.RecordBatch.from_arrays(cols, schema=self.schema)
@@ -69,6 +94,8 @@ class RunStream:
                 ) from None
             finally:
                 pf.close()
+        if at != self.n_rows:
+            raise OutOfOrder("rows")
 
 
 def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = None,
@@ -76,8 +103,8 @@ def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = No
     """The stream of a run whose :func:`replay.reader.read_run` table is its files' rows as
     they are (``columns``: as :func:`read_run`'s), or ``None``: read it whole.
 
-    Reads the footers and the ``step`` column of every file (the steps must be strictly
-    increasing across the files; they are the result's :attr:`RunStream.steps`).
+    Reads the footers only.  The steps must also be strictly increasing across the files:
+    :meth:`RunStream.batches` checks them as it reads (:class:`OutOfOrder`).
     ``batch_rows``: rows per batch (default :data:`STREAM_ROWS`).
     """
     try:
@@ -90,7 +117,7 @@ def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = No
                 return None
             resolve = alias_resolver(amap)
             files = []
-            steps = []
+            rows = 0
             for src, raw, is_long in plan:
                 if is_long:
                     return None
@@ -100,23 +127,17 @@ def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = No
                 pf = _open(src)
                 try:
                     types = pf.schema_arrow
-                    if raw[:1] != [STEP] or types.field(STEP).type != pa.int64() or any(
-                            types.field(n).type != pa.float64() for n in raw[1:]):
-                        return None
-                    st = pf.read(columns=[STEP]).column(0)
+                    rows += pf.metadata.num_rows
                 finally:
                     pf.close()
-                if st.null_count:
+                if raw[:1] != [STEP] or types.field(STEP).type != pa.int64() or any(
+                        types.field(n).type != pa.float64() for n in raw[1:]):
                     return None
-                steps.append(np.asarray(st.to_numpy(), dtype=np.int64))
                 files.append((src, raw, canon))
             read_metadata(schema, sources[0].display)  # what read_run validates
     except (RunFormatError, pa.ArrowException, OSError, ValueError, KeyError):
         return None  # read_run gives the error
-    all_steps = np.concatenate(steps) if steps else np.zeros(0, dtype=np.int64)
-    if all_steps.size > 1 and not bool(np.all(all_steps[1:] > all_steps[:-1])):
-        return None
-    return RunStream(files, schema, all_steps, batch_rows or STREAM_ROWS)
+    return RunStream(files, schema, rows, batch_rows or STREAM_ROWS)
 
 
 def plan_replay(p: str, cfg: Any) -> tuple[Any, list[str] | None]:

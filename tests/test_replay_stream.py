@@ -162,7 +162,8 @@ def test_replay_run_streams_a_sorted_run(monkeypatch, tmp_path, batch_rows) -> N
     events = [d for d in loop if d.alarms or d.interventions]
     for p in (path, tmp_path / "parts"):
         plan = rs.plan_stream(p, batch_rows=batch_rows)
-        assert plan is not None and plan.steps.tolist() == table.column("step").to_pylist()
+        assert plan is not None and sum(b.num_rows for b in plan.batches()) == 1500
+        assert plan.steps.tolist() == table.column("step").to_pylist()
         sizes.clear()
         res = replay_run(p)
         assert sizes and max(sizes) <= batch_rows and sum(sizes) == 1500  # it streamed
@@ -214,7 +215,16 @@ def test_replay_run_reads_whole_what_does_not_stream(tmp_path, how) -> None:  # 
     else:
         pq.write_table(table, p)
     with pytest.warns(UserWarning) if how == "text_column" else contextlib.nullcontext():
-        assert rs.plan_stream(p) is None
+        plan = rs.plan_stream(p, batch_rows=100)
+        if how in ("int_column", "text_column"):
+            assert plan is None
+        else:  # found out of order as the batches are read, before the one that is
+            assert plan is not None
+            seen = []
+            with pytest.raises(rs.OutOfOrder):
+                for b in plan.batches():
+                    seen.append(b.num_rows)
+            assert sum(seen) < 800
         res = replay_run(p)
         ref = replay_table(read_run(p), "default")
     assert res.alarms == ref.alarms and res.interventions == ref.interventions
