@@ -4,8 +4,8 @@ already in replay order.
 A run whose columns are already in the recorded-run schema (``step`` int64, float64 metrics)
 and whose steps are strictly increasing (file after file) reads, under :func:`read_run`, to the
 table of its files' rows as they are: no sort, no merge, no conversion.  Such a run is read in
-record batches of :data:`STREAM_ROWS` rows and fed to one monitor batch after batch
-(:meth:`stability.monitor.Monitor.replay_stream`), which gives the decisions of the whole-table
+record batches of about :data:`STREAM_VALUES` values (:func:`batch_rows`) and fed to one
+monitor batch after batch (:meth:`stability.monitor.Monitor.replay_stream`), which gives the decisions of the whole-table
 replay bit for bit.  Memory stays bounded (a batch, the steps and the events, not the run), and
 the batches' buffers are reused from batch to batch instead of being faulted in afresh.
 
@@ -31,11 +31,30 @@ import pyarrow as pa
 from replay.reader import _alias_table, _open, _plan, _resolve, _Source
 from replay.schema import STEP, RunFormatError, alias_resolver, read_metadata
 
-__all__ = ["STREAM_ROWS", "OutOfOrder", "RunStream", "plan_replay", "plan_stream", "replay_stream"]
+__all__ = ["STREAM_VALUES", "OutOfOrder", "RunStream", "batch_rows", "plan_replay", "plan_stream",
+           "replay_stream"]
 
-#: rows per streamed batch: a float64 column of a batch (1 MiB) stays in the allocator's reused
-#: pages (a larger one is mapped and unmapped per read: page faults on every batch)
-STREAM_ROWS = 1 << 17
+#: values (rows x columns read) per streamed batch, ~32 MiB of float64: a batch is read, replayed
+#: and freed while the next one reuses its pages (much larger batches are mapped afresh and
+#: faulted in: a 1M-row x 44-column batch replays ~40 % slower than 100K-row ones)
+STREAM_VALUES = 1 << 22
+
+#: rows per streamed batch; ``None``: :func:`batch_rows` (tests set it)
+STREAM_ROWS: int | None = None
+
+
+def batch_rows(n_columns: int) -> int:
+    """Rows per streamed batch of ``n_columns`` columns: about :data:`STREAM_VALUES` values,
+    at most 1M rows, rounded to a whole number of the replay's chunks
+    (:data:`stability.monitor_replay.CHUNK_VALUES`) when that is more than one chunk."""
+    from stability import monitor_replay
+
+    if STREAM_ROWS is not None:
+        return STREAM_ROWS
+    n = max(1, n_columns)
+    rows = min(1 << 20, max(1, STREAM_VALUES // n))
+    chunk = max(1024, monitor_replay.CHUNK_VALUES // max(1, n - 1))
+    return max(1, round(rows / chunk)) * chunk if rows > chunk else rows
 
 
 class OutOfOrder(Exception):
@@ -49,7 +68,7 @@ class RunStream:
     files: list[tuple[_Source, list[str], list[str]]]  # (file, raw columns, canonical names)
     schema: pa.Schema  # the run's unified schema (``step`` first)
     n_rows: int
-    batch_rows: int = STREAM_ROWS
+    batch_rows: int
 
     def __post_init__(self) -> None:
         #: every step of the run, in order (int64), filled as :meth:`batches` reads them
@@ -72,7 +91,8 @@ class RunStream:
             pf = _open(src, stream=True)
             rename = dict(zip(raw, canon, strict=True))
             try:
-                for batch in pf.iter_batches(batch_size=self.batch_rows, columns=raw):
+                it = pf.iter_batches(batch_size=self.batch_rows, columns=raw)
+                while (batch := next(it, None)) is not None:
                     n = batch.num_rows
                     index = {rename[c]: k for k, c in enumerate(batch.schema.names)}
                     step = batch.column(index[STEP])
@@ -87,7 +107,12 @@ class RunStream:
                     last = st[-1] if n else last
                     cols = [batch.column(index[f]) if f in index else pa.nulls(n, types[f])
                             for f in self.schema.names]
-                    yield pa.RecordBatch.from_arrays(cols, schema=self.schema)
+                    out = pa.RecordBatch.from_arrays(cols, schema=self.schema)
+                    # no reference to this batch while the next one is read: its pages go to
+                    # the next one
+                    del batch, cols, step
+                    yield out
+                    del out
             except (pa.ArrowException, OSError, ValueError) as exc:
                 raise RunFormatError(
                     src.display, f"cannot read Parquet data (truncated or corrupted?): {exc}"
@@ -99,13 +124,13 @@ class RunStream:
 
 
 def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = None,
-                batch_rows: int | None = None) -> RunStream | None:
+                rows: int | None = None) -> RunStream | None:
     """The stream of a run whose :func:`replay.reader.read_run` table is its files' rows as
     they are (``columns``: as :func:`read_run`'s), or ``None``: read it whole.
 
     Reads the footers only.  The steps must also be strictly increasing across the files:
     :meth:`RunStream.batches` checks them as it reads (:class:`OutOfOrder`).
-    ``batch_rows``: rows per batch (default :data:`STREAM_ROWS`).
+    ``rows``: rows per batch (default: :func:`batch_rows` of the columns read).
     """
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -117,7 +142,7 @@ def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = No
                 return None
             resolve = alias_resolver(amap)
             files = []
-            rows = 0
+            n_rows = 0
             for src, raw, is_long in plan:
                 if is_long:
                     return None
@@ -127,7 +152,7 @@ def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = No
                 pf = _open(src)
                 try:
                     types = pf.schema_arrow
-                    rows += pf.metadata.num_rows
+                    n_rows += pf.metadata.num_rows
                 finally:
                     pf.close()
                 if raw[:1] != [STEP] or types.field(STEP).type != pa.int64() or any(
@@ -137,7 +162,7 @@ def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = No
             read_metadata(schema, sources[0].display)  # what read_run validates
     except (RunFormatError, pa.ArrowException, OSError, ValueError, KeyError):
         return None  # read_run gives the error
-    return RunStream(files, schema, rows, batch_rows or STREAM_ROWS)
+    return RunStream(files, schema, n_rows, rows or batch_rows(len(schema.names)))
 
 
 def plan_replay(p: str, cfg: Any) -> tuple[Any, list[str] | None]:
@@ -194,6 +219,7 @@ def replay_stream(stream: RunStream, config: Any, run_id: str = "", path: str = 
         for d in mon.replay_stream(stream.batches()):
             decisions += d.events()  # the steps with alarms / interventions
             bar.update(len(d))
+            del d
     finally:
         bar.close()
     note = unbound_warning(mon, stream.names if names is None else names)

@@ -172,7 +172,9 @@ class ReplayMixin(LayoutMixin):
         """
         blocks = ReplayBlocks()
         for batch in batches:
-            yield self._replay_table(batch, blocks)
+            out = self._replay_table(batch, blocks)
+            del batch  # freed before the next batch is made
+            yield out
 
     def bind_table(self, data: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
         """Bind a whole table the way :meth:`replay` does, without running any detector.

@@ -161,7 +161,7 @@ def test_replay_run_streams_a_sorted_run(monkeypatch, tmp_path, batch_rows) -> N
     loop = observe_all(monitor(None), table)
     events = [d for d in loop if d.alarms or d.interventions]
     for p in (path, tmp_path / "parts"):
-        plan = rs.plan_stream(p, batch_rows=batch_rows)
+        plan = rs.plan_stream(p, rows=batch_rows)
         assert plan is not None and sum(b.num_rows for b in plan.batches()) == 1500
         assert plan.steps.tolist() == table.column("step").to_pylist()
         sizes.clear()
@@ -182,7 +182,7 @@ def test_replay_run_streams_parts_with_a_late_column(tmp_path) -> None:  # type:
     pq.write_table(table.slice(0, 500).drop(["grad_norm/late", "val_loss"]),
                    d / "part-000000.parquet")
     pq.write_table(table.slice(500), d / "part-000001.parquet")
-    plan = rs.plan_stream(d, batch_rows=128)
+    plan = rs.plan_stream(d, rows=128)
     assert plan is not None and plan.names == read_run(d).column_names
     res = replay_run(d, CFG)
     ref = replay_table(read_run(d), CFG)
@@ -215,7 +215,7 @@ def test_replay_run_reads_whole_what_does_not_stream(tmp_path, how) -> None:  # 
     else:
         pq.write_table(table, p)
     with pytest.warns(UserWarning) if how == "text_column" else contextlib.nullcontext():
-        plan = rs.plan_stream(p, batch_rows=100)
+        plan = rs.plan_stream(p, rows=100)
         if how in ("int_column", "text_column"):
             assert plan is None
         else:  # found out of order as the batches are read, before the one that is
