@@ -5,9 +5,10 @@ A run whose columns are already in the recorded-run schema (``step`` int64, floa
 and whose steps are strictly increasing (file after file) reads, under :func:`read_run`, to the
 table of its files' rows as they are: no sort, no merge, no conversion.  Such a run is read in
 record batches of about :data:`STREAM_VALUES` values (:func:`batch_rows`) and fed to one
-monitor batch after batch (:meth:`stability.monitor.Monitor.replay_stream`), which gives the decisions of the whole-table
-replay bit for bit.  Memory stays bounded (a batch, the steps and the events, not the run), and
-the batches' buffers are reused from batch to batch instead of being faulted in afresh.
+monitor batch after batch (:meth:`stability.monitor.Monitor.replay_stream`), which gives the
+decisions of the whole-table replay bit for bit.  Memory stays bounded (a batch, the steps and
+the events, not the run), and the batches' buffers are reused from batch to batch instead of
+being faulted in afresh.
 
 :func:`plan_stream` decides from the footers; the steps are checked as the batches are read,
 and a run found out of order (:class:`OutOfOrder`, before the batch is replayed) is replayed
