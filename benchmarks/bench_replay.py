@@ -24,6 +24,7 @@ Usage::
     python benchmarks/bench_replay.py                 # 10M rows x 4 columns, 1M wide rows
     python benchmarks/bench_replay.py --rows 2000000 --wide-rows 200000 --repeat 1  # quick
     python benchmarks/bench_replay.py --banks   # + CPU time of each bank in the wide replay
+    python benchmarks/bench_replay.py --rss-rows 10000000  # + peak RSS of a 10M-row replay_run
 """
 
 from __future__ import annotations
@@ -218,6 +219,50 @@ def bench_samples(repeat: int) -> None:
     line(f"{len(runs)} sample runs: replay_run", pts, el)
 
 
+_RSS_CHILD = r"""
+import resource, sys, time
+import pyarrow as pa
+import pyarrow.parquet as pq
+pa.set_cpu_count(1)
+pa.set_io_thread_count(1)
+from detectors import dispatch
+dispatch.set_mode("blocking")
+from replay.replay import replay_run
+from stability.monitor import Monitor
+path = sys.argv[1]
+Monitor("default", alert_sinks=[]).replay(next(pq.ParquetFile(path).iter_batches(2000)))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+c0 = time.process_time()
+res = replay_run(path, "default")
+cpu = time.process_time() - c0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(f"{res.n_steps} {cpu:.3f} {before:.0f} {peak:.0f}")
+"""
+
+
+def bench_rss(rows: int, d: str) -> None:
+    """``replay_run`` of a ``rows``-row wide run (the 1M-row run repeated, in 1M-row groups) in
+    a fresh process: CPU time and peak RSS, before and after (the warmed-up interpreter)."""
+    import subprocess
+    import sys
+
+    path = os.path.join(d, "big.parquet")
+    base = wide_table(min(rows, 1_000_000))
+    with pq.ParquetWriter(path, base.schema, compression="snappy") as w:
+        for lo in range(0, rows, base.num_rows):
+            n = min(base.num_rows, rows - lo)
+            t = base.slice(0, n).set_column(0, "step", pa.array(np.arange(lo, lo + n)))
+            w.write_table(t, row_group_size=1 << 20)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, path], env=env, check=True,
+                         capture_output=True, text=True).stdout.split()
+    n, cpu, before, peak = int(out[0]), float(out[1]), float(out[2]), float(out[3])
+    pts = points(base, "default") * n // base.num_rows  # the blocks repeat
+    print(f"  replay_run of {n:,} rows x 44 columns in a fresh process: {pts / cpu / 1e6:.1f}M "
+          f"points/s/core ({cpu:.2f} CPU-s); peak RSS {peak:.0f} MiB "
+          f"(+{peak - before:.0f} MiB over the warmed-up interpreter's {before:.0f})")
+
+
 def bench_sweep(steps: int, thresholds: int, run_len: int) -> dict[str, float]:
     from replay.labels import RunLabel
     from replay.scoring import run_profile, summarise_sweep, sweep
@@ -252,6 +297,9 @@ def main() -> None:
     ap.add_argument("--sweep-steps", type=int, default=10_000_000)
     ap.add_argument("--sweep-thresholds", type=int, default=1000)
     ap.add_argument("--sweep-run-len", type=int, default=10_000)
+    ap.add_argument("--rss-rows", type=int, default=0,
+                    help="also replay_run a wide run of this many rows in a fresh process and "
+                         "print its peak RSS")
     ap.add_argument("--banks", action="store_true",
                     help="also print the CPU time of each bank kernel during one wide replay")
     a = ap.parse_args()
@@ -267,6 +315,8 @@ def main() -> None:
         pq.write_table(wide_table(a.wide_rows), wpath, row_group_size=1 << 20)
         print(f"wide: {a.wide_rows:,} rows x 44 columns, default preset")
         bench_case("wide", wpath, "default", a.repeat, a.banks)
+        if a.rss_rows:
+            bench_rss(a.rss_rows, d)
     print("samples: data/runs/*, default preset")
     bench_samples(a.repeat)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
