@@ -304,9 +304,9 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
         bar = Progress(n, f"replay {run_id}".strip(), True)
         decisions: list[Decision] = []
         try:
-            for batch in table.to_batches(max_chunksize=PROGRESS_ROWS):
-                decisions += mon.replay(batch).events()
-                bar.update(batch.num_rows)
+            for d in mon.replay_stream(table.to_batches(max_chunksize=PROGRESS_ROWS)):
+                decisions += d.events()
+                bar.update(len(d))
         finally:
             bar.close()
     else:

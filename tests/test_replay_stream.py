@@ -248,3 +248,19 @@ def test_replay_run_stream_with_a_projection(tmp_path) -> None:  # type: ignore[
     with pytest.warns(UserWarning, match="no metric bound"):
         replay_run(p, {"detectors": [{"name": "x", "detector": "ewma_z",
                                       "inputs": ["nothing_here"]}]})
+
+
+def test_progress_bar_paths_give_the_same_result(monkeypatch, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The bar's batches (a table fed in PROGRESS_ROWS chunks, a streamed run) decide alike."""
+    import replay.replay as rr
+
+    monkeypatch.setattr(rr, "PROGRESS_ROWS", 250)
+    table = canonical(run_table(1000, seed=12))
+    p = tmp_path / "run.parquet"
+    pq.write_table(table, p)
+    ref = replay_table(table, CFG)
+    bar = replay_table(table, CFG, progress=True)
+    run = replay_run(p, CFG, progress=True)
+    assert ref.alarms and bar.alarms == ref.alarms == run.alarms
+    assert bar.interventions == ref.interventions == run.interventions
+    assert "replay" in capsys.readouterr().err
