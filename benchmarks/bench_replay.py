@@ -25,6 +25,7 @@ Usage::
     python benchmarks/bench_replay.py --rows 2000000 --wide-rows 200000 --repeat 1  # quick
     python benchmarks/bench_replay.py --banks   # + CPU time of each bank in the wide replay
     python benchmarks/bench_replay.py --rss-rows 10000000  # + peak RSS of a 10M-row replay_run
+    python benchmarks/bench_replay.py --rss-rows 1000000 --rss-whole  # streamed vs read whole
 """
 
 from __future__ import annotations
@@ -227,22 +228,31 @@ pa.set_cpu_count(1)
 pa.set_io_thread_count(1)
 from detectors import dispatch
 dispatch.set_mode("blocking")
-from replay.replay import replay_run
+import replay.replay as rr
 from stability.monitor import Monitor
+def hwm():  # peak RSS of this process image (ru_maxrss survives exec on Linux)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 path = sys.argv[1]
+if sys.argv[2] == "whole":  # the stream off: read whole, as before the stream
+    rr.plan_replay = lambda p, c: (None, None)
 Monitor("default", alert_sinks=[]).replay(next(pq.ParquetFile(path).iter_batches(2000)))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+before = hwm()
 c0 = time.process_time()
-res = replay_run(path, "default")
+res = rr.replay_run(path, "default")
 cpu = time.process_time() - c0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak = hwm()
 print(f"{res.n_steps} {cpu:.3f} {before:.0f} {peak:.0f}")
 """
 
 
-def bench_rss(rows: int, d: str) -> None:
+def bench_rss(rows: int, d: str, whole: bool = False) -> None:
     """``replay_run`` of a ``rows``-row wide run (the 1M-row run repeated, in 1M-row groups) in
-    a fresh process: CPU time and peak RSS, before and after (the warmed-up interpreter)."""
+    a fresh process: CPU time and peak RSS, before and after (the warmed-up interpreter);
+    ``whole``: again with the stream off (the run read whole)."""
     import subprocess
     import sys
 
@@ -254,13 +264,15 @@ def bench_rss(rows: int, d: str) -> None:
             t = base.slice(0, n).set_column(0, "step", pa.array(np.arange(lo, lo + n)))
             w.write_table(t, row_group_size=1 << 20)
     env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, path], env=env, check=True,
-                         capture_output=True, text=True).stdout.split()
-    n, cpu, before, peak = int(out[0]), float(out[1]), float(out[2]), float(out[3])
-    pts = points(base, "default") * n // base.num_rows  # the blocks repeat
-    print(f"  replay_run of {n:,} rows x 44 columns in a fresh process: {pts / cpu / 1e6:.1f}M "
-          f"points/s/core ({cpu:.2f} CPU-s); peak RSS {peak:.0f} MiB "
-          f"(+{peak - before:.0f} MiB over the warmed-up interpreter's {before:.0f})")
+    for mode in ("stream", "whole") if whole else ("stream",):
+        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, path, mode], env=env,
+                             check=True, capture_output=True, text=True).stdout.split()
+        n, cpu, before, peak = int(out[0]), float(out[1]), float(out[2]), float(out[3])
+        pts = points(base, "default") * n // base.num_rows  # the blocks repeat
+        how = "streamed" if mode == "stream" else "read whole"
+        print(f"  replay_run of {n:,} rows x 44 columns, {how}, in a fresh process: "
+              f"{pts / cpu / 1e6:.1f}M points/s/core ({cpu:.2f} CPU-s); peak RSS {peak:.0f} MiB "
+              f"(+{peak - before:.0f} MiB over the warmed-up interpreter's {before:.0f})")
 
 
 def bench_sweep(steps: int, thresholds: int, run_len: int) -> dict[str, float]:
@@ -300,6 +312,8 @@ def main() -> None:
     ap.add_argument("--rss-rows", type=int, default=0,
                     help="also replay_run a wide run of this many rows in a fresh process and "
                          "print its peak RSS")
+    ap.add_argument("--rss-whole", action="store_true",
+                    help="with --rss-rows: also with the stream off (the run read whole)")
     ap.add_argument("--banks", action="store_true",
                     help="also print the CPU time of each bank kernel during one wide replay")
     a = ap.parse_args()
@@ -316,7 +330,7 @@ def main() -> None:
         print(f"wide: {a.wide_rows:,} rows x 44 columns, default preset")
         bench_case("wide", wpath, "default", a.repeat, a.banks)
         if a.rss_rows:
-            bench_rss(a.rss_rows, d)
+            bench_rss(a.rss_rows, d, a.rss_whole)
     print("samples: data/runs/*, default preset")
     bench_samples(a.repeat)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

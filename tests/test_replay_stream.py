@@ -264,3 +264,14 @@ def test_progress_bar_paths_give_the_same_result(monkeypatch, tmp_path, capsys) 
     assert ref.alarms and bar.alarms == ref.alarms == run.alarms
     assert bar.interventions == ref.interventions == run.interventions
     assert "replay" in capsys.readouterr().err
+
+
+def test_replay_run_stream_writes_the_same_events(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    table = canonical(run_table(900, seed=13))
+    p = tmp_path / "run.parquet"
+    pq.write_table(table, p)
+    rs_ev, ref_ev = tmp_path / "stream.jsonl", tmp_path / "whole.jsonl"
+    replay_run(p, CFG, events=rs_ev, run_id="r")
+    replay_table(read_run(p), CFG, "r", events=ref_ev)
+    got = rs_ev.read_text().splitlines()
+    assert got and got == ref_ev.read_text().splitlines()
