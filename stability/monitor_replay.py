@@ -10,7 +10,9 @@ chunk.  The per-step tail (alarms, policy, goodput, decision, event log) is
 with, so a replay gives the decisions of a step-by-step ``observe()`` loop bit for bit.  Steps
 on which nothing happens -- no alarm, no policy in force, no LR/loss to follow -- skip that tail:
 they are counted in bulk (goodput ledger, counters, gradient history) and their decisions are
-built only when read (:class:`Decisions`).
+built only when read (:class:`Decisions`).  The chunk loop and the tail are
+:mod:`stability.monitor_replay_run`'s; a stream of tables (:meth:`ReplayMixin.replay_stream`)
+keeps its chunk blocks from table to table.
 """
 
 from __future__ import annotations
