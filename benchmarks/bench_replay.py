@@ -26,6 +26,7 @@ Usage::
     python benchmarks/bench_replay.py --banks   # + CPU time of each bank in the wide replay
     python benchmarks/bench_replay.py --rss-rows 10000000  # + peak RSS of a 10M-row replay_run
     python benchmarks/bench_replay.py --rss-rows 1000000 --rss-whole  # streamed vs read whole
+    python benchmarks/bench_replay.py --rss-rows 100000000 --rss-narrow  # 100M rows x 4
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def bench_samples(repeat: int) -> None:
 
 
 _RSS_CHILD = r"""
-import resource, sys, time
+import json, resource, sys, time
 import pyarrow as pa
 import pyarrow.parquet as pq
 pa.set_cpu_count(1)
@@ -239,40 +240,50 @@ def hwm():  # peak RSS of this process image (ru_maxrss survives exec on Linux)
 path = sys.argv[1]
 if sys.argv[2] == "whole":  # the stream off: read whole, as before the stream
     rr.plan_replay = lambda p, c: (None, None)
-Monitor("default", alert_sinks=[]).replay(next(pq.ParquetFile(path).iter_batches(2000)))
+cfg = json.loads(sys.argv[3])
+Monitor(cfg, alert_sinks=[]).replay(next(pq.ParquetFile(path).iter_batches(2000)))
 before = hwm()
 c0 = time.process_time()
-res = rr.replay_run(path, "default")
+res = rr.replay_run(path, cfg)
 cpu = time.process_time() - c0
 peak = hwm()
 print(f"{res.n_steps} {cpu:.3f} {before:.0f} {peak:.0f}")
 """
 
 
-def bench_rss(rows: int, d: str, whole: bool = False) -> None:
-    """``replay_run`` of a ``rows``-row wide run (the 1M-row run repeated, in 1M-row groups) in
-    a fresh process: CPU time and peak RSS, before and after (the warmed-up interpreter);
-    ``whole``: again with the stream off (the run read whole)."""
+def bench_rss(rows: int, d: str, whole: bool = False, narrow: bool = False) -> None:
+    """``replay_run`` of a ``rows``-row run in a fresh process: CPU time and peak RSS, before
+    and after (the warmed-up interpreter); ``whole``: again with the stream off (the run read
+    whole).  The wide run (the 1M-row one repeated) through the default preset, or
+    (``narrow``) the narrow run through its config, in 1M-row groups."""
+    import json
     import subprocess
     import sys
 
     path = os.path.join(d, "big.parquet")
-    base = wide_table(min(rows, 1_000_000))
-    with pq.ParquetWriter(path, base.schema, compression="snappy") as w:
-        for lo in range(0, rows, base.num_rows):
-            n = min(base.num_rows, rows - lo)
-            t = base.slice(0, n).set_column(0, "step", pa.array(np.arange(lo, lo + n)))
-            w.write_table(t, row_group_size=1 << 20)
+    if narrow:
+        write_run(path, rows, 4)
+        cfg: Any = NARROW
+        pts, shape = 4 * rows, "4"
+    else:
+        cfg = "default"
+        base = wide_table(min(rows, 1_000_000))
+        with pq.ParquetWriter(path, base.schema, compression="snappy") as w:
+            for lo in range(0, rows, base.num_rows):
+                n = min(base.num_rows, rows - lo)
+                t = base.slice(0, n).set_column(0, "step", pa.array(np.arange(lo, lo + n)))
+                w.write_table(t, row_group_size=1 << 20)
+        pts, shape = points(base, cfg) * rows // base.num_rows, "44"  # the blocks repeat
     env = {**os.environ, "PYTHONPATH": ROOT}
     for mode in ("stream", "whole") if whole else ("stream",):
-        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, path, mode], env=env,
-                             check=True, capture_output=True, text=True).stdout.split()
+        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, path, mode, json.dumps(cfg)],
+                             env=env, check=True, capture_output=True, text=True).stdout.split()
         n, cpu, before, peak = int(out[0]), float(out[1]), float(out[2]), float(out[3])
-        pts = points(base, "default") * n // base.num_rows  # the blocks repeat
         how = "streamed" if mode == "stream" else "read whole"
-        print(f"  replay_run of {n:,} rows x 44 columns, {how}, in a fresh process: "
+        print(f"  replay_run of {n:,} rows x {shape} columns, {how}, in a fresh process: "
               f"{pts / cpu / 1e6:.1f}M points/s/core ({cpu:.2f} CPU-s); peak RSS {peak:.0f} MiB "
               f"(+{peak - before:.0f} MiB over the warmed-up interpreter's {before:.0f})")
+    os.remove(path)
 
 
 def bench_sweep(steps: int, thresholds: int, run_len: int) -> dict[str, float]:
@@ -314,6 +325,8 @@ def main() -> None:
                          "print its peak RSS")
     ap.add_argument("--rss-whole", action="store_true",
                     help="with --rss-rows: also with the stream off (the run read whole)")
+    ap.add_argument("--rss-narrow", action="store_true",
+                    help="with --rss-rows: the narrow run (4 columns) instead of the wide one")
     ap.add_argument("--banks", action="store_true",
                     help="also print the CPU time of each bank kernel during one wide replay")
     a = ap.parse_args()
@@ -330,7 +343,7 @@ def main() -> None:
         print(f"wide: {a.wide_rows:,} rows x 44 columns, default preset")
         bench_case("wide", wpath, "default", a.repeat, a.banks)
         if a.rss_rows:
-            bench_rss(a.rss_rows, d, a.rss_whole)
+            bench_rss(a.rss_rows, d, a.rss_whole, a.rss_narrow)
     print("samples: data/runs/*, default preset")
     bench_samples(a.repeat)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
