@@ -14,9 +14,9 @@ Run::
 ``--breakdown`` also times the parts of one step separately (private monitor internals; the
 figures are best-of-repeats, so they do not add up exactly on a loaded machine): the fills, the
 fused step (gather + every bank + alarm count in one Numba call, :mod:`stability.monitor_fused`;
-split into gather / call overhead and the banks' arithmetic, then each bank alone), the
-policy's per-step tracking, the decision and goodput bookkeeping, and for comparison the plain
-path it replaces.
+split into gather / shared log rows / call overhead and the banks' arithmetic, then each bank
+alone), the policy's per-step tracking, the decision and goodput bookkeeping, and for
+comparison the plain path it replaces.
 ``--cpu`` times the blocks in process CPU time instead of wall time (on a shared, loaded machine:
 compare two checkouts by running them alternately and taking medians); ``--families-only``
 skips (b).
@@ -77,7 +77,7 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
     if families:
         mon._fill_families(families, sk)
     present = mon._present.copy()  # this step's presence pattern (the step clears it)
-    ints, floats, flags = fp.args
+    (ints,) = fp.args
     no_banks = ints.copy()  # the bank table with zero series everywhere: every bank skipped
     table = fp.bufs.table   # a view into ints
     at = (table.ctypes.data - ints.ctypes.data) // ints.itemsize
@@ -88,7 +88,7 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
 
     def step_with(table_ints: np.ndarray) -> None:
         mon._present[:] = present
-        fused_step(mon._vals, mon._present, table_ints, floats, flags)
+        fused_step(table_ints)
 
     def plain() -> None:
         mon._present[:] = present
@@ -112,7 +112,7 @@ def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> 
     for k, v in parts.items():
         print(f"      {k:30s} {v:7.2f} us")
         if k.startswith("fused"):
-            print(f"        {'gather + call overhead':28s} {gather:7.2f} us")
+            print(f"        {'gather + log rows + call':28s} {gather:7.2f} us")
             print(f"        {'bank kernels (arithmetic)':28s} {fused - gather:7.2f} us")
     print(f"      {'rest (python glue)':30s} {total - sum(parts.values()):7.2f} us")
     print("      bank kernels one at a time (fused step with only that bank, minus none):")

@@ -99,6 +99,17 @@ class BankDetector:
     #: ``detectors/_kernel.py``); ``None``: the subclass overrides :meth:`_extra_params`
     param_layout: ClassVar[type[tuple[float, ...]] | None] = None
 
+    def uses_log_row(self) -> bool:
+        """Whether the kernel reads ``log x`` from a *log row* when the caller appends one.
+
+        A kernel of one input that does may be given ``X`` of shape ``(T, 2, n)``: row 0 the
+        values, row 1 ``math.log(x)`` wherever ``x > 0`` (anything elsewhere); it then reads
+        the logs it needs there instead of calling ``log`` again, with bit-identical results.
+        The monitor's fused step computes one log row per input run and shares it between the
+        banks that read the same values (e.g. ``grad_norm/*``: an EWMA and a coherent jump).
+        """
+        return False
+
     def __init__(self, n_series: int = 1, threshold: float = 6.0, freeze_on_alarm: bool = False):
         name = type(self).__name__
         self.n_series = check_int(name, "n_series", n_series, 0)

@@ -161,9 +161,15 @@ def _rows_vector(X, miss, state, p, scores, alarms):  # type: ignore[no-untyped-
     ys = work[0]  # the transformed values of the row
     ok = work[1]  # 1.0: the value is present and finite
     mean, var, count = state[_MEAN], state[_VAR], state[_COUNT]
+    has_logs = X.shape[1] == 2  # a log row (BankDetector.uses_log_row)
     for t in range(X.shape[0]):
         x_t, m_t, s_t, a_t = X[t, 0], miss[t, 0], scores[t], alarms[t]
-        if log_space:  # the logs in a loop of their own (libm calls)
+        if log_space and has_logs:
+            l_t = X[t, 1]
+            for i in range(n):
+                x = x_t[i]
+                ys[i] = l_t[i] if x > LOG_FLOOR else math.log(max(x, LOG_FLOOR))
+        elif log_space:  # the logs in a loop of their own (libm calls)
             for i in range(n):
                 ys[i] = math.log(max(x_t[i], LOG_FLOOR))
         else:
@@ -208,7 +214,10 @@ def _rows_vector(X, miss, state, p, scores, alarms):  # type: ignore[no-untyped-
 
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    """The bank kernel (see ``detectors/_base.py``).  ``X`` may carry a log row
+    (``(T, 2, n)``: :meth:`~detectors._base.BankDetector.uses_log_row`)."""
     p = _unpack(params)
+    has_logs = X.shape[1] == 2
     log_space = p[4]
     debias_until = p[9]
     t_steps = X.shape[0]
@@ -229,7 +238,10 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 t_hi = min(t_lo + TILE, t_steps)
                 if log_space:
                     for t in range(t_lo, t_hi):
-                        scores[t, i] = math.log(max(X[t, 0, i], LOG_FLOOR))
+                        # log(max(x, LOG_FLOOR)): the log row's value above the floor
+                        x = X[t, 0, i]
+                        scores[t, i] = (X[t, 1, i] if has_logs and x > LOG_FLOOR
+                                        else math.log(max(x, LOG_FLOOR)))
                 t = t_lo
                 if count < debias_until:  # warm-up: the division in max(alpha, 1/(count + 1))
                     t, mean, var, count = _series_steps(
@@ -247,7 +259,9 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     for t in range(t_steps):
         if log_space:
             for i in range(n):
-                scores[t, i] = math.log(max(X[t, 0, i], LOG_FLOOR))
+                x = X[t, 0, i]
+                scores[t, i] = (X[t, 1, i] if has_logs and x > LOG_FLOOR
+                                else math.log(max(x, LOG_FLOOR)))
         for i in range(n):
             x = X[t, 0, i]
             if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
@@ -349,6 +363,9 @@ class EWMAZScore(BankDetector):
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))
+
+    def uses_log_row(self) -> bool:  # see BankDetector
+        return self.log_space and type(self).kernel is _kernel  # not a subclass's own kernel
 
     kernel = staticmethod(_kernel)
     state_hyperparameters = ("log_space",)

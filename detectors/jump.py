@@ -196,6 +196,8 @@ def _learn_rows(X, miss, state, scores, alarms, ys, dlog, go, t, kth, threshold,
 
 @njit(cache=True, error_model="numpy")
 def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    """The bank kernel (see ``detectors/_base.py``).  ``X`` may carry a log row
+    (``(T, 2, n)``: :meth:`~detectors._base.BankDetector.uses_log_row`)."""
     threshold = params[_P.threshold]
     freeze = params[_P.freeze_on_alarm] != 0.0
     alpha = params[_P.alpha]
@@ -211,6 +213,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     up_until = _debias_until(level_alpha)
     down_until = _debias_until(level_down)
     n = X.shape[2]
+    has_logs = X.shape[1] == 2  # a log row (BankDetector.uses_log_row)
     # one scratch block per call: log x of the row (each computed once: scored, then learned),
     # dlog x, and the pool of raw scores the k-th largest is taken from; the raw scores
     # themselves wait in the row's score slots
@@ -222,9 +225,13 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     for t in range(X.shape[0]):
         # the logs first, in a loop of their own: a libm call inside the scoring loop would
         # push its live values through the stack on every series
-        for i in range(n):
-            x = X[t, 0, i]
-            ys[i] = math.log(x) if x > 0.0 else 0.0
+        if has_logs:  # the caller's log row: log x where x > 0
+            for i in range(n):
+                ys[i] = X[t, 1, i] if X[t, 0, i] > 0.0 else 0.0
+        else:
+            for i in range(n):
+                x = X[t, 0, i]
+                ys[i] = math.log(x) if x > 0.0 else 0.0
         m = 0
         top1 = -np.inf  # the two largest raw scores (exact for min_series <= 2: no nan here)
         top2 = -np.inf
@@ -424,6 +431,9 @@ class CoherentJump(BankDetector):
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))
+
+    def uses_log_row(self) -> bool:  # see BankDetector
+        return type(self).kernel is _kernel  # not a subclass's own kernel
 
     kernel = staticmethod(_kernel)
     param_layout = CoherentJumpParams

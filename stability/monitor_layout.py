@@ -326,9 +326,9 @@ class LayoutMixin:
         self._tslots, self._tracked = sb.tslots, sb.tracked
         # one native call per step (gather + banks + alarm count); None: the plain path
         self._fused = build_fused_plan(sb, [b.det for b in bs], [b.n_inputs for b in bs],
-                                       counts)
-        # the driver's whole argument tuple (the slot vector is replaced only with a relayout)
-        self._fused_args = (self._vals, self._present, *self._fused.args) if self._fused else ()
+                                       counts, self._vals, self._present)
+        # the driver's argument tuple (the slot vector is replaced only with a relayout)
+        self._fused_args = self._fused.args if self._fused else ()
         self._fused_wait = self._fused is None and compiling()  # kernels compile aside
         self._dirty = False
 

@@ -153,7 +153,7 @@ def test_fused_step_equals_reference_step() -> None:
             mon._vals[:] = vals
             mon._present[:] = present
         a, b = mons
-        n_fused = fused_step(a._vals, a._present, *a._fused.args)
+        n_fused = fused_step(*a._fused.args)
         n_ref = reference_step(b._vals, b._present, b._gather, b._calls, b._tslots, b._tracked)
         assert n_fused == n_ref
         np.testing.assert_array_equal(a._tracked, b._tracked)
@@ -205,8 +205,25 @@ def test_plan_refuses_non_contiguous_state() -> None:
     det = mon._bindings[1].det
     det._state = np.asfortranarray(np.zeros((det._state.shape[0], 3)))[:, ::2]
     bs = mon._bindings
-    assert build_fused_plan(mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
-                            [len(b.keys) for b in bs]) is None
+    args = (mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
+            [len(b.keys) for b in bs])
+    assert build_fused_plan(*args, mon._vals, mon._present) is None
+
+
+def test_plan_refuses_other_slot_vectors() -> None:
+    """The driver reads the slot vector and mask through raw addresses: only float64 / bool
+    C-contiguous writeable vectors of one size are accepted."""
+    mon = Monitor(CONFIG)
+    mon.observe(0, {"loss": 1.0})
+    bs = mon._bindings
+    args = (mon._fused.bufs, [b.det for b in bs], [b.n_inputs for b in bs],
+            [len(b.keys) for b in bs])
+    vals, present = mon._vals, mon._present
+    assert build_fused_plan(*args, vals, present) is not None
+    for v, p in ((vals.astype(np.float32), present), (vals, present.astype(np.uint8)),
+                 (vals[::2], present[::2]), (vals, present[:-1]),
+                 (np.repeat(vals, 2)[::2], present)):
+        assert build_fused_plan(*args, v, p) is None
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -245,3 +262,46 @@ def test_gather_runs_equals_gather_step(seed: int) -> None:
     assert not outs[0][1].any()  # present cleared
     if sizes[2]:
         assert not outs[0][9][2] and np.isnan(outs[0][7][soff[2]:soff[3]]).all()
+
+
+def test_log_groups_share_one_log_row() -> None:
+    """Banks reading the same values and their logs get one shared log row: the per-layer grad
+    norms (EWMA + coherent jump) and the global one (two EWMAs); no other bank."""
+    mon = Monitor(CONFIG)
+    _declare(mon, 3)
+    mon.observe(0, {k: 1.0 for k in (*SCALARS, "val_loss")}, {f: np.ones(3) for f in FAMS})
+    bufs = mon._fused.bufs
+    names = [b.name for b in mon._bindings]
+    groups = [sorted(names[b] for b in np.flatnonzero(bufs.table[:, 10] == row[1]))
+              for row in bufs.groups[:bufs.ints[3]]]
+    assert sorted(groups) == [["grad_burst_layers", "grad_explosion_layers"],
+                              ["grad_explosion", "grad_vanishing"]]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_equals_plain_path_wide(seed: int) -> None:
+    """40 layers (the kernels' vectorised paths, reading the shared log row) with zeros,
+    negative, tiny, subnormal, NaN and +-inf values and holes in the grad norms."""
+    rng = np.random.default_rng(seed)
+    n = 40
+    edges = np.array([0.0, -1.0, 1e-30, 1e-31, 1e-300, 5e-324, np.nan, np.inf, -np.inf, 1e300])
+    fused, plain = Monitor(CONFIG), PlainMonitor(CONFIG)
+    for mon in (fused, plain):
+        _declare(mon, n)
+    n_alarms = 0
+    for t in range(160):
+        m = {"loss": float(np.exp(rng.normal(0.0, 0.05))), "lr": 1e-3,
+             "grad_norm": float(np.exp(rng.normal(0.0, 0.1)))}
+        g = np.exp(rng.normal(0.0, 0.1, n))
+        hit = rng.random(n) < 0.05
+        g[hit] = edges[rng.integers(0, edges.size, int(hit.sum()))]
+        if t in (90, 130):
+            g[: n // 2] *= 50.0  # a coherent jump
+        fams = {f: (g if f == "grad_norm" else np.exp(rng.normal(0.0, 0.05, n)))
+                for f in FAMS if not (f == "grad_norm" and t % 17 == 5)}
+        df, dp = fused.observe(t, m, fams), plain.observe(t, m, fams)
+        assert _key(df) == _key(dp), t
+        _same_banks(_banks(fused), _banks(plain))
+        n_alarms += len(df.alarms)
+    assert fused._fused is not None and fused._fused.bufs.ints[3] == 2
+    assert n_alarms > 3

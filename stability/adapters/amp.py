@@ -142,8 +142,10 @@ def ensure_unscaled(scaler: Any, optimizer: Any) -> bool:
     """
     if not scaler_enabled(scaler):
         return False
-    if found_inf(scaler, optimizer) is not None:
-        return True  # unscale_ already ran this step
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if isinstance(states, Mapping) and id(optimizer) in states and \
+            states[id(optimizer)].get("found_inf_per_device"):
+        return True  # unscale_ already ran this step (checked without reading the device)
     try:
         scaler.unscale_(optimizer)
     except RuntimeError as exc:  # "unscale_() has already been called ..." and the like

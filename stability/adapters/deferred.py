@@ -22,6 +22,9 @@ GPU then idles until the optimizer step is launched.  ``sync="deferred"`` never 
    healthy batch: the update was bounded on the device (below), the step is unhealthy (never a
    rollback target) and an escalating policy still rolls back.  Counted in
    :attr:`DeferredSteps.late_skips`; the goodput ledger counts the step as skipped, as asked.
+   It arms the *skip gate* (:mod:`stability.adapters.deferred_gate`) for the next step: a run
+   of bad batches (a corrupt shard) -- the next one's loss still far above the healthy median
+   -- is skipped on the device from its second batch on, as ``sync="step"`` skips it.
 4. **Device-side safety** before every optimizer step, no sync: the gradients are clipped with
    a coefficient computed on the device (as ``clip_grad_norm_(foreach=True)``) at the tightest
    of the guard's ``clip_norm``, the last decision's and the *spike clip* --
@@ -59,6 +62,7 @@ import torch
 from .._state_check import Fields
 from ..lr_guard import LRGuard
 from ..types import Control, Decision
+from .deferred_gate import GateState, SkipGate, parse_gate
 from .guard_checkpoints import GuardCheckpoints
 from .interventions import TrainingStopped, drop_gradients
 from .signals import SignalLayout, Signals
@@ -122,6 +126,8 @@ class DeferredSteps:
     pending : step whose signals are still on their way (``None`` when none)
     late_skips : int
         ``skip_step`` requests that arrived after their step's update (not carried out).
+    gate : SkipGate
+        The skip gate (``gate.factor = None``: off); ``gate.gated`` counts its skips.
     """
 
     def __init__(self, guard: Any) -> None:
@@ -136,6 +142,7 @@ class DeferredSteps:
         self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._norms: deque[float] = deque(maxlen=SPIKE_WINDOW)  # healthy grad norms
         self.spike_factor: float | None = SPIKE_FACTOR
+        self.gate = SkipGate()
 
     # ------------------------------------------------------------------ one step
     def step(self, loss: Any, metrics: Mapping[str, Any] | None) -> Decision:
@@ -188,8 +195,8 @@ class DeferredSteps:
             control = g.control
             g.multiplier.factor = min(float(control.lr_factor),
                                       self._lr_guard_factor(t, extra.get("lr")))
-            self._protect(vec[0], _tightest(_tightest(g.clip_norm, control.clip_norm),
-                                            self._spike_clip()))
+            self._protect(vec, layout, _tightest(_tightest(g.clip_norm, control.clip_norm),
+                                                 self._spike_clip()))
             g.collector.before_step(t)
             g.multiplier.apply()
         return decision if decision is not None else Decision(-1)
@@ -197,6 +204,7 @@ class DeferredSteps:
     def finish(self) -> None:
         """After the optimizer step: a voided step ends with the stop / rollback; advances."""
         g = self.g
+        self.gate.release()  # a gated step's weights and optimizer state put back
         g.rolled_back = False
         g.collector.after_step(stepped=g.should_step)
         g._consumed = True
@@ -260,7 +268,8 @@ class DeferredSteps:
         sig = g._amp_post(p.signals())
         if self._bad_step is not None and self._bad_step == s - 1:
             sig.families.pop("update_ratio", None)  # the skipped step had no update
-        if g.amp_overflow or not math.isfinite(sig.scalars.get("grad_norm", 0.0)):
+        gated = self.gate.observed(s, sig.scalars)
+        if gated or g.amp_overflow or not math.isfinite(sig.scalars.get("grad_norm", 0.0)):
             self._bad_step = s
         saved = g.step_count, g.data_position
         g.step_count, g.data_position = s, g._pos_of_step.get(s, g.data_position)
@@ -270,7 +279,8 @@ class DeferredSteps:
             gn = sig.scalars.get("grad_norm", math.nan)
             if g.healthy and math.isfinite(gn):
                 self._norms.append(gn)
-            if control.skip_step:
+            self.gate.note(sig.scalars, g.healthy)
+            if control.skip_step and not gated:
                 self.late_skips += 1
                 log.debug("skip_step for step %d arrived after its update (sync='deferred')", s)
             if control.save_checkpoint:  # unhealthy: kept for forensics, never a target
@@ -302,21 +312,30 @@ class DeferredSteps:
         f = probe.observe(t, lr)
         return f if probe.active else 1.0
 
-    def _protect(self, total: torch.Tensor, norm: float | None) -> None:
-        """Clip on the device; keep non-finite gradients from the weights (no host sync)."""
+    def _protect(self, vec: torch.Tensor, layout: SignalLayout, norm: float | None) -> None:
+        """Clip on the device; keep non-finite gradients, and a gated step's update, from the
+        weights (no host sync)."""
         g = self.g
         grads = [p.grad for p in g.collector.params if p.grad is not None]
         if not grads:
             return
+        fused = g.scaler is None and getattr(g.optimizer, "_step_supports_amp_scaling", False)
+        fire = self.gate.arm(g.step_count, g.control.skip_step, vec, layout.names, layout.host,
+                             g.sync)
         with torch.no_grad():
+            total = vec[0]
             ok = torch.isfinite(total)
             if norm is not None:
-                coef = (norm / (total + 1e-6)).clamp(max=1.0)
+                # computed as sync="step" does on the host (float64): the same bits
+                wide = total.double() if total.device.type != "mps" else total
+                coef = torch.where(wide > norm, norm / (wide + 1e-6), 1.0).to(total.dtype)
                 for dev_grads in _by_device(grads).values():
                     torch._foreach_mul_(dev_grads, coef.to(dev_grads[0].device))
-            if g.scaler is not None:
+            if fire is not None and (fused or not self.gate.hold(g.optimizer)):
+                ok = ok & ~fire  # the gated step joins the non-finite ones
+            elif g.scaler is not None:
                 return  # the scaler skips a step with non-finite gradients itself
-            if getattr(g.optimizer, "_step_supports_amp_scaling", False):
+            if fused:
                 g.optimizer.found_inf = (~ok).float()  # the fused kernel skips the update
                 self._found_inf = True
                 return
@@ -346,21 +365,22 @@ class DeferredSteps:
                                     for k, v in sig.families.items()}}
         return {"pending": pending, "control": self.g.control.to_dict(),
                 "bad_step": self._bad_step, "late_skips": self.late_skips,
-                "grad_norms": list(self._norms)}
+                "grad_norms": list(self._norms), "gate": self.gate.state_dict()}
 
     def load_state_dict(self, sd: Mapping[str, Any] | None) -> None:
         """Restore :meth:`state_dict` output (``None``: nothing pending, default control)."""
         (self.pending, self.g.control, self._bad_step, self.late_skips,
-         norms) = _parse_state(sd)
+         norms, gate) = _parse_state(sd)
         self._norms = deque(norms, maxlen=SPIKE_WINDOW)
+        self.gate.load_state_dict(gate)
         self._void = None
 
 
-def _parse_state(sd: Mapping[str, Any] | None
-                 ) -> tuple[_Pending | None, Control, int | None, int, list[float]]:
+def _parse_state(sd: Mapping[str, Any] | None) -> tuple[
+        _Pending | None, Control, int | None, int, list[float], GateState]:
     """Check :meth:`DeferredSteps.state_dict` output; ``ValueError`` names a bad field."""
     if sd is None:
-        return None, Control(), None, 0, []
+        return None, Control(), None, 0, [], ([], 0, 0, None)
     f = Fields("TorchGuard", sd, "deferred.")
     pending = None
     if f.get("pending", None) is not None:
@@ -379,7 +399,7 @@ def _parse_state(sd: Mapping[str, Any] | None
     norms = [f.number(f"grad_norms[{i}]", x, lo=0.0)
              for i, x in enumerate(f.seq("grad_norms", None, f.get("grad_norms", [])))]
     return (pending, control, bad, f.integer("late_skips", f.get("late_skips", 0), lo=0),
-            norms[-SPIKE_WINDOW:])
+            norms[-SPIKE_WINDOW:], parse_gate(f.sub("gate", {})))
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

@@ -47,6 +47,12 @@ How it hooks in (transformers 4.4x / 5.x):
   scheduler's). Under fp16 with a ``GradScaler`` HF's ``grad_norm`` (measured before the callback
   unscales) is replaced by the callback's unscaled pre-clip norm (``nan`` on an overflow step).
   Every acting intervention is logged by the guard (logger ``stability.adapters``, INFO).
+* **Sync-free steps.** ``StabilityTrainerCallback(monitor, sync="deferred")`` takes no host sync
+  in ``on_pre_optimizer_step``: the guard's ``sync="deferred"`` mode
+  (:mod:`stability.adapters.deferred`; decisions act one step late, device-side clip and
+  non-finite skip) with the trainer specifics of :mod:`stability.adapters.trainer_deferred`
+  (a save step observes its step first; ``state.global_step == guard.step_count +
+  guard.steps_lost + guard.voided_steps``; ``train()`` ends by observing the last step).
 * The loss of each micro-batch is captured by a forward hook on the model (``outputs.loss``) and
   averaged over gradient accumulation; ``metrics["eval_loss"]`` from ``on_evaluate`` joins the
   next step's signals. A skipped step drops the gradients (the optimizer changes nothing; the
@@ -69,13 +75,14 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
 from .interventions import TrainingStopped, safe_torch_load
-from .torch import TorchGuard
-from .trainer_support import (
-    TrainerCheckpointStore,
-    finish_deferring_emergency,
-    last_step_feedback,
-    params_finite,
+from .trainer_deferred import (
+    TrainerGuard,
+    check_sync,
+    finish_step,
+    observe_before_save,
+    pending_grad_norm,
 )
+from .trainer_support import TrainerCheckpointStore, last_step_feedback, params_finite
 
 __all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
 
@@ -152,13 +159,17 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         Also keep an in-memory copy every this many healthy steps (0 = never).
     memory_limit_mb : float
         Budget for in-memory copies; a copy that does not fit is refused (logged).
+    sync : {"step", "deferred"}
+        ``"step"`` (default): one host sync per step in ``on_pre_optimizer_step``, decisions act
+        on their own step.  ``"deferred"``: no host sync on the step path (save steps aside),
+        decisions act one step late (:mod:`stability.adapters.trainer_deferred`).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ``recorder``, ...).
 
     Attributes
     ----------
-    guard : TorchGuard or None
+    guard : TrainerGuard or None
         The guard acting on the Trainer's objects (created at ``on_train_begin``).
     stopped : TrainingStopped or None
         Why the monitor stopped the run (``control.should_training_stop`` was set).
@@ -179,13 +190,14 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def __init__(self, monitor: Any = None, *, take_over_clipping: bool = True,
                  checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
                  memory_limit_mb: float = 256.0, restored_by_trainer: bool = False,
-                 **guard_kwargs: Any) -> None:
+                 sync: str = "step", **guard_kwargs: Any) -> None:
         if restored_by_trainer and getattr(self, "_initialised", False):
             return  # the live instance handed back by __new__
         if checkpoint_every < 0 or memory_checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' and 'memory_checkpoint_every' parameters of "
                              "StabilityTrainerCallback must be ints in the range [0, inf). Got "
                              f"{checkpoint_every} and {memory_checkpoint_every} instead.")
+        self.sync = check_sync("StabilityTrainerCallback", sync)
         self.monitor = monitor
         self.take_over_clipping = take_over_clipping
         self.checkpoint_every = int(checkpoint_every)
@@ -193,7 +205,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self.guard_kwargs = guard_kwargs
         self.store = TrainerCheckpointStore(
             load_hf_checkpoint, memory_limit_bytes=int(memory_limit_mb * 2**20))
-        self.guard: TorchGuard | None = None
+        self.guard: TrainerGuard | None = None
         self.stopped: TrainingStopped | None = None
         self.cancelled_saves: list[int] = []
         self.overhead_s = 0.0
@@ -240,9 +252,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         clip = self._user_clip if self.take_over_clipping and self._user_clip > 0 else None
         kwargs: dict[str, Any] = {"raise_on_stop": False, "clip_norm": clip,
                                   "checkpoint_every": self.memory_checkpoint_every,
-                                  "scaler": getattr(opt, "scaler", None)}  # fp16 GradScaler
+                                  "scaler": getattr(opt, "scaler", None),  # fp16 GradScaler
+                                  "sync": self.sync}
         kwargs.update(self.guard_kwargs)
-        self.guard = TorchGuard(model, inner, sched, self.monitor, **kwargs)
+        self.guard = TrainerGuard(model, inner, sched, self.monitor, **kwargs)
         self.guard.store = self.store  # HF's own checkpoints, recorded in the monitor's ledger
         if saved is not None:
             self._load(saved, state.global_step)
@@ -275,7 +288,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             self._hook.remove()
             self._hook = None
         if self.guard is not None:
-            self.guard.detach()
+            self.guard.detach()  # sync="deferred": observes the last step
+            self._note_stop(None)
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
         if record is not None:
             record()
@@ -299,10 +313,13 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         if self._pending_val is not None:
             metrics["val_loss"] = self._pending_val
             self._pending_val = None
-        sig = self.guard.collect(loss, metrics or None)
-        self.guard.check(loss, signals=sig)
-        gn = sig.scalars.get("grad_norm")  # pre-clip and unscaled (absent on an AMP overflow)
-        self._last_grad_norm = math.nan if gn is None else float(gn)
+        if self.guard.deferred is not None:  # no host sync: this step is observed later
+            self.guard.check(loss, metrics or None)
+        else:
+            sig = self.guard.collect(loss, metrics or None)
+            self.guard.check(loss, signals=sig)
+            gn = sig.scalars.get("grad_norm")  # pre-clip, unscaled (absent on an AMP overflow)
+            self._last_grad_norm = math.nan if gn is None else float(gn)
         self._checked = True
         self._last_lr = self.guard.multiplier.base_lrs()[0]
         self._last_factor = float(self.guard.multiplier.factor)
@@ -318,17 +335,24 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        ctl, emergency, rolled = finish_deferring_emergency(guard)
-        if guard.stopped is not None and self.stopped is None:
-            self.stopped = guard.stopped
-        if self.stopped is not None:
-            control.should_training_stop = True
+        emergency, why, rolled = finish_step(guard)
+        if guard.deferred is not None and control.should_log and guard.scaler is not None:
+            self._last_grad_norm = pending_grad_norm(guard)  # (HF's logging syncs anyway)
         due = bool(self.checkpoint_every) and guard.step_count % self.checkpoint_every == 0
         if control.should_save or emergency or due:
-            self._decide_save(control, state, rolled, emergency, ctl.checkpoint_reason)
+            late, why_late, rolled = observe_before_save(guard)  # deferred: observe this step
+            emergency, why = emergency or late, why or why_late
+            self._decide_save(control, state, rolled, emergency, why)
+        self._note_stop(control)
         self.overhead_s += time.perf_counter() - t0
         self.overhead_steps += 1
         return control
+
+    def _note_stop(self, control: Any) -> None:
+        if self.guard is not None and self.guard.stopped is not None and self.stopped is None:
+            self.stopped = self.guard.stopped
+        if self.stopped is not None and control is not None:
+            control.should_training_stop = True
 
     def _decide_save(self, control: Any, state: Any, rolled: bool, emergency: bool,
                      why: str) -> None:
@@ -362,7 +386,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # saves this callback did not foresee (save_strategy="best", end of training)
         if self.guard is not None and state.global_step not in self._registered:
-            self._register(state, self.guard.healthy, "trainer")
+            emergency, _, rolled = observe_before_save(self.guard)  # deferred: observe first
+            if not rolled:  # (a rollback just now: these weights are no rollback target)
+                self._register(state, self.guard.healthy and not emergency, "trainer")
+            self._note_stop(control)
         self.store.forget_rotated()  # save_total_limit deleted older checkpoint-N directories
         if self.guard is not None:
             self.guard.multiplier.show()  # between steps the groups show the LR applied

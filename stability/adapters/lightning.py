@@ -39,6 +39,13 @@ Checkpoints are Lightning checkpoints written with ``trainer.save_checkpoint`` (
 when the monitor asks, never on a step whose weights are non-finite or were just rolled back.
 In-memory copies only with ``in_memory=True``, bounded by ``memory_limit_mb``.
 
+Sync-free steps: ``StabilityCallback(monitor, sync="deferred")`` takes no host sync in
+``on_before_optimizer_step`` -- the guard's ``sync="deferred"`` mode (:mod:`stability.adapters.
+deferred`: decisions act one step late, device-side clip and non-finite skip) with the trainer
+specifics of :mod:`stability.adapters.trainer_deferred` (a checkpoint step observes its step
+first; ``trainer.global_step == guard.step_count + guard.steps_lost + guard.voided_steps``;
+``fit`` ends by observing the last step).
+
 Steps after a rollback: ``trainer.global_step`` counts optimizer iterations (Lightning's budget:
 ``max_steps``, logging and checkpoint cadence) and never goes back; the guard's step (the monitor's
 step, and the position of the restored LR scheduler) goes back to the checkpoint's step + 1.
@@ -59,13 +66,8 @@ import lightning.pytorch as pl
 import torch
 
 from .interventions import TrainingStopped, safe_torch_load
-from .torch import TorchGuard
-from .trainer_support import (
-    TrainerCheckpointStore,
-    finish_deferring_emergency,
-    last_step_feedback,
-    params_finite,
-)
+from .trainer_deferred import TrainerGuard, check_sync, finish_step, observe_before_save
+from .trainer_support import TrainerCheckpointStore, last_step_feedback, params_finite
 
 __all__ = ["StabilityCallback", "load_lightning_checkpoint"]
 
@@ -126,13 +128,17 @@ class StabilityCallback(pl.Callback):
         on the steps Lightning logs; ``"all"`` also sends the others (detector scores,
         interventions by type, goodput counters) straight to ``trainer.loggers`` (Lightning's
         ``log_dict`` costs O(keys^2) per call).
+    sync : {"step", "deferred"}
+        ``"step"`` (default): one host sync per step in ``on_before_optimizer_step``.
+        ``"deferred"``: none on the step path (save steps aside), decisions act one step late
+        (:mod:`stability.adapters.trainer_deferred`).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ...).
 
     Attributes
     ----------
-    guard : TorchGuard or None
+    guard : TrainerGuard or None
     stopped : TrainingStopped or None
         Why the monitor stopped the run (``trainer.should_stop`` was set).
     cancelled_saves : list of int
@@ -143,11 +149,13 @@ class StabilityCallback(pl.Callback):
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int = 100, keep_checkpoints: int = 2,
                  in_memory: bool = False, memory_limit_mb: float = 256.0,
-                 log_metrics: bool | str = "all", **guard_kwargs: Any) -> None:
+                 log_metrics: bool | str = "all", sync: str = "step",
+                 **guard_kwargs: Any) -> None:
         super().__init__()
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of StabilityCallback must be an "
                              f"int in the range [0, inf). Got {checkpoint_every} instead.")
+        self.sync = check_sync("StabilityCallback", sync)
         self.monitor = monitor
         self.val_key = val_key
         self.checkpoint_dir = None if checkpoint_dir is None else str(checkpoint_dir)
@@ -158,7 +166,7 @@ class StabilityCallback(pl.Callback):
         self.store = TrainerCheckpointStore(
             load_lightning_checkpoint, keep=keep_checkpoints,
             memory_limit_bytes=int(memory_limit_mb * 2**20) if in_memory else 0)
-        self.guard: TorchGuard | None = None
+        self.guard: TrainerGuard | None = None
         self.stopped: TrainingStopped | None = None
         self.cancelled_saves: list[int] = []
         self.overhead_s = 0.0  # measuring and deciding (check + finish)
@@ -199,9 +207,9 @@ class StabilityCallback(pl.Callback):
         kw: dict[str, Any] = {
             "raise_on_stop": False,
             "checkpoint_every": self.checkpoint_every if self.in_memory else 0,
-            "scaler": getattr(trainer.precision_plugin, "scaler", None)}
+            "scaler": getattr(trainer.precision_plugin, "scaler", None), "sync": self.sync}
         kw.update(self.guard_kwargs)
-        self.guard = TorchGuard(pl_module, trainer.optimizers[0], sched, self.monitor, **kw)
+        self.guard = TrainerGuard(pl_module, trainer.optimizers[0], sched, self.monitor, **kw)
         self.guard.store = self.store  # the same interface, recorded in the monitor's ledger
         state = self._pending_state if self._pending_state is not None else carried
         self._pending_state = None
@@ -210,7 +218,9 @@ class StabilityCallback(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None:
-            self.guard.detach()
+            self.guard.detach()  # sync="deferred": observes the last step
+            if self.guard.stopped is not None and self.stopped is None:
+                self.stopped = self.guard.stopped
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
         if record is not None:
             record()
@@ -261,18 +271,22 @@ class StabilityCallback(pl.Callback):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        ctl, emergency, rolled = finish_deferring_emergency(guard)
+        emergency, why, rolled = finish_step(guard)
+        step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
+        due = (not self.in_memory and self.checkpoint_every > 0
+               and (step + 1) % self.checkpoint_every == 0 and guard.stopped is None)
+        if due or emergency:  # sync="deferred": observe this step first (its health)
+            late, why_late, rolled = observe_before_save(guard)
+            emergency, why = emergency or late, why or why_late
+        due = due and guard.healthy and guard.stopped is None
         if guard.stopped is not None and self.stopped is None:
             self.stopped = guard.stopped
             trainer.should_stop = True
-        step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
-        due = (not self.in_memory and self.checkpoint_every > 0 and guard.healthy
-               and (step + 1) % self.checkpoint_every == 0 and self.stopped is None)
         self.overhead_s += time.perf_counter() - t0
         self.overhead_steps += 1
         t0 = time.perf_counter()
         if emergency or due:
-            self._save(trainer, step, rolled, emergency, ctl.checkpoint_reason)
+            self._save(trainer, step, rolled, emergency, why)
         if self.log_metrics and trainer.logger is not None and _logs_this_step(trainer):
             self._log(trainer, pl_module)
         self.io_s += time.perf_counter() - t0

@@ -1,0 +1,138 @@
+"""``sync="deferred"`` in the trainer callbacks (HF Transformers, Lightning).
+
+The callbacks drive a :class:`TrainerGuard` -- a :class:`~stability.adapters.torch.TorchGuard`
+whose ``sync="deferred"`` machinery (:mod:`stability.adapters.deferred`) runs unchanged: the
+callback calls ``check`` in the trainer's pre-optimizer hook and ``finish`` at the end of the
+step, the trainer steps the optimizer and the scheduler itself.  What the trainers add:
+
+* **Saves.** A trainer checkpoint is registered with the health of the step it covers, and its
+  state carries the monitor's; with ``sync="deferred"`` that step is not observed yet when the
+  trainer saves.  On a step with a save due the callback therefore observes it first
+  (:func:`observe_before_save`, i.e. :meth:`~stability.adapters.deferred.DeferredGuard.flush`):
+  one host sync on save steps only (the save itself copies every weight to the host), and the
+  checkpoint is registered, or cancelled, as with ``sync="step"``.  A stop or rollback found
+  then is carried out at once.
+* **Emergency checkpoints** are trainer saves too: a decision observed during step ``t + 1``
+  asking for one gets it at the end of step ``t + 1`` (weights after that step's update, or
+  none if the step was voided by a rollback); never an in-memory copy.
+* **Voided steps.** A stop or rollback observed during step ``t + 1`` voids that step (its
+  gradients are dropped: the trainer's optimizer step changes nothing), but the trainer counts it:
+  ``global_step == guard.step_count + guard.steps_lost + guard.voided_steps``.  The trainer still
+  steps its scheduler on a voided step (a rollback restores it; after a stop it is one step on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..types import Decision
+from .deferred import SYNC_MODES
+from .signals import Signals
+from .torch import TorchGuard
+from .trainer_support import finish_deferring_emergency
+
+__all__ = ["TrainerGuard", "check_sync", "finish_step", "observe_before_save",
+           "pending_grad_norm"]
+
+
+def check_sync(owner: str, sync: str) -> str:
+    """``sync`` if it is one of :data:`~stability.adapters.deferred.SYNC_MODES`, else a
+    ``ValueError`` naming ``owner``."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"The 'sync' parameter of {owner} must be one of {SYNC_MODES}. "
+                         f"Got {sync!r} instead.")
+    return sync
+
+
+class TrainerGuard(TorchGuard):
+    """The guard of the trainer callbacks: a :class:`TorchGuard` whose ``sync="deferred"``
+    emergency checkpoints are left to the trainer, and which counts voided steps.
+
+    Attributes
+    ----------
+    emergency : str or None
+        ``sync="deferred"``: the reason of an emergency checkpoint observed and not yet written
+        (the callback writes it through the trainer at the end of the step).
+    voided_steps : int
+        Steps voided by a late stop or rollback (``sync="deferred"``; in the state dict).
+    """
+
+    emergency: str | None = None
+    voided_steps: int = 0
+
+    def _decide(self, step: int, sig: Signals) -> Decision:
+        decision = super()._decide(step, sig)
+        if self.deferred is not None and self.control.save_checkpoint:
+            self.emergency = self.control.checkpoint_reason or "emergency"
+            self.control = dataclasses.replace(self.control, save_checkpoint=False)
+        return decision
+
+    def check(self, loss: Any, metrics: Mapping[str, Any] | None = None,
+              signals: Signals | None = None) -> Decision:
+        decision = super().check(loss, metrics, signals)
+        if self.deferred is not None and not self.should_step:
+            self.voided_steps += 1  # only a late stop / rollback withholds a deferred step
+        return decision
+
+    def take_emergency(self) -> tuple[bool, str]:
+        """``(asked, reason)`` of an emergency checkpoint observed since the last call."""
+        why, self.emergency = self.emergency, None
+        return why is not None, why or ""
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        if self.voided_steps:
+            sd["voided_steps"] = self.voided_steps
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
+        sd = dict(sd)
+        voided = sd.pop("voided_steps", 0)
+        if isinstance(voided, bool) or not isinstance(voided, int) or voided < 0:
+            raise ValueError("TorchGuard state field 'voided_steps' must be an int >= 0. Got "
+                             f"{voided!r} instead.")
+        super().load_state_dict(sd, strict=strict)
+        self.voided_steps = voided
+
+    state_dict.__doc__ = TorchGuard.state_dict.__doc__
+    load_state_dict.__doc__ = TorchGuard.load_state_dict.__doc__
+
+
+def finish_step(guard: TrainerGuard) -> tuple[bool, str, bool]:
+    """``guard.finish()`` with the emergency checkpoint left to the trainer's own save.
+
+    Returns ``(emergency, reason, rolled_back)``: whether the decision carried out (``sync=
+    "step"``: this step's; ``"deferred"``: the one observed during this step) asked for an
+    emergency checkpoint, why, and whether ``finish`` rolled back.
+    """
+    if guard.deferred is None:
+        ctl, emergency, rolled = finish_deferring_emergency(guard)
+        return emergency, ctl.checkpoint_reason, rolled
+    guard.finish()
+    emergency, why = guard.take_emergency()
+    return emergency, why, guard.rolled_back
+
+
+def observe_before_save(guard: TrainerGuard) -> tuple[bool, str, bool]:
+    """Before a trainer save: observe the pending step (``sync="deferred"``; nothing to do with
+    ``sync="step"``) and carry out its decision.
+
+    Returns ``(emergency, reason, rolled_back)``: whether that decision asked for an emergency
+    checkpoint (and why), and whether the guard has rolled back since the last ``finish``.
+    """
+    if guard.deferred is not None and guard.deferred.pending is not None:
+        guard.flush()  # (raise_on_stop is False in the callbacks: a stop sets guard.stopped)
+    emergency, why = guard.take_emergency()
+    return emergency, why, guard.rolled_back
+
+
+def pending_grad_norm(guard: TrainerGuard) -> float:
+    """The pre-clip gradient norm of the pending (not yet observed) step; ``nan`` when none.
+    Waits for its copy: call it where the trainer synchronises anyway (a logging step)."""
+    p = guard.deferred.pending if guard.deferred is not None else None
+    if p is None or p.step != guard.step_count - 1:
+        return math.nan
+    return float(p.signals().scalars.get("grad_norm", math.nan))
