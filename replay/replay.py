@@ -27,6 +27,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -354,6 +355,8 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
                run_id: str | None = None, progress: bool | None = False) -> ReplayResult:
     """Replay one recorded run (file or directory of parts) through the monitor.
 
+    A Parquet run in replay order is streamed (bounded memory, same result: :mod:`replay.stream`).
+
     Parameters
     ----------
     path
@@ -378,19 +381,15 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
     t0 = time.perf_counter()
     cfg = load_config(_default_config(config))  # parsed once for the probe and the replay
     stream, names = plan_replay(p, cfg)
-    if stream is not None:  # in replay order already: batch after batch, bounded memory
-        if said:
-            sys.stderr.write("\r\033[K")
-        try:
-            res = replay_stream(stream, cfg, rid, p, events, progress, names=names)
-        except OutOfOrder:  # unsorted or duplicate steps after all: sorted and merged whole
-            pass
-        else:
-            res.seconds = time.perf_counter() - t0
-            return res
-    table, names = read_bound(p, cfg)
+    table = None if stream is not None else read_bound(p, cfg)
     if said:
         sys.stderr.write("\r\033[K")  # clear the line for the bar / the summary
+    if stream is not None:  # in replay order: batch after batch (bounded memory)
+        with contextlib.suppress(OutOfOrder):  # unsorted / duplicate steps: read whole below
+            res = replay_stream(stream, cfg, rid, p, events, progress, names=names)
+            res.seconds = time.perf_counter() - t0
+            return res
+    table, names = table or read_bound(p, cfg)
     res = replay_table(table, cfg, rid, p, events, progress, names=names)
     res.seconds = time.perf_counter() - t0
     return res

@@ -107,15 +107,16 @@ class ReplayBlocks:
             for b in mon._bindings:
                 n = len(b.keys)
                 shape = (rows, b.n_inputs, n)
+                guard: GuardChunks | None = None
                 if GuardChunks.applies(b.det, b.n_inputs):
-                    blk, guard, fill = Block(shape), None, False
+                    blk, fill = Block(shape), False
                     guard = GuardChunks(blk)
                 else:
                     key = (shape, tuple(tuple(r) for r in b.slots))
                     fill = key not in blocks
                     if fill:
                         blocks[key] = Block(shape)
-                    blk, guard = blocks[key], None
+                    blk = blocks[key]
                 banks.append((b, guard, blk, fill, np.empty((rows, n)),
                               np.empty((rows, n), dtype=np.bool_)))
             self.layout, self.rows, self.banks = mon._gather, rows, banks
