@@ -79,8 +79,11 @@ def _decode(data: Any) -> tuple[np.ndarray, list[tuple[str, _Column]]]:
     scol = data.column(names.index("step"))
     if scol.null_count:
         raise ValueError("replay: the 'step' column contains nulls.")
-    # the step checks and conversions of table_columns, on the step column alone
-    steps, _ = table_columns({"step": np.asarray(scol.to_numpy(zero_copy_only=False))})
+    one = scol.chunk(0) if getattr(scol, "num_chunks", 0) == 1 else scol
+    if str(scol.type) == "int64" and not hasattr(one, "num_chunks"):
+        steps = one.to_numpy()  # a view: int64 steps need no check or conversion
+    else:  # the step checks and conversions of table_columns, on the step column alone
+        steps, _ = table_columns({"step": np.asarray(scol.to_numpy(zero_copy_only=False))})
     out = []
     for k, name in enumerate(names):
         if name == "step":
@@ -273,7 +276,7 @@ class ReplayMixin(LayoutMixin):
         t_len = len(steps)
         if t_len == 0:
             return Decisions.from_list([])
-        if (steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0)
+        if (steps[0] <= self.last_step or steps[0] < 0 or bool((steps[1:] <= steps[:-1]).any())
                 or steps[-1] > MAX_STEP):
             return Decisions.from_list([
                 self.observe(int(steps[t]), {n: float(v[t]) for n, (v, p) in cols
