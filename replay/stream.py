@@ -32,8 +32,8 @@ import pyarrow as pa
 from replay.reader import _alias_table, _open, _plan, _resolve, _Source
 from replay.schema import STEP, RunFormatError, alias_resolver, read_metadata
 
-__all__ = ["STREAM_VALUES", "OutOfOrder", "RunStream", "batch_rows", "plan_replay", "plan_stream",
-           "replay_stream"]
+__all__ = ["ENABLED", "STREAM_VALUES", "OutOfOrder", "RunStream", "batch_rows", "plan_replay",
+           "plan_stream", "replay_stream"]
 
 #: values (rows x columns read) per streamed batch, ~32 MiB of float64: a batch is read, replayed
 #: and freed while the next one reuses its pages (much larger batches are mapped afresh and
@@ -42,6 +42,9 @@ STREAM_VALUES = 1 << 22
 
 #: rows per streamed batch; ``None``: :func:`batch_rows` (tests set it)
 STREAM_ROWS: int | None = None
+
+#: stream the runs that can be (``False``: :func:`replay.replay.replay_run` reads every run whole)
+ENABLED = True
 
 
 def batch_rows(n_columns: int) -> int:
@@ -174,6 +177,8 @@ def plan_replay(p: str, cfg: Any) -> tuple[Any, list[str] | None]:
     from .reader import read_schema
     from .replay import _monitor
 
+    if not ENABLED:
+        return None, None
     try:
         if detect_format(p) != "parquet":
             return None, None

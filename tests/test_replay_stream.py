@@ -275,3 +275,14 @@ def test_replay_run_stream_writes_the_same_events(tmp_path) -> None:  # type: ig
     replay_table(read_run(p), CFG, "r", events=ref_ev)
     got = rs_ev.read_text().splitlines()
     assert got and got == ref_ev.read_text().splitlines()
+
+
+def test_stream_can_be_turned_off(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    table = canonical(run_table(600, seed=14))
+    p = tmp_path / "run.parquet"
+    pq.write_table(table, p)
+    cfg = load_config("default")
+    assert rs.plan_replay(p, cfg)[0] is not None
+    monkeypatch.setattr(rs, "ENABLED", False)
+    assert rs.plan_replay(p, cfg) == (None, None)
+    assert replay_run(p).alarms == replay_table(table, "default").alarms
