@@ -24,6 +24,9 @@ Usage::
     python benchmarks/bench_replay.py                 # 10M rows x 4 columns, 1M wide rows
     python benchmarks/bench_replay.py --rows 2000000 --wide-rows 200000 --repeat 1  # quick
     python benchmarks/bench_replay.py --banks   # + CPU time of each bank in the wide replay
+    python benchmarks/bench_replay.py --rss-rows 10000000  # + peak RSS of a 10M-row replay_run
+    python benchmarks/bench_replay.py --rss-rows 1000000 --rss-whole  # streamed vs read whole
+    python benchmarks/bench_replay.py --rss-rows 100000000 --rss-narrow  # 100M rows x 4
 """
 
 from __future__ import annotations
@@ -144,9 +147,10 @@ def kernel_share(table: pa.Table, config: Any) -> float:
 def bank_times(table: pa.Table, config: Any) -> None:
     """Print the CPU time of each bank's batch kernel during one replay (largest first), the
     input fill, the non-finite guard's finite chunks and the per-step tail."""
-    import stability.monitor_replay as mr
+    import stability.monitor_replay_run as mr
     from detectors._base import BankDetector
     from detectors.nonfinite import NonFiniteGuard
+    from stability.monitor_replay_fill import Block
 
     spent: dict[str, float] = {}
 
@@ -165,8 +169,8 @@ def bank_times(table: pa.Table, config: Any) -> None:
             BankDetector.update_many_array)),
         (NonFiniteGuard, "update_finite_many", timed(
             lambda *a: "NonFiniteGuard, finite chunks", NonFiniteGuard.update_finite_many)),
-        (mr, "_fill_bank", timed(lambda *a: "input fill", mr._fill_bank)),
-        (mr._Replay, "_tail", timed(lambda *a: "per-step tail", mr._Replay._tail)),
+        (Block, "fill", timed(lambda *a: "input fill", Block.fill)),
+        (mr.Replay, "_tail", timed(lambda *a: "per-step tail", mr.Replay._tail)),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, fn in patches:
@@ -217,6 +221,71 @@ def bench_samples(repeat: int) -> None:
     line(f"{len(runs)} sample runs: replay_run", pts, el)
 
 
+_RSS_CHILD = r"""
+import json, resource, sys, time
+import pyarrow as pa
+import pyarrow.parquet as pq
+pa.set_cpu_count(1)
+pa.set_io_thread_count(1)
+from detectors import dispatch
+dispatch.set_mode("blocking")
+import replay.replay as rr
+from stability.monitor import Monitor
+def hwm():  # peak RSS of this process image (ru_maxrss survives exec on Linux)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+path = sys.argv[1]
+if sys.argv[2] == "whole":  # the stream off: read whole, as before the stream
+    rr.plan_replay = lambda p, c: (None, None)
+cfg = json.loads(sys.argv[3])
+Monitor(cfg, alert_sinks=[]).replay(next(pq.ParquetFile(path).iter_batches(2000)))
+before = hwm()
+c0 = time.process_time()
+res = rr.replay_run(path, cfg)
+cpu = time.process_time() - c0
+peak = hwm()
+print(f"{res.n_steps} {cpu:.3f} {before:.0f} {peak:.0f}")
+"""
+
+
+def bench_rss(rows: int, d: str, whole: bool = False, narrow: bool = False) -> None:
+    """``replay_run`` of a ``rows``-row run in a fresh process: CPU time and peak RSS, before
+    and after (the warmed-up interpreter); ``whole``: again with the stream off (the run read
+    whole).  The wide run (the 1M-row one repeated) through the default preset, or
+    (``narrow``) the narrow run through its config, in 1M-row groups."""
+    import json
+    import subprocess
+    import sys
+
+    path = os.path.join(d, "big.parquet")
+    if narrow:
+        write_run(path, rows, 4)
+        cfg: Any = NARROW
+        pts, shape = 4 * rows, "4"
+    else:
+        cfg = "default"
+        base = wide_table(min(rows, 1_000_000))
+        with pq.ParquetWriter(path, base.schema, compression="snappy") as w:
+            for lo in range(0, rows, base.num_rows):
+                n = min(base.num_rows, rows - lo)
+                t = base.slice(0, n).set_column(0, "step", pa.array(np.arange(lo, lo + n)))
+                w.write_table(t, row_group_size=1 << 20)
+        pts, shape = points(base, cfg) * rows // base.num_rows, "44"  # the blocks repeat
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for mode in ("stream", "whole") if whole else ("stream",):
+        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, path, mode, json.dumps(cfg)],
+                             env=env, check=True, capture_output=True, text=True).stdout.split()
+        n, cpu, before, peak = int(out[0]), float(out[1]), float(out[2]), float(out[3])
+        how = "streamed" if mode == "stream" else "read whole"
+        print(f"  replay_run of {n:,} rows x {shape} columns, {how}, in a fresh process: "
+              f"{pts / cpu / 1e6:.1f}M points/s/core ({cpu:.2f} CPU-s); peak RSS {peak:.0f} MiB "
+              f"(+{peak - before:.0f} MiB over the warmed-up interpreter's {before:.0f})")
+    os.remove(path)
+
+
 def bench_sweep(steps: int, thresholds: int, run_len: int) -> dict[str, float]:
     from replay.labels import RunLabel
     from replay.scoring import run_profile, summarise_sweep, sweep
@@ -251,6 +320,13 @@ def main() -> None:
     ap.add_argument("--sweep-steps", type=int, default=10_000_000)
     ap.add_argument("--sweep-thresholds", type=int, default=1000)
     ap.add_argument("--sweep-run-len", type=int, default=10_000)
+    ap.add_argument("--rss-rows", type=int, default=0,
+                    help="also replay_run a wide run of this many rows in a fresh process and "
+                         "print its peak RSS")
+    ap.add_argument("--rss-whole", action="store_true",
+                    help="with --rss-rows: also with the stream off (the run read whole)")
+    ap.add_argument("--rss-narrow", action="store_true",
+                    help="with --rss-rows: the narrow run (4 columns) instead of the wide one")
     ap.add_argument("--banks", action="store_true",
                     help="also print the CPU time of each bank kernel during one wide replay")
     a = ap.parse_args()
@@ -266,6 +342,8 @@ def main() -> None:
         pq.write_table(wide_table(a.wide_rows), wpath, row_group_size=1 << 20)
         print(f"wide: {a.wide_rows:,} rows x 44 columns, default preset")
         bench_case("wide", wpath, "default", a.repeat, a.banks)
+        if a.rss_rows:
+            bench_rss(a.rss_rows, d, a.rss_whole, a.rss_narrow)
     print("samples: data/runs/*, default preset")
     bench_samples(a.repeat)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -53,41 +53,64 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
     log_ratio = math.log(params[_P_LRCORR.min_lr_ratio])
     min_lr_std = params[_P_LRCORR.min_lr_std]
     min_loss_std = params[_P_LRCORR.min_loss_std]
-    # per series, how many of its stored LR changes are not zero (a constant LR stores zeros):
-    # counted once per call, then kept up to date as changes are stored
-    nonzero = np.zeros(X.shape[2], dtype=np.int64)
+    # series by series (they are independent): the state in registers over the steps; the log
+    # of an LR equal to the last one logged is reused (``log`` is a pure function: the same
+    # bits), so a constant LR is logged once per call and a schedule once per step
     for i in range(X.shape[2]):
+        # how many of the stored LR changes are not zero (a constant LR stores zeros): counted
+        # once per call, then kept up to date as changes are stored
+        nonzero = 0
         for k in range(w):
-            nonzero[i] += int(buf[k, i] != 0.0)
-    for t in range(X.shape[0]):
-        for i in range(X.shape[2]):
+            nonzero += int(buf[k, i] != 0.0)
+        yc = state[_C_Y, i]
+        count = state[_C_COUNT, i]
+        lr1 = state[_C_LR1, i]
+        lr2 = state[_C_LR2, i]
+        pos = int(state[_C_POS, i])
+        n = int(state[_C_N, i])
+        x1 = np.nan  # the two LRs last logged and their logs
+        g1 = np.nan
+        x2 = np.nan
+        g2 = np.nan
+        for t in range(X.shape[0]):
             loss = X[t, 0, i]
             lr = X[t, 1, i]
             if skip_pair(miss[t, 0, i], miss[t, 1, i], loss, lr, scores, alarms, t, i):
                 continue
             y = math.log(max(loss, LOG_FLOOR))
-            count = state[_C_COUNT, i]
             if count == 0.0:
-                state[_C_Y, i] = y
-                state[_C_LR1, i] = lr
-                state[_C_COUNT, i] = 1.0
+                yc = y
+                lr1 = lr
+                count = 1.0
                 scores[t, i] = 0.0
                 alarms[t, i] = False
                 continue
-            y_prev = state[_C_Y, i]
+            y_prev = yc
             a_w = max(alpha, 1.0 / (count + 1.0))
             y_new = y_prev + a_w * (y - y_prev)
             b = y_new - y_prev
-            lr1 = state[_C_LR1, i]
-            lr2 = state[_C_LR2, i]
-            a = math.log(lr1) - math.log(lr2) if (count >= 2.0 and lr1 > 0.0 and lr2 > 0.0) else 0.0
-            n = int(state[_C_N, i])
-            pos = int(state[_C_POS, i])
+            if count >= 2.0 and lr1 > 0.0 and lr2 > 0.0:
+                if lr1 == x1:
+                    l1 = g1
+                elif lr1 == x2:
+                    l1 = g2
+                else:
+                    l1 = math.log(lr1)
+                if lr2 == x1:
+                    l2 = g1
+                elif lr2 == x2:
+                    l2 = g2
+                else:
+                    l2 = math.log(lr2)
+                x1, g1, x2, g2 = lr1, l1, lr2, l2
+                a = l1 - l2
+            else:
+                a = 0.0
             score = 0.0
             # every LR change of the window is zero but this step's: the sum of the changes
             # is this step's (up to the sign of a zero, which no comparison sees), and below
             # the gate the score is 0 whatever the sums -- skip them
-            quiet = nonzero[i] - int(buf[pos, i] != 0.0) == 0 and not a >= log_ratio
+            quiet = nonzero - int(buf[pos, i] != 0.0) == 0 and not a >= log_ratio
             if count >= 2.0 and n + 1 >= w and not quiet:
                 # window = the w - 1 stored pairs before pos, plus (a, b)
                 # r = 1 .. w - 1 is k = (pos - r) % w: pos - 1 down to 0, then w - 1 down to
@@ -127,15 +150,21 @@ def _corr_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             if not learns(alarm, freeze):
                 continue
             if count >= 2.0:
-                nonzero[i] += int(a != 0.0) - int(buf[pos, i] != 0.0)
+                nonzero += int(a != 0.0) - int(buf[pos, i] != 0.0)
                 buf[pos, i] = a
                 buf[w + pos, i] = b
-                state[_C_POS, i] = (pos + 1) % w
-                state[_C_N, i] = min(n + 1.0, w)
-            state[_C_Y, i] = y_new
-            state[_C_LR2, i] = lr1
-            state[_C_LR1, i] = lr
-            state[_C_COUNT, i] = count + 1.0
+                pos = (pos + 1) % w
+                n = min(n + 1, w)
+            yc = y_new
+            lr2 = lr1
+            lr1 = lr
+            count = count + 1.0
+        state[_C_Y, i] = yc
+        state[_C_COUNT, i] = count
+        state[_C_LR1, i] = lr1
+        state[_C_LR2, i] = lr2
+        state[_C_POS, i] = pos
+        state[_C_N, i] = n
 
 
 class LRLossCorrelation(BankDetector):

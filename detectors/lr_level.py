@@ -51,35 +51,40 @@ def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
     margin = params[_P_LRLEVEL.margin]
     stable_ratio = params[_P_LRLEVEL.stable_ratio]
     min_var = params[_P_LRLEVEL.min_var]
-    for t in range(X.shape[0]):
-        for i in range(X.shape[2]):
+    # series by series (they are independent): the state in registers over the steps
+    for i in range(X.shape[2]):
+        prev = state[_L_PREV, i]
+        mean = state[_L_MEAN, i]
+        var = state[_L_VAR, i]
+        base = state[_L_BASE, i]
+        maxlr = state[_L_MAXLR, i]
+        count = state[_L_COUNT, i]
+        plr = state[_L_LR, i]
+        pk = state[_L_PEAKED, i]
+        for t in range(X.shape[0]):
             loss = X[t, 0, i]
             lr = X[t, 1, i]
             if skip_pair(miss[t, 0, i], miss[t, 1, i], loss, lr, scores, alarms, t, i):
                 continue
             y = math.log(max(loss, LOG_FLOOR))
-            count = state[_L_COUNT, i]
             if count == 0.0:
-                state[_L_PREV, i] = y
-                state[_L_MAXLR, i] = lr
-                state[_L_LR, i] = lr
-                state[_L_COUNT, i] = 1.0
+                prev = y
+                maxlr = lr
+                plr = lr
+                count = 1.0
                 scores[t, i] = 0.0
                 alarms[t, i] = False
                 continue
-            d = y - state[_L_PREV, i]
-            mean = state[_L_MEAN, i]
-            var = state[_L_VAR, i]
+            d = y - prev
             a = max(alpha, 1.0 / count)
             dd = d - mean
             new_mean = mean + a * dd
             new_var = (1.0 - a) * (var + a * dd * dd)
-            base = state[_L_BASE, i]
             ratio = new_var / max(base, min_var, 1e-300)
-            prev_lr = state[_L_LR, i]  # the LR that produced this loss change
-            peaked = state[_L_PEAKED, i] != 0.0 or lr <= prev_lr
+            prev_lr = plr  # the LR that produced this loss change
+            peaked = pk != 0.0 or lr <= prev_lr
             warm = count >= warmup and peaked
-            if warm and prev_lr > margin * state[_L_MAXLR, i]:
+            if warm and prev_lr > margin * maxlr:
                 score = ratio
             else:
                 score = 0.0
@@ -88,23 +93,31 @@ def _level_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
             alarms[t, i] = alarm
             if not learns(alarm, freeze):
                 continue
-            state[_L_PREV, i] = y
-            state[_L_MEAN, i] = new_mean
-            state[_L_VAR, i] = new_var
+            prev = y
+            mean = new_mean
+            var = new_var
             if not warm:
                 b = max(base_alpha, 1.0 / count)
-                state[_L_BASE, i] = base + b * (new_var - base)
-                state[_L_MAXLR, i] = max(state[_L_MAXLR, i], lr)
+                base = base + b * (new_var - base)
+                maxlr = max(maxlr, lr)
             else:
                 # winsorised: the baseline follows slow growth of the noise (log-loss noise
                 # grows as the loss falls) but an instability cannot drag it up quickly
                 v_in = min(new_var, stable_ratio * max(base, min_var))
-                state[_L_BASE, i] = base + base_alpha * (v_in - base)
+                base = base + base_alpha * (v_in - base)
                 if ratio <= stable_ratio:
-                    state[_L_MAXLR, i] = max(state[_L_MAXLR, i], prev_lr)
-            state[_L_LR, i] = lr
-            state[_L_PEAKED, i] = 1.0 if peaked else 0.0
-            state[_L_COUNT, i] = count + 1.0
+                    maxlr = max(maxlr, prev_lr)
+            plr = lr
+            pk = 1.0 if peaked else 0.0
+            count = count + 1.0
+        state[_L_PREV, i] = prev
+        state[_L_MEAN, i] = mean
+        state[_L_VAR, i] = var
+        state[_L_BASE, i] = base
+        state[_L_MAXLR, i] = maxlr
+        state[_L_COUNT, i] = count
+        state[_L_LR, i] = plr
+        state[_L_PEAKED, i] = pk
 
 
 class LRLevelInstability(BankDetector):

@@ -27,6 +27,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -47,6 +48,7 @@ from replay.runs import discover_many as discover_many
 from replay.runs import discover_runs as discover_runs
 from replay.runs import parallel_map as parallel_map
 from replay.runs import read_table as read_table
+from replay.stream import OutOfOrder, plan_replay, replay_stream
 from stability.types import Alarm, Decision, Intervention
 
 
@@ -303,9 +305,9 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
         bar = Progress(n, f"replay {run_id}".strip(), True)
         decisions: list[Decision] = []
         try:
-            for batch in table.to_batches(max_chunksize=PROGRESS_ROWS):
-                decisions += mon.replay(batch).events()
-                bar.update(batch.num_rows)
+            for d in mon.replay_stream(table.to_batches(max_chunksize=PROGRESS_ROWS)):
+                decisions += d.events()
+                bar.update(len(d))
         finally:
             bar.close()
     else:
@@ -353,6 +355,8 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
                run_id: str | None = None, progress: bool | None = False) -> ReplayResult:
     """Replay one recorded run (file or directory of parts) through the monitor.
 
+    A Parquet run in replay order is streamed (bounded memory, same result: :mod:`replay.stream`).
+
     Parameters
     ----------
     path
@@ -376,9 +380,16 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
 
     t0 = time.perf_counter()
     cfg = load_config(_default_config(config))  # parsed once for the probe and the replay
-    table, names = read_bound(p, cfg)
+    stream, names = plan_replay(p, cfg)
+    table = None if stream is not None else read_bound(p, cfg)
     if said:
         sys.stderr.write("\r\033[K")  # clear the line for the bar / the summary
+    if stream is not None:  # in replay order: batch after batch (bounded memory)
+        with contextlib.suppress(OutOfOrder):  # unsorted / duplicate steps: read whole below
+            res = replay_stream(stream, cfg, rid, p, events, progress, names=names)
+            res.seconds = time.perf_counter() - t0
+            return res
+    table, names = table or read_bound(p, cfg)
     res = replay_table(table, cfg, rid, p, events, progress, names=names)
     res.seconds = time.perf_counter() - t0
     return res

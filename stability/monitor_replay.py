@@ -10,13 +10,14 @@ chunk.  The per-step tail (alarms, policy, goodput, decision, event log) is
 with, so a replay gives the decisions of a step-by-step ``observe()`` loop bit for bit.  Steps
 on which nothing happens -- no alarm, no policy in force, no LR/loss to follow -- skip that tail:
 they are counted in bulk (goodput ledger, counters, gradient history) and their decisions are
-built only when read (:class:`Decisions`).
+built only when read (:class:`Decisions`).  The chunk loop and the tail are
+:mod:`stability.monitor_replay_run`'s; a stream of tables (:meth:`ReplayMixin.replay_stream`)
+keeps its chunk blocks from table to table.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +26,8 @@ import numpy as np
 from .decisions import Decisions
 from .monitor_io import _ARROW_NUMERIC, is_table, table_columns
 from .monitor_layout import _SCRATCH, MAX_STEP, LayoutMixin, _Binding
-from .monitor_replay_fill import GuardChunks
 from .monitor_replay_fill import fill_bank as _fill_bank
+from .monitor_replay_run import Replay, ReplayBlocks
 from .types import Control, Decision, Intervention
 
 __all__ = ["Decisions", "ReplayMixin"]
@@ -78,8 +79,11 @@ def _decode(data: Any) -> tuple[np.ndarray, list[tuple[str, _Column]]]:
     scol = data.column(names.index("step"))
     if scol.null_count:
         raise ValueError("replay: the 'step' column contains nulls.")
-    # the step checks and conversions of table_columns, on the step column alone
-    steps, _ = table_columns({"step": np.asarray(scol.to_numpy(zero_copy_only=False))})
+    one = scol.chunk(0) if getattr(scol, "num_chunks", 0) == 1 else scol
+    if str(scol.type) == "int64" and not hasattr(one, "num_chunks"):
+        steps = one.to_numpy()  # a view: int64 steps need no check or conversion
+    else:  # the step checks and conversions of table_columns, on the step column alone
+        steps, _ = table_columns({"step": np.asarray(scol.to_numpy(zero_copy_only=False))})
     out = []
     for k, name in enumerate(names):
         if name == "step":
@@ -100,66 +104,8 @@ def _merge(a: _Column, b: _Column) -> _Column:
     return vals, (None if pa_ is None else pa_ | pb)
 
 
-# ---------------------------------------------------------------------------- replay
-class _Decided:
-    """The decisions of one replayed table, and the quiet steps not yet counted."""
-
-    def __init__(self, mon: ReplayMixin, steps: np.ndarray) -> None:
-        self.mon = mon
-        self.steps = steps
-        self.explicit: dict[int, Decision] = {}
-        self.starts: list[int] = []
-        self.ctrls: list[Control] = []
-        self.pending: list[list[Any]] = []  # [first row, end row, control snapshot]
-
-    def quiet(self, a: int, b: int, snap: Control) -> None:
-        if not self.ctrls or self.ctrls[-1] is not snap:
-            self.starts.append(a)
-            self.ctrls.append(snap)
-        pend = self.pending
-        if pend and pend[-1][1] == a and pend[-1][2] is snap:
-            pend[-1][1] = b
-        else:
-            pend.append([a, b, snap])
-
-    def flush(self) -> None:
-        """Count the pending quiet steps (goodput ledger, step counter, goodput records)."""
-        mon = self.mon
-        counters = mon.counters
-        every = mon.goodput_every if mon.event_log is not None else 0
-        for a, b, snap in self.pending:
-            c0 = counters["steps"]
-            start = a
-            if every:
-                k = every - c0 % every
-                while a + k <= b:
-                    self._count(start, a + k, snap)
-                    counters["steps"] = c0 + k
-                    mon._log_goodput()
-                    start = a + k
-                    k += every
-            self._count(start, b, snap)
-            counters["steps"] = c0 + (b - a)
-        self.pending = []
-
-    def _count(self, a: int, b: int, snap: Control) -> None:
-        if b <= a:
-            return
-        gp = self.mon.goodput
-        if snap.rollback_to is not None:
-            for s in self.steps[a:b].tolist():
-                gp.update_from_control(s, snap)
-            return
-        gp.update_many(self.steps[a:b], skipped=snap.skip_step,
-                       degraded=snap.lr_factor < 1.0 or snap.clip_norm is not None)
-
-    def result(self) -> Decisions:
-        self.flush()
-        return Decisions(self.steps, self.explicit, self.starts, self.ctrls)
-
-
 class ReplayMixin(LayoutMixin):
-    """:meth:`replay`, :meth:`replay_batches` and :meth:`bind_table`."""
+    """:meth:`replay`, :meth:`replay_batches`, :meth:`replay_stream` and :meth:`bind_table`."""
 
     last_step: int
     control: Control
@@ -207,12 +153,33 @@ class ReplayMixin(LayoutMixin):
         """
         if is_table(data):
             return self._replay_table(data)
-        return Decisions.concat(self._replay_table(b) for b in data)
+        return Decisions.concat(self.replay_stream(data))
 
     def replay_batches(self, batches: Iterable[Any]) -> Iterator[Decision]:
         """Replay batch after batch (bounded memory); detector state carries across batches."""
+        for d in self.replay_stream(batches):
+            yield from d
+
+    def replay_stream(self, batches: Iterable[Any]) -> Iterator[Decisions]:
+        """Replay batch after batch, one :class:`Decisions` per batch: the decisions of
+        :meth:`replay` of the whole table, bit for bit, in bounded memory.
+
+        Detector state carries across batches, and so do the replay's chunk blocks (the same
+        pages, their constant parts written once), so a stream of batches of ~100K rows runs
+        as fast as the whole table.
+
+        >>> from stability import Monitor
+        >>> mon = Monitor({"detectors": [{"name": "s", "detector": "ewma_z",
+        ...                               "inputs": ["loss"]}]})
+        >>> parts = [{"step": [0, 1], "loss": [1.0, 1.1]}, {"step": [2], "loss": [1.2]}]
+        >>> [len(d) for d in mon.replay_stream(parts)]
+        [2, 1]
+        """
+        blocks = ReplayBlocks()
         for batch in batches:
-            yield from self._replay_table(batch)
+            out = self._replay_table(batch, blocks)
+            del batch  # freed before the next batch is made
+            yield out
 
     def bind_table(self, data: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
         """Bind a whole table the way :meth:`replay` does, without running any detector.
@@ -302,12 +269,14 @@ class ReplayMixin(LayoutMixin):
         return [(j, i, slotcol.get(s)) for j, row in enumerate(b.slots)
                 for i, s in enumerate(row)]
 
-    def _replay_table(self, data: Any) -> Decisions:
+    def _replay_table(self, data: Any, blocks: ReplayBlocks | None = None) -> Decisions:
+        """One table; ``blocks``: the chunk blocks of a stream of tables (``None``: this
+        table's own)."""
         steps, cols = _decode(data)
         t_len = len(steps)
         if t_len == 0:
             return Decisions.from_list([])
-        if (steps[0] <= self.last_step or steps[0] < 0 or np.any(np.diff(steps) <= 0)
+        if (steps[0] <= self.last_step or steps[0] < 0 or bool((steps[1:] <= steps[:-1]).any())
                 or steps[-1] > MAX_STEP):
             return Decisions.from_list([
                 self.observe(int(steps[t]), {n: float(v[t]) for n, (v, p) in cols
@@ -321,170 +290,11 @@ class ReplayMixin(LayoutMixin):
         was = gc.isenabled()
         gc.disable()
         try:
-            return _Replay(self, steps, slotcol).run()
+            full = max(1024, CHUNK_VALUES // max(1, len(slotcol)))
+            chunk = min(t_len, full)
+            if blocks is None:  # one table: blocks of its own size
+                return Replay(self, steps, slotcol, chunk, ReplayBlocks(), chunk).run()
+            return Replay(self, steps, slotcol, chunk, blocks, full).run()
         finally:
             if was:
                 gc.enable()
-
-
-class _Replay:
-    """One table through the monitor: bank kernels chunk by chunk, then the per-step tail."""
-
-    def __init__(self, mon: ReplayMixin, steps: np.ndarray, slotcol: dict[int, _Column]) -> None:
-        self.mon = mon
-        self.steps = steps
-        self.slotcol = slotcol
-        self.out = _Decided(mon, steps)
-        t_len = len(steps)
-        self.chunk = min(t_len, max(1024, CHUNK_VALUES // max(1, len(slotcol))))
-        g = mon._grad_slot
-        self.grad = slotcol.get(g) if g else None
-        tracked = [s for s in (mon._lr_slot, mon._loss_slot, mon._val_slot)
-                   if s and s in slotcol]
-        self.tracked = tracked
-        need = None
-        if tracked:
-            need = np.zeros(t_len, dtype=np.bool_)
-            for s in tracked:
-                p = slotcol[s][1]
-                if p is None:
-                    need[:] = True
-                    break
-                need |= p
-        self.need = need
-        # the tracked slots as rows of a (slots, chunk) block: _track reads column r of it
-        k = max(mon._lr_slot, mon._loss_slot, mon._val_slot) + 1
-        self.tv = np.zeros((k, self.chunk))
-        self.tp = np.zeros((k, self.chunk), dtype=np.bool_)
-
-    def run(self) -> Decisions:
-        mon = self.mon
-        banks = []
-        # banks fed by the same columns in the same places share one input block, filled
-        # once per chunk by the first of them (kernels do not write their inputs)
-        blocks: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
-        for b in mon._bindings:
-            n = len(b.keys)
-            shape = (self.chunk, b.n_inputs, n)
-            feeds = mon._feeds(b, self.slotcol)
-            guard = (GuardChunks(b.det, feeds, len(self.steps), self.chunk)
-                     if GuardChunks.applies(b.det, b.n_inputs) else None)
-            key = None if guard else (shape, tuple((j, i, id(c)) for j, i, c in feeds))
-            fill = key not in blocks
-            if fill:
-                blocks[key] = (np.empty(shape), np.empty(shape, dtype=np.bool_))
-            banks.append((b, feeds, guard, fill, *blocks[key], np.empty((self.chunk, n)),
-                          np.empty((self.chunk, n), dtype=np.bool_)))
-        t_len = len(self.steps)
-        for lo in range(0, t_len, self.chunk):
-            hi = min(lo + self.chunk, t_len)
-            c = hi - lo
-            alarm = np.zeros(c, dtype=np.bool_)
-            outs = []
-            for b, feeds, guard, fill, x, m, sc, al in banks:
-                sc, al = sc[:c], al[:c]
-                outs.append((b, sc, al))
-                if not feeds:
-                    continue
-                if guard is not None:  # the non-finite guard: no input copy on finite chunks
-                    guard.run(x, m, sc, al, lo, hi)
-                else:
-                    x, m = x[:c], m[:c]
-                    if fill:
-                        _fill_bank(feeds, x, m, lo, hi, lo == 0)
-                    b.det.update_many_array(x, m, sc, al)
-                if al.any():  # a flat test; the rows only when some series alarmed
-                    alarm[np.flatnonzero(al.reshape(-1)) // al.shape[1]] = True
-            self._tail(lo, hi, alarm, outs)
-        return self.out.result()
-
-    def _quiet_bulk(self, a: int, b: int) -> None:
-        """Rows ``[a, b)``: no alarm, nothing to follow, no policy in force."""
-        mon = self.mon
-        mon.last_step = int(self.steps[b - 1])
-        if self.grad is not None:
-            v, p = self.grad
-            g = v[a:b] if p is None else v[a:b][p[a:b]]
-            g = g[np.isfinite(g)]
-            if g.size:
-                hist = mon._grad_hist
-                hist.extend(g[-(hist.maxlen or g.size):].tolist())
-                mon._grad_last = float(g[-1])
-        self.out.quiet(a, b, mon._snapshot())
-
-    def _track_bulk(self, a: int, b: int) -> int:
-        """Follow the LR, loss and validation loss of rows ``[a, b)`` (no alarm on them) in
-        bulk (:meth:`~stability.policy.Policy.track_many`); returns the rows taken."""
-        mon = self.mon
-        cols: list[tuple[np.ndarray, np.ndarray] | None] = []
-        for s in (mon._lr_slot, mon._loss_slot, mon._val_slot):
-            col = self.slotcol.get(s) if s else None
-            if col is None:
-                cols.append(None)
-            else:
-                v, p = col
-                cols.append((v[a:b], np.ones(b - a, dtype=np.bool_) if p is None else p[a:b]))
-        k = int(mon.policy.track_many(self.steps[a:b], *cols))
-        lr = cols[0]
-        if k and lr is not None:  # the monitor's own record of the last two requested LRs
-            seen = lr[0][:k][lr[1][:k]]
-            if seen.size:
-                mon._lr_prev = float(seen[-2]) if seen.size > 1 else mon._lr_now
-                mon._lr_now = float(seen[-1])
-        return k
-
-    def _tail(self, lo: int, hi: int, alarm: np.ndarray,
-              outs: list[tuple[_Binding, np.ndarray, np.ndarray]]) -> None:
-        mon = self.mon
-        c = hi - lo
-        need = self.need
-        tv, tp = self.tv, self.tp
-        if need is not None:
-            need = need[lo:hi]
-            for s in self.tracked:
-                v, p = self.slotcol[s]
-                tv[s, :c] = v[lo:hi]
-                tp[s, :c] = True if p is None else p[lo:hi]
-        ev = np.flatnonzero(alarm).tolist()
-        n_ev = len(ev)
-        steps = self.steps
-        grad = self.grad
-        hist = mon._grad_hist
-        out = self.out
-        finish = mon._finish_step
-        track = mon._track
-        k = 0
-        r = 0
-        while r < c:
-            if not (mon._policy_dirty or mon._ctrl_dirty):
-                while k < n_ev and ev[k] < r:
-                    k += 1
-                e = ev[k] if k < n_ev else c
-                if e > r:
-                    if need is not None:  # the LR / loss to follow, in bulk while nothing happens
-                        e = r + self._track_bulk(lo + r, lo + e)
-                    if e > r:
-                        self._quiet_bulk(lo + r, lo + e)
-                        r = e
-                        continue
-            t = lo + r
-            s = int(steps[t])
-            if mon._ctrl_dirty:
-                mon.control.reset_step()
-                mon._ctrl_dirty = False
-                mon._snap = None
-            gnow = None
-            if grad is not None and (grad[1] is None or grad[1][t]):
-                gnow = float(grad[0][t])
-            mon.last_step = s
-            tivs = track(s, tv[:, r], tp[:, r]) if need is not None and need[r] else ()
-            if alarm[r] or tivs or mon._policy_dirty:
-                out.flush()
-                rows = [(b, sc[r], al[r]) for b, sc, al in outs] if alarm[r] else None
-                out.explicit[t] = finish(s, rows, gnow, tivs, ())
-            else:
-                if gnow is not None and math.isfinite(gnow):
-                    hist.append(gnow)
-                    mon._grad_last = gnow
-                out.quiet(t, t + 1, mon._snapshot())
-            r += 1

@@ -202,6 +202,31 @@ def test_corr_constant_lr_windows_skip_the_sums_and_match_the_reference(cfg):
 
 
 @pytest.mark.parametrize("cfg", CORR_CFGS)
+def test_corr_repeated_lrs_reuse_logs_exactly(cfg):
+    """LRs that repeat (the kernel reuses the log of the two LRs last logged), alternate
+    between two values, ramp, and pass through 0 / NaN / missing, on series of their own: the
+    batch equals the step-by-step stream and every split, bit for bit, and the reference."""
+    rng = np.random.default_rng(11)
+    t = 600
+    lr = np.repeat(rng.choice([1e-4, 3e-4, 1e-3], size=(40, 3)), 15, axis=0)
+    lr[100:160, 0] = np.where(np.arange(60) % 2, 1e-3, 2e-3)  # alternating
+    lr[200:260, 1] = np.linspace(1e-3, 9e-3, 60)  # a ramp: a new LR every step
+    lr[[50, 51, 330], 2] = 0.0
+    lr[[120, 421], 1] = np.nan
+    loss = np.exp(rng.normal(0, 0.05, (t, 3)))
+    loss[200:260, 1] *= np.linspace(1.0, 4.0, 60)
+    miss = np.zeros((t, 2, 3), dtype=bool)
+    miss[400:430, 1, 0] = True
+    f = lambda n: LRLossCorrelation(n_series=n, **cfg)  # noqa: E731
+    check_stream_equals_batch(f, loss, lr, missing=miss)
+    check_split_batches(f, loss, lr)
+    s, _ = f(3).update_many(loss, lr)
+    for i in range(3):
+        np.testing.assert_allclose(s[:, i], ref_corr(loss[:, i], lr[:, i], **cfg),
+                                   rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("cfg", CORR_CFGS)
 def test_corr_stream_batch_roundtrip(cfg):
     loss, lr = loss_lr_stream(2)
     miss = np.zeros((loss.shape[0], 2, 2), dtype=bool)
