@@ -60,6 +60,10 @@ class BoundInputs:
         Family name -> ``(n_layers,)`` float64: this step's per-layer values.
     family_present
         Family name -> ``(n_layers,)`` bool: per-layer presence (persists across steps).
+    family_matrix
+        ``(len(families), n_layers)`` float64 view of all family arrays at once (one row per
+        family, in binding order) when they have the same length and lie one after another
+        (always so for a fresh binding), else ``None``.
     zero_copy
         ``True`` while the views are the monitor's own slots (no copy per step).
     """
@@ -99,6 +103,12 @@ class BoundInputs:
         for name, fs, off in zip(families, fam_slots, offs[1 if nk else 0:], strict=True):
             self.arrays[name] = data[off:off + fs.size]
             self.family_present[name] = mask[off:off + fs.size]
+        fo = offs[1 if nk else 0:]
+        w = fam_slots[0].size if fam_slots else 0
+        self.family_matrix: np.ndarray | None = None
+        if fam_slots and w and all(fs.size == w for fs in fam_slots) and fo == list(
+                range(fo[0], fo[0] + w * len(fo), w)):
+            self.family_matrix = data[fo[0]:fo[0] + w * len(fo)].reshape(len(fo), w)
         self._target: Any = mon._vals  # the slot vector ``_order`` refers to
 
     @property
@@ -140,6 +150,7 @@ class BoundInputs:
                 order.append(s)
             self._order = np.asarray(order, dtype=np.int64)
             self._target = mon._vals  # (the lookups may have grown it)
+            self._block = None  # the views stay where they are: copied from now on
         mon._vals[self._order] = self._data
         mon._present[self._order] = self._mask
 
@@ -218,6 +229,9 @@ class BoundMixin:
         if isinstance(keys, str):
             raise TypeError("bind_inputs: keys must be a sequence of metric names, not a str")
         keys = list(keys)
+        if len(set(keys)) != len(keys):
+            raise ValueError("bind_inputs: keys and family names must be unique")
+        _resolve(mon, keys, [])  # the keys first: they take the first slots of a fresh monitor
         if families is None:
             names: list[str] = []
         elif isinstance(families, Mapping):
@@ -228,7 +242,7 @@ class BoundMixin:
                     mon.declare_family(str(f), layers)
         else:
             names = [str(f) for f in families]
-        if len(set(keys)) != len(keys) or len(set(names)) != len(names):
+        if len(set(names)) != len(names):
             raise ValueError("bind_inputs: keys and family names must be unique")
         key_slots, fam_slots = _resolve(mon, keys, names)
         inp = BoundInputs(mon, keys, names, key_slots, fam_slots)
