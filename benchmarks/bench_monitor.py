@@ -64,8 +64,8 @@ def make_stream(steps: int, layers: int, seed: int = 0) -> tuple[np.ndarray, np.
 def bench_bound(steps: int, layers: int, preset: str, cpu: bool = False) -> tuple[float, float]:
     """Median-block µs/step of ``observe_bound`` (bound inputs) next to ``observe()`` with the
     same stream (families as arrays), in alternating blocks; the bound loop includes the
-    caller's writes into the views (one NumPy copy per scalar row and per family, the
-    ``val_loss`` presence flag), which are also timed alone."""
+    caller's writes into the views (one NumPy copy for the scalar row, one for the families'
+    ``(5, layers)`` matrix, the ``val_loss`` presence flag), which are also timed alone."""
     names = [f"L{i}" for i in range(layers)]
     sc, fam = make_stream(steps, layers)
     fams = (*STATS, "grad_norm")
@@ -82,7 +82,8 @@ def bench_bound(steps: int, layers: int, preset: str, cpu: bool = False) -> tupl
         if t % 50 == 0:
             d["val_loss"] = float(sc[t, 0])
         inputs.append((d, {f: fam[t, k] for k, f in enumerate(fams)}))
-    vals, present, arrays = inp.values, inp.present, [inp.arrays[f] for f in fams]
+    vals, present, matrix = inp.values, inp.present, inp.family_matrix
+    assert matrix is not None  # the five families, one row each
     iv = inp.index("val_loss")
 
     def run_bound(lo: int, hi: int, observe: bool = True) -> None:
@@ -90,13 +91,11 @@ def bench_bound(steps: int, layers: int, preset: str, cpu: bool = False) -> tupl
         for t in range(lo, hi):
             vals[:] = rows[t]
             present[iv] = t % 50 == 0
-            ft = fam[t]
-            for k, a in enumerate(arrays):
-                a[:] = ft[k]
+            matrix[:] = fam[t]
             if observe:
                 obs(t)
 
-    def run_ref(lo: int, hi: int) -> None:
+    def run_ref(lo: int, hi: int, _: bool = True) -> None:
         obs = ref.observe
         for t in range(lo, hi):
             m, f = inputs[t]
@@ -109,10 +108,9 @@ def bench_bound(steps: int, layers: int, preset: str, cpu: bool = False) -> tupl
     per: list[list[float]] = [[], [], []]
     clock = time.process_time if cpu else time.perf_counter
     for lo in range(warm, steps - block + 1, block):
-        for k, fn in enumerate((lambda: run_ref(lo, lo + block), lambda: run_bound(lo, lo + block),
-                                lambda: run_bound(lo, lo + block, observe=False))):
+        for k, (fn, obs) in enumerate(((run_ref, True), (run_bound, True), (run_bound, False))):
             t0 = clock()
-            fn()
+            fn(lo, lo + block, obs)
             per[k].append(1e6 * (clock() - t0) / block)
     assert mon.counters == ref.counters, (mon.counters, ref.counters)  # same decisions
     med = [float(np.median(p)) for p in per]

@@ -270,7 +270,7 @@ class BoundMixin:
         else:
             s = mon._check_step(step, skipped)
             if s is None:
-                return mon._skipped_step(step, skipped)  # type: ignore[no-any-return]
+                return mon._skipped_step(step, skipped)
         blk = inp._block
         if blk is not None and inp._target is mon._vals:
             mon._present_mv[blk] = inp._mask_mv  # the values are in place already
@@ -299,5 +299,5 @@ class BoundMixin:
         else:
             tivs = ()
         mon.last_step = s
-        return mon._finish_step(s, mon._live_rows() if n_alarms else None,  # type: ignore[no-any-return]
+        return mon._finish_step(s, mon._live_rows() if n_alarms else None,
                                 g if g_on else None, tivs, tuple(skipped) if skipped else ())
