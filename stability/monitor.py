@@ -132,10 +132,11 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
 
     Notes
     -----
-    The class is assembled from three mixins: the slot layout
-    (:mod:`stability.monitor_layout`), batch replay (:mod:`stability.monitor_replay`) and
-    snapshots (:mod:`stability.monitor_state`); :meth:`observe` and :meth:`replay` end every
-    step with the same :meth:`_finish_step`.
+    The class is assembled from mixins: the slot layout (:mod:`stability.monitor_layout`),
+    bound inputs (:meth:`bind_inputs` / :meth:`observe_bound`, :mod:`stability.monitor_bound`),
+    batch replay (:mod:`stability.monitor_replay`) and snapshots
+    (:mod:`stability.monitor_state`); :meth:`observe`, :meth:`observe_bound` and :meth:`replay`
+    end every step with the same :meth:`_finish_step`.
     """
 
     def __init__(self, config: ConfigSource = None, *, event_log: Any = None,
