@@ -197,3 +197,31 @@ def test_aliases_bind_their_signal() -> None:
     assert [(a.kind, a.signal) for a in d.alarms] == [("nonfinite", "loss")]
     with pytest.raises(ValueError, match="same signal"):
         mon.bind_inputs(["train/loss", "loss"])
+
+
+def test_declared_families_and_nothing_logged() -> None:
+    """Families declared beforehand bind by name (their block comes first: still one block);
+    a step with nothing present is a step of ``observe(step, {})``."""
+    mons = [Monitor("default", alert_sinks=[]) for _ in range(2)]
+    for mon in mons:
+        mon.declare_family("grad_norm", LAYERS)
+    inp = mons[0].bind_inputs(["loss", "lr"], families=["grad_norm"])
+    assert inp.zero_copy
+    assert mons[0].signals[: len(LAYERS)] == [f"grad_norm/{x}" for x in LAYERS]
+    rng = np.random.default_rng(3)
+    for s in range(150):
+        m = {"loss": 2.0 + 0.01 * rng.standard_normal(), "lr": 1e-3}
+        g = np.exp(0.05 * rng.standard_normal(len(LAYERS)))
+        if s % 10 == 9:  # nothing logged on this step
+            inp.present[:] = False
+            inp.family_present["grad_norm"][:] = False
+            m, fams = {}, {}
+        else:
+            inp.present[:] = True
+            inp.family_present["grad_norm"][:] = True
+            inp.values[:] = m["loss"], m["lr"]
+            inp.arrays["grad_norm"][:] = g
+            fams = {"grad_norm": g}
+        assert repr(mons[0].observe_bound(s)) == repr(mons[1].observe(s, m, fams))
+    assert json.dumps(mons[0].state_dict()) == json.dumps(mons[1].state_dict())
+    assert "zero_copy=True" in repr(inp)
