@@ -9,7 +9,7 @@
 Run::
 
     python benchmarks/bench_monitor.py [--steps 20000] [--layers 128] [--breakdown] [--cold]
-                                       [--cpu] [--families-only]
+                                       [--cpu] [--families-only] [--bound]
 
 ``--breakdown`` also times the parts of one step separately (private monitor internals; the
 figures are best-of-repeats, so they do not add up exactly on a loaded machine): the fills, the
@@ -20,6 +20,9 @@ comparison the plain path it replaces.
 ``--cpu`` times the blocks in process CPU time instead of wall time (on a shared, loaded machine:
 compare two checkouts by running them alternately and taking medians); ``--families-only``
 skips (b).
+``--bound`` times (c) only: ``Monitor.observe_bound()`` on inputs bound once with
+``bind_inputs`` (the caller writes each step's values into the monitor's own buffers) next to
+``observe()`` fed the same stream, in alternating blocks (same decisions asserted).
 ``--cold`` times the first ``observe()`` in a fresh process with an empty ``NUMBA_CACHE_DIR``
 (every kernel and the fused driver compiled) and again with that cache filled (wall and CPU
 seconds: on a loaded machine the CPU figure is the one to compare).
@@ -56,6 +59,69 @@ def make_stream(steps: int, layers: int, seed: int = 0) -> tuple[np.ndarray, np.
     fam = np.exp(rng.normal(0.0, 0.03, (steps, len(STATS) + 1, layers)))
     fam[:, 0] -= 1.0  # act_mean around 0
     return sc, fam
+
+
+def bench_bound(steps: int, layers: int, preset: str, cpu: bool = False) -> tuple[float, float]:
+    """Median-block µs/step of ``observe_bound`` (bound inputs) next to ``observe()`` with the
+    same stream (families as arrays), in alternating blocks; the bound loop includes the
+    caller's writes into the views (one NumPy copy for the scalar row, one for the families'
+    ``(5, layers)`` matrix, the ``val_loss`` presence flag), which are also timed alone."""
+    names = [f"L{i}" for i in range(layers)]
+    sc, fam = make_stream(steps, layers)
+    fams = (*STATS, "grad_norm")
+    ref, mon = Monitor(preset), Monitor(preset)
+    keys = [*SCALARS, "val_loss"]
+    inp = mon.bind_inputs(keys, families={f: names for f in fams})
+    assert inp.zero_copy
+    for f in fams:
+        ref.declare_family(f, names)
+    rows = np.concatenate([sc, sc[:, :1]], axis=1)  # + val_loss (= loss where logged)
+    inputs = []
+    for t in range(steps):
+        d = dict(zip(SCALARS, sc[t].tolist(), strict=True))
+        if t % 50 == 0:
+            d["val_loss"] = float(sc[t, 0])
+        inputs.append((d, {f: fam[t, k] for k, f in enumerate(fams)}))
+    vals, present, matrix = inp.values, inp.present, inp.family_matrix
+    assert matrix is not None  # the five families, one row each
+    iv = inp.index("val_loss")
+
+    def run_bound(lo: int, hi: int, observe: bool = True) -> None:
+        obs = mon.observe_bound
+        for t in range(lo, hi):
+            vals[:] = rows[t]
+            present[iv] = t % 50 == 0
+            matrix[:] = fam[t]
+            if observe:
+                obs(t)
+
+    def run_ref(lo: int, hi: int, _: bool = True) -> None:
+        obs = ref.observe
+        for t in range(lo, hi):
+            m, f = inputs[t]
+            obs(t, m, f)
+
+    warm = min(200, steps // 4)
+    run_bound(0, warm)
+    run_ref(0, warm)
+    block = 250
+    per: list[list[float]] = [[], [], []]
+    clock = time.process_time if cpu else time.perf_counter
+    for lo in range(warm, steps - block + 1, block):
+        for k, (fn, obs) in enumerate(((run_ref, True), (run_bound, True), (run_bound, False))):
+            t0 = clock()
+            fn(lo, lo + block, obs)
+            per[k].append(1e6 * (clock() - t0) / block)
+    assert mon.counters == ref.counters, (mon.counters, ref.counters)  # same decisions
+    med = [float(np.median(p)) for p in per]
+    best = [min(p) for p in per]
+    print(f"  observe():       median block {med[0]:7.2f} us/step, best {best[0]:7.2f}")
+    print(f"  observe_bound(): median block {med[1]:7.2f} us/step, best {best[1]:7.2f} "
+          f"(incl. the caller's writes into the views: {med[2]:.2f} median, "
+          f"{best[2]:.2f} best)")
+    print(f"  observe_bound() alone (bound minus writes): median {med[1] - med[2]:7.2f} "
+          f"us/step; {mon.counters['alarms']} alarms, same counters as observe()")
+    return med[1], med[0]
 
 
 def _best_us(fn: object, number: int = 200, repeat: int = 60) -> float:
@@ -235,7 +301,17 @@ def main() -> None:
                     help="also time the first observe() with an empty, then a warm Numba cache")
     ap.add_argument("--cpu", action="store_true", help="time blocks in process CPU time")
     ap.add_argument("--families-only", action="store_true", help="skip (b), separate keys")
+    ap.add_argument("--bound", action="store_true",
+                    help="only (c): observe_bound() with bound inputs next to observe()")
     a = ap.parse_args()
+    if a.bound:
+        print(f"Monitor.observe_bound() vs observe(), preset {a.preset!r}, {len(SCALARS)} "
+              f"scalars + val_loss + {a.layers} layers x ({len(STATS)} act stats + grad_norm), "
+              f"{a.steps} steps, {'CPU' if a.cpu else 'wall'} time")
+        b, o = bench_bound(a.steps, a.layers, a.preset, a.cpu)
+        print(f"(c) bound inputs: {b:.2f} us/step (median block, incl. writes; target <= 10; "
+              f"observe() {o:.2f})")
+        return
     print(f"Monitor.observe(), preset {a.preset!r}, {len(SCALARS)} scalars + {a.layers} layers x "
           f"({len(STATS)} act stats + grad_norm), {a.steps} steps, policy included")
     fa, pa = bench(a.steps, a.layers, keyed=False, preset=a.preset, parts=a.breakdown,

@@ -64,6 +64,7 @@ from .binding import Aliases
 from .checkpoints import CheckpointLedger
 from .config import ConfigSource, MonitorConfig, load_config
 from .goodput import GoodputTracker
+from .monitor_bound import BoundInputs, BoundMixin
 from .monitor_emit import EmitMixin, _decision
 from .monitor_fused import fused_step, reference_step
 from .monitor_layout import MAX_STEP, _Binding
@@ -73,7 +74,7 @@ from .policy import Policy
 from .policy_context import PolicyContext
 from .types import Alarm, Control, Decision, Intervention, Rollback
 
-__all__ = ["MAX_STEP", "STATE_VERSION", "Monitor"]
+__all__ = ["MAX_STEP", "STATE_VERSION", "BoundInputs", "Monitor"]
 
 logger = logging.getLogger("stability.monitor")
 
@@ -92,7 +93,7 @@ def _new_control(src: Control) -> Control:
     return c
 
 
-class Monitor(EmitMixin, ReplayMixin, StateMixin):
+class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
     """Online training monitor (see the module docstring for the input policy).
 
     Parameters
@@ -131,10 +132,11 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
 
     Notes
     -----
-    The class is assembled from three mixins: the slot layout
-    (:mod:`stability.monitor_layout`), batch replay (:mod:`stability.monitor_replay`) and
-    snapshots (:mod:`stability.monitor_state`); :meth:`observe` and :meth:`replay` end every
-    step with the same :meth:`_finish_step`.
+    The class is assembled from mixins: the slot layout (:mod:`stability.monitor_layout`),
+    bound inputs (:meth:`bind_inputs` / :meth:`observe_bound`, :mod:`stability.monitor_bound`),
+    batch replay (:mod:`stability.monitor_replay`) and snapshots
+    (:mod:`stability.monitor_state`); :meth:`observe`, :meth:`observe_bound` and :meth:`replay`
+    end every step with the same :meth:`_finish_step`.
     """
 
     def __init__(self, config: ConfigSource = None, *, event_log: Any = None,
@@ -246,9 +248,7 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
         else:
             s = self._check_step(step, skipped)  # type: ignore[assignment]
             if s is None:
-                self.counters["skipped_steps"] += 1
-                st = int(step) if isinstance(step, (int, np.integer)) else -1
-                return _decision(st, (), (), self._snapshot(), tuple(skipped))
+                return self._skipped_step(step, skipped)
         if metrics is not None:
             if type(metrics) is dict or isinstance(metrics, Mapping):
                 if metrics:
@@ -268,10 +268,7 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
         if fused:
             n_alarms = fused_step(*self._fused_args)
         else:
-            n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
-                                      self._tslots, self._tracked)
-            if self._fused_wait and not compiling():  # the background compiler is done:
-                self._dirty = True  # the next step builds the fused plan
+            n_alarms = self._plain_step()
         g, lr, loss, val, g_on, lr_on, loss_on, val_on = self._tracked.tolist()
         if lr_on and loss_on and self.policy.track_quiet(s, lr, loss, val if val_on else None):
             self._lr_prev, self._lr_now = self._lr_now, lr  # _track_values: nothing requested
@@ -284,6 +281,20 @@ class Monitor(EmitMixin, ReplayMixin, StateMixin):
         self.last_step = s
         return self._finish_step(s, self._live_rows() if n_alarms else None,
                                  g if g_on else None, tivs, tuple(skipped) if skipped else ())
+
+    def _skipped_step(self, step: Any, skipped: list[str]) -> Decision:
+        """The decision of a step that is not fed to the detectors (bad or repeated step)."""
+        self.counters["skipped_steps"] += 1
+        st = int(step) if isinstance(step, (int, np.integer)) else -1
+        return _decision(st, (), (), self._snapshot(), tuple(skipped))
+
+    def _plain_step(self) -> int:
+        """The step without the fused driver (:func:`reference_step`); the alarm count."""
+        n_alarms = reference_step(self._vals, self._present, self._gather, self._calls,
+                                  self._tslots, self._tracked)
+        if self._fused_wait and not compiling():  # the background compiler is done:
+            self._dirty = True  # the next step builds the fused plan
+        return n_alarms
 
     def _finish_step(self, s: int, rows: list[tuple[_Binding, Any, Any]] | None,
                      gnow: float | None, tivs: tuple[Intervention, ...],
