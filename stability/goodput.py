@@ -53,14 +53,16 @@ In time (a clock we move by hand; a 5 s checkpoint save between steps 2 and 3):
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from ._state_check import Fields
+from .goodput_history import BulkTail
 from .types import Control
 
 STATE_VERSION = 1
@@ -117,7 +119,8 @@ class GoodputTracker:
         self._debt = 0.0            # noted time not yet carved out of a step interval
         self._lock = threading.Lock()
         self._cum = 0.0             # productive-so-far step time (unskipped, not lost)
-        self._history: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
+        self._hist: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
+        self._bulk = BulkTail(HISTORY)  # bulk-counted steps not yet in ``_hist``
         self._cum_at_checkpoint = 0.0
         # the last rollback counted from a Control, until the trainer confirms or refuses it:
         # (step, to_step, lost steps, lost time, popped history, _cum_at_checkpoint before)
@@ -183,10 +186,22 @@ class GoodputTracker:
         if degraded:
             self.degraded_steps += n
             self.time_degraded += 0.0
+        self._last_dt = -1.0 if skipped else 0.0
         tail = steps[-HISTORY:]
-        ints = tail.tolist() if hasattr(tail, "tolist") else [int(s) for s in tail]
-        self.last_step = ints[-1]
-        self._history.extend(zip(ints, itertools.repeat(self._cum, len(ints)), strict=True))
+        if isinstance(tail, np.ndarray):  # copied: the caller's array may change
+            self.last_step = tail[-1].item()
+            self._bulk.add(tail.copy(), self._cum)
+        else:
+            ints = tail.tolist() if hasattr(tail, "tolist") else [int(s) for s in tail]
+            self.last_step = ints[-1]
+            self._bulk.add(ints, self._cum)
+
+    @property
+    def _history(self) -> collections.deque[tuple[int, float]]:
+        """``(step, cumulative productive time)`` of the last :data:`HISTORY` steps counted."""
+        if self._bulk.n:
+            self._bulk.drain(self._hist)
+        return self._hist
 
     def update_from_control(self, step: int, control: Control) -> None:
         """Count one step from the ``Control`` the trainer acted on.
@@ -446,7 +461,8 @@ class GoodputTracker:
         self._last_time = None
         self._cum, self._cum_at_checkpoint = cum, cum_at
         self._debt = 0.0
-        self._history.clear()
+        self._hist.clear()
+        self._bulk.clear()
         self._requested = None
         self._last_dt = -1.0
 

@@ -165,6 +165,9 @@ class RecoveryMixin(PolicyState):
         vrows = np.zeros(0, dtype=np.int64) if val is None else np.flatnonzero(val[1][:n])
         # a validation point sees the loss level before its own step's loss
         levels = self.loss.update_many(lv, quiet, probe=np.searchsorted(rows, vrows))
+        if vrows.size > 8:
+            _val_many(self.val, np.asarray(steps)[vrows], val[0][vrows], levels)
+            return n
         for i, level in zip(vrows.tolist(), levels.tolist(), strict=True):
             self.val.update(int(steps[i]), float(val[0][i]), level)
         return n
@@ -278,3 +281,21 @@ class RecoveryMixin(PolicyState):
         onset = step if self._onset is None else self._onset
         return ledger is None or ledger.latest_healthy_before(
             onset, self.config.checkpoint_margin) is None
+
+
+def _val_many(vt: Any, steps: np.ndarray, vals: np.ndarray, levels: np.ndarray) -> None:
+    """``vt.update(steps[i], vals[i], levels[i])`` for each point in order (a
+    :class:`~stability.loss_tracker.ValTracker`), in bulk: the same comparisons and product,
+    so the same state bit for bit."""
+    v = np.asarray(vals, dtype=np.float64)
+    fin = np.isfinite(v)
+    x = np.where(fin, v, np.inf)  # a non-finite point never becomes the best
+    best = np.minimum.accumulate(np.concatenate(([float(vt.best)], x)))  # best before point i
+    new = np.flatnonzero(x < best[:-1])
+    if new.size:
+        j = int(new[-1])
+        vt.best, vt.best_step, vt.train_at_best = float(v[j]), int(steps[j]), float(levels[j])
+    worse = ~fin | (x > best[1:] * (1.0 + vt.margin))
+    ok = np.flatnonzero(~worse)
+    vt.worse_points = (vt.worse_points + v.size if ok.size == 0
+                       else v.size - 1 - int(ok[-1]))
