@@ -62,6 +62,11 @@ from stability.binding import DEFAULT_ALIASES
 
 __all__ = ["default_aliases", "iter_batches", "list_sources", "read_run", "read_schema"]
 
+#: read-buffer bytes per column of a streamed read (:func:`_open` ``stream=True``): small,
+#: so that the buffers (one per column read) stay in the allocator's reused pages; a larger
+#: data page is read past the buffer
+STREAM_BUFFER = 1 << 17
+
 _PART = re.compile(r"part-(\d+)\.parquet$")
 _GLOB_CHARS = set("*?[")
 
@@ -173,7 +178,7 @@ def _open(src: _Source, stream: bool = False) -> pq.ParquetFile:
         # pages written with checksums (the recorder's) are verified: a flipped byte is an error
         if stream:
             return pq.ParquetFile(
-                f, pre_buffer=False, buffer_size=1 << 20, page_checksum_verification=True
+                f, pre_buffer=False, buffer_size=STREAM_BUFFER, page_checksum_verification=True
             )
         return pq.ParquetFile(f, page_checksum_verification=True)
     except (pa.ArrowException, OSError, ValueError) as exc:

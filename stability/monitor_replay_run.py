@@ -97,6 +97,24 @@ class ReplayBlocks:
         self.rows = 0
         self.banks: list[tuple[Any, GuardChunks | None, Block, bool, np.ndarray,
                                np.ndarray]] = []
+        self.tv = np.zeros((0, 0))
+        self.tp = np.zeros((0, 0), dtype=np.bool_)
+
+    def track_block(self, mon: ReplayMixin, chunk: int,
+                    tracked: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The ``(slots, chunk)`` values / present block of the tracked slots (LR, loss,
+        validation loss), kept across the tables of a stream (~9 MB on a wide run: made once,
+        not faulted in at every batch); the rows of the slots not in ``tracked`` read absent."""
+        k = max(mon._lr_slot, mon._loss_slot, mon._val_slot) + 1
+        tv, tp = self.tv, self.tp
+        if tv.shape[0] != k or tv.shape[1] < chunk:
+            self.tv = tv = np.zeros((k, chunk))
+            self.tp = tp = np.zeros((k, chunk), dtype=np.bool_)
+        else:
+            for s in (mon._lr_slot, mon._loss_slot, mon._val_slot):
+                if s and s not in tracked:
+                    tp[s] = False
+        return tv, tp
 
     def get(self, mon: ReplayMixin, chunk: int, rows: int) -> list[Any]:
         """The banks' blocks for chunks of ``chunk`` rows (made anew, of ``rows >= chunk``
@@ -156,9 +174,7 @@ class Replay:
                 need |= p
         self.need = need
         # the tracked slots as rows of a (slots, chunk) block: _track reads column r of it
-        k = max(mon._lr_slot, mon._loss_slot, mon._val_slot) + 1
-        self.tv = np.zeros((k, self.chunk))
-        self.tp = np.zeros((k, self.chunk), dtype=np.bool_)
+        self.tv, self.tp = blocks.track_block(mon, self.chunk, tracked)
 
     def run(self) -> Decisions:
         mon = self.mon
