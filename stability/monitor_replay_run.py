@@ -204,6 +204,9 @@ class Replay:
                 if al.any():  # a flat test; the rows only when some series alarmed
                     alarm[np.flatnonzero(al.reshape(-1)) // al.shape[1]] = True
             self._tail(lo, hi, alarm, outs)
+        for _, _, guard, *_ in banks:
+            if guard is not None:  # no reference to this table's columns once replayed:
+                guard.feeds = []   # the next batch is read into their pages
         return self.out.result()
 
     def _quiet_bulk(self, a: int, b: int) -> None:
