@@ -59,6 +59,7 @@ def same_state(a: Monitor, b: Monitor) -> None:
     assert json.dumps(a.state_dict()) == json.dumps(b.state_dict())
     assert a.counters == b.counters
     assert a.goodput.summary() == b.goodput.summary()
+    assert a.policy.val.state_dict() == b.policy.val.state_dict()
     assert (a._lr_now, a._lr_prev, list(a._grad_hist)) == (b._lr_now, b._lr_prev,
                                                           list(b._grad_hist))
 
@@ -286,3 +287,25 @@ def test_stream_can_be_turned_off(monkeypatch, tmp_path) -> None:  # type: ignor
     monkeypatch.setattr(rs, "ENABLED", False)
     assert rs.plan_replay(p, cfg) == (None, None)
     assert replay_run(p).alarms == replay_table(table, "default").alarms
+
+
+@pytest.mark.parametrize("cfg", [None, CFG])
+def test_stream_tracked_column_gone_in_the_next_batch(monkeypatch, cfg) -> None:  # type: ignore[no-untyped-def]
+    """The validation loss in every row of one batch, absent from the next, while an LR fault
+    sends every step of that batch through the per-step tail: the tracked-slot block kept
+    across the stream must not feed the previous batch's validation values."""
+    monkeypatch.setattr(mr, "CHUNK_VALUES", 64)
+    rng = np.random.default_rng(5)
+    n, half = 2048, 1024
+    t = np.arange(n)
+    loss = 2.0 + 0.01 * rng.standard_normal(n)
+    lr = np.where(t < half + 10, 1e-3, 1.0)  # an LR fault from step half + 10 on
+    val = np.where(t == 0, 1.0, 2.0 + rng.random(n))  # every point after the first: worse
+    a = pa.table({"step": t[:half], "loss": loss[:half], "lr": lr[:half], "val_loss": val[:half]})
+    b = pa.table({"step": t[half:], "loss": loss[half:], "lr": lr[half:]})
+    whole = pa.concat_tables([a, b], promote_options="default")
+    loop = three_ways(cfg, whole, [a, b])
+    assert any(d.interventions for d in loop[half:])
+    mon = monitor(cfg)
+    mon.replay(whole)
+    assert mon.policy.val.worse_points == half - 1
