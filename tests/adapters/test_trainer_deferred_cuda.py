@@ -212,4 +212,7 @@ def test_lightning_on_the_gpu_auto_is_deferred_with_a_fused_optimizer(tmp_path: 
     assert r["cb"].guard.sync_mode == ("deferred" if fused else "step")
     steady = [i for i in range(3, 40) if i not in (14, 29)]
     counts = r["per"]["on_before_optimizer_step"]
-    assert [counts[i] for i in steady] == [0 if fused else 1] * len(steady)
+    if fused:
+        assert [counts[i] for i in steady] == [0] * len(steady)
+    else:  # step mode: its host sync
+        assert min(counts[i] for i in steady) >= 1
