@@ -147,8 +147,10 @@ class SyncModes(DeferredGuard):
         (:func:`auto_sync`, agreed across ranks).  Called by the first ``step()`` / ``check()``."""
         if self.sync_mode != "auto":
             return self.sync_mode
-        params = getattr(self.collector, "params", [])
-        mode, why = auto_sync(params, self.optimizer)
+        try:
+            mode, why = auto_sync(getattr(self.collector, "params", []), self.optimizer)
+        except Exception as exc:  # an exotic optimizer: the safe path, never a crash
+            mode, why = "step", f"undecidable: {type(exc).__name__}: {exc}"
         agreed = agree(mode, self.sync)
         if agreed != mode:
             why += f"; another rank resolved {agreed!r}"

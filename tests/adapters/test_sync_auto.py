@@ -142,6 +142,16 @@ def test_auto_resolves_at_the_first_step(monkeypatch: pytest.MonkeyPatch) -> Non
     assert guard.sync_mode == "deferred" and guard.deferred.pending.step == 2
 
 
+def test_an_undecidable_optimizer_takes_the_step_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(params: Any, opt: Any) -> tuple[str, str]:
+        raise RuntimeError("param_groups unreadable")
+
+    guard, model = _setup(_Scripted(), "auto")
+    monkeypatch.setattr(sync_mode, "auto_sync", broken)
+    _train(guard, model, range(2))
+    assert guard.sync_mode == "step" and guard.monitor.seen == [0, 1]
+
+
 def test_auto_resolved_to_deferred_is_the_deferred_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     a = _run("deferred", n=30)
     monkeypatch.setattr(sync_mode, "auto_sync", lambda p, o: ("deferred", "test"))
