@@ -97,12 +97,14 @@ def auto_sync(params: Iterable[Any], optimizer: Any) -> tuple[str, str]:
 
 def agree(mode: str, control_sync: Any) -> str:
     """The mode every rank takes: deferred only if all ranks resolved deferred (one
-    ``all_reduce`` over the :class:`ControlSync`'s group; no reduction without one)."""
-    if control_sync is None or not getattr(control_sync, "active", False):
+    ``all_reduce`` over the :class:`ControlSync`'s group; none without an active one in an
+    initialised process group)."""
+    if control_sync is None or not getattr(control_sync, "active", False) or not (
+            dist.is_available() and dist.is_initialized()):
         return mode
     flag = torch.tensor([1.0 if mode == "deferred" else 0.0], dtype=torch.float64,
-                        device=control_sync.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_sync.group)
+                        device=getattr(control_sync, "device", None) or torch.device("cpu"))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=getattr(control_sync, "group", None))
     return "deferred" if float(flag.item()) > 0 else "step"
 
 
@@ -155,7 +157,7 @@ class SyncModes(DeferredGuard):
         if agreed != mode:
             why += f"; another rank resolved {agreed!r}"
         self.sync_mode = agreed
-        log.info("TorchGuard: sync='auto' resolved to %r (%s)", agreed, why)
+        log.info("stability: sync='auto' resolved to %r (%s)", agreed, why)
         if agreed == "deferred":
             self.deferred = DeferredSteps(self)
         carried, self._carried = self._carried, None
@@ -206,5 +208,5 @@ class SyncModes(DeferredGuard):
             return
         self._take_deferred(section)
         if recorded not in (None, "auto", self.sync_mode):
-            log.info("TorchGuard: a sync=%r snapshot resumed with sync=%r", recorded,
+            log.info("stability: a sync=%r snapshot resumed with sync=%r", recorded,
                      self.sync_mode)

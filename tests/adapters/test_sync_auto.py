@@ -116,7 +116,7 @@ def test_auto_is_the_default_and_resolves_to_step_on_the_cpu(
     assert guard.sync_mode == "step" and guard.sync_requested == "auto"
     assert guard.deferred is None and guard.state_dict()["sync"] == "step"
     said = [r.getMessage() for r in caplog.records if "resolved" in r.getMessage()]
-    assert said == ["TorchGuard: sync='auto' resolved to 'step' (parameters on cpu)"]
+    assert said == ["stability: sync='auto' resolved to 'step' (parameters on cpu)"]
     with pytest.raises(ValueError, match=r"must be one of \('auto', 'step', 'deferred'\)"):
         TorchGuard(model, opt, sync="Auto")
 
