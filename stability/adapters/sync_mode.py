@@ -112,6 +112,10 @@ class _Handover(DeferredSteps):
     """One step of the deferred machinery in a step-mode guard: it observes a restored pending
     step, then (at its end, after the update) its own signals, and hands back to step mode."""
 
+    def check(self, loss: Any, metrics: Mapping[str, Any] | None, signals: Any) -> Any:
+        # a step-mode caller's own signals (collect() + check(signals=...)) are measured again
+        return super().check(loss, metrics, None)
+
     def finish(self) -> None:
         try:
             super().finish()

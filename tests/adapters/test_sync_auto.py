@@ -195,6 +195,25 @@ def test_a_pending_step_restored_into_a_step_mode_guard_is_observed_once(into: s
     assert gb.flush() is None and "deferred" not in gb.state_dict()
 
 
+def test_the_handover_step_takes_a_step_mode_callers_signals() -> None:
+    ga, model = _setup(_Scripted(), "deferred")
+    _train(ga, model, range(4))
+    sd = json.loads(json.dumps(ga.state_dict()))
+    mon = _Scripted()
+    gb, m2 = _setup(mon, "step")
+    gb.load_state_dict(sd)
+    for i in (4, 5):  # the low-level step-mode loop: collect() + check(signals=...)
+        x, y = _batch(i)
+        loss = torch.nn.functional.cross_entropy(m2(x), y)
+        loss.backward()
+        gb.check(loss, signals=gb.collect(loss))
+        if gb.should_step:
+            gb.optimizer.step()
+        gb.optimizer.zero_grad(set_to_none=True)
+        gb.finish()
+    assert mon.seen == [3, 4, 5] and gb.deferred is None and gb.step_count == 6
+
+
 def test_a_late_stop_restored_into_a_step_mode_guard_is_carried_out() -> None:
     ga, model = _setup(_Scripted({5: Control(stop=True, stop_reason="late")}), "deferred")
     _train(ga, model, range(6))  # step 5 pending: its stop not seen yet
