@@ -21,10 +21,8 @@ GPU then idles until the optimizer step is launched.  ``sync="deferred"`` never 
 3. **A late ``skip_step``** (its step's update is applied) is not carried over to the next,
    healthy batch: the update was bounded on the device (below), the step is unhealthy (never a
    rollback target) and an escalating policy still rolls back.  Counted in
-   :attr:`DeferredSteps.late_skips`; the goodput ledger counts the step as skipped, as asked.
-   It arms the *skip gate* (:mod:`stability.adapters.deferred_gate`) for the next step: a run
-   of bad batches (a corrupt shard) -- the next one's loss still far above the healthy median
-   -- is skipped on the device from its second batch on, as ``sync="step"`` skips it.
+   :attr:`DeferredSteps.late_skips`; the goodput ledger counts it as skipped.  It arms the
+   *skip gate* (:mod:`.deferred_gate`): a run of bad batches is skipped from its second on.
 4. **Device-side safety** before every optimizer step, no sync: the gradients are clipped with
    a coefficient computed on the device (as ``clip_grad_norm_(foreach=True)``) at the tightest
    of the guard's ``clip_norm``, the last decision's and the *spike clip* --
