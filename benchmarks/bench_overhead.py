@@ -40,7 +40,7 @@ Printed per model:
   ``numpy``, ``float()``/``int()``/``bool()`` of a tensor), counted by a patch during the
   guard's part of a step (``optimizer.step()`` itself excluded: AdamW's own ``.item()`` calls
   are not the guard's).  ``--sync deferred`` times ``TorchGuard(sync="deferred")``, which
-  should show 0.
+  should show 0; the default ``--sync auto`` is the guard's default (on a CPU: step).
 
 Then the first ``observe()`` of a fresh process (import + ``Monitor("default")`` + first observe
 with the guard's families), once with an empty ``NUMBA_CACHE_DIR`` (``mktemp -d``) and once
@@ -406,9 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
     ap.add_argument("--models", default="mlp,gpt,big")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--sync", default="step",
-                    help="the guard's sync= mode, step or deferred (deferred: no host sync on the "
-                    "step path); with --ops a comma list")
+    ap.add_argument("--sync", default="auto",
+                    help="the guard's sync= mode: auto (the guard's default: deferred on CUDA "
+                    "with a fused optimizer, else step), step or deferred (deferred: no host "
+                    "sync on the step path); with --ops a comma list")
     ap.add_argument("--big-rows", type=int, default=4,
                     help="sequences of 32 tokens per step of the big model (default 4)")
     ap.add_argument("--exact", action="store_true",
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     GUARD_KW["sync"] = a.sync
     if a.ops:
         return _ops(a.models, a.sync, a.fused)
-    if a.sync != "step":
+    if a.sync != "auto":
         print(f"TorchGuard(sync={a.sync!r})")
     torch.set_num_threads(1)
     device = torch.device(a.device)

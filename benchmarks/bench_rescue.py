@@ -204,7 +204,7 @@ class Job:
     checkpoint_every: int = 25  # the guard's checkpoint cadence (monitored runs)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; fp16 with a GradScaler)
     device: str = "cpu"
-    sync: str = "step"  # the guard's sync mode (step | deferred)
+    sync: str = "auto"  # the guard's sync mode (auto | step | deferred)
 
     @property
     def cost(self) -> float:  # rough seconds, for scheduling the longest first
@@ -244,7 +244,7 @@ def run_job(job: Job) -> dict[str, Any]:
         r = train_run(job.model, job.steps, seed=job.seed, fault=fault, monitor=mon,
                       checkpoint_every=job.checkpoint_every, precision=job.precision,
                       device=job.device,
-                      guard_kwargs=None if job.sync == "step" else {"sync": job.sync})
+                      guard_kwargs={"sync": job.sync})
     except Exception as exc:  # a crashing monitor is a result, not the end of the benchmark
         row.update(error=f"{type(exc).__name__}: {exc}", final=math.nan, stopped=None,
                    rollbacks=0, steps_lost=0, steps_skipped=0, batches_skipped=0, acting=0,
@@ -612,8 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                     help="autocast precision of every run (fp16 with a GradScaler)")
     ap.add_argument("--device", default="cpu", help="torch device of every run, e.g. cuda")
-    ap.add_argument("--sync", default="step", choices=("step", "deferred"),
-                    help="the guard's sync mode in monitored runs")
+    ap.add_argument("--sync", default="auto", choices=("auto", "step", "deferred"),
+                    help="the guard's sync mode in monitored runs (auto, the guard's default: "
+                         "deferred on CUDA with a fused optimizer, else step -- tinytrain's "
+                         "optimizers are not fused, so step)")
     ap.add_argument("--checkpoint-every", type=int, default=25,
                     help="the guard's checkpoint cadence in steps (steps lost to a rollback "
                          "scale with it)")

@@ -21,10 +21,8 @@ GPU then idles until the optimizer step is launched.  ``sync="deferred"`` never 
 3. **A late ``skip_step``** (its step's update is applied) is not carried over to the next,
    healthy batch: the update was bounded on the device (below), the step is unhealthy (never a
    rollback target) and an escalating policy still rolls back.  Counted in
-   :attr:`DeferredSteps.late_skips`; the goodput ledger counts the step as skipped, as asked.
-   It arms the *skip gate* (:mod:`stability.adapters.deferred_gate`) for the next step: a run
-   of bad batches (a corrupt shard) -- the next one's loss still far above the healthy median
-   -- is skipped on the device from its second batch on, as ``sync="step"`` skips it.
+   :attr:`DeferredSteps.late_skips`; the goodput ledger counts it as skipped.  It arms the
+   *skip gate* (:mod:`.deferred_gate`): a run of bad batches is skipped from its second on.
 4. **Device-side safety** before every optimizer step, no sync: the gradients are clipped with
    a coefficient computed on the device (as ``clip_grad_norm_(foreach=True)``) at the tightest
    of the guard's ``clip_norm``, the last decision's and the *spike clip* --
@@ -67,11 +65,11 @@ from .guard_checkpoints import GuardCheckpoints
 from .interventions import TrainingStopped, drop_gradients
 from .signals import SignalLayout, Signals
 
-__all__ = ["SYNC_MODES", "DeferredGuard", "DeferredSteps"]
+__all__ = ["SYNC_MODES", "DeferredGuard", "DeferredSteps", "device_skips"]
 
 log = logging.getLogger("stability.adapters")
 
-#: The guard's ``sync=`` modes.
+#: The guard's two step paths (``sync="auto"`` resolves to one: :mod:`.sync_mode`).
 SYNC_MODES = ("step", "deferred")
 #: Spike clip: gradients are clipped on the device at this many times the median global
 #: gradient norm of the last :data:`SPIKE_WINDOW` healthy observed steps (once
@@ -319,7 +317,7 @@ class DeferredSteps:
         grads = [p.grad for p in g.collector.params if p.grad is not None]
         if not grads:
             return
-        fused = g.scaler is None and getattr(g.optimizer, "_step_supports_amp_scaling", False)
+        fused = g.scaler is None and device_skips(g.optimizer)
         fire = self.gate.arm(g.step_count, g.control.skip_step, vec, layout.names, layout.host,
                              g.sync)
         with torch.no_grad():
@@ -402,6 +400,12 @@ def _parse_state(sd: Mapping[str, Any] | None) -> tuple[
             norms[-SPIKE_WINDOW:], parse_gate(f.sub("gate", {})))
 
 
+def device_skips(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` skips an update on the device: fused Adam / AdamW / SGD /
+    Adagrad (``_step_supports_amp_scaling``) read ``optimizer.found_inf`` in their kernel."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
     out: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
@@ -422,7 +426,8 @@ def _tightest(a: float | None, b: float | None) -> float | None:
 class DeferredGuard(GuardCheckpoints):
     """How a step of :class:`~stability.adapters.torch.TorchGuard` ends once its decision is
     known (after the step with ``sync="step"``, one step later with ``sync="deferred"``), and
-    the deferred mode's flush and state.  The attributes are set by ``TorchGuard.__init__``."""
+    the deferred mode's flush (its state: :class:`~stability.adapters.sync_mode.SyncModes`).
+    The attributes are set by ``TorchGuard.__init__``."""
 
     deferred: DeferredSteps | None
     control: Control
@@ -457,27 +462,6 @@ class DeferredGuard(GuardCheckpoints):
         return super().save_checkpoint(healthy, reason, step, register)
 
     save_checkpoint.__doc__ = GuardCheckpoints.save_checkpoint.__doc__
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-compatible guard state (monitor included) with a ``"version"`` key; with
-        ``sync="deferred"`` also the pending step's signals (observed after a restore)."""
-        sd = super().state_dict()
-        if self.deferred is not None:
-            sd["deferred"] = self.deferred.state_dict()
-        return sd
-
-    def load_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Restore :meth:`state_dict` output (see ``GuardCheckpoints.load_state_dict``)."""
-        sd = dict(sd)
-        pending = sd.pop("deferred", None)
-        if self.deferred is not None:
-            _parse_state(pending)  # checked before anything changes
-        elif pending is not None and pending.get("pending") is not None:
-            log.warning("the snapshot of a sync='deferred' guard has a pending step; this "
-                        "sync='step' guard does not observe it")
-        super().load_state_dict(sd, strict=strict)
-        if self.deferred is not None:
-            self.deferred.load_state_dict(pending)
 
     # ------------------------------------------------------------------ end of a step
     def _end_run(self, step: int, control: Control, raise_stop: bool) -> bool:

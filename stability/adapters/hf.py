@@ -53,6 +53,7 @@ How it hooks in (transformers 4.4x / 5.x):
   non-finite skip) with the trainer specifics of :mod:`stability.adapters.trainer_deferred`
   (a save step observes its step first; ``state.global_step == guard.step_count +
   guard.steps_lost + guard.voided_steps``; ``train()`` ends by observing the last step).
+  The default, ``sync="auto"``, takes it on CUDA with a fused optimizer.
 * The loss of each micro-batch is captured by a forward hook on the model (``outputs.loss``) and
   averaged over gradient accumulation; ``metrics["eval_loss"]`` from ``on_evaluate`` joins the
   next step's signals. A skipped step drops the gradients (the optimizer changes nothing; the
@@ -159,10 +160,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         Also keep an in-memory copy every this many healthy steps (0 = never).
     memory_limit_mb : float
         Budget for in-memory copies; a copy that does not fit is refused (logged).
-    sync : {"step", "deferred"}
-        ``"step"`` (default): one host sync per step in ``on_pre_optimizer_step``, decisions act
-        on their own step.  ``"deferred"``: no host sync on the step path (save steps aside),
-        decisions act one step late (:mod:`stability.adapters.trainer_deferred`).
+    sync : {"auto", "step", "deferred"}
+        ``"step"``: one host sync per step in ``on_pre_optimizer_step``, decisions act on their
+        own step.  ``"deferred"``: no host sync on the step path (save steps aside), decisions
+        act one step late (:mod:`stability.adapters.trainer_deferred`).  ``"auto"`` (default):
+        deferred on CUDA with a fused optimizer (``optim="adamw_torch_fused"``), else step,
+        resolved at ``on_train_begin`` (``guard.sync_mode``; :mod:`stability.adapters.sync_mode`).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ``recorder``, ...).
@@ -190,7 +193,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def __init__(self, monitor: Any = None, *, take_over_clipping: bool = True,
                  checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
                  memory_limit_mb: float = 256.0, restored_by_trainer: bool = False,
-                 sync: str = "step", **guard_kwargs: Any) -> None:
+                 sync: str = "auto", **guard_kwargs: Any) -> None:
         if restored_by_trainer and getattr(self, "_initialised", False):
             return  # the live instance handed back by __new__
         if checkpoint_every < 0 or memory_checkpoint_every < 0:

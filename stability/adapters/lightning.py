@@ -44,7 +44,8 @@ Sync-free steps: ``StabilityCallback(monitor, sync="deferred")`` takes no host s
 deferred`: decisions act one step late, device-side clip and non-finite skip) with the trainer
 specifics of :mod:`stability.adapters.trainer_deferred` (a checkpoint step observes its step
 first; ``trainer.global_step == guard.step_count + guard.steps_lost + guard.voided_steps``;
-``fit`` ends by observing the last step).
+``fit`` ends by observing the last step).  The default, ``sync="auto"``, takes it on CUDA with a
+fused optimizer (:mod:`stability.adapters.sync_mode`).
 
 Steps after a rollback: ``trainer.global_step`` counts optimizer iterations (Lightning's budget:
 ``max_steps``, logging and checkpoint cadence) and never goes back; the guard's step (the monitor's
@@ -128,10 +129,11 @@ class StabilityCallback(pl.Callback):
         on the steps Lightning logs; ``"all"`` also sends the others (detector scores,
         interventions by type, goodput counters) straight to ``trainer.loggers`` (Lightning's
         ``log_dict`` costs O(keys^2) per call).
-    sync : {"step", "deferred"}
-        ``"step"`` (default): one host sync per step in ``on_before_optimizer_step``.
-        ``"deferred"``: none on the step path (save steps aside), decisions act one step late
-        (:mod:`stability.adapters.trainer_deferred`).
+    sync : {"auto", "step", "deferred"}
+        ``"step"``: one host sync per step in ``on_before_optimizer_step``.  ``"deferred"``: none
+        on the step path (save steps aside), decisions act one step late
+        (:mod:`stability.adapters.trainer_deferred`).  ``"auto"`` (default): deferred on CUDA
+        with a fused optimizer, else step, resolved at ``on_train_start`` (``guard.sync_mode``).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ...).
@@ -149,7 +151,7 @@ class StabilityCallback(pl.Callback):
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int = 100, keep_checkpoints: int = 2,
                  in_memory: bool = False, memory_limit_mb: float = 256.0,
-                 log_metrics: bool | str = "all", sync: str = "step",
+                 log_metrics: bool | str = "all", sync: str = "auto",
                  **guard_kwargs: Any) -> None:
         super().__init__()
         if checkpoint_every < 0:

@@ -38,7 +38,9 @@ Deferred decisions (``sync="deferred"``, see :mod:`stability.adapters.deferred`)
 on the step path; step ``t``'s signals are copied to the host in the background and observed
 during step ``t + 1``, whose update the decision already governs (one step late), with the device
 clipping the gradients and keeping non-finite ones from the weights.  Call :meth:`flush` at the
-end of training (:meth:`detach` does) so the last step's signals are observed.
+end of training (:meth:`detach` does) so the last step's signals are observed.  The default,
+``sync="auto"``, takes the deferred path on CUDA with a fused optimizer and the step path (one
+host sync per step) elsewhere (:mod:`stability.adapters.sync_mode`).
 
 Steps: the monitor step is the guard's optimizer-step counter. A rollback to the checkpoint of
 step ``s`` sets it back to ``s + 1`` together with the model, optimizer, scheduler and data
@@ -65,7 +67,7 @@ from ..preemption import install_sigterm_checkpoint
 from ..types import Control, Decision
 from ..watchdog import StallWatchdog
 from .amp import AMP_OVERFLOW, LOSS_SCALE, ensure_unscaled, scaler_enabled
-from .deferred import SYNC_MODES, DeferredGuard, DeferredSteps, _tightest
+from .deferred import _tightest
 from .distributed import ControlSync
 from .guard_checkpoints import find_ledger
 from .guard_feedback import GuardFeedback
@@ -77,13 +79,14 @@ from .interventions import (
     drop_gradients,
 )
 from .signals import SignalCollector, Signals
+from .sync_mode import SyncModes
 
 __all__ = ["TorchGuard", "TrainingStopped", "attach", "find_ledger"]
 
 log = logging.getLogger("stability.adapters")
 
 
-class TorchGuard(DeferredGuard, GuardFeedback):
+class TorchGuard(SyncModes, GuardFeedback):
     """Signals in, decisions out, interventions carried out on real objects.
 
     Parameters
@@ -138,10 +141,12 @@ class TorchGuard(DeferredGuard, GuardFeedback):
         Preemption: on SIGTERM, checkpoint at the end of the current step (never mid-update),
         then hand the signal to the previous handler (default: the process exits).  Main
         thread only (see :mod:`stability.preemption`).
-    sync : {"step", "deferred"}
-        ``"step"`` (default): one host sync per step, the decision acts on the step it was
-        made for.  ``"deferred"``: no host sync on the step path, decisions act one step late,
-        device-side clipping and non-finite protection (:mod:`stability.adapters.deferred`).
+    sync : {"auto", "step", "deferred"}
+        ``"step"``: one host sync per step, the decision acts on the step it was made for.
+        ``"deferred"``: no host sync on the step path, decisions act one step late, device-side
+        clipping and non-finite protection (:mod:`stability.adapters.deferred`).  ``"auto"``
+        (default): ``"deferred"`` on CUDA with a fused optimizer, else ``"step"``, resolved at
+        the first step (:mod:`stability.adapters.sync_mode`; :attr:`sync_mode` tells which).
     """
 
     def __init__(
@@ -170,12 +175,10 @@ class TorchGuard(DeferredGuard, GuardFeedback):
         update_ratio: str = "sampled",
         watchdog: bool | StallWatchdog | None = None,
         cadence: CadenceAdvisor | None = None,
-        sync: str = "step",
+        sync: str = "auto",
         param_norm_every: int = 2,
     ) -> None:
-        if sync not in SYNC_MODES:
-            raise ValueError(f"The 'sync' parameter of TorchGuard must be one of {SYNC_MODES}. "
-                             f"Got {sync!r} instead.")
+        self._init_sync(sync)
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
                              f"the range [0, inf). Got {checkpoint_every} instead.")
@@ -243,8 +246,6 @@ class TorchGuard(DeferredGuard, GuardFeedback):
             else StallWatchdog.for_monitor(self.monitor) if watchdog else None)
         self.cadence = cadence
         self._cadence_clock = self._last_save_t = time.monotonic()
-        self.sync_mode = sync
-        self.deferred = DeferredSteps(self) if sync == "deferred" else None
 
     # ------------------------------------------------------------------ data
     def batches(self, n_batches: int, max_iterations: int | None = None) -> Iterator[int]:
@@ -288,6 +289,8 @@ class TorchGuard(DeferredGuard, GuardFeedback):
         observed during this call, the previous step's, or ``Decision(-1)`` when none was);
         raises :class:`TrainingStopped` when the monitor stops the run.
         """
+        if self.sync_mode == "auto":
+            self.resolve_sync()
         if self.deferred is not None:
             return self.deferred.step(loss, metrics)
         decision = self.check(loss, metrics)
@@ -360,6 +363,8 @@ class TorchGuard(DeferredGuard, GuardFeedback):
 
         Call after ``backward()`` and before ``optimizer.step()``; read :attr:`should_step`.
         """
+        if self.sync_mode == "auto":
+            self.resolve_sync()
         if self.deferred is not None:
             return self.deferred.check(loss, metrics, signals)
         step = self.step_count

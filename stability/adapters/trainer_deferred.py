@@ -1,9 +1,12 @@
 """``sync="deferred"`` in the trainer callbacks (HF Transformers, Lightning).
 
-The callbacks drive a :class:`TrainerGuard` -- a :class:`~stability.adapters.torch.TorchGuard`
-whose ``sync="deferred"`` machinery (:mod:`stability.adapters.deferred`) runs unchanged: the
-callback calls ``check`` in the trainer's pre-optimizer hook and ``finish`` at the end of the
-step, the trainer steps the optimizer and the scheduler itself.  What the trainers add:
+Both callbacks take ``sync="auto"`` by default (:mod:`stability.adapters.sync_mode`: deferred
+on CUDA with a fused optimizer, else step), resolved when the callback builds its guard at the
+start of training.  The callbacks drive a :class:`TrainerGuard` -- a
+:class:`~stability.adapters.torch.TorchGuard` whose ``sync="deferred"`` machinery
+(:mod:`stability.adapters.deferred`) runs unchanged: the callback calls ``check`` in the
+trainer's pre-optimizer hook and ``finish`` at the end of the step, the trainer steps the
+optimizer and the scheduler itself.  What the trainers add:
 
 * **Saves.** A trainer checkpoint is registered with the health of the step it covers, and its
   state carries the monitor's; with ``sync="deferred"`` that step is not observed yet when the
@@ -29,22 +32,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..types import Decision
-from .deferred import SYNC_MODES
 from .signals import Signals
+from .sync_mode import check_sync
 from .torch import TorchGuard
 from .trainer_support import finish_deferring_emergency
 
 __all__ = ["TrainerGuard", "check_sync", "finish_step", "observe_before_save",
            "pending_grad_norm"]
-
-
-def check_sync(owner: str, sync: str) -> str:
-    """``sync`` if it is one of :data:`~stability.adapters.deferred.SYNC_MODES`, else a
-    ``ValueError`` naming ``owner``."""
-    if sync not in SYNC_MODES:
-        raise ValueError(f"The 'sync' parameter of {owner} must be one of {SYNC_MODES}. "
-                         f"Got {sync!r} instead.")
-    return sync
 
 
 class TrainerGuard(TorchGuard):
@@ -62,6 +56,12 @@ class TrainerGuard(TorchGuard):
 
     emergency: str | None = None
     voided_steps: int = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the callbacks build their guard once the optimizer exists and the model is placed:
+        # sync="auto" is resolved now, before the first hook asks which path to take
+        self.resolve_sync()
 
     def _decide(self, step: int, sig: Signals) -> Decision:
         decision = super()._decide(step, sig)

@@ -68,7 +68,7 @@ def test_a_nan_gradient_is_skipped_and_checkpoints_round_trip_on_disk(tmp_path) 
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 1)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = TorchGuard(model, opt, monitor=Monitor("small", alert_sinks=[]),
+    guard = TorchGuard(model, opt, monitor=Monitor("small", alert_sinks=[]), sync="step",
                        checkpoint_dir=tmp_path, checkpoint_every=5, log_interventions=False)
     x = torch.randn(64, 16, device=dev)
     y = torch.randn(64, 1, device=dev)
@@ -91,7 +91,7 @@ def test_a_nan_gradient_is_skipped_and_checkpoints_round_trip_on_disk(tmp_path) 
     model2 = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                  torch.nn.Linear(32, 1)).to(dev)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
-    guard2 = TorchGuard(model2, opt2, monitor=Monitor("small", alert_sinks=[]),
+    guard2 = TorchGuard(model2, opt2, monitor=Monitor("small", alert_sinks=[]), sync="step",
                         checkpoint_dir=tmp_path, checkpoint_every=5, log_interventions=False)
     guard2.load_state_dict(state)  # resume in a "new process": the ledger reads the disk
     assert guard2.step_count == guard.step_count
@@ -107,9 +107,29 @@ def test_the_guard_adds_at_most_one_host_sync_per_step() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
                                 torch.nn.Linear(64, 64)).to("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = TorchGuard(model, opt, monitor=Monitor("default", alert_sinks=[]),
+    guard = TorchGuard(model, opt, monitor=Monitor("default", alert_sinks=[]), sync="step",
                        log_interventions=False, checkpoint_every=0)
     assert max(_syncs_in_guard_steps(guard, model)) <= 1
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_auto_is_deferred_on_the_gpu_with_a_fused_optimizer(fused: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    guard = TorchGuard(model, opt, monitor=Monitor("default", alert_sinks=[]),
+                       log_interventions=False, checkpoint_every=0)
+    model.to("cuda")  # moved after the guard was built: resolved at the first step
+    assert guard.sync_mode == "auto"
+    syncs = _syncs_in_guard_steps(guard, model)
+    assert guard.sync_mode == ("deferred" if fused else "step")
+    assert guard.state_dict()["sync"] == guard.sync_mode
+    if fused:
+        assert max(syncs) == 0 and guard.deferred is not None
+    else:
+        assert guard.deferred is None and min(syncs) >= 1 and max(syncs) <= 1
+    guard.flush()
 
 
 def _syncs_in_guard_steps(guard: TorchGuard, model, opt_steps: int = 8) -> list[int]:

@@ -160,4 +160,5 @@ def test_guard_metrics_and_log_line(caplog: pytest.LogCaptureFixture) -> None:
     assert fm["stability/interventions/reduce_lr"] == 1.0
     assert fm["stability/interventions/acting"] == 1.0
     lines = [r.getMessage() for r in caplog.records if r.name == "stability.adapters"]
-    assert lines == ["stability: step 2: reducing the LR factor to 0.25 for 100 steps (why)"]
+    assert lines == ["stability: sync='auto' resolved to 'step' (parameters on cpu)",  # once
+                     "stability: step 2: reducing the LR factor to 0.25 for 100 steps (why)"]

@@ -122,7 +122,7 @@ class _Syncs:
                 setattr(torch.Tensor, n, fn)
 
 
-@pytest.mark.parametrize("sync,expected", [("step", 1), ("deferred", 0)])
+@pytest.mark.parametrize("sync,expected", [("step", 1), ("deferred", 0), ("auto", 1)])
 def test_host_syncs_between_backward_and_optimizer_step(sync: str, expected: int) -> None:
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -148,6 +148,7 @@ def test_host_syncs_between_backward_and_optimizer_step(sync: str, expected: int
             per_step.append(c.calls)
     steady = slice(2, None)  # (the first steps allocate the reused host buffers)
     assert per_check[steady] == [expected] * 10
+    assert guard.sync_mode == ("deferred" if sync == "deferred" else "step")  # auto: CPU
     if sync == "deferred":  # fused AdamW: nothing in the whole step reads the device
         assert per_step[steady] == [0] * 10
 
@@ -393,7 +394,7 @@ def test_sync_argument_is_checked() -> None:
 
     guard = stability.torch.attach(m, opt, sync="deferred")
     assert guard.sync_mode == "deferred" and guard.deferred is not None
-    assert TorchGuard(m, opt).deferred is None  # sync="step" is the default
+    assert TorchGuard(m, opt).sync_mode == "auto"  # the default: resolved at the first step
     m(torch.ones(1, 2)).sum().backward()
     with pytest.raises(ValueError, match="deferred"):
         guard.check(None, signals=guard.collect(None))

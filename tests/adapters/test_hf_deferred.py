@@ -140,10 +140,17 @@ def test_healthy_run_is_the_step_mode_run(tmp_path: Any, precision: str) -> None
         assert lb == la and la.count("nan") == ga.amp_overflows < len(la)  # nan: overflow
 
 
-def test_sync_argument_is_checked() -> None:
-    with pytest.raises(ValueError, match="'sync' parameter of StabilityTrainerCallback"):
+def test_sync_argument_is_checked(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match=r"'sync' parameter of StabilityTrainerCallback must be "
+                                         r"one of \('auto', 'step', 'deferred'\)"):
         StabilityTrainerCallback(Monitor("small"), sync="later")
-    assert StabilityTrainerCallback(Monitor("small")).sync == "step"
+    mon = _Scripted({})
+    cb = StabilityTrainerCallback(mon)
+    assert cb.sync == "auto"  # the default, resolved when the guard is built
+    _trainer(tmp_path, cb, steps=3, optim="adamw_torch_fused").train()
+    g = cb.guard
+    assert g.sync_requested == "auto" and g.sync_mode == "step" and g.deferred is None  # CPU
+    assert mon.seen == [0, 1, 2]  # step mode: every step observed during itself
 
 
 def test_lr_blowup_is_divided_out_from_its_first_step(tmp_path: Any) -> None:

@@ -134,10 +134,16 @@ def test_healthy_run_is_the_step_mode_run(tmp_path: Any, precision: str) -> None
         assert gb.scaler is not None
 
 
-def test_sync_argument_is_checked() -> None:
-    with pytest.raises(ValueError, match="'sync' parameter of StabilityCallback"):
+def test_sync_argument_is_checked(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match=r"'sync' parameter of StabilityCallback must be one of "
+                                         r"\('auto', 'step', 'deferred'\)"):
         StabilityCallback(Monitor("small"), sync="async")
-    assert StabilityCallback(Monitor("small")).sync == "step"
+    cb = StabilityCallback(_Scripted({}), checkpoint_every=0)
+    assert cb.sync == "auto"  # the default, resolved when the guard is built
+    _trainer(tmp_path, [cb], steps=3).fit(Tiny(fused=True), _loader())
+    g = cb.guard
+    assert g.sync_requested == "auto" and g.sync_mode == "step" and g.deferred is None  # CPU
+    assert g.monitor.seen == [0, 1, 2]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
@@ -180,13 +186,14 @@ def test_late_emergency_checkpoint(tmp_path: Any) -> None:
     assert not cb.store.entries[4].healthy and cb.store.entries[4].reason == "emergency: scripted"
 
 
-def test_resume_with_a_pending_step(tmp_path: Any) -> None:
+@pytest.mark.parametrize("resume_sync", ["deferred", "step"])
+def test_resume_with_a_pending_step(tmp_path: Any, resume_sync: str) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    def run(root: Any, steps: int, ckpt: str | None = None) -> Any:
+    def run(root: Any, steps: int, ckpt: str | None = None, sync: str = "deferred") -> Any:
         mon = Monitor("small")
         seen = _watch(mon)
-        cb = StabilityCallback(mon, checkpoint_every=10, sync="deferred")
+        cb = StabilityCallback(mon, checkpoint_every=10, sync=sync)
         saver = ModelCheckpoint(dirpath=str(root), every_n_train_steps=32, save_top_k=-1,
                                 filename="{step}")
         tr = _trainer(root, [cb, saver], steps=steps, enable_checkpointing=True)
@@ -198,10 +205,15 @@ def test_resume_with_a_pending_step(tmp_path: Any) -> None:
     saved = torch.load(ck, weights_only=False)["callbacks"][ref.state_key]["guard"]
     assert saved["step"] == 32 and saved["deferred"]["pending"]["step"] == 31
     assert saved["monitor"]["last_step"] == 30  # step 31 travels unobserved
-    cb, seen, tr = run(tmp_path / "b", 64, str(ck))
-    assert [s for s, _, _ in seen] == list(range(31, 64))  # the pending step first
+    cb, seen, tr = run(tmp_path / "b", 64, str(ck), resume_sync)
+    assert [s for s, _, _ in seen] == list(range(31, 64))  # the pending step first, once
     assert seen[0] == seen_ref[31]
+    assert cb.guard.sync_mode == resume_sync
     events = [(i.step, i.type, i.reason) for i in cb.guard.interventions]
+    if resume_sync == "step":  # the first step ran the deferred way, then step mode
+        assert cb.guard.deferred is None and (50, "skip_step") in [e[:2] for e in events]
+        assert tr.global_step == 64 and cb.guard.step_count == ref.guard.step_count
+        return
     assert events and events == [(i.step, i.type, i.reason) for i in ref.guard.interventions
                                   if i.step >= 31]
     assert tr.global_step == 64 and cb.guard.step_count == ref.guard.step_count

@@ -139,6 +139,14 @@ def test_hf_on_the_gpu_nan_gradient_never_reaches_the_weights(tmp_path: Any) -> 
     assert any(s == 25 for s, _ in r["events"]) and r["tr"].state.global_step == 40
 
 
+def test_hf_on_the_gpu_auto_is_deferred_with_the_fused_optimizer(tmp_path: Any) -> None:
+    r = _hf(tmp_path, "auto", "bf16", count=True)  # optim="adamw_torch_fused"
+    assert r["cb"].sync == "auto" and r["cb"].guard.sync_mode == "deferred"
+    steady = [i for i in range(3, 40) if i not in (14, 29, 39)]
+    for hook, counts in r["per"].items():
+        assert [counts[i] for i in steady] == [0] * len(steady), hook
+
+
 # ---------------------------------------------------------------------- Lightning
 L = pytest.importorskip("lightning")
 
@@ -195,3 +203,16 @@ def test_lightning_on_the_gpu_deferred_is_step_mode_without_syncs(tmp_path: Any,
             assert counts[3:] == [0] * len(counts[3:])
         else:
             assert [counts[i] for i in steady] == [0] * len(steady), hook
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_lightning_on_the_gpu_auto_is_deferred_with_a_fused_optimizer(tmp_path: Any,
+                                                                      fused: bool) -> None:
+    r = _lightning(tmp_path, "auto", "bf16", fused)
+    assert r["cb"].guard.sync_mode == ("deferred" if fused else "step")
+    steady = [i for i in range(3, 40) if i not in (14, 29)]
+    counts = r["per"]["on_before_optimizer_step"]
+    if fused:
+        assert [counts[i] for i in steady] == [0] * len(steady)
+    else:  # step mode: its host sync
+        assert min(counts[i] for i in steady) >= 1
