@@ -96,13 +96,34 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[n
     fs = np.empty(k)
     for t in range(X.shape[0]):
         for i in range(n):
+            # one pass over the features: present, finite, transformed and (past its warm-up)
+            # scored; a non-finite present feature ends it (the layer scores inf)
             present = 0
             bad = False
+            acc = 0.0
+            m = 0
             for j in range(k):
-                if not miss[t, j, i]:
-                    present += 1
-                    if not np.isfinite(X[t, j, i]):
-                        bad = True
+                if miss[t, j, i]:
+                    continue
+                present += 1
+                x = X[t, j, i]
+                if not np.isfinite(x):
+                    bad = True
+                    break
+                y = math.log(max(x, LOG_FLOOR)) if logs[j] else x
+                ys[j] = y
+                count = state[3 * j + _COUNT, i]
+                if count == 0.0 or count < warmup:
+                    continue
+                loc = state[3 * j + _LOC, i]
+                f = _floored_scale(loc, state[3 * j + _SCALE, i], logs[j], min_scale)
+                fs[j] = f
+                z = abs(y - loc) / f
+                if use_max:
+                    acc = max(acc, z)
+                else:
+                    acc += z * z
+                m += 1
             if present == 0:
                 scores[t, i] = np.nan
                 alarms[t, i] = False
@@ -111,27 +132,6 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[n
                 scores[t, i] = np.inf
                 alarms[t, i] = True
                 continue
-            for j in range(k):
-                if not miss[t, j, i]:
-                    x = X[t, j, i]
-                    ys[j] = math.log(max(x, LOG_FLOOR)) if logs[j] else x
-            acc = 0.0
-            m = 0
-            for j in range(k):
-                if miss[t, j, i]:
-                    continue
-                count = state[3 * j + _COUNT, i]
-                if count == 0.0 or count < warmup:
-                    continue
-                loc = state[3 * j + _LOC, i]
-                f = _floored_scale(loc, state[3 * j + _SCALE, i], logs[j], min_scale)
-                fs[j] = f
-                z = abs(ys[j] - loc) / f
-                if use_max:
-                    acc = max(acc, z)
-                else:
-                    acc += z * z
-                m += 1
             if m == 0:
                 score = 0.0
             elif use_max:
@@ -165,6 +165,107 @@ def _shift_layers(X, miss, state, params, scores, alarms, ys):  # type: ignore[n
                 state[3 * j + _COUNT, i] = count + 1.0
 
 
+#: steps per block of the series-major loop (a block's inputs stay in cache)
+SERIES_BLOCK = 256
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _learn(y, loc, scale, count, f, warmup, alpha, debias_until, clip, do_clip):  # type: ignore[no-untyped-def]
+    """One feature's update (``f``: its floored scale on this step where it was scored)."""
+    if count == 0.0:
+        return y, 0.0, 1.0
+    r = y - loc
+    if count >= warmup and do_clip:
+        lim = clip * f
+        r = min(max(r, -lim), lim)
+    a = alpha if count >= debias_until else max(alpha, 1.0 / (count + 1.0))
+    return loc + a * r, (1.0 - a) * scale + a * abs(r), count + 1.0
+
+
+@njit(cache=True, error_model="numpy")
+def _shift_series3(X, miss, state, params, scores, alarms):  # type: ignore[no-untyped-def]
+    """:func:`_shift_layers` for three features, series by series in blocks of
+    :data:`SERIES_BLOCK` steps with each layer's statistics in registers."""
+    threshold = params[_P_SHIFT.threshold]
+    freeze = params[_P_SHIFT.freeze_on_alarm] != 0.0
+    alpha = params[_P_SHIFT.alpha]
+    warmup = params[_P_SHIFT.warmup]
+    min_scale = params[_P_SHIFT.min_scale]
+    clip = params[_P_SHIFT.clip]
+    use_max = params[_P_SHIFT.aggregate] != 0.0
+    do_clip = clip < np.inf
+    debias_until = 2.0 / alpha + 2.0
+    g0 = params[_AS_LOG0] != 0.0
+    g1 = params[_AS_LOG0 + 1] != 0.0
+    g2 = params[_AS_LOG0 + 2] != 0.0
+    n_steps = X.shape[0]
+    for t0 in range(0, n_steps, SERIES_BLOCK):
+        t1 = min(t0 + SERIES_BLOCK, n_steps)
+        for i in range(X.shape[2]):
+            l0, s0, c0 = state[_LOC, i], state[_SCALE, i], state[_COUNT, i]
+            l1, s1, c1 = state[3 + _LOC, i], state[3 + _SCALE, i], state[3 + _COUNT, i]
+            l2, s2, c2 = state[6 + _LOC, i], state[6 + _SCALE, i], state[6 + _COUNT, i]
+            for t in range(t0, t1):
+                p0 = not miss[t, 0, i]
+                p1 = not miss[t, 1, i]
+                p2 = not miss[t, 2, i]
+                if not (p0 or p1 or p2):
+                    scores[t, i] = np.nan
+                    alarms[t, i] = False
+                    continue
+                x0 = X[t, 0, i] if p0 else 0.0
+                x1 = X[t, 1, i] if p1 else 0.0
+                x2 = X[t, 2, i] if p2 else 0.0
+                if not (np.isfinite(x0) and np.isfinite(x1) and np.isfinite(x2)):
+                    scores[t, i] = np.inf
+                    alarms[t, i] = True
+                    continue
+                y0 = math.log(max(x0, LOG_FLOOR)) if g0 and p0 else x0
+                y1 = math.log(max(x1, LOG_FLOOR)) if g1 and p1 else x1
+                y2 = math.log(max(x2, LOG_FLOOR)) if g2 and p2 else x2
+                acc = 0.0
+                m = 0
+                f0 = f1 = f2 = 0.0
+                if p0 and c0 != 0.0 and c0 >= warmup:
+                    f0 = _floored_scale(l0, s0, g0, min_scale)
+                    z = abs(y0 - l0) / f0
+                    acc = max(acc, z) if use_max else acc + z * z
+                    m += 1
+                if p1 and c1 != 0.0 and c1 >= warmup:
+                    f1 = _floored_scale(l1, s1, g1, min_scale)
+                    z = abs(y1 - l1) / f1
+                    acc = max(acc, z) if use_max else acc + z * z
+                    m += 1
+                if p2 and c2 != 0.0 and c2 >= warmup:
+                    f2 = _floored_scale(l2, s2, g2, min_scale)
+                    z = abs(y2 - l2) / f2
+                    acc = max(acc, z) if use_max else acc + z * z
+                    m += 1
+                if m == 0:
+                    score = 0.0
+                elif use_max:
+                    score = acc
+                else:
+                    score = math.sqrt(acc / m)
+                alarm = score > threshold
+                scores[t, i] = score
+                alarms[t, i] = alarm
+                if not learns(alarm, freeze):
+                    continue
+                if p0:
+                    l0, s0, c0 = _learn(y0, l0, s0, c0, f0, warmup, alpha, debias_until, clip,
+                                        do_clip)
+                if p1:
+                    l1, s1, c1 = _learn(y1, l1, s1, c1, f1, warmup, alpha, debias_until, clip,
+                                        do_clip)
+                if p2:
+                    l2, s2, c2 = _learn(y2, l2, s2, c2, f2, warmup, alpha, debias_until, clip,
+                                        do_clip)
+            state[_LOC, i], state[_SCALE, i], state[_COUNT, i] = l0, s0, c0
+            state[3 + _LOC, i], state[3 + _SCALE, i], state[3 + _COUNT, i] = l1, s1, c1
+            state[6 + _LOC, i], state[6 + _SCALE, i], state[6 + _COUNT, i] = l2, s2, c2
+
+
 @njit(cache=True, error_model="numpy")
 def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
     threshold = params[_P_SHIFT.threshold]
@@ -180,6 +281,9 @@ def _shift_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[
     debias_until = 2.0 / alpha + 2.0
     k = X.shape[1]
     n = X.shape[2]
+    if n < FEATURE_MAJOR_FROM and k == 3 and X.shape[0] > 1:
+        _shift_series3(X, miss, state, params, scores, alarms)
+        return
     if n < FEATURE_MAJOR_FROM:
         _shift_layers(X, miss, state, params, scores, alarms, np.empty(k))
         return
