@@ -20,6 +20,8 @@ from stability.monitor import Monitor  # noqa: E402
 from stability.testing.tinytrain import FaultSpec, train_run  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 
+from . import gloo  # noqa: E402
+
 torch.set_num_threads(1)
 
 
@@ -402,15 +404,8 @@ def test_sync_argument_is_checked() -> None:
 
 def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import os
-    from datetime import timedelta
 
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
+    with gloo.process_group(rank, world, port):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(),
                                     torch.nn.Linear(16, 1))
@@ -425,10 +420,7 @@ def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             if rank == 1 and i == 50:
                 loss = loss * float("nan")  # only rank 1 sees it
             loss.backward()
-            for p in model.parameters():  # DDP-style gradient averaging
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
+            gloo.average_gradients(model, world)
             at = guard.step_count
             d = guard.step(loss)
             c = guard.control
@@ -439,31 +431,11 @@ def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             json.dump({"log": log, "w": [float(p.detach().sum()) for p in model.parameters()],
                        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
                        "rollbacks": guard.rollbacks}, fh)
-    finally:
-        dist.destroy_process_group()
     os._exit(0)  # (see tests/adapters/test_distributed.py: torch's gloo teardown)
 
 
 def test_two_ranks_take_the_same_late_decisions(tmp_path: Any) -> None:
-    import socket
-    import time
-
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed unavailable")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = torch.multiprocessing.start_processes(_rank_worker, args=(2, port, str(tmp_path)),
-                                                nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("distributed test timed out")
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    r0, r1 = gloo.run_ranks(_rank_worker, 2, tmp_path)
     assert r0["log"] == r1["log"]  # the same decision at the same step on both ranks
     # step 50's decision (NaN on rank 1 only) is observed during step 51, on both ranks
     seen = [row for row in r0["log"] if row[1] == 50]

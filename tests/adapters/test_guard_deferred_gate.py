@@ -20,6 +20,8 @@ from stability.monitor import Monitor  # noqa: E402
 from stability.testing.tinytrain import FaultSpec, train_run  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 
+from . import gloo  # noqa: E402
+
 torch.set_num_threads(1)
 
 N = LOSS_MIN + 4  # steps: the gate knows LOSS_MIN healthy losses from step LOSS_MIN on
@@ -210,15 +212,8 @@ def test_clean_run_is_untouched() -> None:
 
 def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import os
-    from datetime import timedelta
 
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
+    with gloo.process_group(rank, world, port):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
                                     torch.nn.Linear(16, 3))
@@ -233,10 +228,7 @@ def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             if rank == 1 and i == SKIP + 1:
                 loss = loss * 1e3  # only rank 1 sees the bad batch
             loss.backward()
-            for p in model.parameters():  # DDP-style gradient averaging
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
+            gloo.average_gradients(model, world)
             w0 = [p.detach().clone() for p in model.parameters()]
             guard.step(loss)
             moved.append(not all(torch.equal(p, w) for p, w in zip(model.parameters(), w0,
@@ -245,31 +237,11 @@ def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
             json.dump({"moved": moved, "gated": guard.deferred.gate.gated,
                        "w": [p.detach().flatten().tolist() for p in model.parameters()]}, fh)
-    finally:
-        dist.destroy_process_group()
     os._exit(0)  # (see tests/adapters/test_distributed.py: torch's gloo teardown)
 
 
 def test_every_rank_skips_when_one_rank_sees_the_bad_batch(tmp_path: Any) -> None:
-    import socket
-    import time
-
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed unavailable")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = torch.multiprocessing.start_processes(_rank_worker, args=(2, port, str(tmp_path)),
-                                                nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("distributed test timed out")
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    r0, r1 = gloo.run_ranks(_rank_worker, 2, tmp_path)
     # the flag is reduced on the device: rank 0 (a healthy loss) skips the step with rank 1
     assert r0["moved"] == r1["moved"] == [True] * (SKIP + 1) + [False] + [True] * (N - SKIP - 2)
     assert r0["w"] == r1["w"]

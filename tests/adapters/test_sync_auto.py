@@ -6,8 +6,6 @@ import copy
 import json
 import logging
 import os
-import time
-from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +21,8 @@ from stability.checkpoints import CheckpointLedger  # noqa: E402
 from stability.monitor import Monitor  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 from tests.adapters.test_guard_deferred import _batch, _mlp, _run, _watch  # noqa: E402
+
+from . import gloo  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -276,22 +276,8 @@ def test_a_round_trip_between_modes_and_bad_fields() -> None:
 
 
 # ---------------------------------------------------------------------- distributed
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
+    with gloo.process_group(rank, world, port):
         from stability.adapters import sync_mode as sm
         from stability.adapters.torch import TorchGuard as Guard
 
@@ -311,24 +297,10 @@ def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             modes.append([guard.sync_mode, guard.deferred is not None, guard.step_count])
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
             json.dump(modes, fh)
-    finally:
-        dist.destroy_process_group()
     os._exit(0)  # (see test_distributed.py: torch's gloo teardown)
 
 
 def test_ranks_resolve_the_same_mode(tmp_path: Any) -> None:
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed unavailable")
-    ctx = torch.multiprocessing.start_processes(
-        _rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
-        start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("distributed test timed out")
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = gloo.run_ranks(_rank_worker, 2, tmp_path)
     # CPU: step on both; one rank alone would take deferred: step on both; all: deferred
     assert r0 == r1 == [["step", False, 3], ["step", False, 3], ["deferred", True, 3]]
