@@ -15,6 +15,7 @@ from .decisions import Decisions
 from .events import EventLog, read_events
 from .handlers import HandlerError
 from .monitor import Monitor
+from .monitor_bound import BoundInputs
 from .presets import list_presets
 from .registry import ConfigError, known_detectors, register_detector
 from .types import (
@@ -39,6 +40,7 @@ __all__ = [
     "Alarm",
     "Alert",
     "AlertSink",
+    "BoundInputs",
     "Checkpoint",
     "ConfigError",
     "Control",
