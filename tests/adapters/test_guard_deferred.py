@@ -21,6 +21,7 @@ from stability.testing.tinytrain import FaultSpec, train_run  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 
 from . import gloo  # noqa: E402
+from .scripted import ScriptedMonitor, watch  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -31,20 +32,6 @@ class _Recorder:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.rows.append((step, dict(metrics)))
-
-
-def _watch(mon: Monitor) -> list[tuple[int, dict[str, float], dict[str, list[float]]]]:
-    """Record every (step, scalars, families) the monitor observes."""
-    seen: list[tuple[int, dict[str, float], dict[str, list[float]]]] = []
-    observe = mon.observe
-
-    def spy(step: int, metrics: Any = None, **kw: Any) -> Decision:
-        fams = {k: [float(x) for x in v] for k, v in (kw.get("families") or {}).items()}
-        seen.append((step, dict(metrics or {}), fams))
-        return observe(step, metrics, **kw)
-
-    mon.observe = spy  # type: ignore[method-assign]
-    return seen
 
 
 def _mlp(seed: int = 0) -> torch.nn.Module:
@@ -62,7 +49,7 @@ def _run(sync: str, n: int = 40, **kw: Any) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     mon = Monitor("small")
-    seen = _watch(mon)
+    seen = watch(mon)
     rec = _Recorder()
     guard = TorchGuard(model, opt, sched, mon, checkpoint_every=7, recorder=rec, sync=sync,
                        activations=["1"], activation_every=3, log_interventions=False, **kw)
@@ -227,28 +214,12 @@ def test_device_clip_is_the_tightest_of_guard_and_control() -> None:
     assert deltas[1:] == pytest.approx([0.5 * 0.01] * 2, rel=1e-4)
 
 
-class _Scripted:
-    def __init__(self, script: dict[int, Control]) -> None:
-        from stability.checkpoints import CheckpointLedger
-
-        self.script = script
-        self.seen: list[int] = []
-        self.checkpoints = CheckpointLedger()
-
-    def observe(self, step: int, metrics: Any = None, families: Any = None) -> Decision:
-        self.seen.append(step)
-        return Decision(step, control=self.script.pop(step, Control()))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-
 def _scripted(sync: str, script: dict[int, Control], n: int = 12) -> tuple[Any, ...]:
     torch.manual_seed(0)
     m = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    mon = _Scripted(dict(script))
+    mon = ScriptedMonitor(dict(script))
     guard = TorchGuard(m, opt, sched, mon, checkpoint_every=2, sync=sync)
     used, weights = [], {}
     try:
@@ -334,7 +305,7 @@ def test_state_dict_round_trip_with_a_pending_step() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     mon = Monitor("small")
-    seen_a = _watch(mon)
+    seen_a = watch(mon)
     ga = TorchGuard(model, opt, sched, mon, checkpoint_every=0, sync="deferred",
                     log_interventions=False, update_ratio_every=1)
 
@@ -354,7 +325,7 @@ def test_state_dict_round_trip_with_a_pending_step() -> None:
     assert [s for s, _, _ in seen_a] == list(range(7))  # state_dict() observed nothing
     m2, o2, s2 = _copy_run(model, opt, sched)
     mon_b = Monitor("small")
-    seen_b = _watch(mon_b)
+    seen_b = watch(mon_b)
     gb = TorchGuard(m2, o2, s2, mon_b, checkpoint_every=0, sync="deferred",
                     log_interventions=False, update_ratio_every=1)
     gb.load_state_dict(sd)
@@ -377,7 +348,7 @@ def test_detach_flushes_and_a_late_stop_is_kept() -> None:
     torch.manual_seed(0)
     m = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    mon2 = _Scripted({3: Control(stop=True, stop_reason="late")})
+    mon2 = ScriptedMonitor({3: Control(stop=True, stop_reason="late")})
     g2 = TorchGuard(m, opt, None, mon2, checkpoint_every=0, sync="deferred")
     for _ in range(4):
         m(torch.ones(2, 3)).sum().backward()

@@ -14,9 +14,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from stability.adapters.hf import StabilityTrainerCallback  # noqa: E402
-from stability.checkpoints import CheckpointLedger  # noqa: E402
 from stability.monitor import Monitor  # noqa: E402
-from stability.types import Control, Decision  # noqa: E402
+from stability.types import Control  # noqa: E402
+
+from .scripted import ScriptedMonitor, watch  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -31,37 +32,6 @@ class _Data(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
-class _Scripted:
-    def __init__(self, script: dict[int, Control]) -> None:
-        self.script = dict(script)
-        self.seen: list[int] = []
-        self.checkpoints = CheckpointLedger()
-
-    def observe(self, step: int, metrics: Any = None, families: Any = None) -> Decision:
-        self.seen.append(step)
-        return Decision(step, control=self.script.pop(step, Control()))  # each fires once
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, sd: Any) -> None:
-        pass
-
-
-def _watch(mon: Monitor) -> list[tuple[int, dict[str, float], dict[str, list[float]]]]:
-    """Record every (step, scalars, families) the monitor observes."""
-    seen: list[tuple[int, dict[str, float], dict[str, list[float]]]] = []
-    observe = mon.observe
-
-    def spy(step: int, metrics: Any = None, **kw: Any) -> Decision:
-        fams = {k: [float(x) for x in v] for k, v in (kw.get("families") or {}).items()}
-        seen.append((step, dict(metrics or {}), fams))
-        return observe(step, metrics, **kw)
-
-    mon.observe = spy  # type: ignore[method-assign]
-    return seen
 
 
 def _trainer(out: Any, cb: Any, steps: int = 12, lr_at: dict[int, float] | None = None,
@@ -88,7 +58,7 @@ def _trainer(out: Any, cb: Any, steps: int = 12, lr_at: dict[int, float] | None 
 
 def _run(out: Any, sync: str, steps: int = 16, fp16: bool = False, **kw: Any) -> dict[str, Any]:
     mon = Monitor("small")
-    seen = _watch(mon)
+    seen = watch(mon)
     cb = StabilityTrainerCallback(mon, sync=sync, activations=["transformer.h.0"],
                                   activation_every=3)
     tr = _trainer(out, cb, steps=steps, fp16=fp16, **kw)
@@ -144,7 +114,7 @@ def test_sync_argument_is_checked(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"'sync' parameter of StabilityTrainerCallback must be "
                                          r"one of \('auto', 'step', 'deferred'\)"):
         StabilityTrainerCallback(Monitor("small"), sync="later")
-    mon = _Scripted({})
+    mon = ScriptedMonitor({})
     cb = StabilityTrainerCallback(mon)
     assert cb.sync == "auto"  # the default, resolved when the guard is built
     _trainer(tmp_path, cb, steps=3, optim="adamw_torch_fused").train()
@@ -156,7 +126,8 @@ def test_sync_argument_is_checked(tmp_path: Any) -> None:
 def test_lr_blowup_is_divided_out_from_its_first_step(tmp_path: Any) -> None:
     jump = {12: 200.0}
     runs = {}
-    for name, sync, mon in (("off", "step", _Scripted({})), ("step", "step", Monitor("small")),
+    for name, sync, mon in (("off", "step", ScriptedMonitor({})),
+                            ("step", "step", Monitor("small")),
                             ("deferred", "deferred", Monitor("small"))):
         cb = StabilityTrainerCallback(mon, sync=sync)
         tr = _trainer(tmp_path / name, cb, steps=24, lr_at=jump)
@@ -203,7 +174,7 @@ def test_nan_gradient_never_reaches_the_weights(tmp_path: Any) -> None:
 
 def test_late_rollback_voids_the_next_step(tmp_path: Any) -> None:
     # the rollback decided at step 6 is observed during step 7, which it voids
-    mon = _Scripted({6: Control(rollback_to=3, skip_batches=(5, 6))})
+    mon = ScriptedMonitor({6: Control(rollback_to=3, skip_batches=(5, 6))})
     cb = StabilityTrainerCallback(mon, sync="deferred")
     tr = _trainer(tmp_path, cb, steps=12, save_strategy="steps", save_steps=4)
     snap = {}
@@ -225,7 +196,7 @@ def test_late_rollback_voids_the_next_step(tmp_path: Any) -> None:
 
 
 def test_late_emergency_checkpoint_and_stop(tmp_path: Any) -> None:
-    mon = _Scripted({3: Control(save_checkpoint=True, checkpoint_reason="scripted"),
+    mon = ScriptedMonitor({3: Control(save_checkpoint=True, checkpoint_reason="scripted"),
                      6: Control(stop=True, stop_reason="late")})
     cb = StabilityTrainerCallback(mon, sync="deferred")
     tr = _trainer(tmp_path, cb, steps=12)  # save_strategy="no"
@@ -242,7 +213,7 @@ def test_late_emergency_checkpoint_and_stop(tmp_path: Any) -> None:
 def test_resume_mid_run_gives_the_uninterrupted_decisions(tmp_path: Any) -> None:
     ref = _run(tmp_path / "a", "deferred", steps=12, save_strategy="steps", save_steps=6)
     mon = Monitor("small")
-    seen = _watch(mon)
+    seen = watch(mon)
     cb = StabilityTrainerCallback(mon, sync="deferred", activations=["transformer.h.0"],
                                   activation_every=3)
     tr = _trainer(tmp_path / "b", cb, steps=12, save_strategy="steps", save_steps=6)
@@ -300,7 +271,7 @@ def test_a_rollback_found_at_a_save_step_acts_as_in_step_mode(tmp_path: Any) -> 
     # with the bookkeeping of sync="step" (tests/adapters/test_hf.py), no voided step
     out = {}
     for sync in ("step", "deferred"):
-        mon = _Scripted({7: Control(rollback_to=3, skip_batches=(6, 7))})
+        mon = ScriptedMonitor({7: Control(rollback_to=3, skip_batches=(6, 7))})
         cb = StabilityTrainerCallback(mon, sync=sync)
         tr = _trainer(tmp_path / sync, cb, steps=12, save_strategy="steps", save_steps=4)
         tr.train()

@@ -10,9 +10,10 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning")
 
 from stability.adapters.lightning import StabilityCallback  # noqa: E402
-from stability.checkpoints import CheckpointLedger  # noqa: E402
 from stability.monitor import Monitor  # noqa: E402
-from stability.types import Control, Decision  # noqa: E402
+from stability.types import Control  # noqa: E402
+
+from .scripted import ScriptedMonitor, watch  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -58,36 +59,6 @@ def _trainer(root: Any, cbs: list[Any], steps: int = 30, **kw: Any) -> Any:
     return L.Trainer(max_steps=steps, callbacks=cbs, **opts)
 
 
-class _Scripted:
-    def __init__(self, script: dict[int, Control]) -> None:
-        self.script = dict(script)
-        self.seen: list[int] = []
-        self.checkpoints = CheckpointLedger()
-
-    def observe(self, step: int, metrics: Any = None, families: Any = None) -> Decision:
-        self.seen.append(step)
-        return Decision(step, control=self.script.pop(step, Control()))  # each fires once
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, sd: Any) -> None:
-        pass
-
-
-def _watch(mon: Monitor) -> list[tuple[int, dict[str, float], dict[str, list[float]]]]:
-    seen: list[tuple[int, dict[str, float], dict[str, list[float]]]] = []
-    observe = mon.observe
-
-    def spy(step: int, metrics: Any = None, **kw: Any) -> Decision:
-        fams = {k: [float(x) for x in v] for k, v in (kw.get("families") or {}).items()}
-        seen.append((step, dict(metrics or {}), fams))
-        return observe(step, metrics, **kw)
-
-    mon.observe = spy  # type: ignore[method-assign]
-    return seen
-
-
 def _precision(kind: str) -> dict[str, Any]:
     if kind == "fp16":  # a CPU GradScaler that overflows until its scale comes down
         from lightning.pytorch.plugins import MixedPrecision
@@ -100,7 +71,7 @@ def _precision(kind: str) -> dict[str, Any]:
 def _run(root: Any, sync: str, precision: str = "fp32", steps: int = 40,
          nan_at: int = -1, **kw: Any) -> dict[str, Any]:
     mon = Monitor("small")
-    seen = _watch(mon)
+    seen = watch(mon)
     model = Tiny(nan_at=nan_at)
     cb = StabilityCallback(mon, checkpoint_every=10, sync=sync, activations=["net.1"],
                            activation_every=3, clip_norm=3.0, **kw)
@@ -138,7 +109,7 @@ def test_sync_argument_is_checked(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"'sync' parameter of StabilityCallback must be one of "
                                          r"\('auto', 'step', 'deferred'\)"):
         StabilityCallback(Monitor("small"), sync="async")
-    cb = StabilityCallback(_Scripted({}), checkpoint_every=0)
+    cb = StabilityCallback(ScriptedMonitor({}), checkpoint_every=0)
     assert cb.sync == "auto"  # the default, resolved when the guard is built
     _trainer(tmp_path, [cb], steps=3).fit(Tiny(fused=True), _loader())
     g = cb.guard
@@ -163,7 +134,7 @@ def test_nan_gradient_never_reaches_the_weights(tmp_path: Any, fused: bool) -> N
 
 
 def test_late_rollback_voids_the_next_step(tmp_path: Any) -> None:
-    mon = _Scripted({6: Control(rollback_to=3, skip_batches=(5, 6))})
+    mon = ScriptedMonitor({6: Control(rollback_to=3, skip_batches=(5, 6))})
     model = Tiny()
     cb = StabilityCallback(mon, checkpoint_every=2, sync="deferred")
     tr = _trainer(tmp_path, [cb], steps=12)
@@ -177,7 +148,7 @@ def test_late_rollback_voids_the_next_step(tmp_path: Any) -> None:
 
 
 def test_late_emergency_checkpoint(tmp_path: Any) -> None:
-    mon = _Scripted({3: Control(save_checkpoint=True, checkpoint_reason="scripted")})
+    mon = ScriptedMonitor({3: Control(save_checkpoint=True, checkpoint_reason="scripted")})
     cb = StabilityCallback(mon, checkpoint_every=0, sync="deferred", in_memory=True)
     _trainer(tmp_path, [cb], steps=8).fit(Tiny(), _loader())
     # observed during step 4, written by Lightning at its end (never an in-memory copy)
@@ -192,7 +163,7 @@ def test_resume_with_a_pending_step(tmp_path: Any, resume_sync: str) -> None:
 
     def run(root: Any, steps: int, ckpt: str | None = None, sync: str = "deferred") -> Any:
         mon = Monitor("small")
-        seen = _watch(mon)
+        seen = watch(mon)
         cb = StabilityCallback(mon, checkpoint_every=10, sync=sync)
         saver = ModelCheckpoint(dirpath=str(root), every_n_train_steps=32, save_top_k=-1,
                                 filename="{step}")

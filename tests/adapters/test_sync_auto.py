@@ -17,33 +17,14 @@ from stability.adapters import sync_mode  # noqa: E402
 from stability.adapters.interventions import TrainingStopped  # noqa: E402
 from stability.adapters.sync_mode import auto_sync, device_skips  # noqa: E402
 from stability.adapters.torch import TorchGuard, attach  # noqa: E402
-from stability.checkpoints import CheckpointLedger  # noqa: E402
 from stability.monitor import Monitor  # noqa: E402
-from stability.types import Control, Decision  # noqa: E402
-from tests.adapters.test_guard_deferred import _batch, _mlp, _run, _watch  # noqa: E402
+from stability.types import Control  # noqa: E402
+from tests.adapters.test_guard_deferred import _batch, _mlp, _run  # noqa: E402
 
 from . import gloo  # noqa: E402
+from .scripted import ScriptedMonitor, watch  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-class _Scripted:
-    """A monitor that answers a script and records the steps it observes."""
-
-    def __init__(self, script: dict[int, Control] | None = None) -> None:
-        self.script = dict(script or {})
-        self.seen: list[int] = []
-        self.checkpoints = CheckpointLedger()
-
-    def observe(self, step: int, metrics: Any = None, families: Any = None) -> Decision:
-        self.seen.append(step)
-        return Decision(step, control=self.script.get(step, Control()))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, sd: Any) -> None:
-        pass
 
 
 def _train(guard: TorchGuard, m: torch.nn.Module, batches: range) -> list[dict[str, Any]]:
@@ -146,7 +127,7 @@ def test_an_undecidable_optimizer_takes_the_step_mode(monkeypatch: pytest.Monkey
     def broken(params: Any, opt: Any) -> tuple[str, str]:
         raise RuntimeError("param_groups unreadable")
 
-    guard, model = _setup(_Scripted(), "auto")
+    guard, model = _setup(ScriptedMonitor(once=False), "auto")
     monkeypatch.setattr(sync_mode, "auto_sync", broken)
     _train(guard, model, range(2))
     assert guard.sync_mode == "step" and guard.monitor.seen == [0, 1]
@@ -168,7 +149,7 @@ def test_auto_resolved_to_deferred_is_the_deferred_mode(monkeypatch: pytest.Monk
 @pytest.mark.parametrize("into", ["step", "auto"])
 def test_a_pending_step_restored_into_a_step_mode_guard_is_observed_once(into: str) -> None:
     mon_a = Monitor("small")
-    seen_a = _watch(mon_a)
+    seen_a = watch(mon_a)
     ga, model = _setup(mon_a, "deferred")
     _train(ga, model, range(8))
     sd = json.loads(json.dumps(ga.state_dict()))
@@ -177,7 +158,7 @@ def test_a_pending_step_restored_into_a_step_mode_guard_is_observed_once(into: s
     o2 = torch.optim.AdamW(m2.parameters(), lr=3e-3)
     o2.load_state_dict(copy.deepcopy(ga.optimizer.state_dict()))
     mon_b = Monitor("small")
-    seen_b = _watch(mon_b)
+    seen_b = watch(mon_b)
     gb = TorchGuard(m2, o2, None, mon_b, checkpoint_every=0, sync=into,
                     log_interventions=False, update_ratio_every=1)
     gb.load_state_dict(sd)
@@ -196,10 +177,10 @@ def test_a_pending_step_restored_into_a_step_mode_guard_is_observed_once(into: s
 
 
 def test_the_handover_step_takes_a_step_mode_callers_signals() -> None:
-    ga, model = _setup(_Scripted(), "deferred")
+    ga, model = _setup(ScriptedMonitor(once=False), "deferred")
     _train(ga, model, range(4))
     sd = json.loads(json.dumps(ga.state_dict()))
-    mon = _Scripted()
+    mon = ScriptedMonitor(once=False)
     gb, m2 = _setup(mon, "step")
     gb.load_state_dict(sd)
     for i in (4, 5):  # the low-level step-mode loop: collect() + check(signals=...)
@@ -215,10 +196,11 @@ def test_the_handover_step_takes_a_step_mode_callers_signals() -> None:
 
 
 def test_a_late_stop_restored_into_a_step_mode_guard_is_carried_out() -> None:
-    ga, model = _setup(_Scripted({5: Control(stop=True, stop_reason="late")}), "deferred")
+    late = {5: Control(stop=True, stop_reason="late")}
+    ga, model = _setup(ScriptedMonitor(late, once=False), "deferred")
     _train(ga, model, range(6))  # step 5 pending: its stop not seen yet
     sd = json.loads(json.dumps(ga.state_dict()))
-    mon = _Scripted({5: Control(stop=True, stop_reason="late")})
+    mon = ScriptedMonitor(late, once=False)
     gb, m2 = _setup(mon, "step")
     gb.load_state_dict(sd)
     before = [p.detach().clone() for p in m2.parameters()]
@@ -230,12 +212,12 @@ def test_a_late_stop_restored_into_a_step_mode_guard_is_carried_out() -> None:
 
 def test_a_step_mode_snapshot_restored_into_a_deferred_guard() -> None:
     script = {s: Control(lr_factor=0.5) for s in range(4, 20)}
-    ga, model = _setup(_Scripted(script), "step")
+    ga, model = _setup(ScriptedMonitor(script, once=False), "step")
     _train(ga, model, range(8))
     sd = json.loads(json.dumps(ga.state_dict()))
     assert sd["sync"] == "step" and "deferred" not in sd
     assert sd["control"]["lr_factor"] == 0.5
-    mon = _Scripted(script)
+    mon = ScriptedMonitor(script, once=False)
     gb, m2 = _setup(mon, "deferred")
     gb.load_state_dict(sd)
     assert gb.deferred is not None and gb.deferred.pending is None
@@ -252,10 +234,10 @@ def test_a_step_mode_snapshot_restored_into_a_deferred_guard() -> None:
 
 
 def test_a_round_trip_between_modes_and_bad_fields() -> None:
-    ga, model = _setup(_Scripted(), "deferred")
+    ga, model = _setup(ScriptedMonitor(once=False), "deferred")
     _train(ga, model, range(3))
     sd = json.loads(json.dumps(ga.state_dict()))
-    gb, _ = _setup(_Scripted(), "auto")
+    gb, _ = _setup(ScriptedMonitor(once=False), "auto")
     gb.load_state_dict(sd)
     assert gb.state_dict()["deferred"] == sd["deferred"]  # unresolved: kept as it came
     bad = copy.deepcopy(sd)
@@ -265,14 +247,14 @@ def test_a_round_trip_between_modes_and_bad_fields() -> None:
     bad = copy.deepcopy(sd)
     bad["deferred"]["pending"]["scalars"]["loss"] = "low"
     for sync in ("step", "auto"):  # every mode checks the pending step before anything changes
-        gc, _ = _setup(_Scripted(), sync)
+        gc, _ = _setup(ScriptedMonitor(once=False), sync)
         with pytest.raises(ValueError, match="deferred.pending.scalars.loss"):
             gc.load_state_dict(bad)
         assert gc.step_count == 0 and gc.deferred is None
-    step_sd = _setup(_Scripted(), "step")[0].state_dict()
+    step_sd = _setup(ScriptedMonitor(once=False), "step")[0].state_dict()
     step_sd["control"]["lr_factor"] = 0.0
     with pytest.raises(ValueError, match="lr_factor"):
-        _setup(_Scripted(), "deferred")[0].load_state_dict(step_sd)
+        _setup(ScriptedMonitor(once=False), "deferred")[0].load_state_dict(step_sd)
 
 
 # ---------------------------------------------------------------------- distributed

@@ -3,39 +3,24 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from stability.adapters.trainer_deferred import TrainerGuard, check_sync  # noqa: E402
-from stability.checkpoints import CheckpointLedger  # noqa: E402
-from stability.types import Control, Decision  # noqa: E402
+from stability.types import Control  # noqa: E402
+
+from .scripted import ScriptedMonitor  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-class _Scripted:
-    def __init__(self, script: dict[int, Control]) -> None:
-        self.script = dict(script)
-        self.checkpoints = CheckpointLedger()
-
-    def observe(self, step: int, metrics: Any = None, families: Any = None) -> Decision:
-        return Decision(step, control=self.script.pop(step, Control()))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1}
-
-    def load_state_dict(self, sd: Any) -> None:
-        pass
 
 
 def _guard(script: dict[int, Control]) -> tuple[TrainerGuard, torch.nn.Module]:
     torch.manual_seed(0)
     m = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    return TrainerGuard(m, opt, None, _Scripted(script), checkpoint_every=2, sync="deferred",
+    return TrainerGuard(m, opt, None, ScriptedMonitor(script), checkpoint_every=2, sync="deferred",
                         raise_on_stop=False), m
 
 
