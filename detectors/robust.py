@@ -161,6 +161,28 @@ def sorted_median(col: FloatArray, n: int) -> float:
 
 
 @njit(cache=True, error_model="numpy", inline="always")
+def _left_count(col: FloatArray, n: int, m: float, jr: int, k: int) -> int:
+    """How many of the ``k + 1`` smallest ``|v - m|`` come from left of ``jr`` (see
+    :func:`_kth_deviations`).
+
+    Taking ``a`` from the left list and ``k + 1 - a`` from the right one, the answer is the first
+    ``a`` in ``[lo, hi)`` where the left list's next deviation is not the smaller one (``hi`` if
+    none): found branch-free, as :func:`_upper_bound`.
+    """
+    lo = max(0, k + 1 - (n - jr))
+    hi = min(k + 1, jr)
+    if lo < hi:
+        span = hi - lo
+        while span > 1:
+            half = span // 2
+            a = lo + half - 1
+            lo = lo + half if m - col[jr - 1 - a] < col[jr + k - a] - m else lo
+            span -= half
+        lo = lo + 1 if m - col[jr - 1 - lo] < col[jr + k - lo] - m else lo
+    return lo
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _kth_deviations(col: FloatArray, n: int, m: float, jr: int, k: int) -> tuple[float, float]:
     """``k``-th and ``(k - 1)``-th smallest (from 0) of ``|v - m|`` over the sorted column
     (``1 <= k < n``), ``jr`` = first ``v >= m``.
@@ -171,20 +193,7 @@ def _kth_deviations(col: FloatArray, n: int, m: float, jr: int, k: int) -> tuple
     ``k``-th is the largest of those, the ``(k - 1)``-th the largest once that one is removed
     (one search for both).
     """
-    n_left = jr
-    lo = max(0, k + 1 - (n - jr))
-    hi = min(k + 1, n_left)
-    # taking a from the left list and k + 1 - a from the right one, the answer is the first a
-    # in [lo, hi) where the left list's next deviation is not the smaller one (hi if none):
-    # found branch-free, as _upper_bound
-    if lo < hi:
-        span = hi - lo
-        while span > 1:
-            half = span // 2
-            a = lo + half - 1
-            lo = lo + half if m - col[jr - 1 - a] < col[jr + k - a] - m else lo
-            span -= half
-        lo = lo + 1 if m - col[jr - 1 - lo] < col[jr + k - lo] - m else lo
+    lo = _left_count(col, n, m, jr, k)
     # the k + 1 smallest: lo from the left (the largest m - col[jr - lo]), b = k + 1 - lo from
     # the right (the largest col[jr + k - lo] - m)
     b = k + 1 - lo
@@ -200,17 +209,7 @@ def _kth_deviations(col: FloatArray, n: int, m: float, jr: int, k: int) -> tuple
 @njit(cache=True, error_model="numpy", inline="always")
 def _kth_deviation(col: FloatArray, n: int, m: float, jr: int, k: int) -> float:
     """``k``-th smallest (from 0) of ``|v - m|`` (:func:`_kth_deviations` for ``k = 0`` too)."""
-    n_left = jr
-    lo = max(0, k + 1 - (n - jr))
-    hi = min(k + 1, n_left)
-    if lo < hi:
-        span = hi - lo
-        while span > 1:
-            half = span // 2
-            a = lo + half - 1
-            lo = lo + half if m - col[jr - 1 - a] < col[jr + k - a] - m else lo
-            span -= half
-        lo = lo + 1 if m - col[jr - 1 - lo] < col[jr + k - lo] - m else lo
+    lo = _left_count(col, n, m, jr, k)
     d = -np.inf
     if lo > 0:
         d = m - col[jr - lo]
