@@ -45,7 +45,7 @@ _PROBE = """
 import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 from detectors import dispatch
 t1 = time.perf_counter()
 

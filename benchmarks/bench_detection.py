@@ -1,6 +1,7 @@
 """Score the bundled presets on a labelled detection benchmark (issue 14).
 
-For each preset (default: all of :func:`stability.presets.list_presets`), every run is replayed
+For each preset (default: all of :func:`stability.config.presets.list_presets`), every run is
+replayed
 through the monitor (:func:`replay.replay.alarms_for_eval`) and scored against its label by
 :func:`replay.evaluate.evaluate_runs` (recall@``--window`` on visible faults and overall, median
 detection delay, alarms before failure and median lead time for diverging runs, false-alarm
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from replay.evaluate import format_scenarios, format_table
     from replay.labels import load_labels
     from replay.replay import discover_runs
-    from stability.presets import list_presets
+    from stability.config.presets import list_presets
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

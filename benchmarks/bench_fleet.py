@@ -67,7 +67,7 @@ def detector_us(worlds: tuple[int, ...] = (4, 64, 1024), steps: int = 300) -> di
     """Median microseconds of one ``RankMonitor.observe`` on clean random matrices."""
     import numpy as np
 
-    from stability.ranks import RankMonitor
+    from stability.ranks.ranks import RankMonitor
 
     out = {}
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ Run::
 
 ``--breakdown`` also times the parts of one step separately (private monitor internals; the
 figures are best-of-repeats, so they do not add up exactly on a loaded machine): the fills, the
-fused step (gather + every bank + alarm count in one Numba call, :mod:`stability.monitor_fused`;
+fused step (gather + every bank + alarm count in one Numba call, :mod:`stability.monitor.fused`;
 split into gather / shared log rows / call overhead and the banks' arithmetic, then each bank
 alone), the policy's per-step tracking, the decision and goodput bookkeeping, and for
 comparison the plain path it replaces.
@@ -131,7 +131,7 @@ def _best_us(fn: object, number: int = 200, repeat: int = 60) -> float:
 
 def breakdown(mon: Monitor, step: int, metrics: dict, families: dict | None) -> None:
     """Print the cost of each part of ``observe()`` (uses the monitor's private internals)."""
-    from stability.monitor_fused import fused_step, reference_step
+    from stability.monitor.fused import fused_step, reference_step
 
     sk: list[str] = []
     parts = {"fill metrics": _best_us(lambda: mon._fill(metrics, sk))}

@@ -87,7 +87,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from stability.adapters.torch import TorchGuard as _TorchGuard  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.testing.tinytrain import make_task  # noqa: E402
 
 TARGET_BIG = 0.03
@@ -371,7 +371,7 @@ _FIRST_OBSERVE = """
 import json, time
 t0 = time.perf_counter()
 import numpy as np
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 t1 = time.perf_counter()
 mon = Monitor("default")
 for fam in ("grad_norm", "update_ratio"):

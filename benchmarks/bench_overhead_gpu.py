@@ -55,7 +55,7 @@ from bench_overhead import BigLM  # noqa: E402
 from torch import nn  # noqa: E402
 
 from stability.adapters.torch import TorchGuard  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 
 #: name -> (model kwargs, rows, ctx, lr)
 MODELS: dict[str, tuple[dict[str, int], int, int, float]] = {

@@ -88,7 +88,7 @@ def wide_table(rows: int, layers: int = 8, eval_every: int = 100) -> pa.Table:
 
 def points(table: pa.Table, config: Any) -> int:
     """Non-null values of the columns a monitor built from ``config`` binds."""
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     names = [n for n in table.column_names if n != "step"]
     bound = Monitor(config, alert_sinks=[]).bound_names(names)
@@ -113,7 +113,7 @@ def line(label: str, pts: int, seconds: tuple[float, float], extra: str = "") ->
 
 
 def replay_memory(table: pa.Table, config: Any) -> int:
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     return len(Monitor(config, alert_sinks=[]).replay(table).events())
 
@@ -147,10 +147,10 @@ def kernel_share(table: pa.Table, config: Any) -> float:
 def bank_times(table: pa.Table, config: Any) -> None:
     """Print the CPU time of each bank's batch kernel during one replay (largest first), the
     input fill, the non-finite guard's finite chunks and the per-step tail."""
-    import stability.monitor_replay_run as mr
+    import stability.monitor.replay_run as mr
     from detectors._base import BankDetector
     from detectors.nonfinite import NonFiniteGuard
-    from stability.monitor_replay_fill import Block
+    from stability.monitor.replay_fill import Block
 
     spent: dict[str, float] = {}
 
@@ -230,7 +230,7 @@ pa.set_io_thread_count(1)
 from detectors import dispatch
 dispatch.set_mode("blocking")
 import replay.replay as rr
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 def hwm():  # peak RSS of this process image (ru_maxrss survives exec on Linux)
     try:
         with open("/proc/self/status") as f:

@@ -182,7 +182,7 @@ def load_grid(path: str, base: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 def make_monitor(preset: str, override: Mapping[str, Any]) -> Any:
     """The monitor a user would attach: the preset, with ``override`` sections merged in."""
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     if not override:
         return Monitor(preset)

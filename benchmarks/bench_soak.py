@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from stability.events import EventLog
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
+from stability.outputs.events import EventLog
 
 FAMILIES = ("grad_norm", "update_ratio", "act_mean", "act_std", "act_absmax", "act_kurtosis")
 SCALARS = ("loss", "lr", "grad_norm", "param_norm", "tokens_per_s", "mfu", "loss_scale",

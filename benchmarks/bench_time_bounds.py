@@ -6,7 +6,8 @@ Three measurements, printed as one line each:
   and a few interventions each) with ``handler_budget_s = --budget``: worst and median
   ``observe()`` time, threads alive at the peak, calls made to the hung handler, calls dropped.
 * **trickling webhook** -- a local server that sends one header line every 0.2 s forever; a
-  :class:`~stability.alerts.WebhookSink` with ``timeout = --webhook-timeout``: seconds until the
+  :class:`~stability.outputs.alerts.WebhookSink` with ``timeout = --webhook-timeout``: seconds
+  until the
   request is given up and whether the failure was reported.
 * **new name every step** -- ``--names`` steps, each with a metric name never seen before, on the
   ``default`` preset (``max_series`` 4096): mean ``observe()`` time over the last 1000 steps and
@@ -32,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from stability.alerts import WebhookSink
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
+from stability.outputs.alerts import WebhookSink
 from stability.types import Alert
 
 NAN_ONLY = {"detectors": [{"name": "nonfinite", "detector": "nonfinite", "inputs": ["*"],

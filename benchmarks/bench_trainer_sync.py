@@ -47,7 +47,7 @@ def _tokens(n: int) -> torch.Tensor:
 
 
 def _callback(framework: str, mode: str) -> Any:
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     if mode == "none":
         return None

@@ -16,7 +16,7 @@ import threading
 import time
 import timeit
 
-from stability.watchdog import StallWatchdog
+from stability.run.watchdog import StallWatchdog
 
 
 def latency(threshold: float, step_s: float) -> tuple[float, float]:

@@ -117,7 +117,7 @@ def fold_rows(run_ids: Sequence[str], labels: Mapping[str, Any], kinds: Sequence
 # ---------------------------------------------------------------------------- warm-start tuner
 def base_thresholds(base_cfg: Mapping[str, Any], cands: Sequence[Any]) -> dict[int, float]:
     """``binding -> threshold`` of the base config (the detector's default when not set)."""
-    from stability.registry import detector_class
+    from stability.config.registry import detector_class
 
     out = {}
     for c in cands:
@@ -291,7 +291,7 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     """
     from replay.evaluate import summarise
     from replay.tuning import EvalSettings, build_config, make_candidates, score_runs
-    from stability.config import load_config
+    from stability.config.config import load_config
 
     t0 = time.perf_counter()
     base_cfg = load_config(base).to_dict()

@@ -57,7 +57,7 @@ from field_task import (
 )
 
 from stability.adapters.hf import StabilityTrainerCallback
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 
 SAVE_STEPS = 10
 

@@ -62,7 +62,7 @@ from field_task import (
 )
 
 from stability.adapters.lightning import StabilityCallback
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 
 EPOCH_STEPS = 10
 CHECKPOINT_EVERY = 10

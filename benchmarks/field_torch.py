@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from stability.adapters.amp import autocast_dtype
 from stability.adapters.interventions import TrainingStopped
 from stability.adapters.torch import TorchGuard
-from stability.feedback import ACTING
-from stability.monitor import Monitor
+from stability.adapters.torch_ops.amp import autocast_dtype
+from stability.monitor.monitor import Monitor
+from stability.outputs.feedback import ACTING
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 FAULTS = ("clean", "lr_x50", "nan_weight", "grad_explosion")

@@ -122,7 +122,7 @@ def run_ops(models: list[str], syncs: list[str], setup: Callable[[str], Any],
     """Count and print the ops of each model (``setup(name)`` as in ``bench_overhead.py``) under
     each guard ``sync`` mode, with the default guard (``Monitor("default")``)."""
     from stability.adapters.torch import TorchGuard
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     torch.set_num_threads(1)
     rows = []

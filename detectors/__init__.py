@@ -60,7 +60,7 @@ __all__ = [
 def __getattr__(name: str) -> type[BankDetector]:
     """``detectors.<Class>`` for a detector class defined in any public module of the package.
 
-    A new detector module needs no edit here; its registry entry (``stability/registry.py``)
+    A new detector module needs no edit here; its registry entry (``stability/config/registry.py``)
     names it by ``"detectors.module:Class"`` anyway.
     """
     if not name.startswith("_"):

@@ -30,7 +30,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for run in sorted(p for p in (ROOT / "data" / "runs").iterdir() if p.is_dir()):
             html = Path(tmp) / f"{run.name}.html"
-            subprocess.run([sys.executable, "-m", "stability.cli", "report", str(run), "-o",
+            subprocess.run([sys.executable, "-m", "replay.cli", "report", str(run), "-o",
                             str(html)], check=True, cwd=ROOT, capture_output=True)
             shot = out_dir / f"report_{run.name}.png"
             subprocess.run([browser, *FLAGS, f"--user-data-dir={tmp}/profile",

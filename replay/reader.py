@@ -13,7 +13,8 @@ Sources:
   ``hdfs://``, ...), globs included.
 
 Column names go through an alias table (raw name -> canonical name; keys ending in ``/*`` rewrite
-a prefix), the monitor's rules. By default the table is ``stability.binding.DEFAULT_ALIASES`` (the
+a prefix), the monitor's rules. By default the table is
+``stability.monitor.binding.DEFAULT_ALIASES`` (the
 monitor's: one table for live runs, replay and tuning); ``aliases`` is merged on top
 (mapping a name to itself disables a default), ``default_aliases=False`` turns the defaults off.
 ``columns`` selects by canonical name (``step`` is always included).
@@ -58,7 +59,7 @@ from replay.schema import (
     normalize_table,
     run_schema,
 )
-from stability.binding import DEFAULT_ALIASES
+from stability.monitor.binding import DEFAULT_ALIASES
 
 __all__ = ["default_aliases", "iter_batches", "list_sources", "read_run", "read_schema"]
 
@@ -72,7 +73,7 @@ _GLOB_CHARS = set("*?[")
 
 
 def default_aliases() -> dict[str, str]:
-    """The default alias table: the monitor's (:data:`stability.binding.DEFAULT_ALIASES`).
+    """The default alias table: the monitor's (:data:`stability.monitor.binding.DEFAULT_ALIASES`).
 
     Examples
     --------

@@ -1,6 +1,7 @@
 """Replay recorded runs through the monitor: alarms, interventions, goodput, events on disk.
 
-The monitor's batch path (:meth:`stability.monitor.Monitor.replay`) gives exactly the decisions
+The monitor's batch path (:meth:`stability.monitor.monitor.Monitor.replay`) gives exactly the
+decisions
 of a step-by-step ``observe()`` loop, so a replay shows what the monitor *would have done*.
 
 Goodput figures (all counterfactual -- the recorded run did not act on the requests):
@@ -14,7 +15,7 @@ Goodput figures (all counterfactual -- the recorded run did not act on the reque
   of recorded steps up to and including the stop (all of them without a stop).
 
 These are counted from the requested interventions, not read from the monitor's goodput ledger
-(:attr:`stability.monitor.Monitor.goodput`): the ledger books what a trainer acting on the
+(:attr:`stability.monitor.monitor.Monitor.goodput`): the ledger books what a trainer acting on the
 returned ``Control`` ran -- every recorded step, also after a stop, and nothing in ``log_only``
 mode -- while these figures stop at the stop and count requests.  On a run without a stop
 and not in ``log_only`` mode the two agree (``tests/test_monitor_goodput.py`` checks it).
@@ -181,7 +182,7 @@ def goodput(steps: NDArray[np.int64], interventions: Sequence[Intervention]) -> 
 
 
 def _monitor(config: Any) -> Any:
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     # a replay of history reports what the monitor would have done; it pages nobody: the
     # alerts are in the result (and the event log), not sent to the configured sinks
@@ -192,7 +193,7 @@ def unbound_warning(monitor: Any, names: Iterable[str]) -> str | None:
     """A warning when no metric bound to any detector but the catch-all NaN check, naming the
     metrics seen and the closest names the config (or the alias table) knows.
 
-    >>> from stability.monitor import Monitor
+    >>> from stability.monitor.monitor import Monitor
     >>> m = Monitor("default", alert_sinks=[])
     >>> _ = m.replay({"step": [0, 1], "trn_loss": [1.0, 2.0]})
     >>> print(unbound_warning(m, ["trn_loss"]))  # doctest: +NORMALIZE_WHITESPACE
@@ -202,7 +203,7 @@ def unbound_warning(monitor: Any, names: Iterable[str]) -> str | None:
     """
     import difflib
 
-    from stability.binding import DEFAULT_ALIASES
+    from stability.monitor.binding import DEFAULT_ALIASES
 
     specific = [d for d in monitor.config.detectors if any(i.strip("*/") for i in d.inputs)]
     if not specific or any(monitor.series(d.name) for d in specific):
@@ -293,7 +294,8 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
 
     ``progress``: draw a bar over the rows on stderr (``None``: when stderr is a TTY and the run
     has more than :data:`PROGRESS_ROWS` rows); the run is then fed in chunks, which gives the
-    same decisions (:meth:`~stability.monitor.Monitor.replay_batches`).  ``names``: the run's
+    same decisions (:meth:`~stability.monitor.monitor.Monitor.replay_batches`).  ``names``: the
+    run's
     column names when ``table`` holds only some of them (for the unbound-metrics warning).
     """
     t0 = time.perf_counter()
@@ -332,7 +334,7 @@ def read_bound(path: str | os.PathLike[str], config: Any) -> tuple[pa.Table, lis
     column name of the run.  A config with a catch-all input (``"*"``, the default preset's
     NaN check) binds every column: the run is read whole.
     """
-    from stability.config import load_config
+    from stability.config.config import load_config
 
     from .io import detect_format
     from .reader import read_run, read_schema
@@ -376,7 +378,7 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
     if said:
         sys.stderr.write(f"reading {p} ...")
         sys.stderr.flush()
-    from stability.config import load_config
+    from stability.config.config import load_config
 
     t0 = time.perf_counter()
     cfg = load_config(_default_config(config))  # parsed once for the probe and the replay

@@ -250,7 +250,7 @@ def _read_events_file(path: str) -> list[dict[str, Any]]:
             payload = r.get("payload") or r.get("record")
             out.append(json.loads(payload) if isinstance(payload, str) else r)
         return out
-    from stability.events import read_events
+    from stability.outputs.events import read_events
 
     return read_events(p, errors="skip")
 
@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.events:
         events = _read_events_file(args.events)
     else:
-        from stability.config import load_config
+        from stability.config.config import load_config
 
         cfg = load_config(args.config)
         config = cfg.to_dict()

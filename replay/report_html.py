@@ -235,7 +235,7 @@ def _isnan(v: Any) -> bool:
 def _goodput_panel(goodput: Mapping[str, Any]) -> str:
     """Badput breakdown bars: wall time by bucket (a ``GoodputTracker`` record) and/or steps
     (productive, skipped, rolled back, after a stop -- a replay's counterfactual figures)."""
-    from stability.goodput import TIME_BUCKETS
+    from stability.run.goodput import TIME_BUCKETS
 
     out: list[str] = []
     times = goodput.get("time_s")

@@ -360,7 +360,8 @@ def normalize_table(
 
 def alias_resolver(aliases: Mapping[str, str]) -> Callable[[str], str]:
     """A function mapping a raw column name to its canonical name: the monitor's own
-    :class:`stability.binding.Aliases` over ``aliases`` alone (exact names first, then keys ending
+    :class:`stability.monitor.binding.Aliases` over ``aliases`` alone (exact names first, then keys
+    ending
     in ``/*`` rewrite a prefix, longest prefix first).
 
     Examples
@@ -369,7 +370,7 @@ def alias_resolver(aliases: Mapping[str, str]) -> Callable[[str], str]:
     >>> f("train/loss"), f("grad-norm/blk0"), f("lr")
     ('loss', 'grad_norm/blk0', 'lr')
     """
-    from stability.binding import Aliases
+    from stability.monitor.binding import Aliases
 
     return Aliases(aliases, defaults=False)
 

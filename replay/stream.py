@@ -5,7 +5,7 @@ A run whose columns are already in the recorded-run schema (``step`` int64, floa
 and whose steps are strictly increasing (file after file) reads, under :func:`read_run`, to the
 table of its files' rows as they are: no sort, no merge, no conversion.  Such a run is read in
 record batches of about :data:`STREAM_VALUES` values (:func:`batch_rows`) and fed to one
-monitor batch after batch (:meth:`stability.monitor.Monitor.replay_stream`), which gives the
+monitor batch after batch (:meth:`stability.monitor.monitor.Monitor.replay_stream`), which gives the
 decisions of the whole-table replay bit for bit.  Memory stays bounded (a batch, the steps and
 the events, not the run), and the batches' buffers are reused from batch to batch instead of
 being faulted in afresh.
@@ -50,8 +50,8 @@ ENABLED = True
 def batch_rows(n_columns: int) -> int:
     """Rows per streamed batch of ``n_columns`` columns: about :data:`STREAM_VALUES` values,
     at most 1M rows, rounded to a whole number of the replay's chunks
-    (:data:`stability.monitor_replay.CHUNK_VALUES`) when that is more than one chunk."""
-    from stability import monitor_replay
+    (:data:`stability.monitor.replay.CHUNK_VALUES`) when that is more than one chunk."""
+    from stability.monitor import replay as monitor_replay
 
     if STREAM_ROWS is not None:
         return STREAM_ROWS

@@ -1,7 +1,7 @@
 """Tune detector parameters and thresholds offline, under a false-alarm budget.
 
 1. **Score once.**  For every binding of the base config and every point of its parameter grid
-   (from the detector's registry entry, :func:`stability.registry.tune_grids`), each run's
+   (from the detector's registry entry, :func:`stability.config.registry.tune_grids`), each run's
    detector scores are computed once, with ``threshold = +inf`` and
    ``freeze_on_alarm = False`` (so the score does not depend on the threshold), and reduced to
    one score per step (max over series).  These *scoring jobs* (one per run) run in local
@@ -319,7 +319,7 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     config
         Base monitor config (preset name, path, dict; ``None`` = the default preset).
     """
-    from stability.config import load_config
+    from stability.config.config import load_config
 
     base = load_config(config).to_dict()
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Step 1 of :mod:`replay.tuning`: candidates and scoring jobs.
 
 Every (binding, grid point) of a config is a :class:`Candidate` (:func:`make_candidates`, grids
-from :func:`stability.registry.tune_grids`); :func:`score_table` computes each candidate's
+from :func:`stability.config.registry.tune_grids`); :func:`score_table` computes each candidate's
 per-step score on one run (``threshold = +inf``, through the monitor's own binder, reduced to
 one score per step), and :func:`score_runs` runs one such job per run in local processes or on
 Ray. :mod:`replay.tuning` re-exports all of it.
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from stability.registry import tune_grids
+from stability.config.registry import tune_grids
 
 from .replay import Progress, parallel_map, read_table
 from .scoring import reduce_series
@@ -55,7 +55,7 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
                     grids: Mapping[str, Mapping[str, list[Any]]] | None = None
                     ) -> list[Candidate]:
     """Every (binding, grid point) of a resolved config's ``detectors`` list."""
-    from stability.registry import detector_class, is_available
+    from stability.config.registry import detector_class, is_available
 
     grids = tune_grids() if grids is None else grids
     out = []
@@ -92,8 +92,8 @@ class RunScores:
 
 def _binder(candidates: Sequence[Candidate], aliases: Mapping[str, str]) -> Any:
     """A log-only monitor holding one binding per candidate binding: the monitor's own binder
-    (:meth:`stability.monitor.Monitor.bind_table`) is what tuning scores are computed on."""
-    from stability.monitor import Monitor
+    (:meth:`stability.monitor.monitor.Monitor.bind_table`) is what tuning scores are computed on."""
+    from stability.monitor.monitor import Monitor
 
     dets: dict[str, dict[str, Any]] = {}
     for c in candidates:
@@ -110,7 +110,7 @@ def score_table(table: Any, candidates: Sequence[Candidate], aliases: Mapping[st
     The table is bound by the monitor's own binder, so a tuned threshold applies online to
     exactly the scores it was tuned on.
     """
-    from stability.registry import make_detector
+    from stability.config.registry import make_detector
 
     steps, bound = _binder(candidates, aliases).bind_table(table)
     t = steps.size

@@ -3,7 +3,7 @@
 For jobs you cannot modify: the watcher reads what the job already writes -- a JSONL / CSV
 metrics file, a Megatron / DeepSpeed stdout log, a TensorBoard event directory, or the
 recorder's ``part-*.parquet`` directory (local paths or :mod:`pyarrow.fs` URIs) -- as it grows,
-and feeds each new step to the same :class:`~stability.monitor.Monitor` as a live run
+and feeds each new step to the same :class:`~stability.monitor.monitor.Monitor` as a live run
 (``observe`` per step), so alerts go to the configured sinks, the event log gets every alarm and
 intervention, and optional *actions* run: a shell command per intervention kind and/or a control
 file the trainer polls.  Several sources are one run: their rows are merged by step.
@@ -29,10 +29,12 @@ Steps (the rule):
 * a row for a step that was already judged is **already seen** and skipped -- a re-read after a
   truncation or a rotation, a late row -- unless its values differ from the ones judged (for the
   last 4096 steps): then the job **re-ran** that step (it was restarted from a checkpoint), and
-  the monitor is rewound to just before it (:meth:`~stability.monitor.Monitor.rewind`: detector
+  the monitor is rewound to just before it (:meth:`~stability.monitor.monitor.Monitor.rewind`:
+  detector
   statistics kept, LR-jump state reset) and judges the new values.
 
-State (``state=``): the monitor's :meth:`~stability.monitor.Monitor.state_dict`, every source's
+State (``state=``): the monitor's :meth:`~stability.monitor.monitor.Monitor.state_dict`, every
+source's
 offsets and the unjudged rows, written atomically (temporary file + ``os.replace``) every
 ``save_every`` seconds and on exit; loaded at start, so a restarted watcher neither re-warms its
 detectors nor judges a step twice.
@@ -126,10 +128,10 @@ class Watcher(WatchActions):
     step_column
         Step column of JSONL / CSV sources (default: the importers' candidates).
     monitor
-        A ready :class:`~stability.monitor.Monitor` (its own sinks and event log).
+        A ready :class:`~stability.monitor.monitor.Monitor` (its own sinks and event log).
     exporter
         Anything with ``update(decision)`` (e.g. a
-        :class:`~stability.prometheus.PrometheusExporter`), called for every judged step.
+        :class:`~stability.outputs.prometheus.PrometheusExporter`), called for every judged step.
     echo
         Called with one line per alarm / intervention step (default: ``print``; ``None``: quiet).
     hook_timeout
@@ -153,8 +155,8 @@ class Watcher(WatchActions):
         if format is not None and format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}. Got {format!r} instead.")
         if monitor is None:
-            from stability.events import EventLog
-            from stability.monitor import Monitor
+            from stability.monitor.monitor import Monitor
+            from stability.outputs.events import EventLog
 
             monitor = Monitor(config, event_log=EventLog(events) if events else None)
         self.monitor = monitor

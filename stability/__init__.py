@@ -9,16 +9,16 @@ Lightning and HF callbacks live in :mod:`stability.adapters.lightning` and
 :mod:`stability.adapters.hf`.
 """
 
-from .alerts import AlertSink, FileSink, LoggingSink, WebhookSink
-from .config import MonitorConfig, load_config
-from .decisions import Decisions
-from .events import EventLog, read_events
-from .handlers import HandlerError
-from .monitor import Monitor
-from .monitor_bound import BoundInputs
-from .presets import list_presets
-from .registry import ConfigError, known_detectors, register_detector
-from .types import (
+from stability.config.config import MonitorConfig, load_config
+from stability.config.presets import list_presets
+from stability.config.registry import ConfigError, known_detectors, register_detector
+from stability.monitor.bound import BoundInputs
+from stability.monitor.decisions import Decisions
+from stability.monitor.monitor import Monitor
+from stability.outputs.alerts import AlertSink, FileSink, LoggingSink, WebhookSink
+from stability.outputs.events import EventLog, read_events
+from stability.outputs.handlers import HandlerError
+from stability.types import (
     ALARM_KINDS,
     Alarm,
     Alert,

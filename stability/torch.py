@@ -13,7 +13,7 @@ See :mod:`stability.adapters.torch` for the full description.
 
 from __future__ import annotations
 
-from .adapters.interventions import (
+from stability.adapters.interventions import (
     CheckpointStore,
     LRMultiplier,
     TrainingStopped,
@@ -22,8 +22,8 @@ from .adapters.interventions import (
     load_checkpoint,
     save_checkpoint,
 )
-from .adapters.signals import SignalCollector, Signals
-from .adapters.torch import TorchGuard, attach
+from stability.adapters.torch import TorchGuard, attach
+from stability.adapters.torch_ops.signals import SignalCollector, Signals
 
 __all__ = [
     "CheckpointStore",

@@ -95,7 +95,8 @@ class Intervention:
 
     step: int
     reason: str = ""
-    cause: str = ""  #: attributed cause of the episode (see ``stability.attribution.CAUSES``)
+    #: attributed cause of the episode (see ``stability.policy.attribution.CAUSES``)
+    cause: str = ""
     type: ClassVar[str] = "intervention"
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Tests of the alert sinks (stability/alerts.py) against a local HTTP server on 127.0.0.1."""
+"""Tests of the alert sinks (stability/outputs/alerts.py) against a local HTTP server on
+127.0.0.1."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stability.alerts import (
+from stability.outputs.alerts import (
     AlertRouter,
     AlertSink,
     FileSink,

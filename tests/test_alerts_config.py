@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from stability.alerts import (
+from stability.config.config import (
+    AlertsConfig,
+    ConfigError,
+    EventLogConfig,
+    MonitorConfig,
+    load_config,
+)
+from stability.monitor.monitor import Monitor
+from stability.outputs.alerts import (
     FileSink,
     LoggingSink,
     WebhookSink,
@@ -16,15 +24,7 @@ from stability.alerts import (
     format_slack,
     sinks_from_config,
 )
-from stability.config import (
-    AlertsConfig,
-    ConfigError,
-    EventLogConfig,
-    MonitorConfig,
-    load_config,
-)
-from stability.events import EventLog, read_events
-from stability.monitor import Monitor
+from stability.outputs.events import EventLog, read_events
 from stability.types import Alert
 from tests.test_alerts import _Server
 

@@ -7,7 +7,7 @@ import pytest
 
 from replay.reader import default_aliases
 from replay.schema import apply_aliases
-from stability.binding import DEFAULT_ALIASES, Aliases
+from stability.monitor.binding import DEFAULT_ALIASES, Aliases
 
 LIGHTNING = {"train_loss_step": "loss", "lr-AdamW": "lr", "grad_2.0_norm_total": "grad_norm",
              "lm loss value": "val_loss", "loss scale": "loss_scale"}

@@ -1,5 +1,5 @@
 """Bulk paths of the replay's per-step tail: the goodput history counted in bulk
-(:class:`stability.goodput_history.BulkTail`) and validation points followed in bulk
+(:class:`stability.run.goodput_history.BulkTail`) and validation points followed in bulk
 (``PolicyRecovery.track_many``) leave the state of the step-by-step loop, bit for bit."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from stability import goodput
-from stability.goodput import GoodputTracker
-from stability.loss_tracker import ValTracker
-from stability.policy_recovery import _val_many
+from stability.policy.loss_tracker import ValTracker
+from stability.policy.recovery import _val_many
+from stability.run import goodput
+from stability.run.goodput import GoodputTracker
 
 
 def _events(seed: int, n_ops: int = 60) -> list[tuple[str, int, int]]:

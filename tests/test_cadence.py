@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from stability.cadence import (
+from stability.run.cadence import (
     CadenceAdvisor,
     advise,
     daly_interval,

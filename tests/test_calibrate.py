@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from stability.calibrate import calibrate
-from stability.monitor import Monitor
+from stability.monitor.calibrate import calibrate
+from stability.monitor.monitor import Monitor
 from stability.types import ReduceLR
 from tests.shared_data import SHARED
 
@@ -140,7 +140,7 @@ def test_bloom_first_spike_alarms_after_calibration() -> None:
 def test_cli_save_state_continues_live(tmp_path) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    from stability.cli import main
+    from replay.cli import main
 
     hist = _history(seed=11)
     path = tmp_path / "run.parquet"
@@ -160,7 +160,7 @@ def test_cli_save_state_continues_live(tmp_path) -> None:
 def test_cli_save_state_takes_one_run(tmp_path, capsys) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    from stability.cli import main
+    from replay.cli import main
 
     for name in ("a", "b"):
         pq.write_table(pa.table(_history(n=50)), tmp_path / f"{name}.parquet")

@@ -1,4 +1,5 @@
-"""Tests of the healthy-checkpoint ledger and the retention helper (stability/checkpoints.py)."""
+"""Tests of the healthy-checkpoint ledger and the retention helper
+(stability/run/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stability.checkpoints import (
+from stability.run.checkpoints import (
     CheckpointFiles,
     CheckpointLedger,
     CheckpointRecord,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from replay.cli import main
 from replay.importers.tensorboard import write_scalar_events
 from replay.replay import discover_runs
-from stability.cli import main
 
 
 def _lightning_tb(d: Path, spike: int = 60) -> Path:

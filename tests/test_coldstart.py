@@ -25,8 +25,8 @@ from numba import njit
 
 from detectors import dispatch
 from detectors.dispatch import call, interpreted, kernel_ready
-from stability.binding import gather_step
-from stability.registry import REGISTRY, detector_class
+from stability.config.registry import REGISTRY, detector_class
+from stability.monitor.binding import gather_step
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(bool(numba.config.DISABLE_JIT),
@@ -268,8 +268,8 @@ _COLD = """
 import json, sys
 import numpy as np
 from detectors import dispatch
-from stability.monitor import Monitor
-from stability.registry import detector_class
+from stability.monitor.monitor import Monitor
+from stability.config.registry import detector_class
 cfg = {"detectors": [{"name": "loss_spike", "detector": "ewma_z", "inputs": ["loss"],
                       "params": {"warmup": 2, "threshold": 3.0}}]}
 kernel = detector_class("ewma_z").kernel

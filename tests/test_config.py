@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from stability.config import ConfigError, MonitorConfig, load_config
-from stability.presets import list_presets, load_preset
-from stability.registry import (
+from stability.config.config import ConfigError, MonitorConfig, load_config
+from stability.config.presets import list_presets, load_preset
+from stability.config.registry import (
     REGISTRY,
     UnknownDetectorError,
     detector_class,

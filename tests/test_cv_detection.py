@@ -90,7 +90,7 @@ def test_folds_hold_out_each_architecture_and_class_with_long_runs(labels):
 
 
 def test_consensus_is_the_median_threshold_and_drops_mostly_dropped_bindings():
-    from stability.config import load_config
+    from stability.config.config import load_config
 
     base = load_config("default").to_dict()
 
@@ -133,7 +133,7 @@ def test_quick_run_prints_folds_and_consensus(labels, tmp_path, capsys):
     assert doc["folds"][0]["base"]["recall_all"] == pytest.approx(s.recall_all)
     assert doc["folds"][0]["base"]["clean_steps"] == s.clean_steps
     # the consensus file is a loadable config whose thresholds are the reported medians
-    from stability.config import load_config
+    from stability.config.config import load_config
 
     c = load_config(str(cons)).to_dict()
     got = {d["name"]: d["params"]["threshold"] for d in c["detectors"]
@@ -145,7 +145,7 @@ def test_warm_tuner_keeps_budget_under_replay_and_never_loses_training_recall(la
     from replay.evaluate import evaluate_runs
     from replay.replay import alarms_for_eval, discover_runs
     from replay.tuning import EvalSettings, build_config, make_candidates, score_runs
-    from stability.config import load_config
+    from stability.config.config import load_config
 
     runs = [r for r in discover_runs(BENCH / "runs") if r[0][:10] in
             {f"bench_{i:03d}_" for i in range(8)}] + discover_runs(LONG / "runs")[:2]
@@ -176,7 +176,7 @@ def test_warm_tuner_keeps_budget_under_replay_and_never_loses_training_recall(la
 def test_validation_runs_are_held_back_and_veto_new_false_alarms(labels):
     from replay.replay import discover_runs
     from replay.tuning import EvalSettings, make_candidates, score_runs
-    from stability.config import load_config
+    from stability.config.config import load_config
 
     bench = [r for r in discover_runs(BENCH / "runs") if r[0][:10] in
              {f"bench_{i:03d}_" for i in range(8)}]

@@ -10,8 +10,8 @@ import pytest
 
 from replay.frames import alarms_table, episodes, episodes_table, interventions_table
 from replay.replay import replay_table
-from stability.monitor import Monitor
-from stability.monitor_io import is_table, table_columns
+from stability.monitor.io import is_table, table_columns
+from stability.monitor.monitor import Monitor
 
 
 def run_dict(n: int = 300) -> dict[str, np.ndarray]:

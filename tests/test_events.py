@@ -1,4 +1,4 @@
-"""Tests of the durable JSONL event log (stability/events.py)."""
+"""Tests of the durable JSONL event log (stability/outputs/events.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stability import events as events_mod
-from stability.events import EventLog, is_critical, iter_events, read_events
+from stability.outputs import events as events_mod
+from stability.outputs.events import EventLog, is_critical, iter_events, read_events
 from stability.types import Alarm, Checkpoint, ReduceLR, Rollback, Stop
 
 
@@ -133,7 +133,7 @@ def test_concurrent_appends_stay_whole(tmp_path: Path) -> None:
 
 _CHILD = r"""
 import os, signal, sys
-from stability.events import EventLog
+from stability.outputs.events import EventLog
 from stability.types import Alarm, Rollback
 log = EventLog(sys.argv[1])
 for s in range(50):

@@ -1,4 +1,4 @@
-"""Tests of goodput accounting (stability/goodput.py)."""
+"""Tests of goodput accounting (stability/run/goodput.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from stability.events import EventLog, read_events
-from stability.goodput import GoodputTracker
+from stability.outputs.events import EventLog, read_events
+from stability.run.goodput import GoodputTracker
 from stability.types import Control
 
 
@@ -219,7 +219,7 @@ def test_rollback_price_after_restore_uses_mean_step_time() -> None:
 
 
 def test_format_goodput() -> None:
-    from stability.goodput import format_goodput
+    from stability.run.goodput import format_goodput
 
     assert "no goodput records" in format_goodput([{"type": "alarm"}])
     c = Clock()
@@ -244,8 +244,8 @@ def test_format_goodput() -> None:
 
 
 def test_cli_goodput_prints_the_breakdown_of_an_event_log(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from stability.cli import main
-    from stability.events import EventLog
+    from replay.cli import main
+    from stability.outputs.events import EventLog
 
     g = GoodputTracker(clock=iter([0.0, 10.0, 20.0, 35.0, 40.0]).__next__)
     g.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 
 
 def _burst_alarms(seen: list) -> list[int]:

@@ -1,4 +1,4 @@
-"""Tests of user handler dispatch (stability/handlers.py)."""
+"""Tests of user handler dispatch (stability/outputs/handlers.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from stability.handlers import HandlerError, HandlerRegistry
+from stability.outputs.handlers import HandlerError, HandlerRegistry
 from stability.types import Alarm, ReduceLR
 
 A = Alarm(1, "loss_spike", "loss", 9.0, 6.0, "warning", "d")

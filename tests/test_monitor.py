@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stability import Control, Monitor
-from stability.monitor_io import table_columns
+from stability.monitor.io import table_columns
 from tests.shared_data import PUBLIC_RUNS
 
 RUNS = PUBLIC_RUNS
@@ -372,7 +372,7 @@ def test_per_step_control_fields_reset_and_context():
 
 
 def test_handlers_event_log_and_alert_sinks(tmp_path):
-    from stability.events import EventLog, read_events
+    from stability.outputs.events import EventLog, read_events
 
     sent = []
 

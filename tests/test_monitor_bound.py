@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stability import Monitor
-from stability.monitor_bound import BoundInputs
+from stability.monitor.bound import BoundInputs
 
 LAYERS = [f"L{i}" for i in range(6)]
 FAMS = ("act_mean", "act_std", "act_absmax", "act_kurtosis", "grad_norm")

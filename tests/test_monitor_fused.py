@@ -1,6 +1,6 @@
-"""The fused monitor step (:mod:`stability.monitor_fused`) equals the plain path bit for bit.
+"""The fused monitor step (:mod:`stability.monitor.fused`) equals the plain path bit for bit.
 
-The plain path is :func:`~stability.monitor_fused.reference_step`: the gather, then one
+The plain path is :func:`~stability.monitor.fused.reference_step`: the gather, then one
 ``update_array`` per active bank.  Two monitors with the same config see the same random stream
 (missing values, NaN / +-inf, spikes, families re-declared with more layers, keyed layers that
 appear late, an LR fault, a state round trip, a rewind); one is forced onto the plain path.
@@ -19,8 +19,8 @@ from numba import njit
 
 from detectors.dispatch import interpreted
 from stability import Monitor
-from stability.binding import gather_step
-from stability.monitor_fused import build_fused_plan, fused_step, gather_runs, reference_step
+from stability.monitor.binding import gather_step
+from stability.monitor.fused import build_fused_plan, fused_step, gather_runs, reference_step
 
 EXTRA = [  # the kernels the default preset does not bind
     {"name": "loss_adwin", "detector": "adwin", "inputs": ["loss"]},
@@ -166,7 +166,7 @@ def test_fused_step_equals_reference_step() -> None:
 
 
 def test_every_registered_kernel_is_fused() -> None:
-    from stability.registry import REGISTRY
+    from stability.config.registry import REGISTRY
 
     mon = Monitor(CONFIG)
     _declare(mon, 2)
@@ -179,7 +179,7 @@ def test_every_registered_kernel_is_fused() -> None:
 
 def test_fused_path_off_without_jit() -> None:
     """Where a kernel is not a Numba dispatcher (``NUMBA_DISABLE_JIT=1``) there is no plan."""
-    from stability.monitor_fused import kernel_address
+    from stability.monitor.fused import kernel_address
 
     assert kernel_address(lambda *a: None) == 0
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from stability import Monitor
-from stability.config import ConfigError, load_config
-from stability.events import EventLog, read_events
-from stability.goodput import GoodputTracker
+from stability.config.config import ConfigError, load_config
+from stability.outputs.events import EventLog, read_events
+from stability.run.goodput import GoodputTracker
 from stability.types import Control
 from tests.shared_data import PUBLIC_RUNS
 

@@ -1,4 +1,5 @@
-"""Tests of the escalation-ladder policy (stability/policy.py, policy_config.py, lr_schedule.py)."""
+"""Tests of the escalation-ladder policy (stability/policy/policy.py, policy_config.py,
+lr_schedule.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stability.checkpoints import CheckpointLedger
-from stability.lr_schedule import adaptive_clip, lr_factor_at
-from stability.policy import Policy
-from stability.policy_config import PolicyConfig
+from stability.policy.config import PolicyConfig
+from stability.policy.lr_schedule import adaptive_clip, lr_factor_at
+from stability.policy.policy import Policy
+from stability.run.checkpoints import CheckpointLedger
 from stability.types import (
     Alarm,
     Control,
@@ -657,7 +658,7 @@ def test_lr_jump_config_round_trip() -> None:
 
 # --------------------------------------------------------------------------- typed seams
 def test_policy_context_from_a_mapping_and_as_a_mapping() -> None:
-    from stability.policy import PolicyContext
+    from stability.policy.policy import PolicyContext
 
     led = ledger_with(0)
     ctx = PolicyContext.coerce({"lr": "0.2", "lr_prev": 0.1, "clip_norm": math.inf,
@@ -677,7 +678,7 @@ def test_policy_context_from_a_mapping_and_as_a_mapping() -> None:
 
 def _ctx_stream(seed: int, typed: bool) -> tuple[list[tuple[int, list[dict]]], dict]:
     """A random alarm stream (LR jumps included) with every context field varying."""
-    from stability.policy import PolicyContext
+    from stability.policy.policy import PolicyContext
 
     rng = np.random.default_rng(seed)
     ev = _events(seed, n=1500, p=0.03)
@@ -708,15 +709,15 @@ def test_typed_and_mapping_context_decide_identically(seed: int) -> None:
 
 
 def test_checkpoint_ledger_is_a_policy_ledger() -> None:
-    from stability.policy import Ledger
+    from stability.policy.policy import Ledger
 
     assert isinstance(CheckpointLedger(), Ledger)
     assert not isinstance(object(), Ledger)
 
 
 def test_version2_snapshot_loads_into_named_records_and_writes_back_unchanged() -> None:
-    from stability.policy import STATE_VERSION, ClipHold, JumpHold, LRCut, Probation
-    from stability.policy_state import read_state
+    from stability.policy.policy import STATE_VERSION, ClipHold, JumpHold, LRCut, Probation
+    from stability.policy.state import read_state
 
     # a version-2 snapshot as the positional-tuple implementation wrote it
     sd = {"version": 2, "level": 2, "last_alarm": 100, "last_response": 100,
@@ -742,8 +743,8 @@ def test_version2_snapshot_loads_into_named_records_and_writes_back_unchanged() 
 
 
 def test_monitor_hands_the_policy_a_typed_context() -> None:
-    from stability.monitor import Monitor
-    from stability.policy import PolicyContext
+    from stability.monitor.monitor import Monitor
+    from stability.policy.policy import PolicyContext
 
     mon = Monitor()
     seen: list[object] = []

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from stability import Monitor
-from stability.policy import Policy
+from stability.policy.policy import Policy
 
 
 def _lr_loss(n: int, seed: int) -> list[tuple[float, float]]:
@@ -96,7 +96,7 @@ def test_monitor_quiet_tracking_decides_alike(monkeypatch) -> None:  # type: ign
 
 def test_goodput_from_control_equals_update() -> None:
     """``update_from_control`` (inlined ``update`` with the clock off) counts as ``update``."""
-    from stability.goodput import GoodputTracker
+    from stability.run.goodput import GoodputTracker
     from stability.types import Control
 
     a, b = GoodputTracker(auto_start=False), GoodputTracker(auto_start=False)

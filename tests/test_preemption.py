@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from stability.preemption import SigtermCheckpoint, install_sigterm_checkpoint
+from stability.run.preemption import SigtermCheckpoint, install_sigterm_checkpoint
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 CHILD = textwrap.dedent("""
     import signal, sys, time
-    from stability.preemption import install_sigterm_checkpoint
+    from stability.run.preemption import install_sigterm_checkpoint
 
     path, mode = sys.argv[1], sys.argv[2]
     if mode == "custom":

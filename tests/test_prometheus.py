@@ -12,8 +12,8 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from replay.watch import Watcher  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
-from stability.prometheus import PrometheusExporter  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
+from stability.outputs.prometheus import PrometheusExporter  # noqa: E402
 
 
 def _feed(mon: Monitor, exp: PrometheusExporter | None, n: int = 120) -> list:

@@ -1,4 +1,5 @@
-"""stability.ranks without torch: robust cross-rank z, non-finite attribution, health ledger."""
+"""stability.ranks.ranks without torch: robust cross-rank z, non-finite attribution, health
+ledger."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stability.ranks import (
+from stability.ranks.ranks import (
     RANK_SIGNALS,
     RankFinding,
     RankHealthLedger,
@@ -301,8 +302,8 @@ def test_a_global_event_names_nobody() -> None:
 
 
 def test_cli_ranks_prints_the_health_table(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from stability.cli import main
-    from stability.events import EventLog
+    from replay.cli import main
+    from stability.outputs.events import EventLog
 
     path = tmp_path / "ev.jsonl"
     with EventLog(path) as log:

@@ -46,7 +46,7 @@ def test_readme_commands_run(tmp_path: Path) -> None:
     (tmp_path / "data").symlink_to(ROOT / "data")
     for cmd in COMMANDS:
         args = shlex.split(cmd)[1:]
-        res = subprocess.run([sys.executable, "-m", "stability.cli", *args], cwd=tmp_path,
+        res = subprocess.run([sys.executable, "-m", "replay.cli", *args], cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
         if res.returncode != 0 and "No module named" in res.stderr:
             pytest.skip(f"{cmd}: optional dependency missing ({res.stderr.strip()[-200:]})")

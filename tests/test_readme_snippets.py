@@ -161,7 +161,7 @@ def test_readme_has_snippets() -> None:
 def test_python_snippet_runs(code: str, toml: str | None, tmp_path: Path,
                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    from stability.registry import REGISTRY
+    from stability.config.registry import REGISTRY
 
     saved = dict(REGISTRY)  # a snippet may register a detector: restore the registry after it
     try:
@@ -188,6 +188,6 @@ def _run_snippet(code: str, toml: str | None, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("code", TOML, ids=[f"toml{i}" for i in range(len(TOML))])
 def test_toml_snippet_is_a_valid_config(code: str) -> None:
-    from stability.config import MonitorConfig
+    from stability.config.config import MonitorConfig
 
     MonitorConfig.from_toml(code)

@@ -7,17 +7,28 @@ from pathlib import Path
 
 import pytest
 
-from stability.registry import (
+from stability.config.registry import (
     REGISTRY,
     detector_class,
     make_detector,
     register_detector,
     tune_grids,
 )
-from stability.registry_docs import BEGIN, END, TABLES, main, readme_table, render, stale_files
+from stability.config.registry_docs import (
+    BEGIN,
+    END,
+    TABLES,
+    main,
+    readme_table,
+    render,
+    stale_files,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-FIX = "run `python -m stability.registry_docs` to regenerate it from stability/registry.py"
+FIX = (
+    "run `python -m stability.config.registry_docs` to regenerate it from "
+    "stability/config/registry.py"
+)
 
 
 @pytest.mark.parametrize("rel", sorted(TABLES))
@@ -64,7 +75,7 @@ def test_register_detector_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None
     assert REGISTRY["my_z"].kind == "loss_spike"
     assert tune_grids()["my_z"] == {"alpha": [0.1]}
     assert "| `my_z` | `EWMAZScore` | An EWMA z-score under another name. |" in readme_table()
-    from stability.config import MonitorConfig
+    from stability.config.config import MonitorConfig
 
     cfg = MonitorConfig.from_dict({"detectors": [
         {"name": "a", "detector": "my_z", "inputs": ["grad_norm"]}]})

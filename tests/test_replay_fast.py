@@ -11,14 +11,14 @@ import pyarrow as pa
 import pytest
 
 from stability import Monitor
-from stability import monitor_replay as mr
-from stability.events import read_events
-from stability.goodput import GoodputTracker
-from stability.loss_tracker import LossTracker
-from stability.lr_guard import LRGuard, LRGuardConfig
-from stability.monitor_io import table_columns
-from stability.monitor_replay import Decisions
-from stability.policy import Policy
+from stability.monitor import replay as mr
+from stability.monitor.io import table_columns
+from stability.monitor.replay import Decisions
+from stability.outputs.events import read_events
+from stability.policy.loss_tracker import LossTracker
+from stability.policy.lr_guard import LRGuard, LRGuardConfig
+from stability.policy.policy import Policy
+from stability.run.goodput import GoodputTracker
 from stability.types import Control
 
 CFG = {"detectors": [

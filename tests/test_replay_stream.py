@@ -1,5 +1,6 @@
 """Streamed replay (issue 17): a run fed batch after batch through one monitor's
-:meth:`~stability.monitor.Monitor.replay_stream` (the replay's chunk blocks and the non-finite
+:meth:`~stability.monitor.monitor.Monitor.replay_stream` (the replay's chunk blocks and the
+non-finite
 guard's constant columns kept across batches), and :func:`replay.replay.replay_run` reading a
 Parquet run in record batches -- equal, bit for bit, to the whole-table replay and to a loop of
 ``observe()``."""
@@ -21,10 +22,10 @@ from replay import stream as rs
 from replay.reader import read_run
 from replay.replay import replay_run, replay_table
 from stability import Monitor
-from stability import monitor_replay as mr
-from stability.checkpoints import CheckpointLedger
-from stability.config import load_config
-from stability.decisions import Decisions
+from stability.config.config import load_config
+from stability.monitor import replay as mr
+from stability.monitor.decisions import Decisions
+from stability.run.checkpoints import CheckpointLedger
 
 _spec = importlib.util.spec_from_file_location(
     "_replay_fast", Path(__file__).with_name("test_replay_fast.py"))

@@ -24,16 +24,16 @@ import pytest
 
 from detectors.validation import short_repr
 from replay.recorder import RunRecorder
-from stability.cadence import CadenceAdvisor, advise
-from stability.calibrate import calibrate
-from stability.events import EventLog, iter_events, read_events
-from stability.handlers import HandlerRegistry
-from stability.lr_schedule import lr_factor_at
-from stability.rank_health import RankHealthLedger
-from stability.rank_outliers import RankOutlierDetector
-from stability.ranks import RankMonitor
-from stability.registry import REGISTRY, detector_class
-from stability.watchdog import StallWatchdog
+from stability.config.registry import REGISTRY, detector_class
+from stability.monitor.calibrate import calibrate
+from stability.outputs.events import EventLog, iter_events, read_events
+from stability.outputs.handlers import HandlerRegistry
+from stability.policy.lr_schedule import lr_factor_at
+from stability.ranks.health import RankHealthLedger
+from stability.ranks.outliers import RankOutlierDetector
+from stability.ranks.ranks import RankMonitor
+from stability.run.cadence import CadenceAdvisor, advise
+from stability.run.watchdog import StallWatchdog
 
 MESSAGE = re.compile(r"The '(?P<arg>\w+)' parameter of (?P<owner>[\w.]+) must be (?P<rule>.+?)\. "
                      r"Got (?P<value>.+) instead\.(?P<hint>  .+)?", re.S)
@@ -42,7 +42,7 @@ Factory = Callable[[Path, dict[str, Any]], Any]
 
 
 def _monitor_calibrate(tmp: Path, kw: dict[str, Any]) -> Any:
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     return calibrate(Monitor("default", alert_sinks=[]), **kw)
 

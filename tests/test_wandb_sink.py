@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
+from stability.outputs.wandb_sink import WandbSink
 from stability.types import Alert
-from stability.wandb_sink import WandbSink
 
 
 @pytest.fixture

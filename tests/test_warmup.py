@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from stability.cli import main
-from stability.registry import detector_class
+from replay.cli import main
+from stability.config.registry import detector_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _PROBE = """
 import json, sys
 from detectors import dispatch
-from stability.monitor import Monitor
-from stability.registry import detector_class
+from stability.monitor.monitor import Monitor
+from stability.config.registry import detector_class
 cfg = {"detectors": [{"name": "loss_spike", "detector": "ewma_z", "inputs": ["loss"]}]}
 names = sys.argv[1:]
 before = {n: len(detector_class(n).kernel.signatures) for n in names}
@@ -64,10 +64,10 @@ def test_warmup_command_compiles_the_config_kernels(capsys: pytest.CaptureFixtur
 _SAME_SPEC = """
 import json
 import numpy as np
-from stability.cli import main
-from stability.config import load_config
-from stability.monitor import Monitor
-from stability.registry import detector_class
+from replay.cli import main
+from stability.config.config import load_config
+from stability.monitor.monitor import Monitor
+from stability.config.registry import detector_class
 assert main(["warmup", "--config", "small"]) == 0
 used = sorted({spec.detector for spec in load_config("small").detectors})
 mon = Monitor("small")

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from replay.cli import main
 from replay.importers.tensorboard import write_scalar_events
 from replay.replay import replay_run
 from replay.watch import Watcher, detect_watch_format, parse_hooks
-from stability.cli import main
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 
 
 # ---------------------------------------------------------------------------- data
@@ -440,7 +440,7 @@ def test_sigterm_saves_the_state(tmp_path: Path, rows: list[Any]) -> None:
     log, state = tmp_path / "train.jsonl", tmp_path / "state.json"
     log.write_text(_jsonl(rows[:100]))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "stability.cli", "watch", str(log), "--state",
+    proc = subprocess.Popen([sys.executable, "-m", "replay.cli", "watch", str(log), "--state",
                              str(state), "--poll", "0.05", "--save-every", "3600", "-q"],
                             env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stability.events import EventLog, read_events
-from stability.goodput import GoodputTracker
+from stability.outputs.events import EventLog, read_events
+from stability.run.goodput import GoodputTracker
+from stability.run.watchdog import StallEvent, StallWatchdog
 from stability.types import ALARM_KINDS, Alert
-from stability.watchdog import StallEvent, StallWatchdog
 
 
 class FakeClock:

@@ -9,7 +9,7 @@ name                           module
 ``attach``, ``TorchGuard``     :mod:`stability.adapters.torch`
 ``TrainingStopped``            :mod:`stability.adapters.interventions`
 ``LRMultiplier``               :mod:`stability.adapters.interventions`
-``SignalCollector``            :mod:`stability.adapters.signals`
+``SignalCollector``            :mod:`stability.adapters.torch_ops.signals`
 ``StabilityCallback``          :mod:`stability.adapters.lightning`
 ``StabilityTrainerCallback``   :mod:`stability.adapters.hf`
 ``ControlSync``, ``RankSignals``  :mod:`stability.adapters.distributed`

@@ -1,6 +1,7 @@
 """Rank-consistent decisions: every rank takes the same action at the same step.
 
-Choice: each rank runs its own :class:`~stability.monitor.Monitor` on its *local* signals (so a
+Choice: each rank runs its own :class:`~stability.monitor.monitor.Monitor` on its *local* signals
+(so a
 NaN or a spike that only one rank sees -- a bad shard, a flipped bit in one replica -- is not
 averaged away), and the resulting :class:`~stability.types.Control` requests are reduced across
 ranks with **one** ``all_reduce`` of a small float64 vector per step (``ReduceOp.MIN``; fields
@@ -25,12 +26,13 @@ taken by every rank at the same steps (each rank writes its own ``-rank<r>`` fil
 restores the same step everywhere.
 
 Which rank is the culprit (``ControlSync(ranks=True)``): each rank also contributes a small vector
-of *local* signals (:data:`stability.ranks.RANK_SIGNALS`: its loss, its gradient norm before the
+of *local* signals (:data:`stability.ranks.ranks.RANK_SIGNALS`: its loss, its gradient norm before
+the
 all-reduce -- from :func:`register_local_grad_norm_hook` on a DDP model, else the value the caller
 passes -- its busy time, its data-wait time, a non-finite flag). The control fields and these
 signals travel together in **one** ``all_gather_into_tensor`` of a ``(world, 17)`` float64 tensor;
 every rank then reduces the control locally (the same column-wise minimum the ``all_reduce``
-computes) and runs the same :class:`~stability.ranks.RankMonitor` on the same matrix, so the
+computes) and runs the same :class:`~stability.ranks.ranks.RankMonitor` on the same matrix, so the
 rank-outlier alarms (``sync.rank_alarms``) and the health ledger are identical everywhere. Host
 names are exchanged once, at construction (``all_gather_object``).
 
@@ -56,8 +58,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..ranks import RankMonitor
-from ..types import Alarm, Control
+from stability.ranks.ranks import RankMonitor
+from stability.types import Alarm, Control
 
 __all__ = ["ControlSync", "RankSignals", "is_rank_zero", "rank_and_world",
            "register_local_grad_norm_hook"]
@@ -154,7 +156,7 @@ class RankSignals:
 
     def vector(self, loss: Any = None, grad_norm: Any = None, step_time: float | None = None,
                data_wait: float | None = None, nonfinite: bool | None = None) -> list[Any]:
-        """The row this rank contributes (columns :data:`~stability.ranks.RANK_SIGNALS`).
+        """The row this rank contributes (columns :data:`~stability.ranks.ranks.RANK_SIGNALS`).
 
         ``grad_norm`` is used only when no hook measured the local norm; ``None`` means missing
         (``nan``). Entries are floats or 0-d tensors.
@@ -238,7 +240,7 @@ class ControlSync:
         Where the reduction tensor lives (default: CUDA for NCCL, else CPU).
     ranks : bool or RankMonitor, optional
         Gather per-rank signals with the control and name the culprit rank (``True``: a default
-        :class:`~stability.ranks.RankMonitor`; or pass one built with this run's hosts).
+        :class:`~stability.ranks.ranks.RankMonitor`; or pass one built with this run's hosts).
     signals : RankSignals, optional
         This rank's signal accumulator (from :func:`register_local_grad_norm_hook`).
     skip_on : sequence of str

@@ -4,7 +4,7 @@ Example::
 
     from transformers import Trainer, TrainingArguments
     from stability.adapters.hf import StabilityTrainerCallback
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     args = TrainingArguments("out", max_grad_norm=1.0, save_strategy="steps", save_steps=500)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
@@ -49,7 +49,7 @@ How it hooks in (transformers 4.4x / 5.x):
   Every acting intervention is logged by the guard (logger ``stability.adapters``, INFO).
 * **Sync-free steps.** ``StabilityTrainerCallback(monitor, sync="deferred")`` takes no host sync
   in ``on_pre_optimizer_step``: the guard's ``sync="deferred"`` mode
-  (:mod:`stability.adapters.deferred`; decisions act one step late, device-side clip and
+  (:mod:`stability.adapters.guard.deferred`; decisions act one step late, device-side clip and
   non-finite skip) with the trainer specifics of :mod:`stability.adapters.trainer_deferred`
   (a save step observes its step first; ``state.global_step == guard.step_count +
   guard.steps_lost + guard.voided_steps``; ``train()`` ends by observing the last step).
@@ -75,15 +75,19 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
-from .interventions import TrainingStopped, safe_torch_load
-from .trainer_deferred import (
+from stability.adapters.interventions import TrainingStopped, safe_torch_load
+from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
     finish_step,
     observe_before_save,
     pending_grad_norm,
 )
-from .trainer_support import TrainerCheckpointStore, last_step_feedback, params_finite
+from stability.adapters.trainer_support import (
+    TrainerCheckpointStore,
+    last_step_feedback,
+    params_finite,
+)
 
 __all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
 
@@ -165,7 +169,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         own step.  ``"deferred"``: no host sync on the step path (save steps aside), decisions
         act one step late (:mod:`stability.adapters.trainer_deferred`).  ``"auto"`` (default):
         deferred on CUDA with a fused optimizer (``optim="adamw_torch_fused"``), else step,
-        resolved at ``on_train_begin`` (``guard.sync_mode``; :mod:`stability.adapters.sync_mode`).
+        resolved at ``on_train_begin`` (``guard.sync_mode``;
+        :mod:`stability.adapters.guard.sync_mode`).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ``recorder``, ...).
@@ -241,7 +246,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             return
         saved = self._saved_state(state) if state.global_step > 0 else None
         if self.monitor is None:
-            from ..monitor import Monitor
+            from stability.monitor.monitor import Monitor
 
             mon_sd = (saved or {}).get("guard", {}).get("monitor") or {}
             self.monitor = Monitor(mon_sd.get("config"))
@@ -406,7 +411,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def feedback(self) -> dict[str, float]:
         """The ``stability/*`` metrics added to HF's training logs.
 
-        :meth:`TorchGuard.metrics` (:mod:`stability.feedback` keys: LR factor, clip, level,
+        :meth:`TorchGuard.metrics` (:mod:`stability.outputs.feedback` keys: LR factor, clip, level,
         alarms, detector scores, interventions by type, goodput counters, AMP overflows), with
         ``lr_effective`` / ``lr_base`` / ``lr_factor`` of the *last* optimizer step (what HF's
         ``learning_rate`` refers to) and ``stability/step``, the guard's step.

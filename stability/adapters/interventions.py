@@ -13,9 +13,9 @@ The monitor only *requests* (:class:`stability.types.Control`); these helpers *a
   trainers that call the step themselves (Lightning, HF).
 * :func:`save_checkpoint` / :func:`load_checkpoint` -- atomic ``torch.save`` of model, optimizer,
   scheduler, monitor state and data position; :class:`CheckpointStore` keeps them on disk or in
-  memory, recorded in a :class:`~stability.checkpoints.CheckpointLedger` (the monitor's: one
+  memory, recorded in a :class:`~stability.run.checkpoints.CheckpointLedger` (the monitor's: one
   registry decides what exists, what is pruned and what a rollback restores). These live in
-  :mod:`stability.adapters.checkpoint_store` and are re-exported here, as is
+  :mod:`stability.adapters.torch_ops.checkpoint_store` and are re-exported here, as is
   :func:`safe_torch_load`.
 
 torch is imported here at module level: this module is only imported through
@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
-from .checkpoint_store import (
+from stability.adapters.torch_ops.checkpoint_store import (
     CheckpointStore,
     SavedCheckpoint,
     load_checkpoint,
     safe_torch_load,
     save_checkpoint,
 )
-from .checkpoint_store import retention_victims as retention_victims
+from stability.adapters.torch_ops.checkpoint_store import retention_victims as retention_victims
 
 log = logging.getLogger("stability.adapters")
 

@@ -4,7 +4,7 @@ Example::
 
     import lightning as L
     from stability.adapters.lightning import StabilityCallback
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     trainer = L.Trainer(max_steps=10_000, gradient_clip_val=1.0,
                         callbacks=[StabilityCallback(Monitor("llm_pretrain"))])
@@ -20,7 +20,8 @@ Hooks used (Lightning 2.x, automatic optimisation, one optimizer):
   in one host sync, asks the monitor, then acts: clip, LR multiplier (it survives the scheduler,
   see :class:`~stability.adapters.interventions.LRMultiplier`), skipped step (``p.grad = None``:
   the optimizer step changes nothing). A ``GradScaler`` overflow step is information
-  (``amp_overflow``, ``loss_scale``), never a NaN alarm (see :mod:`stability.adapters.amp`);
+  (``amp_overflow``, ``loss_scale``), never a NaN alarm (see
+  :mod:`stability.adapters.torch_ops.amp`);
 * ``on_train_batch_end`` -- rollback (model, optimizer and scheduler restored in place from one
   of the callback's checkpoints; the dataloader is not rewound: the batches after the bad ones
   are simply new data), checkpoints, a stop request sets ``trainer.should_stop`` (the reason is
@@ -45,7 +46,7 @@ deferred`: decisions act one step late, device-side clip and non-finite skip) wi
 specifics of :mod:`stability.adapters.trainer_deferred` (a checkpoint step observes its step
 first; ``trainer.global_step == guard.step_count + guard.steps_lost + guard.voided_steps``;
 ``fit`` ends by observing the last step).  The default, ``sync="auto"``, takes it on CUDA with a
-fused optimizer (:mod:`stability.adapters.sync_mode`).
+fused optimizer (:mod:`stability.adapters.guard.sync_mode`).
 
 Steps after a rollback: ``trainer.global_step`` counts optimizer iterations (Lightning's budget:
 ``max_steps``, logging and checkpoint cadence) and never goes back; the guard's step (the monitor's
@@ -66,9 +67,18 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from .interventions import TrainingStopped, safe_torch_load
-from .trainer_deferred import TrainerGuard, check_sync, finish_step, observe_before_save
-from .trainer_support import TrainerCheckpointStore, last_step_feedback, params_finite
+from stability.adapters.interventions import TrainingStopped, safe_torch_load
+from stability.adapters.trainer_deferred import (
+    TrainerGuard,
+    check_sync,
+    finish_step,
+    observe_before_save,
+)
+from stability.adapters.trainer_support import (
+    TrainerCheckpointStore,
+    last_step_feedback,
+    params_finite,
+)
 
 __all__ = ["StabilityCallback", "load_lightning_checkpoint"]
 
@@ -194,7 +204,7 @@ class StabilityCallback(pl.Callback):
                              f"{len(trainer.optimizers)}.")
         self._trainer = trainer
         if self.monitor is None:
-            from ..monitor import Monitor
+            from stability.monitor.monitor import Monitor
 
             mon_sd = dict((self._pending_state or {}).get("guard", {})).get("monitor") or {}
             self.monitor = Monitor(mon_sd.get("config"))

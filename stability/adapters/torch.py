@@ -1,4 +1,4 @@
-"""Guard a plain PyTorch training loop with a :class:`~stability.monitor.Monitor`.
+"""Guard a plain PyTorch training loop with a :class:`~stability.monitor.monitor.Monitor`.
 
 The guard measures the signals itself (one host sync per step), asks the monitor, and carries out
 the decision for real: clip, LR multiplier surviving the scheduler, skipped step, emergency
@@ -7,7 +7,7 @@ checkpoint, rollback with skipped batches, clean stop (:class:`TrainingStopped`)
 Example (index-addressable data, so a rollback can rewind and skip the offending batches)::
 
     import stability.torch
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     guard = stability.torch.attach(model, optimizer, scheduler, Monitor("small"),
                                    checkpoint_dir="ckpt", checkpoint_every=100)
@@ -34,13 +34,13 @@ Skipped steps: the gradients are dropped and the optimizer does not step; the sc
 advances by default (``step_scheduler_on_skip=True``) so the LR schedule stays aligned with the
 data position -- set it to ``False`` to freeze the schedule on skipped steps instead.
 
-Deferred decisions (``sync="deferred"``, see :mod:`stability.adapters.deferred`): no host sync
+Deferred decisions (``sync="deferred"``, see :mod:`stability.adapters.guard.deferred`): no host sync
 on the step path; step ``t``'s signals are copied to the host in the background and observed
 during step ``t + 1``, whose update the decision already governs (one step late), with the device
 clipping the gradients and keeping non-finite ones from the weights.  Call :meth:`flush` at the
 end of training (:meth:`detach` does) so the last step's signals are observed.  The default,
 ``sync="auto"``, takes the deferred path on CUDA with a fused optimizer and the step path (one
-host sync per step) elsewhere (:mod:`stability.adapters.sync_mode`).
+host sync per step) elsewhere (:mod:`stability.adapters.guard.sync_mode`).
 
 Steps: the monitor step is the guard's optimizer-step counter. A rollback to the checkpoint of
 step ``s`` sets it back to ``s + 1`` together with the model, optimizer, scheduler and data
@@ -60,26 +60,31 @@ from typing import Any
 
 import torch
 
-from ..cadence import CadenceAdvisor
-from ..feedback import InterventionTally, log_interventions
-from ..goodput import GoodputTracker
-from ..preemption import install_sigterm_checkpoint
-from ..types import Control, Decision
-from ..watchdog import StallWatchdog
-from .amp import AMP_OVERFLOW, LOSS_SCALE, ensure_unscaled, scaler_enabled
-from .deferred import _tightest
-from .distributed import ControlSync
-from .guard_checkpoints import find_ledger
-from .guard_feedback import GuardFeedback
-from .interventions import (
+from stability.adapters.distributed import ControlSync
+from stability.adapters.guard.checkpoints import find_ledger
+from stability.adapters.guard.deferred import _tightest
+from stability.adapters.guard.feedback import GuardFeedback
+from stability.adapters.guard.sync_mode import SyncModes
+from stability.adapters.interventions import (
     CheckpointStore,
     LRMultiplier,
     TrainingStopped,
     clip_gradients,
     drop_gradients,
 )
-from .signals import SignalCollector, Signals
-from .sync_mode import SyncModes
+from stability.adapters.torch_ops.amp import (
+    AMP_OVERFLOW,
+    LOSS_SCALE,
+    ensure_unscaled,
+    scaler_enabled,
+)
+from stability.adapters.torch_ops.signals import SignalCollector, Signals
+from stability.outputs.feedback import InterventionTally, log_interventions
+from stability.run.cadence import CadenceAdvisor
+from stability.run.goodput import GoodputTracker
+from stability.run.preemption import install_sigterm_checkpoint
+from stability.run.watchdog import StallWatchdog
+from stability.types import Control, Decision
 
 __all__ = ["TorchGuard", "TrainingStopped", "attach", "find_ledger"]
 
@@ -107,12 +112,12 @@ class TorchGuard(SyncModes, GuardFeedback):
     step_scheduler_on_skip : bool
         Whether the scheduler advances on a skipped step.
     layer_depth, update_ratio_every, param_norm_every, activations, activation_every
-        Passed to :class:`~stability.adapters.signals.SignalCollector` (weights read every
+        Passed to :class:`~stability.adapters.torch_ops.signals.SignalCollector` (weights read every
         2 / 4 steps by default; 1 = every step).
     update_ratio : {"sampled", "exact"}
         How update ratios are measured: ``"sampled"`` (default) copies no full parameter (about
         4096 elements per tensor; ~1% error with AdamW, a few % with SGD), ``"exact"`` copies
-        every parameter when a ratio is due (see :mod:`stability.adapters.signals`).
+        every parameter when a ratio is due (see :mod:`stability.adapters.torch_ops.signals`).
     recorder : object with ``log(step, metrics)``, optional
         Gets every step's signals (rank 0 only), e.g. ``replay.recorder.RunRecorder``.
     distributed : bool or ControlSync, optional
@@ -124,29 +129,30 @@ class TorchGuard(SyncModes, GuardFeedback):
         The loss scaler of an fp16 run.  The loop calls ``scaler.scale(loss).backward()``;
         :meth:`step` then unscales, measures, decides, clips, ``scaler.step(optimizer)``,
         ``scaler.update()``.  A scaler overflow step is reported as ``amp_overflow = 1`` with
-        ``loss_scale`` and *without* gradient norms (see :mod:`stability.adapters.amp`).
+        ``loss_scale`` and *without* gradient norms (see :mod:`stability.adapters.torch_ops.amp`).
     log_interventions : bool
         Log one INFO line per acting intervention on the ``stability.adapters`` logger.
     watchdog : bool or StallWatchdog, optional
-        Stall watchdog (:mod:`stability.watchdog`): ``True`` builds one reporting through the
+        Stall watchdog (:mod:`stability.run.watchdog`): ``True`` builds one reporting through the
         monitor's sinks and event log (``StallWatchdog.for_monitor``); the guard beats it after
         every step and passes its ``step_time`` (and throughput / MFU when configured) to the
         monitor.  Stopped by :meth:`detach`.
     cadence : CadenceAdvisor, optional
-        Risk-adaptive checkpoint cadence (:mod:`stability.cadence`): besides ``checkpoint_every``,
+        Risk-adaptive checkpoint cadence (:mod:`stability.run.cadence`): besides
+        ``checkpoint_every``,
         a healthy step is checkpointed when the advisor's goodput-optimal interval (from the
         measured save cost and the failure rate) has elapsed since the last save -- sooner while
         the policy has an episode open.  The first healthy step is saved to measure the cost.
     checkpoint_on_sigterm : bool
         Preemption: on SIGTERM, checkpoint at the end of the current step (never mid-update),
         then hand the signal to the previous handler (default: the process exits).  Main
-        thread only (see :mod:`stability.preemption`).
+        thread only (see :mod:`stability.run.preemption`).
     sync : {"auto", "step", "deferred"}
         ``"step"``: one host sync per step, the decision acts on the step it was made for.
         ``"deferred"``: no host sync on the step path, decisions act one step late, device-side
-        clipping and non-finite protection (:mod:`stability.adapters.deferred`).  ``"auto"``
+        clipping and non-finite protection (:mod:`stability.adapters.guard.deferred`).  ``"auto"``
         (default): ``"deferred"`` on CUDA with a fused optimizer, else ``"step"``, resolved at
-        the first step (:mod:`stability.adapters.sync_mode`; :attr:`sync_mode` tells which).
+        the first step (:mod:`stability.adapters.guard.sync_mode`; :attr:`sync_mode` tells which).
     """
 
     def __init__(

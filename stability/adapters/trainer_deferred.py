@@ -1,17 +1,18 @@
 """``sync="deferred"`` in the trainer callbacks (HF Transformers, Lightning).
 
-Both callbacks take ``sync="auto"`` by default (:mod:`stability.adapters.sync_mode`: deferred
+Both callbacks take ``sync="auto"`` by default (:mod:`stability.adapters.guard.sync_mode`: deferred
 on CUDA with a fused optimizer, else step), resolved when the callback builds its guard at the
 start of training.  The callbacks drive a :class:`TrainerGuard` -- a
 :class:`~stability.adapters.torch.TorchGuard` whose ``sync="deferred"`` machinery
-(:mod:`stability.adapters.deferred`) runs unchanged: the callback calls ``check`` in the
+(:mod:`stability.adapters.guard.deferred`) runs unchanged: the callback calls ``check`` in the
 trainer's pre-optimizer hook and ``finish`` at the end of the step, the trainer steps the
 optimizer and the scheduler itself.  What the trainers add:
 
 * **Saves.** A trainer checkpoint is registered with the health of the step it covers, and its
   state carries the monitor's; with ``sync="deferred"`` that step is not observed yet when the
   trainer saves.  On a step with a save due the callback therefore observes it first
-  (:func:`observe_before_save`, i.e. :meth:`~stability.adapters.deferred.DeferredGuard.flush`):
+  (:func:`observe_before_save`, i.e.
+  :meth:`~stability.adapters.guard.deferred.DeferredGuard.flush`):
   one host sync on save steps only (the save itself copies every weight to the host), and the
   checkpoint is registered, or cancelled, as with ``sync="step"``.  A stop or rollback found
   then is carried out at once.
@@ -31,11 +32,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..types import Decision
-from .signals import Signals
-from .sync_mode import check_sync
-from .torch import TorchGuard
-from .trainer_support import finish_deferring_emergency
+from stability.adapters.guard.sync_mode import check_sync
+from stability.adapters.torch import TorchGuard
+from stability.adapters.torch_ops.signals import Signals
+from stability.adapters.trainer_support import finish_deferring_emergency
+from stability.types import Decision
 
 __all__ = ["TrainerGuard", "check_sync", "finish_step", "observe_before_save",
            "pending_grad_norm"]

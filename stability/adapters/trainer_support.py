@@ -4,9 +4,9 @@
   checkpoints: entries point at the trainer's own checkpoints (an HF ``checkpoint-N`` directory, a
   Lightning ``.ckpt`` file), restored in place by a trainer-specific loader, so every checkpoint
   the guard relies on also resumes with the framework's own tools. In-memory copies are kept only
-  when asked for, and bounded by size. Like :class:`~stability.adapters.checkpoint_store.
+  when asked for, and bounded by size. Like :class:`~stability.adapters.torch_ops.checkpoint_store.
   CheckpointStore` it keeps no registry of its own: the records live in the monitor's
-  :class:`~stability.checkpoints.CheckpointLedger`.
+  :class:`~stability.run.checkpoints.CheckpointLedger`.
 * :func:`params_finite` -- one fused check that no weight is NaN/inf (no checkpoint of bad
   weights is ever written).
 """
@@ -21,8 +21,12 @@ from typing import Any
 
 import torch
 
-from ..checkpoints import CheckpointLedger, CheckpointRecord
-from .checkpoint_store import LedgerStore, load_checkpoint, save_checkpoint
+from stability.adapters.torch_ops.checkpoint_store import (
+    LedgerStore,
+    load_checkpoint,
+    save_checkpoint,
+)
+from stability.run.checkpoints import CheckpointLedger, CheckpointRecord
 
 __all__ = ["TrainerCheckpointStore", "params_finite", "state_bytes"]
 
@@ -57,7 +61,7 @@ def params_finite(params: Iterable[torch.Tensor]) -> bool:
 class TrainerCheckpointStore(LedgerStore):
     """Rollback checkpoints held by the trainer (files / directories) or, if asked, in memory.
 
-    The registry is a :class:`~stability.checkpoints.CheckpointLedger` (the monitor's once the
+    The registry is a :class:`~stability.run.checkpoints.CheckpointLedger` (the monitor's once the
     callback binds it, see :meth:`LedgerStore.bind`): this store registers the trainer's
     checkpoints in it and does the IO (restore through ``loader``, delete what retention drops).
 

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .tasks import Task, TinyGPT
+from stability.testing.tasks import Task, TinyGPT
 
 __all__ = ["FAULT_CLOCK", "FAULT_KINDS", "FaultInjector", "FaultSpec", "flip_bit", "spike_module"]
 

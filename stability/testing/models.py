@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tasks import Task, TinyGPT, _gpt_task, warmup_cosine
+from stability.testing.tasks import Task, TinyGPT, _gpt_task, warmup_cosine
 
 __all__ = ["CausalConvLM", "OPTIMIZERS", "PRECISIONS", "PostLNGPT", "SCHEDULES", "TASKS",
            "make_optimizer", "make_schedule", "precision_context"]

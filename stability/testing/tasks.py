@@ -227,7 +227,7 @@ def make_task(model: str, seed: int = 0, batch_size: int | None = None) -> Task:
         return _gpt_task(seed, batch_size or 16)
     if model == "mlp":
         return _mlp_task(seed, batch_size or 64)
-    from .models import TASKS
+    from stability.testing.models import TASKS
 
     if model in TASKS:
         return TASKS[model](seed, batch_size)

@@ -37,14 +37,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..adapters.interventions import TrainingStopped
-from ..adapters.torch import TorchGuard
-from .faults import _FAULT_DEFAULTS as _FAULT_DEFAULTS
-from .faults import FAULT_CLOCK, FAULT_KINDS, FaultInjector, FaultSpec, flip_bit, spike_module
-from .tasks import MLP, Task, TinyGPT, make_task, prose_text, stdlib_text
-from .tasks import _gpt_task as _gpt_task
-from .tasks import _mlp_task as _mlp_task
-from .tasks import warmup_cosine as warmup_cosine
+from stability.adapters.interventions import TrainingStopped
+from stability.adapters.torch import TorchGuard
+from stability.testing.faults import _FAULT_DEFAULTS as _FAULT_DEFAULTS
+from stability.testing.faults import (
+    FAULT_CLOCK,
+    FAULT_KINDS,
+    FaultInjector,
+    FaultSpec,
+    flip_bit,
+    spike_module,
+)
+from stability.testing.tasks import MLP, Task, TinyGPT, make_task, prose_text, stdlib_text
+from stability.testing.tasks import _gpt_task as _gpt_task
+from stability.testing.tasks import _mlp_task as _mlp_task
+from stability.testing.tasks import warmup_cosine as warmup_cosine
 
 __all__ = [
     "FAULT_CLOCK",
@@ -175,7 +182,7 @@ def train_run(
     dev = torch.device(device)
     net = task.make_model().to(dev)
     net.train()
-    from .models import make_optimizer, make_schedule, precision_context
+    from stability.testing.models import make_optimizer, make_schedule, precision_context
 
     opt = make_optimizer(optimizer, net.parameters(), lr, task.lr)
     clock = {"it": 0, "lr_it": 0}  # lr_it: the iteration the scheduler computes the LR for

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stability.checkpoints import CheckpointLedger
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
+from stability.run.checkpoints import CheckpointLedger
 from stability.types import Control, Decision
 
 

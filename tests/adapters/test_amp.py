@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stability.adapters.amp import (  # noqa: E402
+from stability.adapters.torch import TorchGuard  # noqa: E402
+from stability.adapters.torch_ops.amp import (  # noqa: E402
     amp_metrics,
     amp_state,
     autocast_dtype,
@@ -19,8 +20,7 @@ from stability.adapters.amp import (  # noqa: E402
     loss_scale,
     scaler_enabled,
 )
-from stability.adapters.torch import TorchGuard  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 
 
 class _Rec:

@@ -25,11 +25,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stability.adapters.checkpoint_store import CheckpointStore  # noqa: E402
 from stability.adapters.distributed import ControlSync  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
-from stability.checkpoints import CheckpointLedger  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.adapters.torch_ops.checkpoint_store import CheckpointStore  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
+from stability.run.checkpoints import CheckpointLedger  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 
 torch.set_num_threads(1)

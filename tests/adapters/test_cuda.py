@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from stability.adapters.torch import TorchGuard  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.testing.tinytrain import FaultSpec, train_run  # noqa: E402
 
 

@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     try:
         from stability.adapters.torch import TorchGuard
-        from stability.monitor import Monitor
+        from stability.monitor.monitor import Monitor
 
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(),

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from stability.feedback import (
+from stability.monitor.monitor import Monitor
+from stability.outputs.feedback import (
     ACTING,
     InterventionTally,
     describe,
@@ -15,7 +16,6 @@ from stability.feedback import (
     is_acting,
     log_interventions,
 )
-from stability.monitor import Monitor
 from stability.types import (
     INTERVENTION_TYPES,
     Alert,

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from stability.adapters.interventions import TrainingStopped  # noqa: E402
 from stability.adapters.torch import TorchGuard, find_ledger  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.testing.tinytrain import FaultSpec, train_run  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 

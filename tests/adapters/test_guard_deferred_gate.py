@@ -1,5 +1,5 @@
 """The skip gate of ``TorchGuard(sync="deferred")``: a late ``skip_step`` skips the next bad batch
-on the device (:mod:`stability.adapters.deferred_gate`)."""
+on the device (:mod:`stability.adapters.guard.deferred_gate`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stability.adapters import deferred as deferred_mod  # noqa: E402
-from stability.adapters.deferred_gate import LOSS_MIN, SkipGate  # noqa: E402
+from stability.adapters.guard import deferred as deferred_mod  # noqa: E402
+from stability.adapters.guard.deferred_gate import LOSS_MIN, SkipGate  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
-from stability.checkpoints import CheckpointLedger  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
+from stability.run.checkpoints import CheckpointLedger  # noqa: E402
 from stability.testing.tinytrain import FaultSpec, train_run  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 

@@ -5,7 +5,8 @@ kernel launch) is about constant; so the guard's op count per step is its host c
 with a ``TorchDispatchMode`` (every ATen op, each ``_foreach_*`` call once), the optimizer's own
 step and ``zero_grad`` excluded.  Deterministic: no timing.
 
-The cached lists (:class:`~stability.adapters.param_lists.ParamLists`) must not change a value:
+The cached lists (:class:`~stability.adapters.torch_ops.param_lists.ParamLists`) must not change a
+value:
 the signals are compared bit for bit with the per-tensor computation they replaced.
 """
 
@@ -21,10 +22,10 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from stability.adapters.param_lists import sample_index  # noqa: E402
-from stability.adapters.signals import SignalCollector  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.adapters.torch_ops.param_lists import sample_index  # noqa: E402
+from stability.adapters.torch_ops.signals import SignalCollector  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 
 
 class _Ops(TorchDispatchMode):

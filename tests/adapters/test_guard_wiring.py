@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 from stability import EventLog, Monitor, read_events  # noqa: E402
 from stability.adapters.distributed import ControlSync  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
+from stability.run.watchdog import StallWatchdog  # noqa: E402
 from stability.types import Alarm, Control  # noqa: E402
-from stability.watchdog import StallWatchdog  # noqa: E402
 
 
 def _setup() -> tuple[Any, Any, Any, Any]:
@@ -83,7 +83,7 @@ def test_rank_alarms_are_recorded_by_the_monitor(tmp_path: Path) -> None:
 
 
 def test_cadence_advisor_drives_periodic_checkpoints() -> None:
-    from stability.cadence import CadenceAdvisor
+    from stability.run.cadence import CadenceAdvisor
 
     def run(cadence: CadenceAdvisor | None) -> TorchGuard:
         model, opt, x, y = _setup()

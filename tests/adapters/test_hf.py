@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from stability.adapters.hf import StabilityTrainerCallback  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from stability.adapters.hf import StabilityTrainerCallback  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.types import Control  # noqa: E402
 
 from .scripted import ScriptedMonitor, watch  # noqa: E402

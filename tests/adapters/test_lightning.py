@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning")
 
 from stability.adapters.lightning import StabilityCallback  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning")
 
 from stability.adapters.lightning import StabilityCallback  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.types import Control  # noqa: E402
 
 from .scripted import ScriptedMonitor, watch  # noqa: E402

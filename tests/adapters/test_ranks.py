@@ -201,7 +201,7 @@ def test_clean_steps_accuse_no_rank(fleet: Any) -> None:
 
 
 def test_ledger_exports_rank_health_records(fleet: Any) -> None:
-    from stability.ranks import format_ranks
+    from stability.ranks.ranks import format_ranks
 
     res, plan, _ = fleet
     recs = res[0]["ledger"]
@@ -235,7 +235,7 @@ def _guard_worker(rank: int, world: int, port: int, out_dir: str, bad_step: int)
 
         from stability.adapters.distributed import ControlSync, register_local_grad_norm_hook
         from stability.adapters.torch import TorchGuard
-        from stability.monitor import Monitor
+        from stability.monitor.monitor import Monitor
 
         torch.manual_seed(0)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),

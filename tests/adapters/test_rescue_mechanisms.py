@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 from stability import Monitor  # noqa: E402
 from stability.adapters.interventions import CheckpointStore  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
-from stability.checkpoints import CheckpointLedger  # noqa: E402
-from stability.policy import Policy  # noqa: E402
+from stability.policy.policy import Policy  # noqa: E402
+from stability.run.checkpoints import CheckpointLedger  # noqa: E402
 from stability.types import Alarm, Control  # noqa: E402
 
 torch.set_num_threads(1)

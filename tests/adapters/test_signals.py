@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stability.adapters.signals import SignalCollector, activation_stats, layer_of  # noqa: E402
+from stability.adapters.torch_ops.signals import SignalCollector, activation_stats, layer_of  # noqa: E402
 
 
 def _model() -> torch.nn.Module:

@@ -13,11 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stability.adapters import sync_mode  # noqa: E402
+from stability.adapters.guard import sync_mode  # noqa: E402
+from stability.adapters.guard.sync_mode import auto_sync, device_skips  # noqa: E402
 from stability.adapters.interventions import TrainingStopped  # noqa: E402
-from stability.adapters.sync_mode import auto_sync, device_skips  # noqa: E402
 from stability.adapters.torch import TorchGuard, attach  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.types import Control  # noqa: E402
 from tests.adapters.test_guard_deferred import _batch, _mlp, _run  # noqa: E402
 
@@ -260,7 +260,7 @@ def test_a_round_trip_between_modes_and_bad_fields() -> None:
 # ---------------------------------------------------------------------- distributed
 def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with gloo.process_group(rank, world, port):
-        from stability.adapters import sync_mode as sm
+        from stability.adapters.guard import sync_mode as sm
         from stability.adapters.torch import TorchGuard as Guard
 
         modes = []

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from stability.adapters.torch import TorchGuard, find_ledger  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 from stability.testing.tinytrain import FaultSpec, flip_bit, train_run  # noqa: E402
 from stability.types import Control, Decision  # noqa: E402
 
@@ -42,7 +42,7 @@ class _Scripted:
     def __init__(self, script: dict[int, Control]) -> None:
         self.script = script
         self.seen: list[int] = []
-        from stability.checkpoints import CheckpointLedger
+        from stability.run.checkpoints import CheckpointLedger
 
         self.checkpoints = CheckpointLedger()
 

@@ -14,13 +14,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stability.adapters.signals import (  # noqa: E402
+from stability.adapters.torch import TorchGuard  # noqa: E402
+from stability.adapters.torch_ops.signals import (  # noqa: E402
     PARAM_NORM_EVERY,
     UPDATE_RATIO_EVERY,
     SignalCollector,
 )
-from stability.adapters.torch import TorchGuard  # noqa: E402
-from stability.monitor import Monitor  # noqa: E402
+from stability.monitor.monitor import Monitor  # noqa: E402
 
 #: the small preset, decisions recorded but not carried out (the run's steps stay increasing,
 #: so the recorded run can be replayed)

@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stability.adapters.signals import SignalCollector  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
+from stability.adapters.torch_ops.signals import SignalCollector  # noqa: E402
 
 #: relative tolerance of the sampled ratio against the exact one on dense updates
 #: (about 1 / sqrt(2 m) with m = 4096 samples per tensor; 6 standard errors)

@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 import detectors
-from stability import Monitor, registry
-from stability.registry import REGISTRY, register_detector, tune_grids
-from stability.registry_docs import contracts_table, readme_table
+from stability import Monitor
+from stability.config import registry
+from stability.config.registry import REGISTRY, register_detector, tune_grids
+from stability.config.registry_docs import contracts_table, readme_table
 from tests.detectors.test_conformance import CHECKS, check_reference
 
 #: file 1: detectors/mean_z.py -- kernel, parameter layout, class
@@ -148,7 +149,8 @@ def mean_z(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleTy
     (tmp_path / "test_mean_z.py").write_text(textwrap.dedent(REFERENCE_TEST), encoding="utf-8")
     monkeypatch.setattr(detectors, "__path__", [*detectors.__path__, str(pkg)])
     monkeypatch.setitem(REGISTRY, "mean_z", REGISTRY["ewma_z"])  # restored after the test
-    # file 2: the registry entry, as one line of stability/registry.py's REGISTRY would say it
+    # file 2: the registry entry, as one line of stability/config/registry.py's REGISTRY would say
+    # it
     register_detector("mean_z", "detectors.mean_z:MeanZ", kind="loss_spike",
                       grid={"warmup": (10, 30)}, doc="z-score against all past values.")
     spec = importlib.util.spec_from_file_location("test_mean_z", tmp_path / "test_mean_z.py")

@@ -1,6 +1,6 @@
 """Conformance suite: every registered detector, with its default parameters, keeps the contract.
 
-Parametrised over :data:`stability.registry.REGISTRY` (river's ``utils.estimator_checks``
+Parametrised over :data:`stability.config.registry.REGISTRY` (river's ``utils.estimator_checks``
 pattern), so a newly registered detector is checked without writing these tests again: stream ==
 batch bit for bit (with missing values), chunked batches == one batch, state round trips (also
 through JSON) continue identically, a missing step is invisible, a non-finite value alarms and
@@ -22,7 +22,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from stability.registry import REGISTRY, detector_class, make_detector
+from stability.config.registry import REGISTRY, detector_class, make_detector
 from tests.detectors.generic import (
     assert_same,
     check_split_batches,

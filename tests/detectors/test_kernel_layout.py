@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from detectors._kernel import COMMON_FIELDS, indices
-from stability.registry import REGISTRY, make_detector
+from stability.config.registry import REGISTRY, make_detector
 
 NAMES = sorted(REGISTRY)
 

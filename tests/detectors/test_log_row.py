@@ -105,7 +105,7 @@ def test_log_row_is_bit_identical(n: int, case: int, step_by_step: bool) -> None
 
 
 def test_other_banks_take_no_log_row() -> None:
-    from stability.registry import REGISTRY, detector_class
+    from stability.config.registry import REGISTRY, detector_class
 
     users = {name for name in REGISTRY if detector_class(name)().uses_log_row()}
     assert users == {"ewma_z", "coherent_jump"}

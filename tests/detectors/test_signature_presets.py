@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 
 pq = pytest.importorskip("pyarrow.parquet")
 

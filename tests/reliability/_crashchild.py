@@ -94,8 +94,8 @@ def train(workdir: str, kill_step: int = -1, phase: str = "", resume: bool = Fal
 
     import replay.recorder as recorder_mod
     from replay.recorder import RunRecorder
-    from stability.events import EventLog
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
+    from stability.outputs.events import EventLog
 
     torch.set_num_threads(1)
     wd = Path(workdir)

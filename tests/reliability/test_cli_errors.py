@@ -1,6 +1,6 @@
 """The CLI's one error path: every user error is one line naming the file, exit status 2.
 
-``stability.cli.main`` is called in-process; ``--debug`` adds the traceback.
+``replay.cli.main`` is called in-process; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stability.cli import main
+from replay.cli import main
 
 
 @pytest.fixture

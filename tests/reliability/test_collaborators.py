@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from stability.alerts import AlertRouter, WebhookSink
-from stability.events import EventLog, read_events
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
+from stability.outputs.alerts import AlertRouter, WebhookSink
+from stability.outputs.events import EventLog, read_events
 from stability.types import Alert
 
 CONFIG = {"detectors": [{"name": "nonfinite", "detector": "nonfinite", "inputs": ["*"],
@@ -239,7 +239,7 @@ def test_event_log_on_full_disk(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_event_log_disk_fills_up_mid_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             caplog: pytest.LogCaptureFixture) -> None:
-    import stability.events as events_mod
+    import stability.outputs.events as events_mod
 
     path = tmp_path / "events.jsonl"
     log = EventLog(path, fsync="never")

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from replay.reader import read_run
-from stability.events import read_events
+from stability.outputs.events import read_events
 
 from . import _crashchild as child
 

@@ -53,7 +53,7 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, out: str, scenario: str) -> None:
     from stability.adapters.distributed import ControlSync
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

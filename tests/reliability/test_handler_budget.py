@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from stability.alerts import WebhookSink, deadline_opener
-from stability.config import ConfigError, MonitorConfig
-from stability.handlers import HandlerRegistry
-from stability.monitor import Monitor
+from stability.config.config import ConfigError, MonitorConfig
+from stability.monitor.monitor import Monitor
+from stability.outputs.alerts import WebhookSink, deadline_opener
+from stability.outputs.handlers import HandlerRegistry
 from stability.types import Alarm, Alert
 
 CONFIG = {"detectors": [{"name": "nonfinite", "detector": "nonfinite", "inputs": ["*"],

@@ -1,7 +1,8 @@
 """Hostile files: every reader fails with a clear error naming the file, never a raw traceback.
 
 The accepted failure for a run file is :class:`replay.schema.RunFormatError` (a ``ValueError``)
-whose message contains the file's name; for a config file, :class:`stability.registry.ConfigError`
+whose message contains the file's name; for a config file,
+:class:`stability.config.registry.ConfigError`
 (also a ``ValueError``) naming the key path (and, for files, the file).  A read that succeeds
 must not be a silent partial result: a recorded run reads completely or not at all; a TensorBoard
 file with a torn last record (a live writer) may read the complete records but must warn naming
@@ -34,9 +35,9 @@ from replay.io import load_run
 from replay.reader import read_run
 from replay.recorder import RunRecorder
 from replay.schema import RunFormatError
-from stability.config import load_config
-from stability.events import EventLog, read_events
-from stability.registry import ConfigError
+from stability.config.config import load_config
+from stability.config.registry import ConfigError
+from stability.outputs.events import EventLog, read_events
 
 FIXTURES = Path(__file__).resolve().parents[1] / "replay" / "fixtures"
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
@@ -480,7 +481,7 @@ def test_event_log_that_is_all_one_torn_record(tmp_path: Path) -> None:
 
 
 def test_closed_event_log_never_raises_into_observe(tmp_path: Path) -> None:
-    from stability.monitor import Monitor
+    from stability.monitor.monitor import Monitor
 
     log = EventLog(tmp_path / "events.jsonl")
     mon = Monitor(event_log=log)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from detectors import EWMAZScore, RobustZScore
 from stability import Monitor
-from stability.policy import Policy
+from stability.policy.policy import Policy
 
 from .conftest import long_enabled
 

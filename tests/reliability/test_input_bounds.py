@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stability.config import ConfigError, MonitorConfig
-from stability.monitor import MAX_STEP, Monitor
+from stability.config.config import ConfigError, MonitorConfig
+from stability.monitor.monitor import MAX_STEP, Monitor
 
 torch = pytest.importorskip("torch")
 

@@ -22,7 +22,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stability.monitor import Monitor
+from stability.monitor.monitor import Monitor
 
 LAYERS = [f"blk{i}" for i in range(4)]
 FAMILIES = ["grad_norm", "update_ratio", "act_mean", "act_std", "act_absmax", "act_kurtosis"]

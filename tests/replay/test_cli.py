@@ -8,15 +8,15 @@ import shutil
 import numpy as np
 import pytest
 
+from replay.cli import build_parser, main
 from replay.replay import discover_runs, goodput, read_table, replay_run, replay_table
-from stability.cli import build_parser, main
 from tests.shared_data import PUBLIC_LABELS, PUBLIC_RUNS
 
 RUNS = str(PUBLIC_RUNS)
 LABELS = str(PUBLIC_LABELS)
 R9 = f"{RUNS}/public_0009.parquet"  # fp16 overflow -> NaN at 767
 
-monitor = pytest.importorskip("stability.monitor")
+monitor = pytest.importorskip("stability.monitor.monitor")
 
 
 def test_replay_batch_equals_observe_loop() -> None:

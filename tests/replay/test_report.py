@@ -167,7 +167,7 @@ def test_png_summary(tmp_path):
 
 
 def test_report_cli_replays_a_bundled_sample(tmp_path):
-    from stability.cli import main
+    from replay.cli import main
 
     run = Path(__file__).resolve().parents[2] / "data" / "runs" / "lr_blowup"
     labels = run.parents[1] / "labels.parquet"
@@ -339,7 +339,7 @@ def test_sparse_line_series_are_drawn_as_points():
 
 
 def test_goodput_panel_from_the_event_log():
-    from stability.goodput import GoodputTracker
+    from stability.run.goodput import GoodputTracker
 
     now = [0.0]
     g = GoodputTracker(clock=lambda: now[0])

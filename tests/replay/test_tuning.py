@@ -82,7 +82,7 @@ def test_toml_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_tune_public_writes_config_monitor_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from stability.config import MonitorConfig, load_config
+    from stability.config.config import MonitorConfig, load_config
 
     base = MonitorConfig.from_dict(BASE).to_dict()
     cands = make_candidates(base["detectors"])
@@ -96,7 +96,7 @@ def test_tune_public_writes_config_monitor_loads(tmp_path) -> None:  # type: ign
     cfg = load_config(str(out))
     assert cfg.detectors[0].detector == "nonfinite"
     try:
-        from stability.monitor import Monitor
+        from stability.monitor.monitor import Monitor
     except ImportError:  # pragma: no cover
         return
     Monitor(str(out))
@@ -104,7 +104,7 @@ def test_tune_public_writes_config_monitor_loads(tmp_path) -> None:  # type: ign
 
 def test_ray_backend_matches_local() -> None:
     pytest.importorskip("ray")
-    from stability.config import MonitorConfig
+    from stability.config.config import MonitorConfig
 
     base = MonitorConfig.from_dict(BASE).to_dict()
     cands = make_candidates(base["detectors"], grids={})
@@ -121,7 +121,7 @@ def test_tuned_config_replays_to_the_alarms_the_tuner_predicted(tmp_path) -> Non
     """One binder: the alarms the tuner counted are exactly those the monitor raises online."""
     from replay.replay import replay_run
     from replay.tuning import score_table
-    from stability.config import MonitorConfig
+    from stability.config.config import MonitorConfig
 
     base = MonitorConfig.from_dict(BASE).to_dict()
     cands = make_candidates(base["detectors"])

@@ -1,0 +1,459 @@
+"""Command line: ``stability replay | eval | tune | report | watch | goodput | warmup``.
+
+Examples
+--------
+::
+
+    stability replay runs/public/runs/public_0009.parquet --events events.jsonl
+    stability replay 'runs/*.parquet' --jobs 8
+    stability eval runs/public/runs --labels runs/public/labels.parquet --baselines
+    stability tune runs/public/runs modded_nanogpt/train_loss --labels labels.parquet \\
+        --budget 1.0 -o tuned.toml --folds 5 [--backend ray]
+    stability report ...        # provided by replay.report
+    stability watch train.log --state watch.json --on stop='scancel 42'   # replay.watch
+
+``RUN`` / ``RUNS`` may be a ``.parquet`` file, a directory of ``part-*.parquet`` files, a
+directory of runs or a glob; several may be given.  Heavy modules are imported lazily, so
+``stability --help`` is fast.
+
+Errors: every user error (a missing, unreadable or malformed run / labels / config file, a bad
+option value, an unwritable ``--events`` path, a full disk) prints **one line** on stderr,
+``stability COMMAND: error: FILE: PROBLEM``, and exits with status 2 (argparse's usage errors
+too).  ``--debug`` (anywhere on the command line, or ``STABILITY_DEBUG=1``) also prints the
+traceback.  Anything else is a bug in stability and keeps its traceback (status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    from replay.evaluate import DEFAULT_GAP, DEFAULT_TOLERANCE, DEFAULT_WINDOW
+
+    g = p.add_argument_group("evaluation definitions (see replay.evaluate)")
+    g.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help="steps after the onset in which an alarm detects the fault "
+                        "(default %(default)s)")
+    g.add_argument("--tolerance", type=int, default=DEFAULT_TOLERANCE,
+                   help="steps before the onset still accepted (default %(default)s)")
+    g.add_argument("--gap", type=int, default=DEFAULT_GAP,
+                   help="alarms closer than this are one episode (default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests)."""
+    parser = argparse.ArgumentParser(
+        prog="stability", description="Watch training runs; replay, evaluate and tune offline.")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (also: STABILITY_DEBUG=1)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("replay", help="replay recorded runs through the monitor")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run file, part directory, "
+                   "directory of runs or glob")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    p.add_argument("--events", default=None,
+                   help="write alarms/interventions here (.jsonl or .parquet); with several "
+                        "runs, a directory (one file per run)")
+    p.add_argument("--jobs", "-j", type=int, default=None, help="processes (default: cores)")
+    p.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    p.add_argument("--save-state", default=None, metavar="S",
+                   help="one run: write the monitor state after the replay to S (JSON) for "
+                        "Monitor.load_state_dict, so a live run continues primed")
+
+    p = sub.add_parser("eval", help="score alarms against labels (ours vs baselines)")
+    p.add_argument("runs", nargs="+", metavar="RUNS")
+    p.add_argument("--labels", "-l", default=None,
+                   help="labels file (.parquet/.json/.csv); unlabelled runs count as clean")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    p.add_argument("--baselines", action="store_true", help="also score the industry rules")
+    p.add_argument("--jobs", "-j", type=int, default=None)
+    p.add_argument("--per-scenario", action="store_true", help="print the per-kind breakdown")
+    p.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    _eval_args(p)
+
+    p = sub.add_parser("tune", help="tune parameters/thresholds under a false-alarm budget")
+    p.add_argument("runs", nargs="+", metavar="RUNS")
+    p.add_argument("--labels", "-l", default=None)
+    p.add_argument("--budget", type=float, required=True,
+                   help="max false alarms per 10k clean steps")
+    p.add_argument("--output", "-o", required=True, help="tuned config (.toml or .json)")
+    p.add_argument("--config", "-c", default=None, help="base config (default preset)")
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds (0/1 = none)")
+    p.add_argument("--backend", choices=("local", "ray"), default="local")
+    p.add_argument("--jobs", "-j", type=int, default=None)
+    p.add_argument("--thresholds", type=int, default=1000,
+                   help="thresholds swept per candidate (default %(default)s)")
+    _eval_args(p)
+
+    p = sub.add_parser("report", help="render a report (replay.report)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("watch", help="follow a live job's logs through the monitor "
+                       "(replay.watch)")
+    p.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="JSONL/CSV file, Megatron/DeepSpeed log, TensorBoard dir, recorder part "
+                        "dir (local or URI); several = one run")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    p.add_argument("--state", default=None, help="state file: loaded at start, saved "
+                   "periodically and on exit (restarts neither re-warm nor re-judge)")
+    p.add_argument("--events", default=None, help="append alarms/interventions here (.jsonl)")
+    p.add_argument("--on", action="append", default=[], metavar="KIND=CMD",
+                   help="run CMD (shell) for each intervention of KIND (stop, skip_step, ...; "
+                        "alarm; any) with STABILITY_STEP/KIND/REASON/CAUSE/CONTROL set")
+    p.add_argument("--control-file", default=None,
+                   help="write the latest Control as JSON here (atomically) for a trainer")
+    p.add_argument("--once", action="store_true", help="process what is there and exit")
+    p.add_argument("--poll", type=float, default=5.0, help="seconds between polls (%(default)s)")
+    p.add_argument("--save-every", type=float, default=30.0,
+                   help="seconds between state saves (%(default)s)")
+    p.add_argument("--format", default=None,
+                   choices=("jsonl", "csv", "megatron", "tensorboard", "parquet"))
+    p.add_argument("--prometheus-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus metrics on this port (needs prometheus_client)")
+    p.add_argument("--backlog", choices=("act", "quiet"), default="act",
+                   help="what a fresh watcher (no state) finds at start: act on it, or only "
+                        "warm the monitor on it (default %(default)s)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no line per alarm step")
+
+    p = sub.add_parser("ranks", help="per-rank health (which rank or host is the culprit)")
+    p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) of a multi-rank run")
+
+    p = sub.add_parser("goodput", help="badput breakdown of an event log (time and steps)")
+    p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) written by a monitor")
+    p.add_argument("--json", action="store_true", help="print the last goodput record as JSON")
+
+    p = sub.add_parser("warmup", help="compile and cache the Numba kernels a config uses "
+                       "(honours NUMBA_CACHE_DIR)")
+    p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("training-stability")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        from stability import __version__
+
+        return __version__
+
+
+def _cmd_ranks(a: argparse.Namespace) -> int:
+    from stability.outputs.events import read_events
+    from stability.ranks.ranks import format_ranks
+
+    print(format_ranks(read_events(a.events, errors="skip")))
+    return 0
+
+
+def _cmd_goodput(a: argparse.Namespace) -> int:
+    from stability.outputs.events import read_events
+    from stability.run.goodput import format_goodput
+
+    records = read_events(a.events, errors="skip")
+    if a.json:
+        last = [r for r in records if r.get("type") == "goodput"][-1:]
+        print(json.dumps(last[0] if last else None, indent=1, default=_json_default))
+        return 0 if last else 1
+    print(format_goodput(records))
+    return 0
+
+
+def _cmd_warmup(a: argparse.Namespace) -> int:
+    """Compile (or load from the cache) every kernel the config uses, one line per detector.
+
+    Each detector is built alone with one series and updated once: the arrays have the types
+    the monitor passes (float64 / bool, C-contiguous), so the cached specialisation is the one
+    a training run loads.  A one-step ``observe`` then compiles the monitor's own gather kernel.
+    Compilation happens here (``blocking`` mode): no interpreted twin, no background child.
+    """
+    from detectors import dispatch
+    from stability.config.config import load_config
+
+    cfg = load_config(a.config)
+    with dispatch.using_mode("blocking"):  # compile here and now, not in the background
+        return _warm_kernels(cfg)
+
+
+def _warm_kernels(cfg: Any) -> int:
+    """Build each detector of ``cfg`` once, then a one-step monitor; print the times."""
+    import time
+
+    import numba
+
+    from stability.config.registry import make_detector
+    from stability.monitor.monitor import Monitor
+
+    cache_dir = getattr(numba.config, "CACHE_DIR", "")
+    print(f"numba cache: {cache_dir or '(next to the sources, __pycache__)'}")
+    t_all = time.perf_counter()
+    done: set[str] = set()
+    for spec in cfg.detectors:
+        if spec.detector in done:
+            continue
+        done.add(spec.detector)
+        t0 = time.perf_counter()
+        det = make_detector(spec.detector, spec.params, n_series=1,
+                            n_inputs=len(spec.inputs), where=f"detectors[{spec.name}]")
+        det.update(*([1.0] * det.n_inputs))
+        print(f"  {spec.detector:<18} {time.perf_counter() - t0:6.2f} s")
+    t0 = time.perf_counter()
+    Monitor(cfg).observe(0, {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0})
+    print(f"  {'monitor':<18} {time.perf_counter() - t0:6.2f} s")
+    print(f"warm: {len(done)} detector kernels in {time.perf_counter() - t_all:.2f} s")
+    return 0
+
+
+def _runs(specs: Sequence[str]) -> list[tuple[str, str]]:
+    from replay.replay import discover_many
+
+    return discover_many(specs)
+
+
+def _cmd_replay(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from replay.replay import format_summary, replay_many, replay_run
+
+    runs = _runs(a.runs)
+    if a.save_state and len(runs) != 1:
+        raise ValueError(f"--save-state takes one run; got {len(runs)}.")
+    try:
+        if len(runs) == 1:
+            rid, path = runs[0]
+            results = [replay_run(path, a.config, events=a.events, run_id=rid, progress=None)]
+        else:
+            suffix = ".jsonl"
+            if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
+                suffix = Path(a.events).suffix
+                a.events = str(Path(a.events).with_suffix(""))
+            results = replay_many(runs, a.config, jobs=a.jobs, events_dir=a.events,
+                                  events_suffix=suffix)
+        if a.save_state:
+            _save_state(runs, a.config, a.save_state)
+    except OSError as exc:
+        if exc.filename is None and a.events:  # a write error (full disk) knows no file name
+            exc.filename = a.events
+        raise
+    if a.json:
+        print(json.dumps([r.summary() for r in results], indent=1, default=str))
+        return 0
+    for r in results:
+        print(format_summary(r))
+    if len(results) > 1:
+        alarmed = sum(bool(r.alarms) for r in results)
+        print(f"\n{len(results)} runs, {alarmed} with alarms, "
+              f"{sum(r.n_steps for r in results)} steps")
+    if a.events:
+        print(f"events written to {a.events}")
+    return 0
+
+
+def _cmd_watch(a: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from replay.watch import Watcher, parse_hooks
+
+    w = Watcher(a.sources, a.config, state=a.state, events=a.events, hooks=parse_hooks(a.on),
+                control_file=a.control_file, format=a.format, save_every=a.save_every,
+                backlog=a.backlog,
+                echo=None if a.quiet else lambda line: print(line, flush=True))
+    if a.prometheus_port is not None:
+        from stability.outputs.prometheus import PrometheusExporter
+
+        w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port)
+
+    def _stop(signum: int, frame: Any) -> None:
+        w.stop()  # finish the poll under way, save the state, exit 0
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)
+           if main_thread}
+    try:
+        w.run(once=a.once, poll=a.poll, collect=False)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        w.close()
+    print(w.summary() + (f"; state saved to {a.state}" if a.state else ""), file=sys.stderr)
+    return 0
+
+
+
+def _save_state(runs: list[tuple[str, str]], config: Any, out: str) -> None:
+    from replay.replay import read_table
+    from stability.monitor.monitor import Monitor
+
+    mon = Monitor("default" if config is None else config, alert_sinks=[])
+    mon.replay(read_table(runs[0][1]))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(mon.state_dict(), f)
+
+
+def _eval_settings(a: argparse.Namespace) -> dict[str, int]:
+    return {"window": a.window, "tolerance": a.tolerance, "gap": a.gap}
+
+
+def _cmd_eval(a: argparse.Namespace) -> int:
+    from replay.evaluate import evaluate_runs, format_scenarios, format_table
+    from replay.labels import load_labels
+    from replay.replay import alarms_for_eval
+
+    runs = _runs(a.runs)
+    labels = load_labels(a.labels) if a.labels else {}
+    steps, alarms = alarms_for_eval(runs, a.config, baselines=a.baselines, jobs=a.jobs)
+    summaries = {}
+    for name, per_run in alarms.items():
+        summaries[name] = evaluate_runs(per_run, steps, labels, **_eval_settings(a))[0]
+    if a.json:
+        print(json.dumps({k: v.to_dict() for k, v in summaries.items()}, indent=1,
+                         default=_json_default))
+        return 0
+    s0 = summaries["ours"]
+    print(f"{len(runs)} runs ({s0.n_clean} clean, {s0.n_visible} visible faults, "
+          f"{s0.n_invisible} invisible, {s0.n_div} eligible divergences), "
+          f"{s0.clean_steps} clean steps; ours = {a.config or 'default'} via the monitor")
+    print(format_table(summaries))
+    if a.per_scenario:
+        for name, s in summaries.items():
+            print(f"\n[{name}]")
+            print(format_scenarios(s))
+    return 0
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+def _cmd_tune(a: argparse.Namespace) -> int:
+    from replay.evaluate import format_table
+    from replay.labels import load_labels
+    from replay.tuning import EvalSettings, tune, write_config
+
+    runs = _runs(a.runs)
+    labels = load_labels(a.labels) if a.labels else {}
+    res = tune(runs, labels, a.budget, config=a.config, folds=a.folds, backend=a.backend,
+               jobs=a.jobs, settings=EvalSettings(**_eval_settings(a)),
+               n_thresholds=a.thresholds)
+    header = (f"tuned by `stability tune` on {len(runs)} runs, budget {a.budget} false alarms "
+              f"per 10k clean steps\n")
+    if res.heldout is not None:
+        h = res.heldout
+        header += (f"held-out ({a.folds}-fold by run): recall {h.recall:.3f}, "
+                   f"false alarms/10k {h.fa_per_10k:.3f}\n")
+    write_config(a.output, res.config, header)
+    for c in res.choices:
+        print(f"  {c['binding']:<24} {c['detector']:<12} threshold {c['threshold']:.4g}  "
+              f"{json.dumps(c['params'])}")
+    rows = {"train (all runs)": res.train}
+    if res.heldout is not None:
+        rows[f"held-out ({a.folds}-fold)"] = res.heldout
+    print(format_table(rows))
+    secs = ", ".join(f"{k} {v:.2f}" for k, v in res.seconds.items())
+    print(f"timings: {secs}")
+    print(f"wrote {a.output}")
+    return 0
+
+
+def _cmd_report(argv: Sequence[str]) -> int:
+    import importlib
+
+    mod = importlib.import_module("replay.report")
+    entry = getattr(mod, "main", None)
+    if entry is None:
+        print("replay.report has no main(argv)", file=sys.stderr)
+        return 2
+    rc = entry(list(argv))
+    return int(rc or 0)
+
+
+#: exceptions that are the user's (files, configs, options, disk), reported in one line
+USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RecursionError, MemoryError)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a user error, naming the file when the exception knows it.
+
+    >>> describe_error(FileNotFoundError(2, "No such file or directory", "runs/x.parquet"))
+    'runs/x.parquet: No such file or directory'
+    >>> describe_error(ValueError("run.csv: no step column"))
+    'run.csv: no step column'
+    >>> describe_error(RecursionError("maximum recursion depth exceeded"))
+    'input nested too deeply (maximum recursion depth exceeded)'
+    """
+    if isinstance(exc, OSError) and exc.filename is not None:
+        where = os.fsdecode(exc.filename)
+        if exc.filename2 is not None:
+            where += f" -> {os.fsdecode(exc.filename2)}"
+        return f"{where}: {exc.strerror or exc}"
+    if isinstance(exc, RecursionError):
+        return f"input nested too deeply ({exc})"
+    if isinstance(exc, MemoryError):
+        return f"out of memory ({exc or 'MemoryError'})"
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())  # one line
+
+
+def _one_line_warning(command: str) -> Any:
+    """``warnings.showwarning`` printing ``stability COMMAND: warning: MESSAGE`` on stderr."""
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: Any = None) -> None:
+        print(f"stability {command}: warning: {message}", file=sys.stderr)
+
+    return show
+
+
+def _debug_wanted(args: list[str]) -> tuple[bool, list[str]]:
+    env = os.environ.get("STABILITY_DEBUG", "").strip() not in ("", "0", "false", "no")
+    if "--debug" in args:
+        return True, [x for x in args if x != "--debug"]
+    return env, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``stability`` console script (see the module docstring for errors)."""
+    debug, args = _debug_wanted(list(sys.argv[1:] if argv is None else argv))
+    command = args[0] if args else ""
+    try:
+        if command == "report":
+            return _cmd_report(args[1:])
+        parser = build_parser()
+        a = parser.parse_args(args)
+        if a.command is None:
+            parser.print_help()
+            return 2
+        handlers = {"replay": _cmd_replay, "eval": _cmd_eval, "tune": _cmd_tune,
+                    "goodput": _cmd_goodput, "ranks": _cmd_ranks, "watch": _cmd_watch,
+                    "warmup": _cmd_warmup}
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning(command)
+            return handlers[a.command](a)
+    except USER_ERRORS as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"stability {command}: error: {describe_error(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"stability {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

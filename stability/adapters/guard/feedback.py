@@ -1,0 +1,84 @@
+"""The ``stability/*`` feedback metrics of :class:`~stability.adapters.torch.TorchGuard`.
+
+:class:`GuardFeedback` is a mixin of ``TorchGuard``: :meth:`~GuardFeedback.metrics` gives the
+latest decision's :func:`stability.outputs.feedback.feedback_metrics` plus the LR actually applied
+and the
+goodput counters (read from the goodput ledger), for any logger.  The attributes it uses are set
+by ``TorchGuard.__init__`` (declared below for type checking).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from stability.adapters.interventions import LRMultiplier
+from stability.outputs.feedback import InterventionTally, feedback_metrics
+from stability.run.goodput import GoodputTracker
+from stability.types import Decision
+
+__all__ = ["GuardFeedback"]
+
+log = logging.getLogger("stability.adapters")
+
+
+class GuardFeedback:
+    """The :meth:`metrics` method of :class:`~stability.adapters.torch.TorchGuard`."""
+
+    # set by TorchGuard.__init__
+    monitor: Any
+    decision: Decision | None
+    multiplier: LRMultiplier
+    tally: InterventionTally
+    scaler: Any | None
+    amp_overflow: bool
+    amp_overflows: int
+    goodput: GoodputTracker
+
+    def metrics(self, scores: bool = True) -> dict[str, float]:
+        """This step's ``stability/*`` metrics, for TensorBoard / W&B / any logger.
+
+        :func:`stability.outputs.feedback.feedback_metrics` of the latest decision, plus the LR
+        actually
+        applied (``stability/lr_effective``), the scheduler's LR (``stability/lr_base``),
+        intervention counts by type and the goodput counters (``steps_skipped``, ``rollbacks``,
+        ``steps_lost``, ``checkpoints``, ...); with a scaler also ``amp_overflow`` /
+        ``loss_scale`` / ``amp_overflows``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from stability.adapters.torch import TorchGuard
+        >>> from stability.monitor.monitor import Monitor
+        >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> guard = TorchGuard(model, opt, monitor=Monitor("small"), log_interventions=False)
+        >>> loss = model(torch.ones(4, 2)).pow(2).mean(); loss.backward(); _ = guard.step(loss)
+        >>> m = guard.metrics()
+        >>> m["stability/lr_effective"], m["stability/lr_factor"], m["stability/steps_skipped"]
+        (0.1, 1.0, 0.0)
+        """
+        lrs = self.multiplier.base_lrs()
+        g = self.goodput  # the one goodput ledger (the monitor's)
+        extra: dict[str, float] = {
+            "lr_effective": lrs[0] * self.multiplier.factor if lrs else float("nan"),
+            "lr_base": lrs[0] if lrs else float("nan"),
+            "steps_skipped": g.skipped,
+            "batches_skipped": g.batches_skipped,
+            "rollbacks": g.rollbacks,
+            "steps_lost": g.lost,
+            "checkpoints": g.checkpoints,
+            "checkpoint_failures": g.checkpoint_failures,
+        }
+        extra.update(self.tally.metrics())
+        if self.scaler is not None:
+            extra["amp_overflow"] = float(self.amp_overflow)
+            extra["amp_overflows"] = float(self.amp_overflows)
+            try:
+                extra["loss_scale"] = float(self.scaler.get_scale())
+            except Exception:
+                log.debug("could not read the loss scale", exc_info=True)
+        try:
+            return feedback_metrics(self.monitor, self.decision, extra, scores=scores)
+        except Exception:  # feedback must never kill the run
+            log.debug("feedback metrics failed", exc_info=True)
+            return {f"stability/{k}": float(v) for k, v in extra.items()}

@@ -1,0 +1,1 @@
+"""Operations on real PyTorch objects: signal collection, parameter lists, checkpoint files, AMP."""

@@ -1,0 +1,1 @@
+"""Configuration: the config dataclasses and loading, the detector registry and the presets."""

@@ -1,0 +1,292 @@
+"""Durable, append-only event log (JSON Lines).
+
+Every record is one JSON object on one line with at least ``type``, ``step`` and ``time`` (Unix
+seconds).  Each append is a single ``os.write`` on a file opened with ``O_APPEND`` -- no user-space
+buffer, so a record is in the kernel as soon as :meth:`EventLog.append` returns and survives the
+process being killed right after.  Critical records (critical alarms, checkpoints, rollbacks,
+stops, and anything appended with ``critical=True``) are also ``fsync``-ed, so they survive a
+machine crash too.
+
+Opening an existing log cuts a torn last record (a line without its newline, left by a crash in the
+middle of a write), so records appended after a restart never follow half a line; a short write
+(disk full) is truncated away for the same reason.
+
+Write failures (read-only directory, full disk, ...) are reported once through :mod:`logging` and
+never raise into the training loop, unless ``strict=True``.  Appending to a closed log drops the
+record with a one-time warning (``append`` returns ``False``); it never raises.
+
+Examples
+--------
+>>> import tempfile, os
+>>> from stability.types import Alarm
+>>> path = os.path.join(tempfile.mkdtemp(), "events.jsonl")
+>>> with EventLog(path) as log:
+...     ok = log.alarm(Alarm(3, "loss_spike", "loss", 9.0, 6.0, "warning", "ewma_z"))
+...     ok = log.info(4, "hello", lr=0.1)
+>>> [(e["type"], e["step"]) for e in read_events(path)]
+[('alarm', 3), ('info', 4)]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from detectors.validation import check_bool, check_choice
+from stability.config.sections import FSYNC_MODES
+from stability.types import Alarm, Intervention
+
+logger = logging.getLogger("stability.events")
+
+#: ``errors`` modes of :func:`iter_events`
+ERRORS_MODES = ("raise", "skip")
+
+#: Intervention types that are always fsynced.
+CRITICAL_TYPES = frozenset({"checkpoint", "rollback", "stop"})
+
+
+def _clean(v: Any) -> Any:
+    """Make ``v`` strict-JSON serialisable (non-finite floats become strings)."""
+    if isinstance(v, float):
+        if math.isfinite(v):
+            return v
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, Mapping):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if v is None or isinstance(v, (str, int, bool)):
+        return v
+    if hasattr(v, "to_dict"):
+        return _clean(v.to_dict())
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def is_critical(record: Mapping[str, Any]) -> bool:
+    """Whether a record must be fsynced.
+
+    >>> is_critical({"type": "alarm", "severity": "critical"}), is_critical({"type": "info"})
+    (True, False)
+    """
+    if record.get("critical"):
+        return True
+    t = record.get("type")
+    if t in CRITICAL_TYPES:
+        return True
+    if t == "alarm" and record.get("severity") == "critical":
+        return True
+    return t == "intervention" and record.get("intervention") in CRITICAL_TYPES
+
+
+class EventLog:
+    """Append-only JSONL event log.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file; parent directories are created.  Appends to an existing file.
+    fsync : {"critical", "always", "never"}
+        When to ``fsync`` after a write.
+    strict : bool
+        Raise ``OSError`` on write failures instead of reporting them once through logging.
+    clock : callable, optional
+        Time source for the ``time`` field (default :func:`time.time`).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], fsync: str = "critical",
+                 strict: bool = False, clock: Any = None) -> None:
+        self.fsync = check_choice("EventLog", "fsync", fsync, FSYNC_MODES)
+        self.strict = check_bool("EventLog", "strict", strict)
+        self.path = os.fspath(path)
+        self.clock = clock or time.time
+        self.n_written = 0
+        self.n_dropped = 0
+        self._fd: int | None = None
+        self._reported = False
+        self._closed = False
+        self._warned_closed = False
+        self._lock = threading.Lock()
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            parent = os.path.dirname(self.path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._drop_torn_tail(self._fd)
+        except OSError as e:
+            self._fail(e)
+
+    def _drop_torn_tail(self, fd: int) -> None:
+        """Cut a torn last record (no final newline: a write cut short by a crash).
+
+        Appending after it would turn the torn record into a corrupt line in the middle of the
+        file, which :func:`iter_events` rejects.  The file is scanned backwards in 64 KiB blocks
+        for the last newline, however long the torn record is (a file without any newline is
+        one torn record and is emptied).
+        """
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return
+        block = 65536
+        keep = 0
+        with open(self.path, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            end = size
+            while end > 0:
+                start = max(0, end - block)
+                f.seek(start)
+                cut = f.read(end - start).rfind(b"\n")
+                if cut >= 0:
+                    keep = start + cut + 1
+                    break
+                end = start
+        os.ftruncate(fd, keep)
+        logger.warning("stability event log %s: dropped a torn last record (%d bytes) left by "
+                       "an interrupted write.", self.path, size - keep)
+
+    def _fail(self, e: OSError) -> None:
+        if self.strict:
+            raise e
+        if not self._reported:
+            self._reported = True
+            logger.error("stability event log %s cannot be written (%s); events are being "
+                         "dropped (reported once).", self.path, e)
+
+    # ------------------------------------------------------------------ writing
+    def append(self, record: Mapping[str, Any], critical: bool | None = None) -> bool:
+        """Append one record; returns ``True`` if it reached the file.
+
+        ``type`` defaults to ``"info"``, ``step`` to ``None`` and ``time`` to now.
+        """
+        rec: dict[str, Any] = {"type": "info", "step": None}
+        rec.update(record)
+        rec.setdefault("time", self.clock())
+        crit = is_critical(rec) if critical is None else critical
+        line = (json.dumps(_clean(rec), allow_nan=False, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._closed:  # never raise into the training loop: drop, warn once
+                self.n_dropped += 1
+                if not self._warned_closed:
+                    self._warned_closed = True
+                    logger.warning("stability event log %s: append after close(); the record "
+                                   "is dropped (reported once).", self.path)
+                return False
+            if self._fd is None:
+                self.n_dropped += 1
+                return False
+            done = 0
+            try:
+                view = memoryview(line)
+                while view:
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+                    done += n
+                if self.fsync == "always" or (crit and self.fsync == "critical"):
+                    os.fsync(self._fd)
+            except OSError as e:
+                if 0 < done < len(line):  # a short write (disk full): do not leave half a record
+                    try:
+                        os.ftruncate(self._fd, os.fstat(self._fd).st_size - done)
+                    except OSError:
+                        pass
+                self.n_dropped += 1
+                self._fail(e)
+                return False
+            self.n_written += 1
+            return True
+
+    def alarm(self, alarm: Alarm, **extra: Any) -> bool:
+        """Append an ``alarm`` record."""
+        return self.append({"type": "alarm", **alarm.to_dict(), **extra})
+
+    def intervention(self, iv: Intervention, **extra: Any) -> bool:
+        """Append an ``intervention`` record (``intervention`` holds the intervention type)."""
+        d = iv.to_dict()
+        d["intervention"] = d.pop("type")
+        return self.append({"type": "intervention", **d, **extra})
+
+    def goodput(self, step: int, stats: Mapping[str, Any]) -> bool:
+        """Append a ``goodput`` record."""
+        return self.append({"type": "goodput", "step": step, **stats})
+
+    def info(self, step: int | None, message: str, **extra: Any) -> bool:
+        """Append an ``info`` record."""
+        return self.append({"type": "info", "step": step, "message": message, **extra})
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """``fsync`` the file (every append is already written through to the kernel)."""
+        with self._lock:
+            if self._fd is not None:
+                try:
+                    os.fsync(self._fd)
+                except OSError as e:
+                    self._fail(e)
+
+    def close(self) -> None:
+        """Flush and close; idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        with self._lock:
+            self._closed = True
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                os.close(fd)
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EventLog({self.path!r}, written={self.n_written}, dropped={self.n_dropped})"
+
+
+def iter_events(path: str | os.PathLike[str], errors: str = "raise") -> Iterator[dict[str, Any]]:
+    """Yield the records of an event log in order.
+
+    A torn (incomplete or unparsable) *last* line -- a write interrupted by a crash -- is
+    skipped silently.  A bad line elsewhere raises ``ValueError`` (``errors="raise"``) or is
+    skipped with a warning (``errors="skip"``).
+    """
+    check_choice("iter_events", "errors", errors, ERRORS_MODES)
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = len(lines) - 1
+    while last >= 0 and not lines[last].strip():
+        last -= 1
+    for i, raw in enumerate(lines[: last + 1]):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if i == last:
+                return
+            if errors == "raise":
+                raise ValueError(f"{os.fspath(path)}:{i + 1}: corrupt event record ({e}).") from e
+            logger.warning("%s:%d: skipping corrupt event record (%s).", os.fspath(path), i + 1, e)
+            continue
+        yield rec
+
+
+def read_events(path: str | os.PathLike[str], errors: str = "raise") -> list[dict[str, Any]]:
+    """All records of an event log (see :func:`iter_events`)."""
+    return list(iter_events(path, check_choice("read_events", "errors", errors, ERRORS_MODES)))

@@ -1,0 +1,2 @@
+"""The policy: alarms -> one coherent response per incident (escalation, recovery, LR guard, loss
+tracking)."""

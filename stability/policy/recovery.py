@@ -1,0 +1,301 @@
+"""Recovery around the escalation ladder: what the policy follows every step, and its gates.
+
+* :meth:`RecoveryMixin.track` follows the requested LR (the
+  :class:`~stability.policy.lr_guard.LRGuard`) and the training / validation loss every step;
+* the gates of a cause-aware response: is the run measurably *worse* than before the episode,
+  is it *improving* since the policy started adapting, is every rollback *exhausted*;
+* the *probation* after a rollback that skipped bad data (a data source that keeps failing ends
+  in a stop with the healthy weights restored), and the overfitting early stop;
+* the rollback anchors checkpoint retention must keep.
+
+Mixed into :class:`stability.policy.policy.Policy`; see that module for the semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from stability.policy.context import PolicyContext
+from stability.policy.state import PolicyState
+from stability.types import Alarm, Alert, Control, Intervention, ReduceLR, Rollback, Stop
+
+__all__ = ["RecoveryMixin"]
+
+
+class RecoveryMixin(PolicyState):
+    """Every-step tracking, probation and the recovery gates of the policy."""
+
+    # ------------------------------------------------------------------ every step
+    def track(self, step: int, lr: float | None = None, loss: float | None = None,
+              control: Control | None = None, val: float | None = None) -> list[Intervention]:
+        """Follow the requested LR and the training loss of every step, quiet ones included.
+
+        Call before ``step()`` for the same step (the monitor does).  The LR goes to the
+        :class:`~stability.policy.lr_guard.LRGuard`: when it leaves its healthy band the LR factor
+        divides the fault out for as long as the scheduler keeps asking for it (an ``alert`` and
+        a ``reduce_lr`` with ``duration = 0`` mark the start, an ``alert`` the release).  The
+        loss feeds the "measurably worse" test that gates rollbacks of data-caused episodes and
+        every stop.
+
+        Returns
+        -------
+        list of Intervention
+            Non-empty only when an LR fault starts or ends.
+        """
+        if type(step) is not int:
+            step = int(step)
+        out: list[Intervention] = []
+        if val is not None:
+            self.val.update(step, val, self.loss.fast)
+        if loss is not None:
+            # _track_loss, inlined (every step)
+            self.loss.update(loss, step - self._ep.last_seen > self.config.cooldown
+                             and not self.guard.active and self._probation is None)
+            if self._probation is not None:
+                out = self._check_probation(step, control)
+        if lr is None or not self.config.lr_guard.enabled:
+            return out
+        g = self.guard
+        was = g.active
+        f = g.observe(step, lr)
+        if g.active and not was:
+            reason = (f"LR {g.last_lr:.3g} left its healthy band (last healthy LR {g.ref:.3g}, "
+                      f"x{g.last_lr / g.ref:.3g})")
+            msg = (f"step {step}: {reason} -> LR factor {f:.3g} for as long as the scheduler "
+                   f"asks for it (cause: lr)")
+            out += [Alert(step, reason, cause="lr", severity="critical", message=msg),
+                    ReduceLR(step, reason, cause="lr", factor=f, duration=0, restore_steps=0)]
+            self.n_responses += 1
+            self.cause = "lr"
+        elif was and not g.active:
+            reason = f"LR {g.last_lr:.3g} back in its healthy band"
+            out += [Alert(step, reason, cause="lr", severity="warning",
+                          message=f"step {step}: {reason}; LR guard released")]
+        if control is not None and not self.log_only and (g.active or was):
+            self._apply_persistent(step, control)
+        return out
+
+    def track_quiet(self, step: int, lr: float, loss: float, val: float | None = None) -> bool:
+        """:meth:`track` ``(step, lr, loss, control, val)`` (``int`` step, ``float`` LR and
+        losses) if it can request nothing: no probation, the LR guard enabled, primed and
+        inactive, and ``lr`` inside its healthy band.  Returns ``False`` (and does nothing)
+        otherwise.  The state afterwards is :meth:`track`'s, bit for bit: the same operations,
+        inlined (the monitor's quiet step; ``control`` is not touched when nothing is asked).
+        """
+        g = self.guard
+        if g.active or not g.primed or self._probation is not None:
+            return False
+        c = g.config
+        if not (0.0 < lr < math.inf and self.config.lr_guard.enabled):
+            return False  # (NaN fails too); observe() ignores such an LR: general path
+        # LRGuard.upper(), inlined
+        ref = g.ref
+        if g.n < c.min_steps or not math.isfinite(ref):
+            up = math.inf
+        elif not g.warm:
+            up = ref * c.warmup_jump
+        else:
+            hi = ref
+            if c.allow_restarts and math.isfinite(g.peak):
+                hi = max(hi, g.peak)
+            up = hi * c.tolerance
+        if lr > up:
+            return False  # an LR fault starts: general path
+        if val is not None:
+            self.val.update(step, val, self.loss.fast)
+        # LossTracker.update(loss, quiet), inlined (the guard is and stays inactive)
+        lt = self.loss
+        if math.isnan(loss) or math.isinf(loss):
+            lt.nonfinite_run += 1
+        else:
+            lt.nonfinite_run = 0
+            if loss > 0.0:
+                x = math.log(loss)
+                fast = lt.fast
+                lt.fast = x if math.isnan(fast) else fast + lt.fast_alpha * (x - fast)
+                if step - self._ep.last_seen > self.config.cooldown:
+                    base = lt.base
+                    lt.base = x if math.isnan(base) else base + lt.base_alpha * (x - base)
+        # LRGuard.observe(step, lr) -> _healthy(lr), inlined
+        g.last_lr = lr
+        g.n += 1
+        g.ref = lr
+        peak = g.peak
+        if not math.isfinite(peak) or lr > peak:
+            g.peak = lr
+            g.since_peak = 0
+        else:
+            g.since_peak += 1
+            if g.since_peak >= c.settle:
+                g.warm = True
+        g.factor = 1.0
+        return True
+
+    def track_many(self, steps: Any, lr: Any = None, loss: Any = None, val: Any = None) -> int:
+        """:meth:`track` over consecutive steps, in bulk, for as long as it requests nothing.
+
+        ``lr`` / ``loss`` / ``val``: ``(values, present)`` float64 / bool arrays aligned with
+        ``steps`` (``None``: not given on any of them).  Returns how many leading steps were
+        taken: none while an LR fault or a probation is open, and never the step at which the
+        LR leaves its healthy band (call :meth:`track` from there).  The state afterwards is
+        that of a :meth:`track` loop over the steps taken (the replay's fast path).
+        """
+        n = len(steps)
+        if self._probation is not None or n == 0:
+            return 0
+        if lr is not None and self.config.lr_guard.enabled and lr[1].any():
+            g = self.guard
+            if g.active or not g.primed:
+                return 0
+            pos = np.flatnonzero(lr[1])
+            k = g.observe_healthy(lr[0][pos])
+            if k < pos.size:
+                n = int(pos[k])  # the LR at pos[k] starts a fault: track() takes it
+        if loss is None and val is None:
+            return n
+        # the loss baseline learns from steps outside the cooldown after the last episode
+        # (the guard stays inactive and no probation opens within the steps taken)
+        rows = np.zeros(0, dtype=np.int64) if loss is None else np.flatnonzero(loss[1][:n])
+        quiet = np.asarray(steps)[rows] - self._ep.last_seen > self.config.cooldown
+        lv = np.zeros(0) if loss is None else loss[0][rows]
+        vrows = np.zeros(0, dtype=np.int64) if val is None else np.flatnonzero(val[1][:n])
+        # a validation point sees the loss level before its own step's loss
+        levels = self.loss.update_many(lv, quiet, probe=np.searchsorted(rows, vrows))
+        if vrows.size > 8:
+            _val_many(self.val, np.asarray(steps)[vrows], val[0][vrows], levels)
+            return n
+        for i, level in zip(vrows.tolist(), levels.tolist(), strict=True):
+            self.val.update(int(steps[i]), float(val[0][i]), level)
+        return n
+
+    def _track_loss(self, step: int, loss: float) -> None:
+        quiet = (step - self._ep.last_seen > self.config.cooldown and not self.guard.active
+                 and self._probation is None)
+        self.loss.update(loss, quiet)
+
+    # ------------------------------------------------------------------ rollback anchors
+    @property
+    def episode_onset(self) -> int | None:
+        """First alarm step of the open episode (``None`` when none is open)."""
+        return self._onset
+
+    def rollback_anchors(self) -> list[int]:
+        """Steps before which a rollback or restore may still be needed.
+
+        The open episode's onset and the step after the best validation point: the latest
+        healthy checkpoint before each must survive checkpoint retention.
+        """
+        out = [] if self._onset is None else [self._onset]
+        if self.val.best_step >= 0:
+            out.append(self.val.best_step + 1)
+        return out
+
+    def rollback_failed(self, step: int) -> None:
+        """The trainer could not carry out the rollback requested at ``step``: not counted."""
+        self.n_rollbacks = max(0, self.n_rollbacks - 1)
+
+    # ------------------------------------------------------------------ stops that restore
+    def _check_probation(self, step: int, control: Control | None) -> list[Intervention]:
+        """After a rollback that skipped bad data: does the data source keep failing?
+
+        If the loss stays measurably worse than before the episode for ``adapt_steps`` steps
+        within ``recur_steps`` of the rollback, the source is broken (a stuck loader, bad shards
+        to the end): nothing left to try, so stop with the healthy checkpoint restored.
+        """
+        assert self._probation is not None
+        pb = self._probation
+        rc = self.config.recovery
+        if step - pb.resume > rc.recur_steps:
+            self._probation = None
+            return []
+        n_worse = pb.n_worse + 1 if self.worse() else 0
+        self._probation = pb._replace(n_worse=n_worse)
+        if n_worse < max(1, rc.adapt_steps):
+            return []
+        self._probation = None
+        reason = (f"the loss stayed measurably worse for {n_worse} steps after the rollback at "
+                  f"step {pb.resume} skipped the bad data: the data source keeps failing")
+        return self._stop_restoring(step, pb.target, reason, pb.cause, control)
+
+    def _overfit_stop(self, step: int, acts: Sequence[Alarm], cause: str, ctx: PolicyContext,
+                      control: Control) -> list[Intervention] | None:
+        """Overfitting: validation keeps getting worse while training does not -- an early stop
+        with the checkpoint of the best validation point restored (``None``: not overfitting).
+        """
+        rc, val = self.config.recovery, self.val
+        if not ("train_val_divergence" in {a.kind for a in acts}
+                and val.worse_points >= rc.val_patience and cause == "divergence"
+                and self.loss.fast < val.train_at_best + math.log1p(-rc.val_train_drop)):
+            return None
+        ledger = ctx.healthy_checkpoints
+        rec = None if ledger is None else ledger.latest_healthy_before(
+            val.best_step + 1, self.config.checkpoint_margin)
+        reason = (f"validation loss {val.worse_points} points above its best "
+                  f"({val.best:.4g} at step {val.best_step}) by more than "
+                  f"{rc.val_margin:.0%} while the training loss fell "
+                  f"{1 - math.exp(self.loss.fast - val.train_at_best):.0%} below its level "
+                  f"then: overfitting")
+        return self._stop_restoring(step, None if rec is None else rec.step, reason,
+                                    "overfit", control)
+
+    def _stop_restoring(self, step: int, target: int | None, reason: str, cause: str,
+                        control: Control | None) -> list[Intervention]:
+        """Stop with the checkpoint of ``target`` restored (``None``: nothing to restore)."""
+        kept = "" if target is None else f" with the weights of step {target} restored"
+        msg = (f"step {step}: {reason} -> stop{kept} (cause: {cause}; tried: "
+               f"{self.n_rollbacks} rollback(s))")
+        out: list[Intervention] = [
+            Alert(step, reason, cause=cause, severity="critical", message=msg)]
+        if target is not None:
+            out.append(Rollback(step, reason, cause=cause, to_step=target, skip_from=step,
+                                skip_to=step - 1))
+        out.append(Stop(step, msg, cause=cause))
+        self.n_responses += 1
+        self.cause = cause
+        if control is not None and not self.log_only:
+            if target is not None:
+                control.rollback_to = target
+            control.stop = True
+            control.stop_reason = msg
+        return out
+
+    # ------------------------------------------------------------------ gates
+    def _improving(self) -> bool:
+        fast, ref = self.loss.fast, self._ep.adapt_fast
+        return not math.isnan(ref) and not math.isnan(fast) and fast < ref - 0.02
+
+    def _start_adapting(self, step: int) -> None:
+        """Start adapting (clip + LR cut) at ``step``: remember the loss level then."""
+        self._ep.adapt_start = step
+        self._ep.adapt_fast = self.loss.fast
+
+    def _exhausted(self, step: int, ctx: PolicyContext) -> bool:
+        """No rollback left to try: the limit is reached or no healthy checkpoint exists."""
+        if self.n_rollbacks >= self.config.max_rollbacks:
+            return True
+        ledger = ctx.healthy_checkpoints
+        onset = step if self._onset is None else self._onset
+        return ledger is None or ledger.latest_healthy_before(
+            onset, self.config.checkpoint_margin) is None
+
+
+def _val_many(vt: Any, steps: np.ndarray, vals: np.ndarray, levels: np.ndarray) -> None:
+    """``vt.update(steps[i], vals[i], levels[i])`` for each point in order (a
+    :class:`~stability.policy.loss_tracker.ValTracker`), in bulk: the same comparisons and product,
+    so the same state bit for bit."""
+    v = np.asarray(vals, dtype=np.float64)
+    fin = np.isfinite(v)
+    x = np.where(fin, v, np.inf)  # a non-finite point never becomes the best
+    best = np.minimum.accumulate(np.concatenate(([float(vt.best)], x)))  # best before point i
+    new = np.flatnonzero(x < best[:-1])
+    if new.size:
+        j = int(new[-1])
+        vt.best, vt.best_step, vt.train_at_best = float(v[j]), int(steps[j]), float(levels[j])
+    worse = ~fin | (x > best[1:] * (1.0 + vt.margin))
+    ok = np.flatnonzero(~worse)
+    vt.worse_points = (vt.worse_points + v.size if ok.size == 0
+                       else v.size - 1 - int(ok[-1]))

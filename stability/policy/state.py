@@ -1,0 +1,378 @@
+"""The policy's state: named records, and its snapshot format with the checks on loading.
+
+The timers the policy keeps are small named tuples (:class:`LRCut`, :class:`ClipHold`,
+:class:`JumpHold`, :class:`Probation`) and the open episode an :class:`Episode`.  On disk they
+stay the lists of version 2 (``"lr": [start, factor, duration, restore]``, ...), so snapshots
+written before the records had names load unchanged.
+
+:func:`read_state` checks a whole snapshot (every leaf through :class:`~stability._state_check.
+Fields`) into a :class:`PolicySnapshot` before the policy installs anything, so a rejected one
+leaves the policy as it was; :func:`write_state` is its inverse.
+
+Examples
+--------
+>>> from stability.policy.config import PolicyConfig
+>>> snap = read_state({"version": 2, "level": 1, "lr": [10, 0.5, 100, 50]},
+...                   PolicyConfig.from_dict(None))
+>>> snap.lr
+LRCut(start=10, factor=0.5, duration=100, restore=50)
+>>> write_state(snap)["lr"]
+[10, 0.5, 100, 50]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from stability._state_check import Fields
+from stability.policy.config import PolicyConfig
+from stability.policy.context import Ledger
+from stability.policy.loss_tracker import LossTracker, ValTracker
+from stability.policy.lr_guard import LRGuard
+from stability.policy.lr_schedule import lr_cut_end, lr_factor_at
+from stability.types import Control
+
+__all__ = ["ClipHold", "Episode", "JumpHold", "LRCut", "PolicySnapshot", "PolicyState",
+           "Probation", "STATE_VERSION", "read_state", "write_state"]
+
+STATE_VERSION = 2
+#: "never" / "always" for step arithmetic (well inside int64)
+INF_STEP = 2**62
+
+
+class LRCut(NamedTuple):
+    """The ladder's LR cut: ``factor`` from ``start`` for ``duration`` steps, then a ramp back
+    over ``restore`` steps."""
+
+    start: int
+    factor: float
+    duration: int
+    restore: int
+
+
+class ClipHold(NamedTuple):
+    """A tighter gradient clip ``norm`` from ``start`` for ``duration`` steps (0: for good)."""
+
+    norm: float
+    start: int
+    duration: int
+
+
+class JumpHold(NamedTuple):
+    """An LR jump held: the jump ``ratio`` in force, its ``last`` alarm step, the cut's
+    ``factor``."""
+
+    ratio: float
+    last: int
+    factor: float
+
+
+class Probation(NamedTuple):
+    """After a rollback that skipped bad data: resumed at ``resume`` from the checkpoint of
+    ``target``; ``n_worse`` steps measurably worse so far; the episode's ``cause``."""
+
+    resume: int
+    target: int
+    n_worse: int
+    cause: str
+
+
+@dataclass
+class Episode:
+    """The open episode (reset by a rollback, or when it is over)."""
+
+    consec: int = 0                 #: consecutive alarm steps of the episode
+    last_seen: int = -INF_STEP      #: last step with acting alarms
+    skip_run: int = 0               #: kept in the snapshot format (always 0)
+    adapt_start: int | None = None  #: step the policy started adapting (clip + LR cut)
+    adapt_fast: float = math.nan    #: the fast loss average then
+    cause: str = ""                 #: the episode's attributed cause
+
+
+@dataclass
+class PolicySnapshot:
+    """Everything :meth:`~stability.policy.policy.Policy.state_dict` saves, checked and typed."""
+
+    level: int
+    last_alarm: int | None
+    last_response: int | None
+    kind_last: dict[str, int]
+    onset: int | None
+    hist: dict[str, list[int]]
+    lr: LRCut | None
+    clip: ClipHold | None
+    jump: JumpHold | None
+    damage_last: int | None
+    n_rollbacks: int
+    n_responses: int
+    n_merged: int
+    guard: LRGuard
+    episode: Episode
+    probation: Probation | None
+    loss: LossTracker
+    val: ValTracker
+
+
+def write_state(s: PolicySnapshot) -> dict[str, Any]:
+    """JSON-compatible snapshot (format version :data:`STATE_VERSION`)."""
+    ep = s.episode
+    return {
+        "version": STATE_VERSION,
+        "level": s.level,
+        "last_alarm": s.last_alarm,
+        "last_response": s.last_response,
+        "kind_last": dict(s.kind_last),
+        "onset": s.onset,
+        "hist": {k: list(v) for k, v in s.hist.items()},
+        "lr": None if s.lr is None else list(s.lr),
+        "clip": None if s.clip is None else list(s.clip),
+        "jump": None if s.jump is None else list(s.jump),
+        "damage_last": s.damage_last,
+        "n_rollbacks": s.n_rollbacks,
+        "n_responses": s.n_responses,
+        "n_merged": s.n_merged,
+        "guard": s.guard.state_dict(),
+        "episode": {"consec": ep.consec, "last_seen": ep.last_seen,
+                    "skip_run": ep.skip_run, "adapt_start": ep.adapt_start,
+                    "adapt_fast": _enc(ep.adapt_fast), "cause": ep.cause},
+        "probation": None if s.probation is None else list(s.probation),
+        "loss": s.loss.state_dict(),
+        "val": s.val.state_dict(),
+    }
+
+
+def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
+    """Check a :func:`write_state` snapshot; raise ``ValueError`` naming the first bad field.
+
+    ``config`` bounds the level (its ladder) and configures the trackers.  Absent keys take
+    their defaults; unknown keys are ignored.
+    """
+    f = Fields("Policy", sd)
+    f.version(STATE_VERSION, default=0)
+    n_levels = len(config.ladder)
+    level = min(f.integer("level", f.get("level", 0), lo=0, hi=10_000), n_levels)
+    last_alarm = f.opt_integer("last_alarm")
+    last_response = f.opt_integer("last_response")
+    kind_last = {f.text("kind_last", value=k, max_len=200): f.integer(f"kind_last.{k}", v)
+                 for k, v in f.mapping("kind_last", {}).items()}
+    onset = f.opt_integer("onset")
+    hist = {f.text("hist", value=k, max_len=200): [f.integer(f"hist.{k}", x)
+                                                  for x in f.seq(f"hist.{k}", None, v)]
+            for k, v in f.mapping("hist", {}).items()}
+    lr_ = f.opt_seq("lr", 4)
+    lr = None if lr_ is None else LRCut(
+        f.integer("lr[0]", lr_[0]), f.number("lr[1]", lr_[1], lo=0.0, hi=1.0, low_open=True),
+        f.integer("lr[2]", lr_[2], lo=0), f.integer("lr[3]", lr_[3], lo=0))
+    clip_ = f.opt_seq("clip", 3)
+    clip = None if clip_ is None else ClipHold(
+        f.number("clip[0]", clip_[0], lo=0.0, low_open=True), f.integer("clip[1]", clip_[1]),
+        f.integer("clip[2]", clip_[2], lo=0))
+    jump_ = f.opt_seq("jump", 3)
+    jump = None if jump_ is None else JumpHold(
+        f.number("jump[0]", jump_[0], lo=0.0, low_open=True), f.integer("jump[1]", jump_[1]),
+        f.number("jump[2]", jump_[2], lo=0.0, hi=1.0, low_open=True))
+    damage_last = f.opt_integer("damage_last")
+    counts = {k: f.integer(k, f.get(k, 0), lo=0) for k in ("n_rollbacks", "n_responses",
+                                                       "n_merged")}
+    ep = f.sub("episode", {})
+    episode = Episode(
+        consec=ep.integer("consec", ep.get("consec", 0), lo=0),
+        last_seen=ep.integer("last_seen", ep.get("last_seen", -INF_STEP)),
+        skip_run=ep.integer("skip_run", ep.get("skip_run", 0), lo=0),
+        adapt_start=ep.opt_integer("adapt_start"),
+        adapt_fast=ep.number("adapt_fast", ep.get("adapt_fast", math.nan), nan=True),
+        cause=ep.text("cause", "", max_len=200))
+    pb = f.opt_seq("probation", 4)
+    probation = None if pb is None else Probation(
+        f.integer("probation[0]", pb[0]), f.integer("probation[1]", pb[1]),
+        f.integer("probation[2]", pb[2], lo=0),
+        f.text("probation[3]", value=pb[3], max_len=200))
+    guard = LRGuard(config.lr_guard)
+    if f.get("guard", None) is not None:
+        guard.load_state_dict(f.get("guard"))
+    rc = config.recovery
+    loss = LossTracker(rc.fast_alpha, rc.base_alpha)
+    loss.load_state_dict(f.mapping("loss", {}))
+    val = ValTracker(rc.val_margin)
+    val.load_state_dict(f.mapping("val", {}))
+    return PolicySnapshot(
+        level=level, last_alarm=last_alarm, last_response=last_response, kind_last=kind_last,
+        onset=onset, hist=hist, lr=lr, clip=clip, jump=jump, damage_last=damage_last,
+        n_rollbacks=counts["n_rollbacks"], n_responses=counts["n_responses"],
+        n_merged=counts["n_merged"], guard=guard, episode=episode, probation=probation,
+        loss=loss, val=val)
+
+
+class PolicyState:
+    """The policy's state, its snapshot and its pure queries (base of
+    :class:`~stability.policy.policy.Policy`; subclasses set :attr:`config` and :attr:`log_only`).
+
+    The persistent ``Control`` fields are a pure function of (state, step): :meth:`control_at`.
+    """
+
+    config: PolicyConfig
+    log_only: bool
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every incident (fresh state)."""
+        self._level = 0
+        self._last_alarm: int | None = None
+        self._last_response: int | None = None
+        self._kind_last: dict[str, int] = {}
+        self._onset: int | None = None
+        self._hist: dict[str, list[int]] = {}
+        self._lr: LRCut | None = None
+        self._clip: ClipHold | None = None
+        self._neutral_from = -INF_STEP
+        self._rewound_to: int | None = None
+        self._jump: JumpHold | None = None
+        self._damage_last: int | None = None
+        self._rolled_back = False
+        self._probation: Probation | None = None
+        self.n_rollbacks = 0
+        self.n_responses = 0
+        self.n_merged = 0
+        self.guard = LRGuard(self.config.lr_guard)
+        self._ep = Episode()
+        rc = self.config.recovery
+        self.loss = LossTracker(rc.fast_alpha, rc.base_alpha)
+        self.val = ValTracker(rc.val_margin)
+
+    def _reset_episode(self) -> None:
+        """Forget the open episode (after a rollback, or when it is over)."""
+        self._ep = Episode()
+
+    @property
+    def cause(self) -> str:
+        """Attributed cause of the open (or latest) episode (``""``: none)."""
+        return self._ep.cause
+
+    @cause.setter
+    def cause(self, value: str) -> None:
+        self._ep.cause = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible state (``"version"`` key); config is not included."""
+        return write_state(PolicySnapshot(
+            level=self._level, last_alarm=self._last_alarm, last_response=self._last_response,
+            kind_last=self._kind_last, onset=self._onset, hist=self._hist, lr=self._lr,
+            clip=self._clip, jump=self._jump, damage_last=self._damage_last,
+            n_rollbacks=self.n_rollbacks, n_responses=self.n_responses, n_merged=self.n_merged,
+            guard=self.guard, episode=self._ep, probation=self._probation, loss=self.loss,
+            val=self.val))
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; later decisions are identical.
+
+        This policy's configuration wins (it is not part of the snapshot).  Every field is
+        checked before anything changes: a malformed one (a NaN or negative LR factor, a
+        negative hold, a tuple of the wrong length, ...) raises ``ValueError`` naming it and
+        leaves the policy as it was.
+        """
+        s = read_state(sd, self.config)
+        self.reset()
+        self._level, self._last_alarm, self._last_response = (
+            s.level, s.last_alarm, s.last_response)
+        self._kind_last, self._onset, self._hist = s.kind_last, s.onset, s.hist
+        self._lr, self._clip, self._jump, self._damage_last = s.lr, s.clip, s.jump, s.damage_last
+        self.n_rollbacks, self.n_responses, self.n_merged = (
+            s.n_rollbacks, s.n_responses, s.n_merged)
+        self.guard, self.loss, self.val = s.guard, s.loss, s.val
+        self._ep, self._probation = s.episode, s.probation
+        self._update_neutral()
+
+    # ------------------------------------------------------------------ pure queries
+    def level_at(self, step: int) -> int:
+        """Escalation level at ``step`` after hysteresis decay (0 = no incident).
+
+        >>> from stability.policy.policy import Policy
+        >>> Policy({"quiet_steps": 10}).level_at(5)
+        0
+        """
+        if self._last_alarm is None or self._level == 0:
+            return 0
+        quiet = max(step - self._last_alarm, 0)
+        return max(0, self._level - quiet // self.config.quiet_steps)
+
+    def lr_factor_at(self, step: int) -> float:
+        """LR multiplier the policy wants at ``step`` (ignores ``log_only``)."""
+        g = self.guard.factor if self.guard.active else 1.0
+        return min(g, self._ladder_lr_factor_at(step))
+
+    def _ladder_lr_factor_at(self, step: int) -> float:
+        """The ladder's own LR cut at ``step`` (without the LR guard's)."""
+        if self._lr is None:
+            return 1.0
+        s, f, d, r = self._lr
+        return lr_factor_at(step, s, f, d, r, self.config.lr.shape)
+
+    def clip_norm_at(self, step: int) -> float | None:
+        """Clip norm the policy wants at ``step`` (``None``: trainer default; ignores log_only)."""
+        if self._clip is None:
+            return None
+        norm, start, duration = self._clip
+        if step < start or (duration > 0 and step >= start + duration):
+            return None
+        return norm
+
+    def planned_control_at(self, step: int) -> Control:
+        """Persistent fields the policy wants at ``step``, whatever the mode."""
+        return Control(lr_factor=self.lr_factor_at(step), clip_norm=self.clip_norm_at(step))
+
+    def control_at(self, step: int) -> Control:
+        """Persistent ``Control`` fields (``lr_factor``, ``clip_norm``) at ``step``.
+
+        A pure function of (state, step): exactly what ``step()`` writes on a step without
+        alarms.  Neutral in ``log_only`` mode.
+        """
+        return Control() if self.log_only else self.planned_control_at(step)
+
+    def worse(self) -> bool | None:
+        """Is the run measurably worse than before the episode?  ``None``: cannot tell."""
+        return self.loss.worse(self.config.recovery.worse_margin)
+
+    def _apply_persistent(self, step: int, control: Control) -> None:
+        if step >= self._neutral_from and not self.guard.active:
+            control.lr_factor, control.clip_norm = 1.0, None
+        else:
+            control.lr_factor = self.lr_factor_at(step)
+            control.clip_norm = self.clip_norm_at(step)
+
+    def _update_neutral(self) -> None:
+        ends = [-INF_STEP]
+        if self._lr is not None:
+            ends.append(lr_cut_end(self._lr.start, self._lr.duration, self._lr.restore))
+        if self._clip is not None:
+            c = self._clip
+            ends.append(INF_STEP if c.duration == 0 else c.start + c.duration)
+        self._neutral_from = max(ends)
+
+    def _rewind(self, step: int, to: int, ledger: Ledger | None) -> None:
+        """The trainer restarts counting at ``to + 1``: shift every timestamp by ``to - step``."""
+        d = to - step
+
+        def sh(x: int | None) -> int | None:
+            return None if x is None else x + d
+
+        self._last_alarm = sh(self._last_alarm)
+        self._last_response = sh(self._last_response)
+        self._kind_last = {k: v + d for k, v in self._kind_last.items()}
+        self._hist = {k: [x + d for x in v] for k, v in self._hist.items()}
+        if self._lr is not None:
+            self._lr = self._lr._replace(start=self._lr.start + d)
+        if self._clip is not None:
+            self._clip = self._clip._replace(start=self._clip.start + d)
+        if self._jump is not None:
+            self._jump = self._jump._replace(last=self._jump.last + d)
+        self._damage_last = sh(self._damage_last)
+        if ledger is not None:
+            ledger.rewind(to)
+
+
+def _enc(v: float) -> float | str:
+    """JSON-safe float (non-finite as a string, read back by ``float``)."""
+    return v if math.isfinite(v) else str(v)
