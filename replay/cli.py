@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a fresh watcher (no state) finds at start: act on it, or only "
                         "warm the monitor on it (default %(default)s)")
     p.add_argument("--quiet", "-q", action="store_true", help="no line per alarm step")
+    g = p.add_argument_group("the culprit rank (replay.watch_ranks)")
+    g.add_argument("--ranks", action="store_true",
+                   help="SOURCEs are per-rank logs (one file per rank, or one log with "
+                        "[rankN]: prefixes): name the rank/host that departs or stalls")
+    g.add_argument("--hosts", default=None, metavar="H0,H1,...", help="host name per rank")
+    g.add_argument("--world", type=int, default=None, help="world size (default: from the logs)")
+    g.add_argument("--stall-after", type=float, default=60.0, metavar="SECONDS",
+                   help="silence that makes a rank stalled while others log (%(default)s)")
 
     p = sub.add_parser("ranks", help="per-rank health (which rank or host is the culprit)")
     p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) of a multi-rank run")
@@ -276,10 +284,26 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_watch_ranks(a: argparse.Namespace) -> int:
+    from replay.watch_ranks import RankWatcher
+
+    w = RankWatcher(a.sources, hosts=a.hosts.split(",") if a.hosts else None, world=a.world,
+                    stall_after=a.stall_after, events=a.events,
+                    echo=None if a.quiet else lambda line: print(line, flush=True))
+    try:
+        w.run(once=a.once, poll=a.poll)
+    finally:
+        w.close()
+    print(w.summary(), file=sys.stderr)
+    return 0
+
+
 def _cmd_watch(a: argparse.Namespace) -> int:
     import signal
     import threading
 
+    if a.ranks:
+        return _cmd_watch_ranks(a)
     from replay.watch import Watcher, parse_hooks
 
     w = Watcher(a.sources, a.config, state=a.state, events=a.events, hooks=parse_hooks(a.on),
