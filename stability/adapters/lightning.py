@@ -72,8 +72,6 @@ from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
-    finish_step,
-    observe_before_save,
 )
 from stability.adapters.trainer_support import (
     TrainerCheckpointStore,
@@ -284,12 +282,12 @@ class StabilityCallback(pl.Callback):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        emergency, why, rolled = finish_step(guard)
+        emergency, why, rolled = guard.finish_step()
         step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
         due = (not self.in_memory and self.checkpoint_every > 0
                and (step + 1) % self.checkpoint_every == 0 and guard.stopped is None)
         if due or emergency:  # sync="deferred": observe this step first (its health)
-            late, why_late, rolled = observe_before_save(guard)
+            late, why_late, rolled = guard.observe_before_save()
             emergency, why = emergency or late, why or why_late
         due = due and guard.healthy and guard.stopped is None
         if guard.stopped is not None and self.stopped is None:
