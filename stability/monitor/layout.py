@@ -26,7 +26,7 @@ import numpy as np
 from detectors.dispatch import compiling
 from stability.config.config import DetectorSpec
 from stability.config.registry import make_detector
-from stability.monitor.binding import Aliases, Pattern, empty_buffers
+from stability.monitor.binding import Aliases, OwnNames, Pattern, empty_buffers
 from stability.monitor.fused import N_TRACKED, FusedPlan, build_fused_plan, step_buffers
 from stability.monitor.io import to_float
 
@@ -144,6 +144,7 @@ class LayoutMixin:
     max_series: int
     counters: dict[str, int]
     _alias: Aliases
+    _own: OwnNames
     _bindings: list[_Binding]
     _capped_banks: set[str]
     _gather: GatherPlan
@@ -224,6 +225,8 @@ class LayoutMixin:
         return s
 
     def _bind(self, name: str) -> int:
+        if self._own(name):  # the guard's own logs are never inputs (binding.OwnNames)
+            return _SCRATCH
         hits = []
         for b in self._bindings:
             for j, p in enumerate(b.patterns):

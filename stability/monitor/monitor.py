@@ -60,7 +60,7 @@ import numpy as np
 
 from detectors.dispatch import compiling
 from stability.config.config import ConfigSource, MonitorConfig, load_config
-from stability.monitor.binding import Aliases
+from stability.monitor.binding import Aliases, OwnNames
 from stability.monitor.bound import BoundInputs, BoundMixin
 from stability.monitor.emit import EmitMixin, _decision
 from stability.monitor.fused import fused_step, reference_step
@@ -148,6 +148,7 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
         self.log_only = self.config.monitor.log_only
         self.strict = self.config.monitor.strict
         self._alias = Aliases(self.config.monitor.aliases)
+        self._own = OwnNames(self.config.monitor.own_prefixes)
         self._bindings = [
             _Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
         ]

@@ -10,6 +10,7 @@ by ``TorchGuard.__init__`` (declared below for type checking).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from stability.adapters.interventions import LRMultiplier
@@ -81,4 +82,5 @@ class GuardFeedback:
             return feedback_metrics(self.monitor, self.decision, extra, scores=scores)
         except Exception:  # feedback must never kill the run
             log.debug("feedback metrics failed", exc_info=True)
-            return {f"stability/{k}": float(v) for k, v in extra.items()}
+            return {f"stability/{k}": float(v) for k, v in extra.items()
+                    if not math.isnan(float(v))}
