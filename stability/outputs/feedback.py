@@ -48,10 +48,11 @@ False
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from stability._state_check import Fields
@@ -59,11 +60,13 @@ from stability.types import INTERVENTION_TYPES
 
 __all__ = [
     "ACTING",
+    "CORE_KEYS",
     "PREFIX",
     "InterventionTally",
     "describe",
     "feedback_metrics",
     "is_acting",
+    "key_selector",
     "log_interventions",
 ]
 
@@ -72,6 +75,40 @@ PREFIX = "stability/"
 ACTING = frozenset({"set_clip", "reduce_lr", "skip_step", "checkpoint", "rollback", "stop"})
 
 log = logging.getLogger("stability.adapters")
+
+#: The handful of keys the trainer callbacks log by default (``log_keys="core"``).
+CORE_KEYS = tuple(PREFIX + k for k in (
+    "lr_factor", "lr_base", "lr_effective", "clip_norm", "level", "alarms",
+    "interventions/acting", "steps_skipped", "rollbacks", "amp_overflow", "loss_scale"))
+
+
+def key_selector(log_keys: Any, where: str = "log_keys") -> Callable[[str], bool]:
+    """Which ``stability/*`` keys a trainer callback logs: ``"core"``, ``"all"`` or a list.
+
+    ``"core"``: :data:`CORE_KEYS` (what the run is doing: LR factor and LR, clip, level, alarms,
+    acting interventions, skipped steps, rollbacks, AMP overflow / loss scale).  ``"all"``:
+    every key of :func:`feedback_metrics` (detector scores, interventions by type, goodput
+    counters).  A list: those names (``"stability/"`` may be left out) or fnmatch patterns
+    such as ``"score/*"``.  Anything else is a ``ValueError`` naming ``where``.
+
+    >>> keep = key_selector(["lr_factor", "score/*"])
+    >>> keep("stability/lr_factor"), keep("stability/score/nan"), keep("stability/level")
+    (True, True, False)
+    >>> key_selector("core")("stability/score/nan"), key_selector("all")("stability/score/nan")
+    (False, True)
+    """
+    if isinstance(log_keys, str):
+        if log_keys == "all":
+            return lambda key: True
+        if log_keys == "core":
+            core = frozenset(CORE_KEYS)
+            return core.__contains__
+    elif isinstance(log_keys, (list, tuple, set, frozenset)) and all(
+            isinstance(k, str) and k for k in log_keys):
+        pats = [k if k.startswith(PREFIX) else PREFIX + k for k in log_keys]
+        return lambda key: any(fnmatch.fnmatchcase(key, p) for p in pats)
+    raise ValueError(f"The {where!r} parameter must be 'core', 'all' or a list of key names "
+                     f"(e.g. ['lr_factor', 'score/*']). Got {log_keys!r} instead.")
 
 
 def is_acting(iv: Any) -> bool:
