@@ -208,7 +208,8 @@ def unbound_warning(monitor: Any, names: Iterable[str]) -> str | None:
     specific = [d for d in monitor.config.detectors if any(i.strip("*/") for i in d.inputs)]
     if not specific or any(monitor.series(d.name) for d in specific):
         return None
-    seen = [n for n in names if n != "step"]
+    own = getattr(monitor, "_own", None)  # the guard's own stability/* logs: never inputs
+    seen = [n for n in names if n != "step" and not (own is not None and own(n))]
     known: dict[str, str] = {}  # candidate name -> canonical name
     for d in specific:
         for i in d.inputs:

@@ -89,6 +89,7 @@ from stability.adapters.trainer_support import (
     last_step_feedback,
     params_finite,
 )
+from stability.outputs.feedback import key_selector
 
 __all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
 
@@ -165,6 +166,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         Also keep an in-memory copy every this many healthy steps (0 = never).
     memory_limit_mb : float
         Budget for in-memory copies; a copy that does not fit is refused (logged).
+    log_keys : "core", "all" or list of str
+        Which ``stability/*`` metrics ``on_log`` adds to HF's logs
+        (:func:`stability.outputs.feedback.key_selector`): ``"core"`` (default) the handful of
+        :data:`~stability.outputs.feedback.CORE_KEYS`; ``"all"`` also detector scores,
+        interventions by type and goodput counters; or a list of names / patterns
+        (``["lr_factor", "score/*"]``; ``[]``: none).
     sync : {"auto", "step", "deferred"}
         ``"step"``: one host sync per step in ``on_pre_optimizer_step``, decisions act on their
         own step.  ``"deferred"``: no host sync on the step path (save steps aside), decisions
@@ -199,7 +206,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def __init__(self, monitor: Any = None, *, take_over_clipping: bool = True,
                  checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
                  memory_limit_mb: float = 256.0, restored_by_trainer: bool = False,
-                 sync: str = "auto", **guard_kwargs: Any) -> None:
+                 sync: str = "auto", log_keys: str | list[str] | tuple[str, ...] = "core",
+                 **guard_kwargs: Any) -> None:
         if restored_by_trainer and getattr(self, "_initialised", False):
             return  # the live instance handed back by __new__
         if checkpoint_every < 0 or memory_checkpoint_every < 0:
@@ -207,6 +215,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
                              "StabilityTrainerCallback must be ints in the range [0, inf). Got "
                              f"{checkpoint_every} and {memory_checkpoint_every} instead.")
         self.sync = check_sync("StabilityTrainerCallback", sync)
+        self.log_keys = log_keys
+        self._keep = key_selector(log_keys, "log_keys")
         self.monitor = monitor
         self.take_over_clipping = take_over_clipping
         self.checkpoint_every = int(checkpoint_every)
@@ -424,7 +434,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             return
         if self.guard is None or "learning_rate" not in logs:
             return  # evaluation / summary logs
-        extra = self.feedback()
+        extra = {k: v for k, v in self.feedback().items() if self._keep(k)}
         extra["learning_rate"] = float(logs["learning_rate"]) * self._last_factor
         if "grad_norm" in logs and self.guard.scaler is not None and self._user_clip > 0 \
                 and self.take_over_clipping:
