@@ -169,13 +169,19 @@ class GuardCheckpoints:
             entry: CheckpointRecord = self.store.save(
                 self.model, self.optimizer, self.scheduler, step=step, data_position=pos,
                 healthy=healthy, reason=reason, monitor_state=self._monitor_state(),
-                protect=self._rollback_targets(), margin=self._margin())
+                protect=self._rollback_targets(), margin=self._margin(), **self._scaler_kw())
         spent = time.monotonic() - t0
         self._goodput("note_checkpoint", spent)
         if self.cadence is not None:
             self.cadence.note_save(spent)
             self._last_save_t = time.monotonic()
         return entry
+
+    def _scaler_kw(self) -> dict[str, Any]:
+        """``{"scaler": ...}`` for the store when the run has an fp16 loss scaler (its scale
+        is saved and restored with the weights), else nothing (duck-typed stores)."""
+        scaler = getattr(self, "scaler", None)
+        return {} if scaler is None else {"scaler": scaler}
 
     def _preempted(self, step: int) -> None:
         """SIGTERM arrived during this step: checkpoint it, then let the signal take its course."""
@@ -274,7 +280,8 @@ class GuardCheckpoints:
             if entry is None:
                 break
             try:
-                snap = self.store.restore(entry.step, self.model, self.optimizer, self.scheduler)
+                snap = self.store.restore(entry.step, self.model, self.optimizer, self.scheduler,
+                                          **self._scaler_kw())
             except Exception as exc:  # a corrupt / vanished file: never restore it again
                 log.warning("checkpoint of step %d (%s) could not be restored (%s: %s): dropped "
                             "from the ledger", entry.step, entry.path, type(exc).__name__, exc)
@@ -365,13 +372,12 @@ class GuardCheckpoints:
         goodput = f.get("goodput", None)
         if goodput is not None and self._own_goodput:
             GoodputTracker().load_state_dict(goodput)  # checked before anything changes
-        if f.get("monitor", None) is not None and self.monitor is not None:
-            if strict:  # (a duck-typed monitor need not know the argument)
-                self.monitor.load_state_dict(f.get("monitor"))
-            else:
-                self.monitor.load_state_dict(f.get("monitor"), strict=False)
-        if f.get("interventions", None) is not None:
-            self.tally.load_state_dict(f.get("interventions"))
+        tally = f.get("interventions", None)
+        if tally is not None:
+            InterventionTally().load_state_dict(tally)  # checked before anything changes
+        self._load_monitor(f.get("monitor", None), strict)  # the last part that can refuse
+        if tally is not None:
+            self.tally.load_state_dict(tally)
         self.step_count, self.data_position, self.skip_positions = step, position, skips
         self.multiplier.factor = factor
         if mult is not None:
@@ -386,6 +392,16 @@ class GuardCheckpoints:
                         setattr(self.goodput, _OLD_COUNTERS[k], v)
         self._reconcile_ledger()
         self.collector.begin_step(self.step_count)
+
+    def _load_monitor(self, sd: Any, strict: bool) -> None:
+        """Load the monitor's part of a guard snapshot (it checks every field before it
+        changes anything: a refused snapshot leaves the monitor as it was)."""
+        if sd is None or self.monitor is None:
+            return
+        if strict:  # (a duck-typed monitor need not know the argument)
+            self.monitor.load_state_dict(sd)
+        else:
+            self.monitor.load_state_dict(sd, strict=False)
 
     def _reconcile_ledger(self) -> None:
         """After a resume: the ledger lists exactly the checkpoints the store can restore.
