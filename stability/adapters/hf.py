@@ -77,6 +77,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 
 from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
+from stability.adapters.torch_ops.checkpoint_store import restore_state
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
@@ -111,11 +112,14 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 
 
 def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
-                       scheduler: Any = None) -> None:
-    """Restore model, optimizer and scheduler in place from an HF ``checkpoint-N`` directory.
+                       scheduler: Any = None, scaler: Any = None) -> None:
+    """Restore model, optimizer, scheduler (and ``scaler.pt`` if present) in place from an HF
+    ``checkpoint-N`` directory: all of them or none.
 
+    Every file is read and checked before anything changes (``RestoreRefused``: weights that do
+    not fit the model or are non-finite, an optimizer state of other parameter groups).
     Weights tied to another parameter (``lm_head`` / ``wte``) are absent from HF's files and come
-    back with their source; any other missing or unexpected key raises ``KeyError``.
+    back with their source; any other missing or unexpected key is refused.
     """
     st = os.path.join(path, "model.safetensors")
     if os.path.exists(st):
@@ -124,17 +128,23 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
         sd = load_file(st)
     else:
         sd = safe_torch_load(os.path.join(path, "pytorch_model.bin"))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    parts = {name: safe_torch_load(os.path.join(path, f"{name}.pt"))
+             for name, obj in (("optimizer", optimizer), ("scheduler", scheduler),
+                               ("scaler", scaler))
+             if obj is not None and os.path.exists(os.path.join(path, f"{name}.pt"))}
+    restore_state(model, _with_tied_weights(model, sd), optimizer, parts.get("optimizer"),
+                  scheduler, parts.get("scheduler"), scaler, parts.get("scaler"), where=path)
+
+
+def _with_tied_weights(model: torch.nn.Module, sd: Mapping[str, Any]) -> dict[str, Any]:
+    """``sd`` plus the tied weights HF leaves out (same storage in the model as a saved key)."""
     named = model.state_dict()
-    loaded = {v.data_ptr() for k, v in named.items() if k in sd}
-    bad = [k for k in missing if named[k].data_ptr() not in loaded]  # tied weights are fine
-    if bad or unexpected:
-        raise KeyError(f"checkpoint {path} does not match the model: missing {bad}, "
-                       f"unexpected {list(unexpected)}")
-    if optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
-        optimizer.load_state_dict(safe_torch_load(os.path.join(path, "optimizer.pt")))
-    if scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
-        scheduler.load_state_dict(safe_torch_load(os.path.join(path, "scheduler.pt")))
+    by_ptr = {named[k].data_ptr(): k for k in sd if k in named}
+    full = dict(sd)
+    for k, t in named.items():
+        if k not in full and t.data_ptr() in by_ptr:
+            full[k] = sd[by_ptr[t.data_ptr()]]
+    return full
 
 
 def _callback_handler() -> CallbackHandler | None:
