@@ -157,6 +157,11 @@ REGISTRY: dict[str, RegistryEntry] = {
             "small-batch SGD run counts for less than on a smooth LLM run); with `prior_std` "
             "it scores from the third value, its variance blended with the prior while "
             "warming up (no blind start)."),
+    "no_update": RegistryEntry(
+        "detectors.stall:UpdateStall", "stall",
+        doc="Consecutive zero updates (`update_ratio` at or below `eps`) of a series that was "
+            "updating before: an optimizer silently skipping its steps, a parameter group "
+            "frozen by a bug. Never-moving series (unused parameters) score 0."),
     "coherent_jump": RegistryEntry(
         "detectors.jump:CoherentJump", None,
         doc="A one-step rise of log x far beyond each series' typical step-to-step change in "
