@@ -162,6 +162,11 @@ REGISTRY: dict[str, RegistryEntry] = {
         doc="Consecutive zero updates (`update_ratio` at or below `eps`) of a series that was "
             "updating before: an optimizer silently skipping its steps, a parameter group "
             "frozen by a bug. Never-moving series (unused parameters) score 0."),
+    "no_progress": RegistryEntry(
+        "detectors.progress:NoProgress", "stall",
+        doc="Loss not decreasing: an EW mean of the values over the mean of the first "
+            "`window`, scored once `horizon` values are seen (a run that never starts "
+            "learning). Not bound by default: a run watched from its plateau is healthy."),
     "coherent_jump": RegistryEntry(
         "detectors.jump:CoherentJump", None,
         doc="A one-step rise of log x far beyond each series' typical step-to-step change in "
