@@ -65,7 +65,7 @@ import stability.monitor.replay as table_replay
 from detectors.dispatch import compiling
 from stability._state_check import Fields
 from stability.config.config import ConfigSource, MonitorConfig, load_config
-from stability.monitor.binding import Aliases, empty_buffers
+from stability.monitor.binding import Aliases, OwnNames, empty_buffers
 from stability.monitor.bound import BoundInputs, resolve_slots
 from stability.monitor.decisions import Decisions
 from stability.monitor.emit import NF_NAMES, new_decision
@@ -189,6 +189,7 @@ class Monitor:
         self.log_only = self.config.monitor.log_only
         self.strict = self.config.monitor.strict
         self._alias = Aliases(self.config.monitor.aliases)
+        self._own = OwnNames(self.config.monitor.own_prefixes)
         self._bindings = [
             Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
         ]
@@ -599,6 +600,8 @@ class Monitor:
         return s
 
     def _bind(self, name: str) -> int:
+        if self._own(name):  # the guard's own logs are never inputs (binding.OwnNames)
+            return SCRATCH
         hits = []
         for b in self._bindings:
             for j, p in enumerate(b.patterns):

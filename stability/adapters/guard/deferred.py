@@ -1,4 +1,4 @@
-"""Sync-free guard steps: ``TorchGuard(..., sync="deferred")`` (see ``docs/notes/deferred.md``).
+"""Sync-free guard steps: ``TorchGuard(..., sync="deferred")`` (see ``docs/guides/sync-modes.md``).
 
 ``sync="step"`` copies each step's signal vector to the host (one ``.tolist()``) between
 ``backward()`` and ``optimizer.step()``: on a GPU the host waits for the backward pass and the

@@ -9,6 +9,7 @@ counters (read from the goodput ledger), for any logger; ``guard.metrics()`` is 
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from stability.outputs.feedback import feedback_metrics
@@ -74,4 +75,5 @@ class GuardFeedback:
             return feedback_metrics(guard.monitor, guard.decision, extra, scores=scores)
         except Exception:  # feedback must never kill the run
             log.debug("feedback metrics failed", exc_info=True)
-            return {f"stability/{k}": float(v) for k, v in extra.items()}
+            return {f"stability/{k}": float(v) for k, v in extra.items()
+                    if not math.isnan(float(v))}
