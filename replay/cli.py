@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-state", default=None, metavar="S",
                    help="one run: write the monitor state after the replay to S (JSON) for "
                         "Monitor.load_state_dict, so a live run continues primed")
+    p.add_argument("--calibrate", default=None, metavar="HISTORY",
+                   help="prime the detectors on HISTORY (an earlier run or log of the same "
+                        "recipe) before replaying, so a run that starts near an event is not "
+                        "blind (nothing is emitted while priming)")
 
     p = sub.add_parser("eval", help="score alarms against labels (ours vs baselines)")
     p.add_argument("runs", nargs="+", metavar="RUNS")
@@ -252,10 +256,13 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     runs = _runs(a.runs)
     if a.save_state and len(runs) != 1:
         raise ValueError(f"--save-state takes one run; got {len(runs)}.")
+    if a.calibrate and len(runs) != 1:
+        raise ValueError(f"--calibrate takes one run; got {len(runs)}.")
     try:
         if len(runs) == 1:  # nothing to fan out: replayed here, whatever the backend
             rid, path = runs[0]
-            results = [replay_run(path, a.config, events=a.events, run_id=rid, progress=None)]
+            results = [replay_run(path, a.config, events=a.events, run_id=rid, progress=None,
+                                  calibrate=a.calibrate)]
         else:
             suffix = ".jsonl"
             if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):

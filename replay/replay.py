@@ -209,7 +209,8 @@ def unbound_warning(monitor: Any, names: Iterable[str]) -> str | None:
     specific = [d for d in monitor.config.detectors if any(i.strip("*/") for i in d.inputs)]
     if not specific or any(monitor.series(d.name) for d in specific):
         return None
-    seen = [n for n in names if n != "step"]
+    own = getattr(monitor, "_own", None)  # the guard's own stability/* logs: never inputs
+    seen = [n for n in names if n != "step" and not (own is not None and own(n))]
     known: dict[str, str] = {}  # candidate name -> canonical name
     for d in specific:
         for i in d.inputs:
@@ -290,8 +291,9 @@ PROGRESS_ROWS = 100_000
 def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
                  events: str | os.PathLike[str] | None = None,
                  progress: bool | None = False, *,
-                 names: Sequence[str] | None = None) -> ReplayResult:
-    """Replay an in-memory run table through a fresh monitor built from ``config``.
+                 names: Sequence[str] | None = None, monitor: Any = None) -> ReplayResult:
+    """Replay an in-memory run table through a fresh monitor built from ``config`` (or through
+    ``monitor``, e.g. one primed by :func:`stability.monitor.calibrate.calibrate`).
 
     ``progress``: draw a bar over the rows on stderr (``None``: when stderr is a TTY and the run
     has more than :data:`PROGRESS_ROWS` rows); the run is then fed in chunks, which gives the
@@ -300,7 +302,7 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
     column names when ``table`` holds only some of them (for the unbound-metrics warning).
     """
     t0 = time.perf_counter()
-    mon = _monitor(config)
+    mon = _monitor(config) if monitor is None else monitor
     n = table.num_rows
     if progress is None:
         progress = n > PROGRESS_ROWS and sys.stderr.isatty()
@@ -355,7 +357,8 @@ def read_bound(path: str | os.PathLike[str], config: Any) -> tuple[pa.Table, lis
 
 def replay_run(path: str | os.PathLike[str], config: Any = None, *,
                events: str | os.PathLike[str] | None = None,
-               run_id: str | None = None, progress: bool | None = False) -> ReplayResult:
+               run_id: str | None = None, progress: bool | None = False,
+               calibrate: Any = None) -> ReplayResult:
     """Replay one recorded run (file or directory of parts) through the monitor.
 
     A Parquet run in replay order is streamed (bounded memory, same result: :mod:`replay.stream`).
@@ -372,6 +375,11 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
         Defaults to the file stem / directory name.
     progress
         Progress bar on stderr for a long run (see :func:`replay_table`).
+    calibrate
+        Earlier history to prime the detectors with before the replay (a path of a recorded
+        run or log, or a table; :func:`stability.monitor.calibrate.calibrate` with
+        ``resume=False``): a run that starts near an event is not scored by detectors still
+        warming up.
     """
     p = os.fspath(path)
     rid = run_id if run_id is not None else Path(p).stem
@@ -383,6 +391,8 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
 
     t0 = time.perf_counter()
     cfg = load_config(_default_config(config))  # parsed once for the probe and the replay
+    if calibrate is not None:
+        return _replay_calibrated(p, cfg, rid, calibrate, events, progress, said, t0)
     stream, names = plan_replay(p, cfg)
     table = None if stream is not None else read_bound(p, cfg)
     if said:
@@ -394,6 +404,23 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
             return res
     table, names = table or read_bound(p, cfg)
     res = replay_table(table, cfg, rid, p, events, progress, names=names)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _replay_calibrated(p: str, cfg: Any, rid: str, history: Any,
+                       events: str | os.PathLike[str] | None, progress: bool | None,
+                       said: bool, t0: float) -> ReplayResult:
+    """:func:`replay_run` through a monitor primed on ``history`` first (whole-table path)."""
+    from stability.monitor.calibrate import calibrate
+
+    mon = _monitor(cfg)
+    prime = read_table(os.fspath(history)) if isinstance(history, (str, os.PathLike)) else history
+    calibrate(mon, prime, resume=False)
+    table, names = read_bound(p, cfg)
+    if said:
+        sys.stderr.write("\r\033[K")
+    res = replay_table(table, cfg, rid, p, events, progress, names=names, monitor=mon)
     res.seconds = time.perf_counter() - t0
     return res
 
