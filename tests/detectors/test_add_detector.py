@@ -8,7 +8,7 @@ and then shows, without touching any other file, that the detector
 * is importable from the package root (``detectors.MeanZ``),
 * works by name in a monitor config and alarms on a spike,
 * is tuned (its registry grid reaches :func:`replay.tuning.make_candidates`),
-* has its rows in the generated README / CONTRACTS tables,
+* has its rows in the generated detectors-page / CONTRACTS tables,
 * passes every check of the conformance suite and its own reference test.
 """
 
