@@ -75,6 +75,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
+from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
@@ -399,7 +400,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._registered.add(int(state.global_step))
         path = os.path.join(self._args.output_dir, f"checkpoint-{state.global_step}")
         self.store.add(guard.step_count - 1, path, healthy=healthy, reason=reason)
-        guard._goodput("note_checkpoint", 0.0)  # HF writes it (its time is HF's to report)
+        note_goodput(guard.goodput, "note_checkpoint", 0.0)  # HF writes it (HF times it)
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # saves this callback did not foresee (save_strategy="best", end of training)

@@ -67,6 +67,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
@@ -343,13 +344,13 @@ class StabilityCallback(pl.Callback):
         try:
             trainer.save_checkpoint(path)
         except Exception as exc:  # a full disk must not kill the run
-            guard._goodput("note_checkpoint_failed")
+            note_goodput(guard.goodput, "note_checkpoint_failed")
             log.warning("stability: checkpoint %s failed (%s: %s); training continues", path,
                         type(exc).__name__, exc)
             return
         finally:
             guard.multiplier.show()
-        guard._goodput("note_checkpoint", time.monotonic() - t0)
+        note_goodput(guard.goodput, "note_checkpoint", time.monotonic() - t0)
         self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

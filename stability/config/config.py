@@ -62,8 +62,7 @@ True
 >>> MonitorConfig.from_dict({"detector": []})
 Traceback (most recent call last):
 ...
-stability.config.registry.ConfigError: config: unknown key 'detector' (did you mean 'detectors'?);
-...
+stability.config.registry.ConfigError: config: unknown key 'detector' (did you mean ...
 """
 
 from __future__ import annotations

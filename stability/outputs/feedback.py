@@ -272,12 +272,15 @@ def describe(iv: Any) -> str:
     >>> from stability.types import ReduceLR
     >>> describe(ReduceLR(12, "L2: loss_spike(loss)", factor=0.25, duration=100))
     'step 12: reducing the LR factor to 0.25 for 100 steps (L2: loss_spike(loss))'
+    >>> describe(ReduceLR(7, "LR guard", factor=0.1, duration=0))  # held until the monitor lifts it
+    'step 7: reducing the LR factor to 0.1 until changed (LR guard)'
     """
     t = getattr(iv, "type", "intervention")
     step = getattr(iv, "step", -1)
     reason = getattr(iv, "reason", "")
     if t == "reduce_lr":
-        what = (f"reducing the LR factor to {iv.factor:.3g} for {iv.duration} steps")
+        span = f"for {iv.duration} steps" if iv.duration else "until changed"
+        what = f"reducing the LR factor to {iv.factor:.3g} {span}"
     elif t == "set_clip":
         span = f"for {iv.duration} steps" if iv.duration else "until changed"
         what = f"clipping gradients at {iv.max_norm:.4g} {span}"
