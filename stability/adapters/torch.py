@@ -65,6 +65,7 @@ from stability.adapters.distributed import ControlSync
 from stability.adapters.guard.checkpoints import GuardCheckpoints, find_ledger, note_goodput
 from stability.adapters.guard.deferred import DeferredSteps
 from stability.adapters.guard.feedback import GuardFeedback
+from stability.adapters.guard.misuse import MisuseChecks, check_scheduler_arg
 from stability.adapters.guard.sync_mode import SyncPath, check_sync
 from stability.adapters.interventions import (
     CheckpointStore,
@@ -216,7 +217,9 @@ class TorchGuard:
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
             activations=_activation_names(model, activations), activation_every=activation_every,
             update_ratio=update_ratio, param_norm_every=param_norm_every)
+        check_scheduler_arg(scheduler)  # attach(model, opt, Monitor(...)): TypeError now
         self.multiplier = LRMultiplier(optimizer, scheduler=scheduler)
+        self.misuse = MisuseChecks(self)
         self.scaler = scaler if scaler_enabled(scaler) else None
         self.log_interventions = log_interventions
         self.tally = InterventionTally()
@@ -412,6 +415,7 @@ class TorchGuard:
         if self.sync_mode == "auto":
             self.resolve_sync()
         if self.deferred is not None:
+            self.misuse.before_check(loss)
             return self.deferred.step(loss, metrics)
         decision = self.check(loss, metrics)
         try:
@@ -424,6 +428,7 @@ class TorchGuard:
             self.multiplier.restore()  # the scheduler reads and writes its own values
             if self.scheduler is not None and (self.should_step or self.step_scheduler_on_skip):
                 self.scheduler.step()
+                self.misuse.scheduler_stepped()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.finish()
@@ -485,6 +490,8 @@ class TorchGuard:
         """
         if self.sync_mode == "auto":
             self.resolve_sync()
+        if signals is None:  # (a trainer adapter measured them: it ran backward itself)
+            self.misuse.before_check(loss)
         if self.deferred is not None:
             return self.deferred.check(loss, metrics, signals)
         step = self.step_count
