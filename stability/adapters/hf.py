@@ -310,8 +310,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             self.guard.detach()  # sync="deferred": observes the last step
             self._note_stop(None)
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
-        if record is not None:
-            record()
+        if self.guard is None and record is not None:
+            record()  # (a guard records it itself in detach(): the end of training)
 
     # ------------------------------------------------------------------ per step
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -254,8 +254,8 @@ class StabilityCallback(pl.Callback):
             if self.guard.stopped is not None and self.stopped is None:
                 self.stopped = self.guard.stopped
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
-        if record is not None:
-            record()
+        if self.guard is None and record is not None:
+            record()  # (a guard records it itself in detach(): the end of training)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:

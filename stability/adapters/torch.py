@@ -220,6 +220,7 @@ class TorchGuard:
         check_scheduler_arg(scheduler)  # attach(model, opt, Monitor(...)): TypeError now
         self.multiplier = LRMultiplier(optimizer, scheduler=scheduler)
         self.misuse = MisuseChecks(self)
+        self._goodput_recorded = -1  # step_count of the last goodput record (record_goodput)
         self.scaler = scaler if scaler_enabled(scaler) else None
         self.log_interventions = log_interventions
         self.tally = InterventionTally()
@@ -394,6 +395,7 @@ class TorchGuard:
             yield idx
             if not (self._consumed or self._rewound):
                 self.data_position = idx + 1
+        self.record_goodput()  # all batches consumed: the end of training
 
     def should_skip_batch(self, position: int) -> bool:
         """Whether the batch at ``position`` is one a rollback asked to skip."""
@@ -576,6 +578,7 @@ class TorchGuard:
                 self.decision.alarms if self.decision else (), self.decision)
             self.step_count += 1
             self.data_position += 1
+            self.record_goodput()  # the end of the run: `stability goodput EVENTS` has it
             if raise_stop:
                 raise self.stopped
             return True
@@ -745,6 +748,21 @@ class TorchGuard:
         self.collector.remove()
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.record_goodput()
+
+    def record_goodput(self) -> None:
+        """Append the goodput ledger's record to the monitor's event log (if it has one).
+
+        Done by the guard at the end of training -- a stop, the end of :meth:`batches`,
+        :meth:`detach` (the trainer callbacks call it at the end of ``fit`` / ``train``) -- so
+        ``stability goodput EVENTS`` works without ``Monitor.close()``.  Once per step reached.
+        """
+        if self._goodput_recorded == self.step_count:
+            return
+        record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
+        if record is not None:
+            self._goodput_recorded = self.step_count
+            record()
 
 
 #: guard counters of version-1 snapshots -> the goodput ledger's fields
