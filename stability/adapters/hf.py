@@ -381,8 +381,11 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             "" if params_finite(guard.model.parameters()) else "non-finite weights")
         if bad:
             if control.should_save or emergency:
-                log.warning("stability: checkpoint at trainer step %d cancelled (%s)",
-                            state.global_step, bad)
+                what = "emergency checkpoint requested" if emergency else "checkpoint due"
+                log.warning("stability: %s at trainer step %d not written: %s (the last good "
+                            "checkpoint stays the rollback target)", what, state.global_step,
+                            "the weights were just rolled back" if rolled else
+                            "the weights are non-finite")
                 self.cancelled_saves.append(int(state.global_step))
             control.should_save = False
             return

@@ -330,8 +330,11 @@ class StabilityCallback(pl.Callback):
         bad = "rolled back" if rolled else (
             "" if params_finite(guard.model.parameters()) else "non-finite weights")
         if bad:
-            log.warning("stability: checkpoint at trainer step %d not written (%s)",
-                        trainer.global_step, bad)
+            what = "emergency checkpoint requested" if emergency else "checkpoint due"
+            log.warning("stability: %s at trainer step %d not written: %s (the last good "
+                        "checkpoint stays the rollback target)", what, trainer.global_step,
+                        "the weights were just rolled back" if rolled else
+                        "the weights are non-finite")
             self.cancelled_saves.append(int(trainer.global_step))
             return
         assert self.checkpoint_dir is not None
