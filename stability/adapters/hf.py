@@ -77,11 +77,10 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 
 from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
+from stability.adapters.torch_ops.checkpoint_store import restore_state
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
-    finish_step,
-    observe_before_save,
     pending_grad_norm,
 )
 from stability.adapters.trainer_support import (
@@ -111,11 +110,14 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 
 
 def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
-                       scheduler: Any = None) -> None:
-    """Restore model, optimizer and scheduler in place from an HF ``checkpoint-N`` directory.
+                       scheduler: Any = None, scaler: Any = None) -> None:
+    """Restore model, optimizer, scheduler (and ``scaler.pt`` if present) in place from an HF
+    ``checkpoint-N`` directory: all of them or none.
 
+    Every file is read and checked before anything changes (``RestoreRefused``: weights that do
+    not fit the model or are non-finite, an optimizer state of other parameter groups).
     Weights tied to another parameter (``lm_head`` / ``wte``) are absent from HF's files and come
-    back with their source; any other missing or unexpected key raises ``KeyError``.
+    back with their source; any other missing or unexpected key is refused.
     """
     st = os.path.join(path, "model.safetensors")
     if os.path.exists(st):
@@ -124,17 +126,23 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
         sd = load_file(st)
     else:
         sd = safe_torch_load(os.path.join(path, "pytorch_model.bin"))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    parts = {name: safe_torch_load(os.path.join(path, f"{name}.pt"))
+             for name, obj in (("optimizer", optimizer), ("scheduler", scheduler),
+                               ("scaler", scaler))
+             if obj is not None and os.path.exists(os.path.join(path, f"{name}.pt"))}
+    restore_state(model, _with_tied_weights(model, sd), optimizer, parts.get("optimizer"),
+                  scheduler, parts.get("scheduler"), scaler, parts.get("scaler"), where=path)
+
+
+def _with_tied_weights(model: torch.nn.Module, sd: Mapping[str, Any]) -> dict[str, Any]:
+    """``sd`` plus the tied weights HF leaves out (same storage in the model as a saved key)."""
     named = model.state_dict()
-    loaded = {v.data_ptr() for k, v in named.items() if k in sd}
-    bad = [k for k in missing if named[k].data_ptr() not in loaded]  # tied weights are fine
-    if bad or unexpected:
-        raise KeyError(f"checkpoint {path} does not match the model: missing {bad}, "
-                       f"unexpected {list(unexpected)}")
-    if optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
-        optimizer.load_state_dict(safe_torch_load(os.path.join(path, "optimizer.pt")))
-    if scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
-        scheduler.load_state_dict(safe_torch_load(os.path.join(path, "scheduler.pt")))
+    by_ptr = {named[k].data_ptr(): k for k in sd if k in named}
+    full = dict(sd)
+    for k, t in named.items():
+        if k not in full and t.data_ptr() in by_ptr:
+            full[k] = sd[by_ptr[t.data_ptr()]]
+    return full
 
 
 def _callback_handler() -> CallbackHandler | None:
@@ -354,12 +362,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        emergency, why, rolled = finish_step(guard)
+        emergency, why, rolled = guard.finish_step()
         if guard.deferred is not None and control.should_log and guard.scaler is not None:
             self._last_grad_norm = pending_grad_norm(guard)  # (HF's logging syncs anyway)
         due = bool(self.checkpoint_every) and guard.step_count % self.checkpoint_every == 0
         if control.should_save or emergency or due:
-            late, why_late, rolled = observe_before_save(guard)  # deferred: observe this step
+            late, why_late, rolled = guard.observe_before_save()  # deferred: observe this step
             emergency, why = emergency or late, why or why_late
             self._decide_save(control, state, rolled, emergency, why)
         self._note_stop(control)
@@ -408,7 +416,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # saves this callback did not foresee (save_strategy="best", end of training)
         if self.guard is not None and state.global_step not in self._registered:
-            emergency, _, rolled = observe_before_save(self.guard)  # deferred: observe first
+            emergency, _, rolled = self.guard.observe_before_save()  # deferred: observe first
             if not rolled:  # (a rollback just now: these weights are no rollback target)
                 self._register(state, self.guard.healthy and not emergency, "trainer")
             self._note_stop(control)

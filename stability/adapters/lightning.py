@@ -69,11 +69,16 @@ import torch
 
 from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
+from stability.adapters.torch_ops.checkpoint_store import (
+    CheckpointDirectory,
+    RestoreRefused,
+    restore_state,
+    verify_loadable,
+    weights_only_safe,
+)
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
-    finish_step,
-    observe_before_save,
 )
 from stability.adapters.trainer_support import (
     TrainerCheckpointStore,
@@ -92,17 +97,26 @@ STATE_VERSION = 2
 LOG_DICT_KEYS = frozenset(CORE_KEYS)
 
 
+#: names of the callback's rollback checkpoints in ``checkpoint_dir`` (the only files it deletes)
+CHECKPOINT_NAMES = r"(?:emergency-)?step=\d+\.ckpt"
+
+
 def load_lightning_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
-                              scheduler: Any = None) -> None:
-    """Restore module weights, the (first) optimizer and scheduler from a Lightning ``.ckpt``."""
+                              scheduler: Any = None, scaler: Any = None) -> None:
+    """Restore module weights, the (first) optimizer, scheduler and fp16 loss scaler from a
+    Lightning ``.ckpt``: all of them or none (``RestoreRefused``, nothing changed)."""
     ckpt = safe_torch_load(path)
-    model.load_state_dict(ckpt["state_dict"])
+    if not isinstance(ckpt, Mapping) or "state_dict" not in ckpt:
+        raise RestoreRefused(f"{path}: not a Lightning checkpoint (no 'state_dict')")
     opts = ckpt.get("optimizer_states") or []
-    if optimizer is not None and opts:
-        optimizer.load_state_dict(opts[0])
     scheds = ckpt.get("lr_schedulers") or []
-    if scheduler is not None and scheds:
-        scheduler.load_state_dict(scheds[0])
+    scaler_sd = next((v for k, v in ckpt.items() if k in _SCALER_KEYS and v), None)
+    restore_state(model, ckpt["state_dict"], optimizer, opts[0] if opts else None,
+                  scheduler, scheds[0] if scheds else None, scaler, scaler_sd, where=str(path))
+
+
+#: where Lightning keeps the precision plugin's loss scaler state in a checkpoint
+_SCALER_KEYS = ("MixedPrecision", "MixedPrecisionPlugin", "native_amp_scaling_state")
 
 
 def _logs_this_step(trainer: pl.Trainer) -> bool:
@@ -212,6 +226,8 @@ class StabilityCallback(pl.Callback):
         self._checked = False
         self._last_lr = math.nan
         self._last_factor = 1.0
+        self._rollback_save = False  # trainer.save_checkpoint is writing a rollback target
+        self._converted_warned = False
 
     @property
     def state_key(self) -> str:
@@ -230,6 +246,10 @@ class StabilityCallback(pl.Callback):
             self.monitor = Monitor(mon_sd.get("config"))
         if self.checkpoint_dir is None:
             self.checkpoint_dir = os.path.join(trainer.default_root_dir, "stability-checkpoints")
+        if not self.in_memory:  # one run per directory; only its own names are ever deleted
+            self.store.own_directory(CheckpointDirectory(
+                self.checkpoint_dir, CHECKPOINT_NAMES,
+                f".stability-lock-rank{int(getattr(trainer, 'global_rank', 0))}"))
         carried = None
         if self.guard is not None:  # a second fit() in this process: the run goes on
             carried = self.state_dict()
@@ -249,6 +269,7 @@ class StabilityCallback(pl.Callback):
             self._load(state)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.store.close()  # the checkpoint directory is free for the next run
         if self.guard is not None:
             self.guard.detach()  # sync="deferred": observes the last step
             if self.guard.stopped is not None and self.stopped is None:
@@ -303,12 +324,12 @@ class StabilityCallback(pl.Callback):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        emergency, why, rolled = finish_step(guard)
+        emergency, why, rolled = guard.finish_step()
         step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
         due = (not self.in_memory and self.checkpoint_every > 0
                and (step + 1) % self.checkpoint_every == 0 and guard.stopped is None)
         if due or emergency:  # sync="deferred": observe this step first (its health)
-            late, why_late, rolled = observe_before_save(guard)
+            late, why_late, rolled = guard.observe_before_save()
             emergency, why = emergency or late, why or why_late
         due = due and guard.healthy and guard.stopped is None
         if guard.stopped is not None and self.stopped is None:
@@ -344,6 +365,7 @@ class StabilityCallback(pl.Callback):
         reason = f"emergency: {why}" if emergency else "periodic"
         guard.multiplier.restore()  # the file holds the scheduler's own LR
         t0 = time.monotonic()
+        self._rollback_save = True
         try:
             trainer.save_checkpoint(path)
         except Exception as exc:  # a full disk must not kill the run
@@ -352,9 +374,49 @@ class StabilityCallback(pl.Callback):
                         type(exc).__name__, exc)
             return
         finally:
+            self._rollback_save = False
             guard.multiplier.show()
         note_goodput(guard.goodput, "note_checkpoint", time.monotonic() - t0)
-        self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
+        if self._verified(path):
+            self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A rollback checkpoint is written in a form ``weights_only=True`` loads: hyper-
+        parameters such as an ``argparse.Namespace``, a ``pathlib.Path`` or a NumPy scalar are
+        stored as plain data (the user is told once, at the first such checkpoint)."""
+        if not self._rollback_save:
+            return  # the user's own checkpoints are left exactly as Lightning writes them
+        converted: list[str] = []
+        for key in list(checkpoint):
+            checkpoint[key], conv = weights_only_safe(checkpoint[key], str(key))
+            converted += conv
+        if converted and not self._converted_warned:
+            self._converted_warned = True
+            log.warning(
+                "stability: the rollback checkpoints hold values torch.load(weights_only=True) "
+                "refuses (%s%s); they are stored as plain data (dict / str / number) in the "
+                "rollback checkpoints in %s so a rollback can load them. Your own checkpoints "
+                "are unchanged.", ", ".join(converted[:6]),
+                f" and {len(converted) - 6} more" if len(converted) > 6 else "",
+                self.checkpoint_dir)
+
+    def _verified(self, path: str) -> bool:
+        """The rollback checkpoint just written loads with ``weights_only=True`` (checked when
+        this rank can see the file); if not, it is never a rollback target and the user is
+        told at once."""
+        if not os.path.exists(path):
+            return True  # written by rank 0 elsewhere: rank 0 checks it
+        why = verify_loadable(path)
+        if why is None:
+            return True
+        log.error("stability: rollback checkpoint %s cannot be loaded with weights_only=True "
+                  "(%s): it is not a rollback target, so a fault cannot be rolled back. Keep "
+                  "non-tensor objects out of the checkpoint (on_save_checkpoint) or allow their "
+                  "types with torch.serialization.add_safe_globals.", path, why)
+        if self.store.owned is not None:
+            self.store.owned.delete(path)
+        return False
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is None or trainer.sanity_checking:

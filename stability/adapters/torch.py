@@ -676,11 +676,9 @@ class TorchGuard:
         state = _check_state(Fields("TorchGuard", sd), self)
         if state.goodput is not None and self._own_goodput:
             GoodputTracker().load_state_dict(state.goodput)  # checked before anything changes
-        if state.monitor is not None and self.monitor is not None:
-            if strict:  # (a duck-typed monitor need not know the argument)
-                self.monitor.load_state_dict(state.monitor)
-            else:
-                self.monitor.load_state_dict(state.monitor, strict=False)
+        if state.interventions is not None:
+            InterventionTally().load_state_dict(state.interventions)  # checked, changes nothing
+        self._load_monitor(state.monitor, strict)  # the last part that can refuse
         if state.interventions is not None:
             self.tally.load_state_dict(state.interventions)
         self.step_count, self.data_position = state.step, state.position
@@ -693,6 +691,16 @@ class TorchGuard:
         self.checkpoints.reconcile()
         self.collector.begin_step(self.step_count)
         self.sync_path.load(section, recorded)
+
+    def _load_monitor(self, sd: Any, strict: bool) -> None:
+        """Load the monitor's part of a guard snapshot (it checks every field before it
+        changes anything: a refused snapshot leaves the monitor as it was)."""
+        if sd is None or self.monitor is None:
+            return
+        if strict:  # (a duck-typed monitor need not know the argument)
+            self.monitor.load_state_dict(sd)
+        else:
+            self.monitor.load_state_dict(sd, strict=False)
 
     def _load_goodput(self, goodput: Any, counters: Mapping[str, int]) -> None:
         """The guard's own goodput ledger from a snapshot (version-1 snapshots kept the counts

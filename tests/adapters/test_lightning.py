@@ -129,7 +129,7 @@ def test_state_key_and_resume_with_ckpt_path(tmp_path) -> None:
     assert [r["step"] for r in recs] == [19, 29]  # keep_checkpoints=2
     assert sorted(cb2.store.entries) == [29, 39]  # the registry came back and went on
     assert [r.step for r in cb2.monitor.checkpoints.records] == [29, 39]
-    assert sorted(p.name for p in (tmp_path / "stability-checkpoints").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "stability-checkpoints").glob("*.ckpt")) == [
         "step=29.ckpt", "step=39.ckpt"]  # pruned files went with their records
 
 
@@ -206,7 +206,8 @@ def test_no_checkpoint_of_nonfinite_weights(tmp_path) -> None:
     cb = StabilityCallback(mon, checkpoint_every=2)
     tr = _trainer(tmp_path, cb, steps=6)
     tr.fit(Tiny(poison_at=3), _loader())
-    files = sorted(os.listdir(tmp_path / "stability-checkpoints"))
+    files = sorted(p for p in os.listdir(tmp_path / "stability-checkpoints")
+                   if p.endswith(".ckpt"))  # (and the directory's lock file)
     assert files == ["step=1.ckpt"]  # nothing after the weights went NaN at step 3
     assert cb.cancelled_saves == [4, 6]  # the emergency one (step 3) and the periodic step 5
 

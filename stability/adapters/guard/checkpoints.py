@@ -117,7 +117,7 @@ class GuardCheckpoints:
             entry: CheckpointRecord = self.store.save(
                 g.model, g.optimizer, g.scheduler, step=step, data_position=pos,
                 healthy=healthy, reason=reason, monitor_state=g._monitor_state(),
-                protect=self._rollback_targets(), margin=self._margin())
+                protect=self._rollback_targets(), margin=self._margin(), **self._scaler_kw())
         spent = time.monotonic() - t0
         note_goodput(g.goodput, "note_checkpoint", spent)
         if self.cadence is not None:
@@ -170,6 +170,12 @@ class GuardCheckpoints:
         policy = getattr(self.guard.monitor, "policy", None)  # scripted monitors have none
         warnings_open = getattr(policy, "episode_onset", None) is not None
         return bool(self.cadence.should_checkpoint(now - self._last_save_t, warnings_open))
+
+    def _scaler_kw(self) -> dict[str, Any]:
+        """``{"scaler": ...}`` for the store when the run has an fp16 loss scaler (its scale
+        is saved and restored with the weights), else nothing (duck-typed stores)."""
+        scaler = getattr(self.guard, "scaler", None)
+        return {} if scaler is None else {"scaler": scaler}
 
     def _preempted(self, step: int) -> None:
         """SIGTERM arrived during this step: checkpoint it, then let the signal take its course."""
@@ -262,7 +268,8 @@ class GuardCheckpoints:
             if entry is None:
                 return None, None
             try:
-                return entry, self.store.restore(entry.step, g.model, g.optimizer, g.scheduler)
+                return entry, self.store.restore(entry.step, g.model, g.optimizer, g.scheduler,
+                                                  **self._scaler_kw())
             except Exception as exc:  # a corrupt / vanished file: never restore it again
                 log.warning("checkpoint of step %d (%s) could not be restored (%s: %s): dropped "
                             "from the ledger", entry.step, entry.path, type(exc).__name__, exc)
