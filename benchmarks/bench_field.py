@@ -28,9 +28,11 @@ Usage::
 user does with a guarded run's own trainer logs (:mod:`field_logs`): for torch (JSONL of
 ``guard.metrics()``), HF (``trainer_state.json``, TensorBoard) and Lightning (CSV,
 TensorBoard), clean and faulty runs are replayed and watched with the default preset -- a
-clean run's logs must give 0 alarms and 0 acting interventions, a faulty run's logs must still
-show its fault (at least one alarm) -- and ``tune -> replay``: a config tuned on ``data/runs``
-must keep the default's stop of the bundled ``overfit`` run.
+clean run's logs must give 0 alarms and 0 acting interventions (PASS / FAIL); for a faulty run
+the table says whether its logs show the fault (``seen``: at least one alarm; ``unseen``: the
+guard stopped the run between two logging steps, so no faulty value was logged) -- and
+``tune -> replay``: a config tuned on ``data/runs`` must keep the default's stop of the bundled
+``overfit`` run.
 
 ``bare`` is the final loss of the same faulty run without any guard (when the trainer module
 has ``unguarded(precision, fault, seed)``): what the fault does to an unprotected run.
@@ -125,10 +127,16 @@ def log_scenarios(trainers: list[str], faults: list[str], seed: int) -> list[tup
             for log, r in judged.items():
                 alarms = r["replay_alarms"] + r["watch_alarms"]
                 acting = r["replay_acting"] + r["watch_acting"]
-                ok = (r["steps"] > 0 and r["watch_steps"] > 0 and
-                      (alarms == acting == 0 if fault == "clean" else r["replay_alarms"] > 0))
+                read = r["steps"] > 0 and r["watch_steps"] > 0
+                if fault == "clean":
+                    verdict = "PASS" if read and alarms == acting == 0 else "FAIL"
+                elif not read:
+                    verdict = "FAIL"
+                else:  # informational: a trainer logs every N steps; a guard that stopped the
+                    # run between two logging steps leaves no faulty value in the log
+                    verdict = "seen" if r["replay_alarms"] else "unseen"
                 rows.append((f"{trainer} {fault} replay+watch {log}",
-                             f"{'PASS' if ok else 'FAIL'}  steps {r['steps']}/{r['watch_steps']}"
+                             f"{verdict:6s} steps {r['steps']}/{r['watch_steps']}"
                              f"  alarms {r['replay_alarms']}/{r['watch_alarms']}"
                              f"  acting {r['replay_acting']}/{r['watch_acting']}"))
     rows.append(("tune data/runs -> replay overfit", tune_then_replay()))
