@@ -248,8 +248,11 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
                  run_id: str = "") -> int:
     """Write decision records as JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``).
 
-    Parquet gets one row per alarm / intervention: ``run_id, step, event, kind, detail``
-    (``detail`` is the JSON of the alarm or intervention).  Returns the number of records.
+    JSONL: the live event log's records (:func:`stability.outputs.events.decision_records`:
+    ``alarm`` / ``intervention`` / ``info``, each with ``run_id``), so ``report --events`` and
+    every reader take either file.  Parquet gets one row per alarm / intervention:
+    ``run_id, step, event, kind, detail`` (``detail`` is the JSON of the alarm or
+    intervention).  Returns the number of decision records.
     """
     p = Path(path)
     recs = list(records)
@@ -277,10 +280,13 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
                           "kind": pa.array(rows["kind"], pa.string()),
                           "detail": pa.array(rows["detail"], pa.string())})
         pq.write_table(table, p)
-    else:
+    else:  # the live event log's schema (stability.outputs.events), one record per event
+        from stability.outputs.events import decision_records
+
         with p.open("w") as fh:
             for r in recs:
-                fh.write(json.dumps({"run_id": run_id, **r}) + "\n")
+                for e in decision_records(r, run_id=run_id):
+                    fh.write(json.dumps(e) + "\n")
     return len(recs)
 
 
