@@ -75,6 +75,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
+from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.torch_ops.checkpoint_store import restore_state
 from stability.adapters.trainer_deferred import (
@@ -89,6 +90,7 @@ from stability.adapters.trainer_support import (
     last_step_feedback,
     params_finite,
 )
+from stability.outputs.feedback import key_selector
 
 __all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
 
@@ -174,6 +176,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         Also keep an in-memory copy every this many healthy steps (0 = never).
     memory_limit_mb : float
         Budget for in-memory copies; a copy that does not fit is refused (logged).
+    log_keys : "core", "all" or list of str
+        Which ``stability/*`` metrics ``on_log`` adds to HF's logs
+        (:func:`stability.outputs.feedback.key_selector`): ``"core"`` (default) the handful of
+        :data:`~stability.outputs.feedback.CORE_KEYS`; ``"all"`` also detector scores,
+        interventions by type and goodput counters; or a list of names / patterns
+        (``["lr_factor", "score/*"]``; ``[]``: none).
     sync : {"auto", "step", "deferred"}
         ``"step"``: one host sync per step in ``on_pre_optimizer_step``, decisions act on their
         own step.  ``"deferred"``: no host sync on the step path (save steps aside), decisions
@@ -208,7 +216,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def __init__(self, monitor: Any = None, *, take_over_clipping: bool = True,
                  checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
                  memory_limit_mb: float = 256.0, restored_by_trainer: bool = False,
-                 sync: str = "auto", **guard_kwargs: Any) -> None:
+                 sync: str = "auto", log_keys: str | list[str] | tuple[str, ...] = "core",
+                 **guard_kwargs: Any) -> None:
         if restored_by_trainer and getattr(self, "_initialised", False):
             return  # the live instance handed back by __new__
         if checkpoint_every < 0 or memory_checkpoint_every < 0:
@@ -216,6 +225,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
                              "StabilityTrainerCallback must be ints in the range [0, inf). Got "
                              f"{checkpoint_every} and {memory_checkpoint_every} instead.")
         self.sync = check_sync("StabilityTrainerCallback", sync)
+        self.log_keys = log_keys
+        self._keep = key_selector(log_keys, "log_keys")
         self.monitor = monitor
         self.take_over_clipping = take_over_clipping
         self.checkpoint_every = int(checkpoint_every)
@@ -399,7 +410,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._registered.add(int(state.global_step))
         path = os.path.join(self._args.output_dir, f"checkpoint-{state.global_step}")
         self.store.add(guard.step_count - 1, path, healthy=healthy, reason=reason)
-        guard._goodput("note_checkpoint", 0.0)  # HF writes it (its time is HF's to report)
+        note_goodput(guard.goodput, "note_checkpoint", 0.0)  # HF writes it (HF times it)
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # saves this callback did not foresee (save_strategy="best", end of training)
@@ -433,7 +444,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             return
         if self.guard is None or "learning_rate" not in logs:
             return  # evaluation / summary logs
-        extra = self.feedback()
+        extra = {k: v for k, v in self.feedback().items() if self._keep(k)}
         extra["learning_rate"] = float(logs["learning_rate"]) * self._last_factor
         if "grad_norm" in logs and self.guard.scaler is not None and self._user_clip > 0 \
                 and self.take_over_clipping:

@@ -67,6 +67,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.torch_ops.checkpoint_store import (
     CheckpointDirectory,
@@ -86,16 +87,16 @@ from stability.adapters.trainer_support import (
     last_step_feedback,
     params_finite,
 )
+from stability.outputs.feedback import CORE_KEYS, key_selector
 
 __all__ = ["StabilityCallback", "load_lightning_checkpoint"]
 
 log = logging.getLogger("stability.adapters")
 
 STATE_VERSION = 2
-#: ``stability/*`` keys sent through ``pl_module.log_dict`` (also in ``callback_metrics``).
-LOG_DICT_KEYS = frozenset(f"stability/{k}" for k in (
-    "lr_factor", "lr_effective", "clip_norm", "level", "alarms", "interventions/acting",
-    "steps_skipped", "rollbacks", "amp_overflow", "loss_scale"))
+#: ``stability/*`` keys sent through ``pl_module.log_dict`` (also in ``callback_metrics``): the
+#: core keys, so that ``log_keys="core"`` writes one logger row per logged step.
+LOG_DICT_KEYS = frozenset(CORE_KEYS)
 
 
 #: names of the callback's rollback checkpoints in ``checkpoint_dir`` (the only files it deletes)
@@ -130,6 +131,14 @@ def _logs_this_step(trainer: pl.Trainer) -> bool:
         return True
 
 
+def _log_step(trainer: pl.Trainer) -> int:
+    """The step Lightning writes this batch's ``log_dict`` values at (its optimizer steps
+    before this one), so the metrics sent straight to the loggers land in the same row."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return int(step) if isinstance(step, int) else max(int(trainer.global_step) - 1, 0)
+
+
 class StabilityCallback(pl.Callback):
     """Lightning callback that measures, decides and acts through a :class:`TorchGuard`.
 
@@ -150,11 +159,17 @@ class StabilityCallback(pl.Callback):
         Keep the rollback checkpoints as in-memory copies instead of files.
     memory_limit_mb : float
         Budget for in-memory copies (a copy that does not fit is refused and logged).
-    log_metrics : bool or "all"
-        Send the core ``stability/*`` metrics (:data:`LOG_DICT_KEYS`) to ``pl_module.log_dict``
-        on the steps Lightning logs; ``"all"`` also sends the others (detector scores,
-        interventions by type, goodput counters) straight to ``trainer.loggers`` (Lightning's
-        ``log_dict`` costs O(keys^2) per call).
+    log_keys : "core", "all" or list of str
+        Which ``stability/*`` metrics go to the loggers on the steps Lightning logs
+        (:func:`stability.outputs.feedback.key_selector`): ``"core"`` (default) the handful of
+        :data:`~stability.outputs.feedback.CORE_KEYS`; ``"all"`` also detector scores,
+        interventions by type and goodput counters; or a list of names / patterns
+        (``["lr_factor", "score/*"]``).  Keys of :data:`LOG_DICT_KEYS` go through
+        ``pl_module.log_dict`` (so they are in ``callback_metrics``), the others straight to
+        ``trainer.loggers`` at the same step (``log_dict`` costs O(keys^2) per call).
+    log_metrics : bool
+        ``False``: log no ``stability/*`` metric at all (``"all"``, the old spelling of
+        ``log_keys="all"``, is still accepted).
     sync : {"auto", "step", "deferred"}
         ``"step"``: one host sync per step in ``on_before_optimizer_step``.  ``"deferred"``: none
         on the step path (save steps aside), decisions act one step late
@@ -177,7 +192,8 @@ class StabilityCallback(pl.Callback):
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int = 100, keep_checkpoints: int = 2,
                  in_memory: bool = False, memory_limit_mb: float = 256.0,
-                 log_metrics: bool | str = "all", sync: str = "auto",
+                 log_metrics: bool | str = True, sync: str = "auto",
+                 log_keys: str | list[str] | tuple[str, ...] = "core",
                  **guard_kwargs: Any) -> None:
         super().__init__()
         if checkpoint_every < 0:
@@ -189,7 +205,11 @@ class StabilityCallback(pl.Callback):
         self.checkpoint_dir = None if checkpoint_dir is None else str(checkpoint_dir)
         self.checkpoint_every = int(checkpoint_every)
         self.in_memory = in_memory
-        self.log_metrics = log_metrics
+        if log_metrics == "all":  # the old spelling of log_keys="all"
+            log_keys, log_metrics = "all", True
+        self.log_metrics = bool(log_metrics)
+        self.log_keys = log_keys
+        self._keep = key_selector(log_keys, "log_keys")
         self.guard_kwargs = guard_kwargs
         self.store = TrainerCheckpointStore(
             load_lightning_checkpoint, keep=keep_checkpoints,
@@ -348,14 +368,14 @@ class StabilityCallback(pl.Callback):
         try:
             trainer.save_checkpoint(path)
         except Exception as exc:  # a full disk must not kill the run
-            guard._goodput("note_checkpoint_failed")
+            note_goodput(guard.goodput, "note_checkpoint_failed")
             log.warning("stability: checkpoint %s failed (%s: %s); training continues", path,
                         type(exc).__name__, exc)
             return
         finally:
             self._rollback_save = False
             guard.multiplier.show()
-        guard._goodput("note_checkpoint", time.monotonic() - t0)
+        note_goodput(guard.goodput, "note_checkpoint", time.monotonic() - t0)
         if self._verified(path):
             self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
 
@@ -411,13 +431,15 @@ class StabilityCallback(pl.Callback):
         return last_step_feedback(self.guard, self._last_lr, self._last_factor)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        metrics = self.feedback()
+        metrics = {k: v for k, v in self.feedback().items() if self._keep(k)}
         core = {k: v for k, v in metrics.items() if k in LOG_DICT_KEYS}
-        pl_module.log_dict(core, on_step=True, on_epoch=False)
+        if core:
+            pl_module.log_dict(core, on_step=True, on_epoch=False)
         rest = {k: v for k, v in metrics.items() if k not in LOG_DICT_KEYS}
-        if self.log_metrics == "all" and rest:
+        if rest:
+            step = _log_step(trainer)
             for lg in trainer.loggers:  # straight to the loggers: log_dict is O(keys^2)
-                lg.log_metrics(rest, step=trainer.global_step)
+                lg.log_metrics(rest, step=step)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

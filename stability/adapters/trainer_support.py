@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -196,8 +197,9 @@ def last_step_feedback(guard: Any, last_lr: float, last_factor: float) -> dict[s
         return {}
     out: dict[str, float] = guard.metrics()
     out["stability/lr_factor"] = float(last_factor)
-    out["stability/lr_base"] = float(last_lr)
-    out["stability/lr_effective"] = float(last_lr * last_factor)
+    if not math.isnan(last_lr):  # no step yet: missing, never NaN (see outputs.feedback)
+        out["stability/lr_base"] = float(last_lr)
+        out["stability/lr_effective"] = float(last_lr * last_factor)
     out["stability/step"] = float(guard.step_count)
     return out
 

@@ -169,10 +169,11 @@ def test_on_exception_removes_hooks(tmp_path) -> None:
     assert not model.net[0]._forward_hooks
 
 
-def test_metrics_reach_the_csv_logger(tmp_path) -> None:
+@pytest.mark.parametrize("log_keys", ["core", "all"])
+def test_metrics_reach_the_csv_logger(tmp_path, log_keys) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
-    cb = StabilityCallback(Monitor("small"), checkpoint_every=0)
+    cb = StabilityCallback(Monitor("small"), checkpoint_every=0, log_keys=log_keys)
     _trainer(tmp_path, cb, steps=10, logger=CSVLogger(str(tmp_path)),
              log_every_n_steps=2).fit(Tiny(), _loader())
     (f,) = glob.glob(str(tmp_path / "lightning_logs" / "version_*" / "metrics.csv"))
@@ -181,7 +182,11 @@ def test_metrics_reach_the_csv_logger(tmp_path) -> None:
     core = [r for r in rows if r.get("stability/lr_factor")]
     assert len(core) == 5 and all(float(r["stability/lr_factor"]) == 1.0 for r in core)
     assert float(core[0]["stability/lr_effective"]) == pytest.approx(1e-2)
-    assert any(r.get("stability/score/loss_spike") for r in rows)  # log_metrics="all"
+    scores = any(r.get("stability/score/loss_spike") for r in rows)
+    assert scores == (log_keys == "all")
+    # the core keys: one row per logged step; "all": the rest at the same step
+    assert sorted({r["step"] for r in rows}) == ["1", "3", "5", "7", "9"]
+    assert len(rows) == (5 if log_keys == "core" else 10)
 
 
 def test_emergency_checkpoint_resumes_with_lightning(tmp_path) -> None:
