@@ -345,8 +345,9 @@ def _save_state(runs: list[tuple[str, str]], config: Any, out: str) -> None:
 
     mon = Monitor("default" if config is None else config, alert_sinks=[])
     mon.replay(read_table(runs[0][1]))
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(mon.state_dict(), f)
+    from stability.outputs.safe_files import atomic_write, json_object
+
+    atomic_write(out, json.dumps(mon.state_dict()).encode(), ours=json_object)
 
 
 def _eval_settings(a: argparse.Namespace) -> dict[str, int]:
