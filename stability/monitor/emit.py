@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from stability.monitor.layout import _SCRATCH, _Binding
+from stability.monitor.recovery import RecoveryTracker
 from stability.types import Alarm, Alert, Control, Decision, Intervention
 
 __all__ = ["EmitMixin"]
@@ -47,6 +48,7 @@ class EmitMixin:
     log_only: bool
     _sink_failed: set[int]
     _slot_names: list[str]
+    _recovery: RecoveryTracker
 
     def _snapshot(self) -> Control:
         raise NotImplementedError
@@ -135,14 +137,27 @@ class EmitMixin:
                     continue
                 score = float(sc[i])
                 signal = ",".join(comps) if comps else b.keys[i]
+                rec = False
                 if b.nonfinite:
                     sev = "critical"
                     msg = f"{signal} is {_NF_NAMES.get(score, 'non-finite')}"
                 else:
-                    sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
-                                         ) else b.severity
-                    msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
-                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg))
+                    sev, msg, rec = self._rated(b, step, signal, score, thr)
+                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg, rec))
             items.sort(key=lambda al: al.signal)
             out.extend(items)
         return tuple(out)
+
+    def _rated(self, b: _Binding, step: int, signal: str, score: float, thr: float
+               ) -> tuple[str, str, bool]:
+        """Severity, message and the recovering flag of a detector alarm: critical above
+        ``critical_factor`` x the threshold, never while recovering
+        (:mod:`stability.monitor.recovery`)."""
+        rec = self._recovery.update(b.name, signal, step, score, thr)
+        msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
+        if rec:
+            sev = "warning" if b.severity == "critical" else b.severity
+            return sev, msg + " (recovering)", True
+        sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
+                             ) else b.severity
+        return sev, msg, False

@@ -65,6 +65,7 @@ from stability.monitor.bound import BoundInputs, BoundMixin
 from stability.monitor.emit import EmitMixin, _decision
 from stability.monitor.fused import fused_step, reference_step
 from stability.monitor.layout import MAX_STEP, _Binding
+from stability.monitor.recovery import RecoveryTracker
 from stability.monitor.replay import ReplayMixin
 from stability.monitor.state import GRAD_HISTORY, STATE_VERSION, StateMixin
 from stability.policy.context import PolicyContext
@@ -200,6 +201,7 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
         self.last_step = -1
         self.counters = {"steps": 0, "skipped_steps": 0, "skipped_values": 0, "alarm_steps": 0,
                          "alarms": 0, "interventions": 0, "sink_errors": 0}
+        self._recovery = RecoveryTracker()  # peak score per alarming (binding, signal)
 
     # ------------------------------------------------------------------ public helpers
     def on_alarm(self, fn: Any) -> Any:

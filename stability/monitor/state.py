@@ -18,6 +18,7 @@ from stability._state_check import Fields
 from stability.config.config import MonitorConfig
 from stability.monitor.io import decode_state, encode_state
 from stability.monitor.layout import LayoutMixin, _Binding
+from stability.monitor.recovery import RecoveryTracker
 from stability.run.goodput import GoodputTracker
 from stability.types import Control
 
@@ -52,6 +53,7 @@ class StateMixin(LayoutMixin):
     _grad_last: float | None
     _lr_now: float | None
     _lr_prev: float | None
+    _recovery: RecoveryTracker
 
     if TYPE_CHECKING:
         def _reset_runtime(self) -> None: ...
@@ -78,6 +80,7 @@ class StateMixin(LayoutMixin):
             "lr_now": self._lr_now,
             "lr_prev": self._lr_prev,
             "counters": dict(self.counters),
+            "recovery": self._recovery.state_dict(),
         }
         return encode_state(sd)
 
@@ -194,6 +197,9 @@ class StateMixin(LayoutMixin):
         self.last_step, grad_hist, self._grad_last, self._lr_now, self._lr_prev, counters = hist
         self._grad_hist.extend(grad_hist)
         self.counters.update(counters)
+        rec = f.get("recovery", None)
+        if rec is not None:
+            part("the recovery episodes", lambda: self._recovery.load_state_dict(rec))
         self._dirty = True
 
     def _load_bank(self, b: _Binding, g: Fields, same_names: bool, strict: bool) -> None:
