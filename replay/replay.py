@@ -44,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from replay.fleet import fan_out
 from replay.runs import Progress as Progress
 from replay.runs import discover_many as discover_many
 from replay.runs import discover_runs as discover_runs
@@ -208,7 +209,8 @@ def unbound_warning(monitor: Any, names: Iterable[str]) -> str | None:
     specific = [d for d in monitor.config.detectors if any(i.strip("*/") for i in d.inputs)]
     if not specific or any(monitor.series(d.name) for d in specific):
         return None
-    seen = [n for n in names if n != "step"]
+    own = getattr(monitor, "_own", None)  # the guard's own stability/* logs: never inputs
+    seen = [n for n in names if n != "step" and not (own is not None and own(n))]
     known: dict[str, str] = {}  # candidate name -> canonical name
     for d in specific:
         for i in d.inputs:
@@ -434,17 +436,22 @@ def _replay_job(args: tuple[str, str, Any, str | None]) -> ReplayResult:
 
 def replay_many(runs: Sequence[tuple[str, str]], config: Any = None, *, jobs: int | None = None,
                 events_dir: str | os.PathLike[str] | None = None, events_suffix: str = ".jsonl",
-                progress: bool | None = None) -> list[ReplayResult]:
-    """Replay many runs in parallel (one process per core), keeping the input order.
+                progress: bool | None = None, backend: str = "local",
+                address: str | None = None) -> list[ReplayResult]:
+    """Replay many runs in parallel, keeping the input order.
 
-    ``events_dir`` (optional) receives one ``<run_id><events_suffix>`` file per run.
+    ``backend``: ``"local"`` (``jobs`` processes, default one per core) or ``"ray"`` (the
+    cluster at ``address``; :func:`replay.fleet.fan_out`): the same jobs, the same results.
+    ``events_dir`` (optional) receives one ``<run_id><events_suffix>`` file per run (written
+    by the job: on Ray, give a path every worker can write).
     """
     if events_dir is not None:
         Path(events_dir).mkdir(parents=True, exist_ok=True)
     cfg = _default_config(config)
     jobs_args = [(rid, p, cfg, None if events_dir is None
                   else str(Path(events_dir) / f"{rid}{events_suffix}")) for rid, p in runs]
-    return parallel_map(_replay_job, jobs_args, jobs, "replay", progress)
+    return fan_out(_replay_job, jobs_args, backend=backend, jobs=jobs, label="replay",
+                   progress=progress, address=address)
 
 
 def _num(x: Any) -> str:
@@ -507,10 +514,12 @@ def _eval_job(args: tuple[str, str, Any, bool]
 
 def alarms_for_eval(runs: Sequence[tuple[str, str]], config: Any = None, *,
                     baselines: bool = False, jobs: int | None = None,
-                    progress: bool | None = None
+                    progress: bool | None = None, backend: str = "local",
+                    address: str | None = None
                     ) -> tuple[dict[str, NDArray[np.int64]], dict[str, dict[str,
                                                                            NDArray[np.int64]]]]:
-    """Alarm steps of our config (and optionally every baseline) on every run, in parallel.
+    """Alarm steps of our config (and optionally every baseline) on every run, in parallel
+    (``backend``, ``jobs``, ``address``: as :func:`replay_many`).
 
     Returns
     -------
@@ -519,7 +528,8 @@ def alarms_for_eval(runs: Sequence[tuple[str, str]], config: Any = None, *,
         or a baseline name).
     """
     args = [(rid, p, config, baselines) for rid, p in runs]
-    results = parallel_map(_eval_job, args, jobs, "eval", progress)
+    results = fan_out(_eval_job, args, backend=backend, jobs=jobs, label="eval",
+                      progress=progress, address=address)
     steps: dict[str, NDArray[np.int64]] = {}
     alarms: dict[str, dict[str, NDArray[np.int64]]] = {}
     for rid, st, per in results:

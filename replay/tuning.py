@@ -305,7 +305,8 @@ def _round_up(x: float) -> float:
 def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget: float, *,
          config: Any = None, folds: int = 5, backend: str = "local", jobs: int | None = None,
          settings: EvalSettings | None = None, grids: Mapping[str, Mapping[str, list[Any]]]
-         | None = None, n_thresholds: int = 1000, progress: bool | None = None) -> TuneResult:
+         | None = None, n_thresholds: int = 1000, progress: bool | None = None,
+         address: str | None = None) -> TuneResult:
     """Score ``runs`` with every candidate of ``config``'s bindings and tune (module docstring).
 
     Parameters
@@ -318,6 +319,8 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
         Maximum false alarms per 10k clean steps (union of all bindings).
     config
         Base monitor config (preset name, path, dict; ``None`` = the default preset).
+    backend, jobs, address
+        Where the scoring jobs run (:func:`replay.fleet.fan_out`): local processes or Ray.
     """
     from stability.config.config import load_config
 
@@ -325,7 +328,7 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     t0 = time.perf_counter()
     cands = make_candidates(base["detectors"], grids)
     scores = score_runs(runs, cands, base.get("monitor", {}).get("aliases", {}),
-                        backend=backend, jobs=jobs, progress=progress)
+                        backend=backend, jobs=jobs, progress=progress, address=address)
     t1 = time.perf_counter()
     res = tune_scores(scores, cands, labels, base, budget, folds=folds, settings=settings,
                       n_thresholds=n_thresholds)

@@ -12,7 +12,7 @@ optimizer and the scheduler itself.  What the trainers add:
   state carries the monitor's; with ``sync="deferred"`` that step is not observed yet when the
   trainer saves.  On a step with a save due the callback therefore observes it first
   (:func:`observe_before_save`, i.e.
-  :meth:`~stability.adapters.guard.deferred.DeferredGuard.flush`):
+  :meth:`~stability.adapters.torch.TorchGuard.flush`):
   one host sync on save steps only (the save itself copies every weight to the host), and the
   checkpoint is registered, or cancelled, as with ``sync="step"``.  A stop or rollback found
   then is carried out at once.

@@ -104,7 +104,7 @@ def _numeric_column(v: Any) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 #: Arrow type names of the columns replay reads (floating, integer, boolean)
-_ARROW_NUMERIC = frozenset({"halffloat", "float", "double", "bool", "int8", "int16", "int32",
+ARROW_NUMERIC = frozenset({"halffloat", "float", "double", "bool", "int8", "int16", "int32",
                             "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
@@ -251,7 +251,7 @@ def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np
             if name == "step":
                 continue
             col = data.column(k)
-            if str(col.type) not in _ARROW_NUMERIC:
+            if str(col.type) not in ARROW_NUMERIC:
                 continue
             present = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=np.bool_)
             vals = np.asarray(col.cast("float64").to_numpy(zero_copy_only=False),
