@@ -17,7 +17,7 @@ def ref_tail_z(x, alpha=0.02, warmup=30, threshold=6.0, log_space=True, min_std=
     """Plain Python: one series, returns (scores, alarms)."""
     ref = NormalDist().inv_cdf(tail_q)
     mean = var = 0.0
-    count, q = 0, ref
+    count, q, above = 0, ref, False
     scores, alarms = [], []
 
     def std_of(v, m, c):
@@ -43,10 +43,14 @@ def ref_tail_z(x, alpha=0.02, warmup=30, threshold=6.0, log_space=True, min_std=
         if alarm and freeze_on_alarm:
             continue
         if count == 0:
-            mean, var, count = y, 0.0, 1
+            mean, var, count, above = y, 0.0, 1, False
             continue
         if count >= warmup:
-            q = max(q + tail_rate * tail_q if raw > q else q - tail_rate * (1 - tail_q), ref)
+            exceeds = raw > q
+            if not alarm and not (exceeds and above):  # one lift per run above q
+                q = max(q + tail_rate * tail_q if exceeds else q - tail_rate * (1 - tail_q), ref)
+            above = exceeds
+        if count >= warmup:
             sd = std_of(var, mean, count)
             y = min(max(y, mean - clip * sd), mean + clip * sd)
         a = max(alpha, 1.0 / (count + 1))
@@ -101,13 +105,17 @@ def test_the_same_z_counts_less_on_a_spiky_run() -> None:
     assert det.tail_factor[0] > 1.5
 
 
-def test_one_value_moves_the_calibration_by_at_most_the_rate() -> None:
+def test_a_fault_does_not_raise_the_bar() -> None:
     x = _wave()
     det = TailZScore()
     det.update_many(x[:400])
-    before = det.tail_factor[0]
-    det.update(1e6)  # a fault spike: alarms, and lifts q by tail_rate * tail_q at most
-    assert before == 1.0 and det.tail_factor[0] <= 1.0 + 1.0 / det.tail_ref
+    assert det.tail_factor[0] == 1.0
+    assert det.update(1e6)[0]  # a fault spike alarms and is not a healthy score
+    assert det.tail_factor[0] == 1.0
+    det.update(x[400])  # back to normal
+    det.update(np.exp(0.05 * 4))  # a healthy 4-sigma score lifts q by tail_rate * tail_q
+    det.update(np.exp(0.05 * 4))  # ... once per run of scores above q
+    assert det.tail_factor[0] == pytest.approx((det.tail_ref + 0.999) / det.tail_ref)
 
 
 def test_calibration_is_capped_so_a_real_spike_still_alarms() -> None:
