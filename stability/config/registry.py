@@ -149,7 +149,7 @@ REGISTRY: dict[str, RegistryEntry] = {
         doc="Loss volatility relative to its baseline, once the LR exceeds the highest LR seen "
             "while the loss was calm (LR too high)."),
     "tail_z": RegistryEntry(
-        "detectors.tail:TailZScore", None, {"tail_q": (0.98, 0.99)},
+        "detectors.tail:TailZScore", None, {"tail_q": (0.99, 0.999)},
         doc="EWMA z-score of `log(x)` divided by the run's own tail factor: a high quantile "
             "of the series' healthy scores against a Gaussian's (a z of 7 on a spiky "
             "small-batch SGD run counts for less than on a smooth LLM run); with `prior_std` "

@@ -97,6 +97,7 @@ from stability.monitor.layout import (
     GatherPlan,
     KeyPlan,
 )
+from stability.monitor.recovery import RecoveryTracker
 from stability.monitor.replay import Column, decode_table, merge_columns
 from stability.monitor.replay_fill import fill_bank as _fill_bank
 from stability.monitor.replay_run import Replay, ReplayBlocks
@@ -245,6 +246,7 @@ class Monitor:
         self.last_step = -1
         self.counters = {"steps": 0, "skipped_steps": 0, "skipped_values": 0, "alarm_steps": 0,
                          "alarms": 0, "interventions": 0, "sink_errors": 0}
+        self._recovery = RecoveryTracker()  # peak score per alarming (binding, signal)
 
     # ------------------------------------------------------------------ public helpers
     def on_alarm(self, fn: Any) -> Any:
@@ -965,17 +967,30 @@ class Monitor:
                     continue
                 score = float(sc[i])
                 signal = ",".join(comps) if comps else b.keys[i]
+                rec = False
                 if b.nonfinite:
                     sev = "critical"
                     msg = f"{signal} is {NF_NAMES.get(score, 'non-finite')}"
                 else:
-                    sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
-                                         ) else b.severity
-                    msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
-                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg))
+                    sev, msg, rec = self._rated(b, step, signal, score, thr)
+                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg, rec))
             items.sort(key=lambda al: al.signal)
             out.extend(items)
         return tuple(out)
+
+    def _rated(self, b: Binding, step: int, signal: str, score: float, thr: float
+               ) -> tuple[str, str, bool]:
+        """Severity, message and the recovering flag of a detector alarm: critical above
+        ``critical_factor`` x the threshold, never while recovering
+        (:mod:`stability.monitor.recovery`)."""
+        rec = self._recovery.update(b.name, signal, step, score, thr)
+        msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
+        if rec:
+            sev = "warning" if b.severity == "critical" else b.severity
+            return sev, msg + " (recovering)", True
+        sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
+                             ) else b.severity
+        return sev, msg, False
 
     # ====== batch replay (table decoding: monitor.replay)
     def replay(self, data: Any) -> Decisions:
@@ -1160,6 +1175,7 @@ class Monitor:
             "lr_now": self._lr_now,
             "lr_prev": self._lr_prev,
             "counters": dict(self.counters),
+            "recovery": self._recovery.state_dict(),
         }
         return encode_state(sd)
 
@@ -1276,6 +1292,9 @@ class Monitor:
         self.last_step, grad_hist, self._grad_last, self._lr_now, self._lr_prev, counters = hist
         self._grad_hist.extend(grad_hist)
         self.counters.update(counters)
+        rec = f.get("recovery", None)
+        if rec is not None:
+            part("the recovery episodes", lambda: self._recovery.load_state_dict(rec))
         self._dirty = True
 
     def _load_bank(self, b: Binding, g: Fields, same_names: bool, strict: bool) -> None:
