@@ -160,8 +160,11 @@ class Policy(ResponseMixin, RecoveryMixin):
                 self._apply_persistent(step, control)
             return []
         ctx = PolicyContext.coerce(context)
+        if ctx.healthy_checkpoints is not None:
+            self.ledger = ctx.healthy_checkpoints
         cfg = self.config
         jcfg = cfg.lr_jump
+        self._storm = False
         if cfg.lr_guard.enabled and self.guard.n >= cfg.lr_guard.min_steps:
             # the LR guard judges the requested LR itself, every step: LR-jump alarms are
             # recorded but do not act (a rewound scheduler, a benign restart, a step decay)
@@ -176,6 +179,8 @@ class Policy(ResponseMixin, RecoveryMixin):
         ep = self._ep
         ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
         ep.last_seen = step
+        self._after = None  # the episode goes on: its aftermath is judged when it is over
+        self._judged_onset = None
         rc = cfg.recovery
         cause = attribute(acts, lr_fault=self.guard.active,
                           nonfinite_loss_run=self.loss.nonfinite_run,
@@ -289,7 +294,8 @@ class Policy(ResponseMixin, RecoveryMixin):
         if "stop" in actions and not self._exhausted(step, ctx):
             # stop only when nothing is left to try: a rollback comes first
             actions = (actions - {"stop"}) | {"checkpoint", "rollback"}
-        if "rollback" in actions and cause in ("shift", "overflow", "outlier", "divergence"):
+        if "rollback" in actions and not self._storm and cause in (
+                "shift", "overflow", "outlier", "divergence"):
             ok = worse is not False and (cause in ("outlier", "divergence") or (
                 ep.adapt_start is not None and step - ep.adapt_start >= rc.adapt_steps
                 and not self._improving()))
@@ -300,6 +306,11 @@ class Policy(ResponseMixin, RecoveryMixin):
                     actions.update(("alert", "clip", "reduce_lr"))
         if skip:
             actions.add("skip")
+            if self._skip_storm(step, ctx):
+                actions = (actions - {"skip", "clip", "checkpoint"}) | (
+                    {"alert", "stop"} if self._exhausted(step, ctx)
+                    else {"alert", "rollback", "reduce_lr"})
+                responded = True
         if responded:
             self.n_responses += 1
         else:
@@ -324,6 +335,17 @@ class Policy(ResponseMixin, RecoveryMixin):
             self._apply_persistent(step if self._rewound_to is None else self._rewound_to,
                                    control)
         return ivs
+
+    def _skip_storm(self, step: int, ctx: PolicyContext) -> bool:
+        """Count this skipped step; ``True`` when the run has been skipping for
+        ``recovery.max_skips`` consecutive steps (it is not training: escalate)."""
+        ep = self._ep
+        ep.skip_run = ep.skip_run + 1 if step - ep.last_skip == 1 else 1
+        ep.last_skip = step
+        if ep.skip_run < self.config.recovery.max_skips:
+            return False
+        self._storm = True
+        return True
 
     def __repr__(self) -> str:
         return f"Policy(mode={self.config.mode!r}, level={self._level})"

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from stability.policy.attribution import DATA_CAUSES
 from stability.policy.config import ACTIONS
-from stability.policy.context import PolicyContext, finite_or_none
+from stability.policy.context import Ledger, PolicyContext, finite_or_none
 from stability.policy.lr_schedule import adaptive_clip, compound_factor
 from stability.policy.state import ClipHold, JumpHold, LRCut, PolicyState, Probation
 from stability.types import (
@@ -65,7 +65,7 @@ class ResponseMixin(PolicyState):
                     actions = actions | {"stop"}
         if "stop" in actions:
             worse = self.worse()
-            if worse is False:
+            if worse is False and not self._storm:
                 actions = actions - {"stop"}
                 notes.append("would stop, but the run is not measurably worse than before the "
                              "episode: continuing")
@@ -136,6 +136,7 @@ class ResponseMixin(PolicyState):
                         self._rewind(step, target.covers, ledger)
                         self._rewound_to = target.covers
         if "stop" in actions:
+            out += self._stop_restore(step, ledger, notes, control)
             out.append(Stop(step, reason + ("; " + "; ".join(notes) if notes else "")))
             if act:
                 control.stop = True
@@ -148,6 +149,27 @@ class ResponseMixin(PolicyState):
             msg = f"step {step}: {reason} -> {done}" + ("; " + "; ".join(notes) if notes else "")
             out.insert(0, Alert(step, reason, severity=sev, message=msg))
         return out
+
+    def _stop_restore(self, step: int, ledger: Ledger | None, notes: list[str],
+                      control: Control) -> list[Intervention]:
+        """A stop restores the latest healthy checkpoint before the episode (invariant 2):
+        the :class:`Rollback` that goes with the :class:`Stop`, its note, and the control."""
+        if self._rolled_back:
+            return []  # this response's own rollback restores the healthy weights
+        onset = step if self._onset is None else self._onset
+        target = None if ledger is None else ledger.latest_healthy_before(
+            onset, self.config.checkpoint_margin)
+        if target is None:
+            notes.append(f"no healthy checkpoint before step {onset}: the weights of step "
+                         f"{step} are kept")
+            return []
+        notes.append(f"the weights of step {target.step} (the latest healthy checkpoint "
+                     f"before the episode of step {onset}) restored")
+        if not self.log_only:
+            control.rollback_to = target.step
+            control.skip_batches = None
+        return [Rollback(step, "stop: restore the healthy weights", to_step=target.step,
+                         skip_from=step, skip_to=step - 1)]
 
     # ------------------------------------------------------------------ LR jumps
     def _is_jump(self, a: Alarm) -> bool:

@@ -468,12 +468,14 @@ class DeferredGuard(GuardCheckpoints):
     def _end_run(self, step: int, control: Control, raise_stop: bool) -> bool:
         """Carry out a stop or rollback requested for ``step``; ``True`` when one was."""
         if control.stop:
-            if control.rollback_to is not None:
+            restored = None
+            if control.rollback_to is not None and self.rollback(control.rollback_to, None):
                 # stop with the last good weights in place (the run cannot be brought back)
-                self.rollback(control.rollback_to, None)
+                restored = self.step_count - 1
             self.stopped = TrainingStopped(
                 control.stop_reason or "stop requested", step,
-                self.decision.alarms if self.decision else (), self.decision)
+                self.decision.alarms if self.decision else (), self.decision,
+                restored_step=restored)
             self.step_count += 1
             self.data_position += 1
             if raise_stop:
