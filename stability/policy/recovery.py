@@ -319,6 +319,8 @@ class RecoveryMixin(PolicyState):
                      skip_to=af.last if data else af.onset - 1)]
         self.n_undo += 1
         self.n_rollbacks += 1
+        if not data:
+            self._rb_onsets = [*self._rb_onsets[-7:], int(af.onset)]
         self.n_responses += 1
         act = control is not None and not self.log_only
         resume = target.covers if act and self.config.rewind_on_rollback else step

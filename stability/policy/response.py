@@ -53,6 +53,15 @@ class ResponseMixin(PolicyState):
         out: list[Intervention] = []
         ledger = ctx.healthy_checkpoints
         self._rolled_back = False
+        if "rollback" in actions and self._recurs(step):
+            # rerun verdict: the same fault at the same step after a rollback to before it is
+            # deterministic -- another rollback would replay it (invariant 6: not repeated)
+            onset = step if self._onset is None else self._onset
+            actions = actions - {"rollback", "checkpoint"}
+            actions |= {"stop"} if self._storm else {"clip", "reduce_lr"}
+            notes.append(f"the fault recurred at step {onset} after a rollback to before it: "
+                         f"deterministic, a rollback does not help -- "
+                         + ("stopping" if self._storm else "adapting instead"))
         if "rollback" in actions and self.n_rollbacks >= cfg.max_rollbacks:
             actions = (actions - {"rollback"}) | {"stop"}
             notes.append(f"rollback limit ({cfg.max_rollbacks}) reached")
@@ -124,6 +133,8 @@ class ResponseMixin(PolicyState):
                 out.append(Rollback(step, reason, to_step=target.step, skip_from=onset,
                                     skip_to=step if skip_data else onset - 1))
                 self.n_rollbacks += 1
+                if not skip_data:
+                    self._note_rolled_back(onset)
                 self._onset = None
                 self._rolled_back = True  # log_only decides as if it had acted
                 resume = target.covers if act and cfg.rewind_on_rollback else step
@@ -149,6 +160,18 @@ class ResponseMixin(PolicyState):
             msg = f"step {step}: {reason} -> {done}" + ("; " + "; ".join(notes) if notes else "")
             out.insert(0, Alert(step, reason, severity=sev, message=msg))
         return out
+
+    def _note_rolled_back(self, onset: int) -> None:
+        """Remember the onset of an episode undone by a rollback (a step fault replays there)."""
+        self._rb_onsets = [*self._rb_onsets[-7:], int(onset)]
+
+    def _recurs(self, step: int) -> bool:
+        """Whether the open episode (a step fault, not the data) began where an episode undone
+        by a rollback began: the rollback replayed the fault (Megatron's rerun verdict)."""
+        if self.cause in DATA_CAUSES:
+            return False
+        onset = step if self._onset is None else self._onset
+        return any(abs(onset - o) <= 3 for o in self._rb_onsets)
 
     def _stop_restore(self, step: int, ledger: Ledger | None, notes: list[str],
                       control: Control) -> list[Intervention]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -134,6 +135,7 @@ class PolicySnapshot:
     aftermath: Aftermath | None = None
     judged_onset: int | None = None
     n_undo: int = 0
+    rb_onsets: list[int] = dataclasses.field(default_factory=list)
 
 
 def write_state(s: PolicySnapshot) -> dict[str, Any]:
@@ -164,6 +166,7 @@ def write_state(s: PolicySnapshot) -> dict[str, Any]:
                                                        _enc(s.aftermath.ref)],
         "judged_onset": s.judged_onset,
         "n_undo": s.n_undo,
+        "rb_onsets": list(s.rb_onsets),
         "loss": s.loss.state_dict(),
         "val": s.val.state_dict(),
     }
@@ -226,6 +229,9 @@ def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
         f.integer("aftermath[4]", af[4], lo=0), f.number("aftermath[5]", af[5], nan=True))
     judged_onset = f.opt_integer("judged_onset")
     n_undo = f.integer("n_undo", f.get("n_undo", 0), lo=0)
+    rb_onsets = [f.integer(f"rb_onsets[{i}]", x)
+                 for i, x in enumerate(f.seq("rb_onsets", None, f.get("rb_onsets", []),
+                                             max_len=64))]
     guard = LRGuard(config.lr_guard)
     if f.get("guard", None) is not None:
         guard.load_state_dict(f.get("guard"))
@@ -239,7 +245,8 @@ def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
         onset=onset, hist=hist, lr=lr, clip=clip, jump=jump, damage_last=damage_last,
         n_rollbacks=counts["n_rollbacks"], n_responses=counts["n_responses"],
         n_merged=counts["n_merged"], guard=guard, episode=episode, probation=probation,
-        loss=loss, val=val, aftermath=aftermath, judged_onset=judged_onset, n_undo=n_undo)
+        loss=loss, val=val, aftermath=aftermath, judged_onset=judged_onset, n_undo=n_undo,
+        rb_onsets=rb_onsets)
 
 
 class PolicyState:
@@ -274,6 +281,7 @@ class PolicyState:
         self._after: Aftermath | None = None
         self._judged_onset: int | None = None  # the episode whose aftermath was judged
         self.n_undo = 0
+        self._rb_onsets: list[int] = []  # onsets of step-fault episodes undone by a rollback
         self._storm = False  # this step's response is a skip storm's escalation
         self.n_rollbacks = 0
         self.n_responses = 0
@@ -306,7 +314,7 @@ class PolicyState:
             n_rollbacks=self.n_rollbacks, n_responses=self.n_responses, n_merged=self.n_merged,
             guard=self.guard, episode=self._ep, probation=self._probation, loss=self.loss,
             val=self.val, aftermath=self._after, judged_onset=self._judged_onset,
-            n_undo=self.n_undo))
+            n_undo=self.n_undo, rb_onsets=self._rb_onsets))
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; later decisions are identical.
@@ -327,6 +335,7 @@ class PolicyState:
         self.guard, self.loss, self.val = s.guard, s.loss, s.val
         self._ep, self._probation = s.episode, s.probation
         self._after, self._judged_onset, self.n_undo = s.aftermath, s.judged_onset, s.n_undo
+        self._rb_onsets = list(s.rb_onsets)
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
