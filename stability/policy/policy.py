@@ -188,7 +188,11 @@ class Policy(ResponseMixin, RecoveryMixin):
         stop = self._overfit_stop(step, acts, cause, ctx, control)
         if stop is not None:
             return stop
-        self.cause = cause
+        replayed = self._replayed_cause(step)
+        if replayed:
+            cause = replayed  # a rollback replayed a step fault: the same cause
+        if not (cause == "divergence" and self.cause and self._onset is not None):
+            self.cause = cause  # (a slow trend inside an episode keeps the episode's cause)
         damaged = False
         if jcfg.enabled:
             if any(a.kind in jcfg.damage_kinds for a in acts):
@@ -278,15 +282,17 @@ class Policy(ResponseMixin, RecoveryMixin):
             if damaged and jcfg.rollback_on_damage:
                 actions.update(("checkpoint", "rollback"))
         nonfinite_now = "nonfinite" in kinds
-        if skip and cause == "shift" and not nonfinite_now:
-            skip = False  # no skip storms: a persistent shift must be learned, not skipped
-        adapting = cause == "shift" or (
+        if skip and (cause == "shift" or replayed) and not nonfinite_now:
+            # no skip storms: a persistent shift must be learned, not skipped; a replayed
+            # deterministic fault is trained through (skipping cannot heal the weights)
+            skip = False
+        adapting = cause == "shift" or bool(replayed) or (
             cause == "overflow" and ep.consec > rc.max_consecutive_skips)
         if adapting and ep.adapt_start is None:
             self._start_adapting(step)
             actions.update(("alert", "clip", "reduce_lr"))
             responded = True
-        if cause == "corruption":
+        if cause == "corruption" and not replayed:
             actions.update(("alert", "checkpoint", "rollback"))
             skip = True
             responded = True

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from stability.policy.attribution import DATA_CAUSES
-from stability.policy.context import Ledger, PolicyContext
+from stability.policy.context import PolicyContext
 from stability.policy.state import Aftermath, PolicyState, Probation
 from stability.types import Alarm, Alert, Control, Intervention, ReduceLR, Rollback, Stop
 
@@ -292,7 +292,11 @@ class RecoveryMixin(PolicyState):
             return []
         n_worse, ref = self._gap(af.n_worse, af.ref)
         self._after = af._replace(n_worse=n_worse, ref=ref)
-        if n_worse < max(1, rc.adapt_steps):
+        # the updates of a data episode came from batches that alarmed: with the data back to
+        # normal and the loss still measurably worse, their damage is undone at once; any other
+        # cause waits for adapt_steps steps without closing the gap
+        wait = 1 if af.cause in DATA_CAUSES else max(1, rc.adapt_steps)
+        if n_worse < wait:
             return []
         self._after = None
         return self._undo(step, af, control)
@@ -320,7 +324,7 @@ class RecoveryMixin(PolicyState):
         self.n_undo += 1
         self.n_rollbacks += 1
         if not data:
-            self._rb_onsets = [*self._rb_onsets[-7:], int(af.onset)]
+            self._rb_onsets = [*self._rb_onsets[-7:], (int(af.onset), af.cause)]
         self.n_responses += 1
         act = control is not None and not self.log_only
         resume = target.covers if act and self.config.rewind_on_rollback else step
@@ -333,6 +337,8 @@ class RecoveryMixin(PolicyState):
             if self.config.rewind_on_rollback:
                 self._rewind(step, target.covers, ledger)
         self._onset = None
+        self._lr = self._clip = None  # the responses to the undone episode go with it
+        self._update_neutral()
         self._reset_episode()
         self.guard.rewind()
         self.val.rewind(target.covers)

@@ -58,10 +58,11 @@ class ResponseMixin(PolicyState):
             # deterministic -- another rollback would replay it (invariant 6: not repeated)
             onset = step if self._onset is None else self._onset
             actions = actions - {"rollback", "checkpoint"}
-            actions |= {"stop"} if self._storm else {"clip", "reduce_lr"}
+            if self._storm:
+                actions |= {"stop"}
             notes.append(f"the fault recurred at step {onset} after a rollback to before it: "
                          f"deterministic, a rollback does not help -- "
-                         + ("stopping" if self._storm else "adapting instead"))
+                         + ("stopping" if self._storm else "training through it"))
         if "rollback" in actions and self.n_rollbacks >= cfg.max_rollbacks:
             actions = (actions - {"rollback"}) | {"stop"}
             notes.append(f"rollback limit ({cfg.max_rollbacks}) reached")
@@ -162,16 +163,23 @@ class ResponseMixin(PolicyState):
         return out
 
     def _note_rolled_back(self, onset: int) -> None:
-        """Remember the onset of an episode undone by a rollback (a step fault replays there)."""
-        self._rb_onsets = [*self._rb_onsets[-7:], int(onset)]
+        """Remember the onset and cause of an episode undone by a rollback (a step fault
+        replays there)."""
+        self._rb_onsets = [*self._rb_onsets[-7:], (int(onset), self.cause)]
+
+    def _replayed_cause(self, step: int) -> str | None:
+        """The cause of the step-fault episode undone by a rollback that began where the open
+        episode begins (``None``: none) -- the rollback replayed the fault, which is therefore
+        deterministic (Megatron's rerun verdict), whatever the alarms look like this time."""
+        onset = step if self._onset is None else self._onset
+        for o, cause in self._rb_onsets:
+            if abs(onset - o) <= 3:
+                return cause
+        return None
 
     def _recurs(self, step: int) -> bool:
-        """Whether the open episode (a step fault, not the data) began where an episode undone
-        by a rollback began: the rollback replayed the fault (Megatron's rerun verdict)."""
-        if self.cause in DATA_CAUSES:
-            return False
-        onset = step if self._onset is None else self._onset
-        return any(abs(onset - o) <= 3 for o in self._rb_onsets)
+        """Whether the open episode replays a step fault a rollback already undid."""
+        return self.cause not in DATA_CAUSES and self._replayed_cause(step) is not None
 
     def _stop_restore(self, step: int, ledger: Ledger | None, notes: list[str],
                       control: Control) -> list[Intervention]:

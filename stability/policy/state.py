@@ -22,9 +22,9 @@ LRCut(start=10, factor=0.5, duration=100, restore=50)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -135,7 +135,7 @@ class PolicySnapshot:
     aftermath: Aftermath | None = None
     judged_onset: int | None = None
     n_undo: int = 0
-    rb_onsets: list[int] = dataclasses.field(default_factory=list)
+    rb_onsets: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
 def write_state(s: PolicySnapshot) -> dict[str, Any]:
@@ -166,7 +166,7 @@ def write_state(s: PolicySnapshot) -> dict[str, Any]:
                                                        _enc(s.aftermath.ref)],
         "judged_onset": s.judged_onset,
         "n_undo": s.n_undo,
-        "rb_onsets": list(s.rb_onsets),
+        "rb_onsets": [list(x) for x in s.rb_onsets],
         "loss": s.loss.state_dict(),
         "val": s.val.state_dict(),
     }
@@ -229,7 +229,8 @@ def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
         f.integer("aftermath[4]", af[4], lo=0), f.number("aftermath[5]", af[5], nan=True))
     judged_onset = f.opt_integer("judged_onset")
     n_undo = f.integer("n_undo", f.get("n_undo", 0), lo=0)
-    rb_onsets = [f.integer(f"rb_onsets[{i}]", x)
+    rb_onsets = [(f.integer(f"rb_onsets[{i}][0]", f.seq(f"rb_onsets[{i}]", 2, x)[0]),
+                  f.text(f"rb_onsets[{i}][1]", value=x[1], max_len=200))
                  for i, x in enumerate(f.seq("rb_onsets", None, f.get("rb_onsets", []),
                                              max_len=64))]
     guard = LRGuard(config.lr_guard)
@@ -281,7 +282,8 @@ class PolicyState:
         self._after: Aftermath | None = None
         self._judged_onset: int | None = None  # the episode whose aftermath was judged
         self.n_undo = 0
-        self._rb_onsets: list[int] = []  # onsets of step-fault episodes undone by a rollback
+        #: (onset, cause) of step-fault episodes undone by a rollback
+        self._rb_onsets: list[tuple[int, str]] = []
         self._storm = False  # this step's response is a skip storm's escalation
         self.n_rollbacks = 0
         self.n_responses = 0
