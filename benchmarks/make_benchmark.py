@@ -112,6 +112,7 @@ class Config:
     precision: str
     seed: int
     steps: int
+    batch_size: int | None = None  # None: the task's default (64 for the MLP, 16 for the LMs)
 
 
 @dataclass(frozen=True)
@@ -164,14 +165,16 @@ def plan(n_configs: int, faults_per_config: int, steps: int, seed: int
     return out
 
 
-def plan_clean_long(n_runs: int, steps: int, seed: int
-                    ) -> list[tuple[Config, list[Fault], list[str]]]:
+def plan_clean_long(n_runs: int, steps: int, seed: int, *,
+                    optimizers: Sequence[str] = OPTIMIZERS, batch_size: int | None = None,
+                    prefix: str = "long") -> list[tuple[Config, list[Fault], list[str]]]:
     """``n_runs`` clean runs for false-alarm evidence, deterministic in the arguments.
 
     Architectures cycle fastest, precisions (fp32, bf16, fp16) next (12 runs cover every
     architecture x precision pair), optimizers and schedules rotate so every architecture meets
     every optimizer within 16 runs. Seeds are disjoint from :func:`plan`'s (offset 50,000), run
-    ids ``long_<i>``.
+    ids ``<prefix>_<i>``. ``optimizers`` and ``batch_size`` narrow the set (e.g. small-batch
+    SGD: ``("sgd",)``, 4).
 
     Examples
     --------
@@ -182,12 +185,13 @@ def plan_clean_long(n_runs: int, steps: int, seed: int
     ([], ['long_000'])
     """
     out = []
-    na, no = len(ARCHS), len(OPTIMIZERS)
+    na, no = len(ARCHS), len(optimizers)
     for i in range(n_runs):
-        cfg = Config(i, ARCHS[i % na], OPTIMIZERS[(i + i // na) % no],
+        cfg = Config(i, ARCHS[i % na], optimizers[(i + i // na) % no],
                      SCHEDULES[(i // na + i // (na * no)) % len(SCHEDULES)],
-                     PRECISIONS[i % len(PRECISIONS)], seed * 100_003 + 50_000 + i, steps)
-        out.append((cfg, [], [f"long_{i:03d}"]))
+                     PRECISIONS[i % len(PRECISIONS)], seed * 100_003 + 50_000 + i, steps,
+                     batch_size)
+        out.append((cfg, [], [f"{prefix}_{i:03d}"]))
     return out
 
 
@@ -229,6 +233,7 @@ def train_one(cfg: Config, fault: Fault | None, run_id: str, runs_dir: Path,
     with RunRecorder(tmp, part_steps=10 * cfg.steps, metadata={"run": info}) as rec:
         train_run(cfg.arch, cfg.steps, cfg.seed, spec, recorder=rec, eval_every=eval_every,
                   checkpoint_every=0, on_step=_StopAfterNaN(), optimizer=cfg.optimizer,
+                  batch_size=cfg.batch_size,
                   precision=cfg.precision, schedule=cfg.schedule,
                   guard_kwargs={"activations": ACTIVATIONS[cfg.arch], "activation_every": 10,
                                 "update_ratio_every": 1})  # dense weight signals in the data
@@ -505,6 +510,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--clean-long", type=int, default=0, metavar="N",
                    help="instead of the benchmark: N clean runs of --steps steps over every "
                         "architecture, optimizer, schedule and precision (false-alarm evidence)")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                   help="--clean-long: comma-separated optimizers to rotate (default all)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="--clean-long: batch size of every run (default: the task's)")
+    p.add_argument("--prefix", default="long", help="--clean-long: run id prefix")
     p.add_argument("--only", default=None, help="comma-separated config indices (debugging)")
     p.add_argument("--labels-only", action="store_true",
                    help="only re-derive labels.* and manifest.json from the runs in --out")
@@ -519,7 +529,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     if a.clean_long:
-        todo = plan_clean_long(a.clean_long, a.steps, a.seed)
+        opts = tuple(o for o in a.optimizers.split(",") if o)
+        bad = [o for o in opts if o not in OPTIMIZERS]
+        if bad or not opts:
+            p.error(f"--optimizers: each must be one of {OPTIMIZERS}; got {a.optimizers!r}")
+        todo = plan_clean_long(a.clean_long, a.steps, a.seed, optimizers=opts,
+                               batch_size=a.batch_size, prefix=a.prefix)
     else:
         todo = plan(a.configs, a.faults_per_config, a.steps, a.seed)
     if a.only:

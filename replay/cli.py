@@ -6,6 +6,7 @@ Examples
 
     stability replay runs/public/runs/public_0009.parquet --events events.jsonl
     stability replay 'runs/*.parquet' --jobs 8
+    stability replay 's3://bucket/runs/' --backend ray --ray-address auto
     stability eval runs/public/runs --labels runs/public/labels.parquet --baselines
     stability tune runs/public/runs modded_nanogpt/train_loss --labels labels.parquet \\
         --budget 1.0 -o tuned.toml --folds 5 [--backend ray]
@@ -35,6 +36,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from replay.fleet import BackendUnavailable
+
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
     from replay.evaluate import DEFAULT_GAP, DEFAULT_TOLERANCE, DEFAULT_WINDOW
@@ -47,6 +50,18 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                    help="steps before the onset still accepted (default %(default)s)")
     g.add_argument("--gap", type=int, default=DEFAULT_GAP,
                    help="alarms closer than this are one episode (default %(default)s)")
+
+
+def _backend_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("where the jobs run (see replay.fleet)")
+    g.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local processes or a Ray cluster (default %(default)s)")
+    g.add_argument("--jobs", "-j", type=int, default=None,
+                   help="local processes (default: cores); with ray, tasks (default: 4 per "
+                        "cluster CPU)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="Ray cluster (auto, ray://HOST:10001, HOST:6379; default: RAY_ADDRESS, "
+                        "else a local Ray instance)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,11 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--events", default=None,
                    help="write alarms/interventions here (.jsonl or .parquet); with several "
                         "runs, a directory (one file per run)")
-    p.add_argument("--jobs", "-j", type=int, default=None, help="processes (default: cores)")
+    _backend_args(p)
     p.add_argument("--json", action="store_true", help="print the summaries as JSON")
     p.add_argument("--save-state", default=None, metavar="S",
                    help="one run: write the monitor state after the replay to S (JSON) for "
                         "Monitor.load_state_dict, so a live run continues primed")
+    p.add_argument("--calibrate", default=None, metavar="HISTORY",
+                   help="prime the detectors on HISTORY (an earlier run or log of the same "
+                        "recipe) before replaying, so a run that starts near an event is not "
+                        "blind (nothing is emitted while priming)")
 
     p = sub.add_parser("eval", help="score alarms against labels (ours vs baselines)")
     p.add_argument("runs", nargs="+", metavar="RUNS")
@@ -77,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="labels file (.parquet/.json/.csv); unlabelled runs count as clean")
     p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
     p.add_argument("--baselines", action="store_true", help="also score the industry rules")
-    p.add_argument("--jobs", "-j", type=int, default=None)
+    _backend_args(p)
     p.add_argument("--per-scenario", action="store_true", help="print the per-kind breakdown")
     p.add_argument("--json", action="store_true", help="print the summaries as JSON")
     _eval_args(p)
@@ -90,8 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", required=True, help="tuned config (.toml or .json)")
     p.add_argument("--config", "-c", default=None, help="base config (default preset)")
     p.add_argument("--folds", type=int, default=5, help="cross-validation folds (0/1 = none)")
-    p.add_argument("--backend", choices=("local", "ray"), default="local")
-    p.add_argument("--jobs", "-j", type=int, default=None)
+    _backend_args(p)
     p.add_argument("--thresholds", type=int, default=1000,
                    help="thresholds swept per candidate (default %(default)s)")
     _eval_args(p)
@@ -125,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a fresh watcher (no state) finds at start: act on it, or only "
                         "warm the monitor on it (default %(default)s)")
     p.add_argument("--quiet", "-q", action="store_true", help="no line per alarm step")
+    g = p.add_argument_group("the culprit rank (replay.watch_ranks)")
+    g.add_argument("--ranks", action="store_true",
+                   help="SOURCEs are per-rank logs (one file per rank, or one log with "
+                        "[rankN]: prefixes): name the rank/host that departs or stalls")
+    g.add_argument("--hosts", default=None, metavar="H0,H1,...", help="host name per rank")
+    g.add_argument("--world", type=int, default=None, help="world size (default: from the logs)")
+    g.add_argument("--stall-after", type=float, default=60.0, metavar="SECONDS",
+                   help="silence that makes a rank stalled while others log (%(default)s)")
 
     p = sub.add_parser("ranks", help="per-rank health (which rank or host is the culprit)")
     p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) of a multi-rank run")
@@ -230,17 +256,21 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     runs = _runs(a.runs)
     if a.save_state and len(runs) != 1:
         raise ValueError(f"--save-state takes one run; got {len(runs)}.")
+    if a.calibrate and len(runs) != 1:
+        raise ValueError(f"--calibrate takes one run; got {len(runs)}.")
     try:
-        if len(runs) == 1:
+        if len(runs) == 1:  # nothing to fan out: replayed here, whatever the backend
             rid, path = runs[0]
-            results = [replay_run(path, a.config, events=a.events, run_id=rid, progress=None)]
+            results = [replay_run(path, a.config, events=a.events, run_id=rid, progress=None,
+                                  calibrate=a.calibrate)]
         else:
             suffix = ".jsonl"
             if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
                 suffix = Path(a.events).suffix
                 a.events = str(Path(a.events).with_suffix(""))
             results = replay_many(runs, a.config, jobs=a.jobs, events_dir=a.events,
-                                  events_suffix=suffix)
+                                  events_suffix=suffix, backend=a.backend,
+                                  address=a.ray_address)
         if a.save_state:
             _save_state(runs, a.config, a.save_state)
     except OSError as exc:
@@ -261,10 +291,26 @@ def _cmd_replay(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_watch_ranks(a: argparse.Namespace) -> int:
+    from replay.watch_ranks import RankWatcher
+
+    w = RankWatcher(a.sources, hosts=a.hosts.split(",") if a.hosts else None, world=a.world,
+                    stall_after=a.stall_after, events=a.events,
+                    echo=None if a.quiet else lambda line: print(line, flush=True))
+    try:
+        w.run(once=a.once, poll=a.poll)
+    finally:
+        w.close()
+    print(w.summary(), file=sys.stderr)
+    return 0
+
+
 def _cmd_watch(a: argparse.Namespace) -> int:
     import signal
     import threading
 
+    if a.ranks:
+        return _cmd_watch_ranks(a)
     from replay.watch import Watcher, parse_hooks
 
     w = Watcher(a.sources, a.config, state=a.state, events=a.events, hooks=parse_hooks(a.on),
@@ -314,7 +360,8 @@ def _cmd_eval(a: argparse.Namespace) -> int:
 
     runs = _runs(a.runs)
     labels = load_labels(a.labels) if a.labels else {}
-    steps, alarms = alarms_for_eval(runs, a.config, baselines=a.baselines, jobs=a.jobs)
+    steps, alarms = alarms_for_eval(runs, a.config, baselines=a.baselines, jobs=a.jobs,
+                                    backend=a.backend, address=a.ray_address)
     summaries = {}
     for name, per_run in alarms.items():
         summaries[name] = evaluate_runs(per_run, steps, labels, **_eval_settings(a))[0]
@@ -349,14 +396,14 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     labels = load_labels(a.labels) if a.labels else {}
     res = tune(runs, labels, a.budget, config=a.config, folds=a.folds, backend=a.backend,
                jobs=a.jobs, settings=EvalSettings(**_eval_settings(a)),
-               n_thresholds=a.thresholds)
+               n_thresholds=a.thresholds, address=a.ray_address)
     header = (f"tuned by `stability tune` on {len(runs)} runs, budget {a.budget} false alarms "
               f"per 10k clean steps\n")
     if res.heldout is not None:
         h = res.heldout
         header += (f"held-out ({a.folds}-fold by run): recall {h.recall:.3f}, "
                    f"false alarms/10k {h.fa_per_10k:.3f}\n")
-    write_config(a.output, res.config, header)
+    write_config(a.output, res.file_config(), header + res.header())
     for c in res.choices:
         print(f"  {c['binding']:<24} {c['detector']:<12} threshold {c['threshold']:.4g}  "
               f"{json.dumps(c['params'])}")
@@ -382,8 +429,10 @@ def _cmd_report(argv: Sequence[str]) -> int:
     return int(rc or 0)
 
 
-#: exceptions that are the user's (files, configs, options, disk), reported in one line
-USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RecursionError, MemoryError)
+#: exceptions that are the user's (files, configs, options, disk, a backend that cannot run),
+#: reported in one line
+USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RecursionError, MemoryError,
+                                                BackendUnavailable)
 
 
 def describe_error(exc: BaseException) -> str:

@@ -44,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from replay.fleet import fan_out
 from replay.runs import Progress as Progress
 from replay.runs import discover_many as discover_many
 from replay.runs import discover_runs as discover_runs
@@ -208,7 +209,8 @@ def unbound_warning(monitor: Any, names: Iterable[str]) -> str | None:
     specific = [d for d in monitor.config.detectors if any(i.strip("*/") for i in d.inputs)]
     if not specific or any(monitor.series(d.name) for d in specific):
         return None
-    seen = [n for n in names if n != "step"]
+    own = getattr(monitor, "_own", None)  # the guard's own stability/* logs: never inputs
+    seen = [n for n in names if n != "step" and not (own is not None and own(n))]
     known: dict[str, str] = {}  # candidate name -> canonical name
     for d in specific:
         for i in d.inputs:
@@ -246,8 +248,11 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
                  run_id: str = "") -> int:
     """Write decision records as JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``).
 
-    Parquet gets one row per alarm / intervention: ``run_id, step, event, kind, detail``
-    (``detail`` is the JSON of the alarm or intervention).  Returns the number of records.
+    JSONL: the live event log's records (:func:`stability.outputs.events.decision_records`:
+    ``alarm`` / ``intervention`` / ``info``, each with ``run_id``), so ``report --events`` and
+    every reader take either file.  Parquet gets one row per alarm / intervention:
+    ``run_id, step, event, kind, detail`` (``detail`` is the JSON of the alarm or
+    intervention).  Returns the number of decision records.
     """
     p = Path(path)
     recs = list(records)
@@ -275,10 +280,13 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
                           "kind": pa.array(rows["kind"], pa.string()),
                           "detail": pa.array(rows["detail"], pa.string())})
         pq.write_table(table, p)
-    else:
+    else:  # the live event log's schema (stability.outputs.events), one record per event
+        from stability.outputs.events import decision_records
+
         with p.open("w") as fh:
             for r in recs:
-                fh.write(json.dumps({"run_id": run_id, **r}) + "\n")
+                for e in decision_records(r, run_id=run_id):
+                    fh.write(json.dumps(e) + "\n")
     return len(recs)
 
 
@@ -289,8 +297,9 @@ PROGRESS_ROWS = 100_000
 def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
                  events: str | os.PathLike[str] | None = None,
                  progress: bool | None = False, *,
-                 names: Sequence[str] | None = None) -> ReplayResult:
-    """Replay an in-memory run table through a fresh monitor built from ``config``.
+                 names: Sequence[str] | None = None, monitor: Any = None) -> ReplayResult:
+    """Replay an in-memory run table through a fresh monitor built from ``config`` (or through
+    ``monitor``, e.g. one primed by :func:`stability.monitor.calibrate.calibrate`).
 
     ``progress``: draw a bar over the rows on stderr (``None``: when stderr is a TTY and the run
     has more than :data:`PROGRESS_ROWS` rows); the run is then fed in chunks, which gives the
@@ -299,7 +308,7 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
     column names when ``table`` holds only some of them (for the unbound-metrics warning).
     """
     t0 = time.perf_counter()
-    mon = _monitor(config)
+    mon = _monitor(config) if monitor is None else monitor
     n = table.num_rows
     if progress is None:
         progress = n > PROGRESS_ROWS and sys.stderr.isatty()
@@ -354,7 +363,8 @@ def read_bound(path: str | os.PathLike[str], config: Any) -> tuple[pa.Table, lis
 
 def replay_run(path: str | os.PathLike[str], config: Any = None, *,
                events: str | os.PathLike[str] | None = None,
-               run_id: str | None = None, progress: bool | None = False) -> ReplayResult:
+               run_id: str | None = None, progress: bool | None = False,
+               calibrate: Any = None) -> ReplayResult:
     """Replay one recorded run (file or directory of parts) through the monitor.
 
     A Parquet run in replay order is streamed (bounded memory, same result: :mod:`replay.stream`).
@@ -371,6 +381,11 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
         Defaults to the file stem / directory name.
     progress
         Progress bar on stderr for a long run (see :func:`replay_table`).
+    calibrate
+        Earlier history to prime the detectors with before the replay (a path of a recorded
+        run or log, or a table; :func:`stability.monitor.calibrate.calibrate` with
+        ``resume=False``): a run that starts near an event is not scored by detectors still
+        warming up.
     """
     p = os.fspath(path)
     rid = run_id if run_id is not None else Path(p).stem
@@ -382,6 +397,8 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
 
     t0 = time.perf_counter()
     cfg = load_config(_default_config(config))  # parsed once for the probe and the replay
+    if calibrate is not None:
+        return _replay_calibrated(p, cfg, rid, calibrate, events, progress, said, t0)
     stream, names = plan_replay(p, cfg)
     table = None if stream is not None else read_bound(p, cfg)
     if said:
@@ -397,6 +414,23 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
     return res
 
 
+def _replay_calibrated(p: str, cfg: Any, rid: str, history: Any,
+                       events: str | os.PathLike[str] | None, progress: bool | None,
+                       said: bool, t0: float) -> ReplayResult:
+    """:func:`replay_run` through a monitor primed on ``history`` first (whole-table path)."""
+    from stability.monitor.calibrate import calibrate
+
+    mon = _monitor(cfg)
+    prime = read_table(os.fspath(history)) if isinstance(history, (str, os.PathLike)) else history
+    calibrate(mon, prime, resume=False)
+    table, names = read_bound(p, cfg)
+    if said:
+        sys.stderr.write("\r\033[K")
+    res = replay_table(table, cfg, rid, p, events, progress, names=names, monitor=mon)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
 def _default_config(config: Any) -> Any:
     return "default" if config is None else config
 
@@ -408,17 +442,22 @@ def _replay_job(args: tuple[str, str, Any, str | None]) -> ReplayResult:
 
 def replay_many(runs: Sequence[tuple[str, str]], config: Any = None, *, jobs: int | None = None,
                 events_dir: str | os.PathLike[str] | None = None, events_suffix: str = ".jsonl",
-                progress: bool | None = None) -> list[ReplayResult]:
-    """Replay many runs in parallel (one process per core), keeping the input order.
+                progress: bool | None = None, backend: str = "local",
+                address: str | None = None) -> list[ReplayResult]:
+    """Replay many runs in parallel, keeping the input order.
 
-    ``events_dir`` (optional) receives one ``<run_id><events_suffix>`` file per run.
+    ``backend``: ``"local"`` (``jobs`` processes, default one per core) or ``"ray"`` (the
+    cluster at ``address``; :func:`replay.fleet.fan_out`): the same jobs, the same results.
+    ``events_dir`` (optional) receives one ``<run_id><events_suffix>`` file per run (written
+    by the job: on Ray, give a path every worker can write).
     """
     if events_dir is not None:
         Path(events_dir).mkdir(parents=True, exist_ok=True)
     cfg = _default_config(config)
     jobs_args = [(rid, p, cfg, None if events_dir is None
                   else str(Path(events_dir) / f"{rid}{events_suffix}")) for rid, p in runs]
-    return parallel_map(_replay_job, jobs_args, jobs, "replay", progress)
+    return fan_out(_replay_job, jobs_args, backend=backend, jobs=jobs, label="replay",
+                   progress=progress, address=address)
 
 
 def _num(x: Any) -> str:
@@ -481,10 +520,12 @@ def _eval_job(args: tuple[str, str, Any, bool]
 
 def alarms_for_eval(runs: Sequence[tuple[str, str]], config: Any = None, *,
                     baselines: bool = False, jobs: int | None = None,
-                    progress: bool | None = None
+                    progress: bool | None = None, backend: str = "local",
+                    address: str | None = None
                     ) -> tuple[dict[str, NDArray[np.int64]], dict[str, dict[str,
                                                                            NDArray[np.int64]]]]:
-    """Alarm steps of our config (and optionally every baseline) on every run, in parallel.
+    """Alarm steps of our config (and optionally every baseline) on every run, in parallel
+    (``backend``, ``jobs``, ``address``: as :func:`replay_many`).
 
     Returns
     -------
@@ -493,7 +534,8 @@ def alarms_for_eval(runs: Sequence[tuple[str, str]], config: Any = None, *,
         or a baseline name).
     """
     args = [(rid, p, config, baselines) for rid, p in runs]
-    results = parallel_map(_eval_job, args, jobs, "eval", progress)
+    results = fan_out(_eval_job, args, backend=backend, jobs=jobs, label="eval",
+                      progress=progress, address=address)
     steps: dict[str, NDArray[np.int64]] = {}
     alarms: dict[str, dict[str, NDArray[np.int64]]] = {}
     for rid, st, per in results:

@@ -115,6 +115,11 @@ def _episode_label(e: Mapping[str, Any]) -> str:
     return text
 
 
+def _h(v: Any) -> str:
+    """Any value as HTML text: every string of an event log or a run is escaped."""
+    return html.escape(str(v))
+
+
 def _counts(d: Mapping[str, int]) -> str:
     return ", ".join(f"{k} x{v}" if v > 1 else str(k) for k, v in d.items())
 
@@ -186,6 +191,8 @@ def _summary_rows(
     goodput: Mapping[str, Any],
     label: Mapping[str, Any] | None,
 ) -> list[tuple[str, str]]:
+    """The summary table: ``(label, value)`` rows; a label is HTML with every piece of text
+    from the run or its event log escaped, a value is plain text (the caller escapes it)."""
     rows: list[tuple[str, str]] = []
     by_kind = Counter(str(a.get("kind")) for a in alarms)
     n_steps = len({int(a["step"]) for a in alarms})
@@ -193,7 +200,8 @@ def _summary_rows(
                  f"episode{'s' if len(eps) != 1 else ''}" if alarms else "0"))
     for kind, n in sorted(by_kind.items()):
         colour = KIND_COLOURS.get(kind, "#888")
-        rows.append((f'<span class="kind" style="background:{colour}"></span>{kind}', str(n)))
+        rows.append((f'<span class="kind" style="background:{html.escape(colour)}"></span>'
+                     f"{html.escape(kind)}", str(n)))
     first = min((int(a["step"]) for a in alarms), default=None)
     if first is not None:
         fa = next(a for a in alarms if int(a["step"]) == first)
@@ -224,7 +232,7 @@ def _summary_rows(
             rows.append(("lead time", f"{int(div) - first} steps before divergence ({div})"))
     for k, v in goodput.items():
         if v is None or isinstance(v, (bool, int, float, str)):
-            rows.append((f"goodput: {k}", "none" if v is None else fmt(v)))
+            rows.append((f"goodput: {html.escape(str(k))}", "none" if v is None else fmt(v)))
     return rows
 
 
@@ -268,12 +276,12 @@ def _episodes_table(eps: Sequence[Mapping[str, Any]]) -> str:
         span = (str(e["first_step"]) if e["first_step"] == e["last_step"]
                 else f"{e['first_step']}-{e['last_step']}")
         rows.append(
-            f"<tr class='episode'><td>{span}</td><td>{html.escape(e['cause'] or '-')}</td>"
+            f"<tr class='episode'><td>{_h(span)}</td><td>{_h(e['cause'] or '-')}</td>"
             f"<td>{html.escape(_counts(e['kinds']))}</td>"
             f"<td>{html.escape('; '.join(sig[:EPISODE_SIGNALS]) + more)}</td>"
-            f"<td class='num'>{fmt(e['first_score'])}</td>"
-            f"<td class='num'>{fmt(e['peak_score'])} <span class='sub'>"
-            f"({html.escape(e['peak_signal'])}, step {e['peak_step']})</span></td>"
+            f"<td class='num'>{_h(fmt(e['first_score']))}</td>"
+            f"<td class='num'>{_h(fmt(e['peak_score']))} <span class='sub'>"
+            f"({_h(e['peak_signal'])}, step {_h(e['peak_step'])})</span></td>"
             f"<td>{html.escape(_counts(e['interventions']) or '-')}</td></tr>"
         )
     return (
@@ -285,9 +293,9 @@ def _episodes_table(eps: Sequence[Mapping[str, Any]]) -> str:
 
 def _alarm_rows(alarms: Sequence[Mapping[str, Any]], limit: int = 200) -> str:
     rows = "".join(
-        f"<tr><td>{a.get('step')}</td><td>{html.escape(str(a.get('kind')))}</td>"
-        f"<td>{html.escape(str(a.get('signal')))}</td><td class='num'>{fmt(a.get('score'))}</td>"
-        f"<td class='num'>{fmt(a.get('threshold'))}</td>"
+        f"<tr><td>{_h(a.get('step'))}</td><td>{_h(a.get('kind'))}</td>"
+        f"<td>{_h(a.get('signal'))}</td><td class='num'>{_h(fmt(a.get('score')))}</td>"
+        f"<td class='num'>{_h(fmt(a.get('threshold')))}</td>"
         f"<td>{html.escape(str(a.get('severity')))}</td>"
         f"<td>{html.escape(str(a.get('detector')))}</td></tr>"
         for a in sorted(alarms, key=lambda a: int(a["step"]))[:limit]

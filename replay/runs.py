@@ -60,18 +60,12 @@ def discover_runs(spec: str | os.PathLike[str]) -> list[tuple[str, str]]:
     CSV, a Megatron log, a TensorBoard event file, ``trainer_state.json``), a directory that is
     one run (``part-*.parquet`` files, TensorBoard event files anywhere below it, an HF
     checkpoint), a directory of runs (files and/or run directories), a glob of any of these, or
-    a URI (``file://``, ``s3://``, ...: one run).  The run id is the file stem or the directory
-    name.
+    a :mod:`pyarrow.fs` URI (``file://``, ``s3://``, ``gs://``, ...) of any of these.  The run
+    id is the file stem or the directory name.
     """
     text = os.fspath(spec)
     if is_uri(text):
-        from .io import detect_format
-
-        try:
-            detect_format(text)
-        except RunFormatError:
-            return []
-        return [(Path(text.rstrip("/")).stem or text, text)]
+        return _discover_uri(text)
     if any(c in text for c in _GLOB):
         out: list[tuple[str, str]] = []
         for m in sorted(glob.glob(text)):
@@ -92,6 +86,77 @@ def discover_runs(spec: str | os.PathLike[str]) -> list[tuple[str, str]]:
     if not out and _is_run_dir(p):
         return [(p.name, str(p))]  # TensorBoard events deeper down
     return sorted(out)
+
+
+def _discover_uri(text: str) -> list[tuple[str, str]]:
+    """:func:`discover_runs` for a :mod:`pyarrow.fs` URI: the same rules on the listing of the
+    file system (``?query`` options are kept on every run's URI)."""
+    import pyarrow.fs as pafs
+
+    from .io import detect_format
+
+    base, sep, query = text.partition("?")
+    try:
+        fs, inner = pafs.FileSystem.from_uri(text)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise RunFormatError(text, f"cannot open URI ({exc})") from None
+    prefix = base[: base.index("://") + 3]
+    local = prefix.lower() == "file://"
+
+    def uri(p: str) -> str:
+        return (prefix + ("/" + p.lstrip("/") if local else p)) + sep + query
+
+    def one(info: pafs.FileInfo) -> list[tuple[str, str]]:
+        u = uri(info.path)
+        try:
+            detect_format(u)
+        except RunFormatError:
+            return []
+        return [(_run_id(Path(info.path)) if info.type == pafs.FileType.File
+                 else Path(info.path).name, u)]
+
+    if any(c in inner for c in _GLOB):
+        return sorted(r for i in _uri_glob(fs, inner, text) for r in one(i))
+    info = fs.get_file_info(inner)
+    if info.type == pafs.FileType.File:
+        return one(info)
+    if info.type != pafs.FileType.Directory:
+        return []
+    kids = [i for i in fs.get_file_info(pafs.FileSelector(inner))
+            if not i.base_name.startswith(".")]
+    if any(_is_run_name(i.base_name, whole_dir=True) for i in kids
+           if i.type == pafs.FileType.File):
+        return one(info)  # the directory is one run (parts, TensorBoard, HF checkpoint)
+    out = [r for i in kids if i.type == pafs.FileType.File and _is_run_name(i.base_name)
+           for r in one(i)]
+    out += [r for i in kids if i.type == pafs.FileType.Directory for r in one(i)]
+    return sorted(out)
+
+
+def _is_run_name(name: str, whole_dir: bool = False) -> bool:
+    """A file name that is a run (``whole_dir``: that makes its directory one run)."""
+    low = name.lower()
+    if whole_dir:
+        return (low.startswith("part-") and low.endswith(".parquet")) or "tfevents" in low \
+            or low == "trainer_state.json"
+    return low.endswith(_RUN_SUFFIXES) or "tfevents" in low or low == "trainer_state.json"
+
+
+def _uri_glob(fs: Any, inner: str, text: str) -> list[Any]:
+    """File-system entries matching a glob in a URI's path."""
+    import fnmatch
+
+    import pyarrow.fs as pafs
+
+    parts = inner.split("/")
+    k = next(i for i, p in enumerate(parts) if any(c in _GLOB for c in p))
+    root = "/".join(parts[:k]) or "/"
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    except (pa.ArrowException, OSError) as exc:
+        raise RunFormatError(text, f"cannot list {root!r} ({exc})") from None
+    depth = inner.count("/")
+    return [i for i in infos if i.path.count("/") == depth and fnmatch.fnmatch(i.path, inner)]
 
 
 def discover_many(specs: Iterable[str]) -> list[tuple[str, str]]:

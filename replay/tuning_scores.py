@@ -21,7 +21,8 @@ from numpy.typing import NDArray
 
 from stability.config.registry import tune_grids
 
-from .replay import Progress, parallel_map, read_table
+from .fleet import fan_out
+from .replay import read_table
 from .scoring import reduce_series
 
 __all__ = ["Candidate", "RunScores", "make_candidates", "score_runs", "score_table"]
@@ -140,36 +141,11 @@ def _score_job(args: tuple[str, str, Sequence[Candidate], Mapping[str, str]]) ->
 
 def score_runs(runs: Sequence[tuple[str, str]], candidates: Sequence[Candidate],
                aliases: Mapping[str, str] | None = None, *, backend: str = "local",
-               jobs: int | None = None, progress: bool | None = None) -> list[RunScores]:
-    """Run the scoring jobs (one per run) locally in processes or on Ray."""
+               jobs: int | None = None, progress: bool | None = None,
+               address: str | None = None) -> list[RunScores]:
+    """Run the scoring jobs (one per run) locally in processes or on Ray
+    (:func:`replay.fleet.fan_out`, the fan-out of replay and eval too)."""
     al = dict(aliases or {})
     job_args = [(rid, path, list(candidates), al) for rid, path in runs]
-    if backend == "local":
-        return parallel_map(_score_job, job_args, jobs, "scoring", progress)
-    if backend == "ray":
-        return _score_ray(job_args, progress)
-    raise ValueError(f"unknown backend {backend!r}; use 'local' or 'ray'.")
-
-
-def _score_ray(job_args: list[Any], progress: bool | None) -> list[RunScores]:
-    try:
-        import ray
-    except ImportError as exc:
-        raise RuntimeError("backend 'ray' needs Ray: pip install 'ray'") from exc
-    started = False
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-        started = True
-    try:
-        remote = ray.remote(_score_job)
-        refs = [remote.remote(a) for a in job_args]
-        bar = Progress(len(refs), "scoring (ray)", progress)
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            bar.update(len(done))
-        bar.close()
-        return list(ray.get(refs))
-    finally:
-        if started:
-            ray.shutdown()
+    return fan_out(_score_job, job_args, backend=backend, jobs=jobs, label="scoring",
+                   progress=progress, address=address)

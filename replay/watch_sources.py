@@ -39,7 +39,7 @@ _MAX_BLOCK = 64 << 20
 _SIG = 64  # bytes before the offset that must not change between polls
 _PART = re.compile(r"^part-(\d+)\.parquet$")
 #: formats `stability watch --format` accepts
-FORMATS = ("jsonl", "csv", "megatron", "tensorboard", "parquet")
+FORMATS = ("jsonl", "csv", "megatron", "tensorboard", "parquet", "hf_trainer")
 
 Row = tuple[str, int, dict[str, float]]  # (stream, step, metrics)
 
@@ -74,7 +74,7 @@ def detect_watch_format(path: str) -> str | None:
     from replay.io import detect_format
 
     fmt = detect_format(path)
-    return {"json": "jsonl", "hf_trainer": "jsonl"}.get(fmt, fmt)
+    return {"json": "jsonl"}.get(fmt, fmt)
 
 
 def _info(path: str) -> tuple[pafs.FileSystem, str, pafs.FileType] | None:
@@ -450,6 +450,49 @@ class _PartsSource:
         return rows
 
 
+class _TrainerStateSource:
+    """An HF ``trainer_state.json``: one JSON document the Trainer rewrites at every save.
+
+    Read whole (``replay.importers.hf_trainer.read_trainer_state``) whenever its size or
+    modification time changed; only the steps after the last one read are new rows.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.last_step = -1
+        self._seen: tuple[int, int] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_step": self.last_step}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.last_step = int(d.get("last_step", -1))
+
+    def close(self) -> None:
+        pass
+
+    def poll(self) -> list[Row]:
+        from replay.importers.hf_trainer import read_trainer_state
+
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return []
+        ident = (st.st_size, st.st_mtime_ns)
+        if ident == self._seen:
+            return []
+        try:
+            table = read_trainer_state(self.path)
+        except RunFormatError as exc:  # caught mid-rewrite: read it again next poll
+            logger.warning("%s; will retry", exc)
+            return []
+        self._seen = ident
+        rows = [r for r in _table_rows(self.path, table) if r[1] > self.last_step]
+        if rows:
+            self.last_step = max(r[1] for r in rows)
+        return rows
+
+
 def _table_rows(stream: str, table: pa.Table) -> Iterable[Row]:
     cols = table.to_pydict()
     steps = cols.pop("step")
@@ -465,6 +508,8 @@ def make_source(spec: str, fmt: str | None, step_column: str | None) -> Any:
         raise ValueError(f"{spec}: cannot watch format {fmt!r}; watchable: {list(FORMATS)}")
     if fmt == "tensorboard":
         return _TensorBoardSource(spec)
+    if fmt == "hf_trainer":
+        return _TrainerStateSource(spec)
     if fmt == "parquet":
         info = _info(spec)
         if info is not None and info[2] == pafs.FileType.File:

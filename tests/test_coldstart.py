@@ -136,22 +136,22 @@ def test_gather_kernel_twin_is_identical() -> None:
 
 
 # ------------------------------------------------------------------------------ golden runs
-def _golden_runs() -> list[str]:
-    return ["public_0018", "public_0014", "public_0009"]  # the most alarms, and a short run
+def _golden_runs() -> list[tuple[str, str]]:
+    # the most alarms and a short run (shared), and a shipped run that runs on a fresh clone
+    return [("public", "public_0018"), ("public", "public_0014"), ("public", "public_0009"),
+            ("shipped", "bitflip")]
 
 
-@pytest.mark.parametrize("run", _golden_runs())
-def test_public_runs_replay_to_the_golden_decisions_interpreted(
-        run: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gzip
+@pytest.mark.parametrize(("which", "run"), _golden_runs())
+def test_runs_replay_to_the_golden_decisions_interpreted(
+        which: str, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.golden.make_golden import RUNS, decisions, load, run_name
 
-    from tests.golden.make_golden import GOLDEN, decisions
-    from tests.shared_data import PUBLIC_RUNS
-
-    path = PUBLIC_RUNS / f"{run}.parquet"
-    if not path.exists():
-        pytest.skip("shared public runs not found")
-    want = json.loads(gzip.decompress(GOLDEN.read_bytes()))[f"default/{run}"]
+    path = next((p for p in RUNS[which]() if run_name(p) == run), None)
+    if path is None:
+        assert which != "shipped", f"shipped run {run} missing"
+        pytest.skip(f"shared public runs not found ({run}; set STABILITY_SHARED_DIR)")
+    want = load(which)[f"default/{run}"]
     ran: set[str] = set()
 
     def counted(name: str, twin: Any) -> Any:

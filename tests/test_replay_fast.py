@@ -126,7 +126,7 @@ def test_arrow_layouts_chunks_offsets_and_types() -> None:
 
 def test_decode_matches_table_columns() -> None:
     table = run_table(300, seed=3).slice(7)
-    steps, cols = mr._decode(table)
+    steps, cols = mr.decode_table(table)
     ref_steps, ref = table_columns(table)
     assert np.array_equal(steps, ref_steps)
     assert [n for n, _ in cols] == [n for n, _, _ in ref]

@@ -75,12 +75,12 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
+from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
+from stability.adapters.torch_ops.checkpoint_store import restore_state
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
-    finish_step,
-    observe_before_save,
     pending_grad_norm,
 )
 from stability.adapters.trainer_support import (
@@ -88,6 +88,7 @@ from stability.adapters.trainer_support import (
     last_step_feedback,
     params_finite,
 )
+from stability.outputs.feedback import key_selector
 
 __all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
 
@@ -109,11 +110,14 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 
 
 def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
-                       scheduler: Any = None) -> None:
-    """Restore model, optimizer and scheduler in place from an HF ``checkpoint-N`` directory.
+                       scheduler: Any = None, scaler: Any = None) -> None:
+    """Restore model, optimizer, scheduler (and ``scaler.pt`` if present) in place from an HF
+    ``checkpoint-N`` directory: all of them or none.
 
+    Every file is read and checked before anything changes (``RestoreRefused``: weights that do
+    not fit the model or are non-finite, an optimizer state of other parameter groups).
     Weights tied to another parameter (``lm_head`` / ``wte``) are absent from HF's files and come
-    back with their source; any other missing or unexpected key raises ``KeyError``.
+    back with their source; any other missing or unexpected key is refused.
     """
     st = os.path.join(path, "model.safetensors")
     if os.path.exists(st):
@@ -122,17 +126,23 @@ def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
         sd = load_file(st)
     else:
         sd = safe_torch_load(os.path.join(path, "pytorch_model.bin"))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    parts = {name: safe_torch_load(os.path.join(path, f"{name}.pt"))
+             for name, obj in (("optimizer", optimizer), ("scheduler", scheduler),
+                               ("scaler", scaler))
+             if obj is not None and os.path.exists(os.path.join(path, f"{name}.pt"))}
+    restore_state(model, _with_tied_weights(model, sd), optimizer, parts.get("optimizer"),
+                  scheduler, parts.get("scheduler"), scaler, parts.get("scaler"), where=path)
+
+
+def _with_tied_weights(model: torch.nn.Module, sd: Mapping[str, Any]) -> dict[str, Any]:
+    """``sd`` plus the tied weights HF leaves out (same storage in the model as a saved key)."""
     named = model.state_dict()
-    loaded = {v.data_ptr() for k, v in named.items() if k in sd}
-    bad = [k for k in missing if named[k].data_ptr() not in loaded]  # tied weights are fine
-    if bad or unexpected:
-        raise KeyError(f"checkpoint {path} does not match the model: missing {bad}, "
-                       f"unexpected {list(unexpected)}")
-    if optimizer is not None and os.path.exists(os.path.join(path, "optimizer.pt")):
-        optimizer.load_state_dict(safe_torch_load(os.path.join(path, "optimizer.pt")))
-    if scheduler is not None and os.path.exists(os.path.join(path, "scheduler.pt")):
-        scheduler.load_state_dict(safe_torch_load(os.path.join(path, "scheduler.pt")))
+    by_ptr = {named[k].data_ptr(): k for k in sd if k in named}
+    full = dict(sd)
+    for k, t in named.items():
+        if k not in full and t.data_ptr() in by_ptr:
+            full[k] = sd[by_ptr[t.data_ptr()]]
+    return full
 
 
 def _callback_handler() -> CallbackHandler | None:
@@ -164,6 +174,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         Also keep an in-memory copy every this many healthy steps (0 = never).
     memory_limit_mb : float
         Budget for in-memory copies; a copy that does not fit is refused (logged).
+    log_keys : "core", "all" or list of str
+        Which ``stability/*`` metrics ``on_log`` adds to HF's logs
+        (:func:`stability.outputs.feedback.key_selector`): ``"core"`` (default) the handful of
+        :data:`~stability.outputs.feedback.CORE_KEYS`; ``"all"`` also detector scores,
+        interventions by type and goodput counters; or a list of names / patterns
+        (``["lr_factor", "score/*"]``; ``[]``: none).
     sync : {"auto", "step", "deferred"}
         ``"step"``: one host sync per step in ``on_pre_optimizer_step``, decisions act on their
         own step.  ``"deferred"``: no host sync on the step path (save steps aside), decisions
@@ -198,7 +214,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def __init__(self, monitor: Any = None, *, take_over_clipping: bool = True,
                  checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
                  memory_limit_mb: float = 256.0, restored_by_trainer: bool = False,
-                 sync: str = "auto", **guard_kwargs: Any) -> None:
+                 sync: str = "auto", log_keys: str | list[str] | tuple[str, ...] = "core",
+                 **guard_kwargs: Any) -> None:
         if restored_by_trainer and getattr(self, "_initialised", False):
             return  # the live instance handed back by __new__
         if checkpoint_every < 0 or memory_checkpoint_every < 0:
@@ -206,6 +223,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
                              "StabilityTrainerCallback must be ints in the range [0, inf). Got "
                              f"{checkpoint_every} and {memory_checkpoint_every} instead.")
         self.sync = check_sync("StabilityTrainerCallback", sync)
+        self.log_keys = log_keys
+        self._keep = key_selector(log_keys, "log_keys")
         self.monitor = monitor
         self.take_over_clipping = take_over_clipping
         self.checkpoint_every = int(checkpoint_every)
@@ -299,8 +318,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             self.guard.detach()  # sync="deferred": observes the last step
             self._note_stop(None)
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
-        if record is not None:
-            record()
+        if self.guard is None and record is not None:
+            record()  # (a guard records it itself in detach(): the end of training)
 
     # ------------------------------------------------------------------ per step
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -343,12 +362,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        emergency, why, rolled = finish_step(guard)
+        emergency, why, rolled = guard.finish_step()
         if guard.deferred is not None and control.should_log and guard.scaler is not None:
             self._last_grad_norm = pending_grad_norm(guard)  # (HF's logging syncs anyway)
         due = bool(self.checkpoint_every) and guard.step_count % self.checkpoint_every == 0
         if control.should_save or emergency or due:
-            late, why_late, rolled = observe_before_save(guard)  # deferred: observe this step
+            late, why_late, rolled = guard.observe_before_save()  # deferred: observe this step
             emergency, why = emergency or late, why or why_late
             self._decide_save(control, state, rolled, emergency, why)
         self._note_stop(control)
@@ -370,8 +389,11 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             "" if params_finite(guard.model.parameters()) else "non-finite weights")
         if bad:
             if control.should_save or emergency:
-                log.warning("stability: checkpoint at trainer step %d cancelled (%s)",
-                            state.global_step, bad)
+                what = "emergency checkpoint requested" if emergency else "checkpoint due"
+                log.warning("stability: %s at trainer step %d not written: %s (the last good "
+                            "checkpoint stays the rollback target)", what, state.global_step,
+                            "the weights were just rolled back" if rolled else
+                            "the weights are non-finite")
                 self.cancelled_saves.append(int(state.global_step))
             control.should_save = False
             return
@@ -389,12 +411,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._registered.add(int(state.global_step))
         path = os.path.join(self._args.output_dir, f"checkpoint-{state.global_step}")
         self.store.add(guard.step_count - 1, path, healthy=healthy, reason=reason)
-        guard._goodput("note_checkpoint", 0.0)  # HF writes it (its time is HF's to report)
+        note_goodput(guard.goodput, "note_checkpoint", 0.0)  # HF writes it (HF times it)
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # saves this callback did not foresee (save_strategy="best", end of training)
         if self.guard is not None and state.global_step not in self._registered:
-            emergency, _, rolled = observe_before_save(self.guard)  # deferred: observe first
+            emergency, _, rolled = self.guard.observe_before_save()  # deferred: observe first
             if not rolled:  # (a rollback just now: these weights are no rollback target)
                 self._register(state, self.guard.healthy and not emergency, "trainer")
             self._note_stop(control)
@@ -423,7 +445,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             return
         if self.guard is None or "learning_rate" not in logs:
             return  # evaluation / summary logs
-        extra = self.feedback()
+        extra = {k: v for k, v in self.feedback().items() if self._keep(k)}
         extra["learning_rate"] = float(logs["learning_rate"]) * self._last_factor
         if "grad_norm" in logs and self.guard.scaler is not None and self._user_clip > 0 \
                 and self.take_over_clipping:

@@ -52,6 +52,7 @@ __all__ = [
     "load_checkpoint",
     "safe_torch_load",
     "save_checkpoint",
+    "tightest_clip",
 ]
 
 
@@ -336,6 +337,18 @@ def clip_gradients(
     if grads:
         torch._foreach_mul_(grads, coef)
     return coef
+
+
+def tightest_clip(a: float | None, b: float | None) -> float | None:
+    """The tighter of two clip norms (``None``, non-finite and non-positive ones ignored).
+
+    Examples
+    --------
+    >>> tightest_clip(1.0, 0.5), tightest_clip(None, 2.0), tightest_clip(float("nan"), None)
+    (0.5, 2.0, None)
+    """
+    vals = [v for v in (a, b) if v is not None and math.isfinite(v) and v > 0]
+    return min(vals) if vals else None
 
 
 def drop_gradients(params: Iterable[torch.nn.Parameter]) -> None:

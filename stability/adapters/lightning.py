@@ -67,41 +67,56 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
+from stability.adapters.torch_ops.checkpoint_store import (
+    CheckpointDirectory,
+    RestoreRefused,
+    restore_state,
+    verify_loadable,
+    weights_only_safe,
+)
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
-    finish_step,
-    observe_before_save,
 )
 from stability.adapters.trainer_support import (
     TrainerCheckpointStore,
     last_step_feedback,
     params_finite,
 )
+from stability.outputs.feedback import CORE_KEYS, key_selector
 
 __all__ = ["StabilityCallback", "load_lightning_checkpoint"]
 
 log = logging.getLogger("stability.adapters")
 
 STATE_VERSION = 2
-#: ``stability/*`` keys sent through ``pl_module.log_dict`` (also in ``callback_metrics``).
-LOG_DICT_KEYS = frozenset(f"stability/{k}" for k in (
-    "lr_factor", "lr_effective", "clip_norm", "level", "alarms", "interventions/acting",
-    "steps_skipped", "rollbacks", "amp_overflow", "loss_scale"))
+#: ``stability/*`` keys sent through ``pl_module.log_dict`` (also in ``callback_metrics``): the
+#: core keys, so that ``log_keys="core"`` writes one logger row per logged step.
+LOG_DICT_KEYS = frozenset(CORE_KEYS)
+
+
+#: names of the callback's rollback checkpoints in ``checkpoint_dir`` (the only files it deletes)
+CHECKPOINT_NAMES = r"(?:emergency-)?step=\d+\.ckpt"
 
 
 def load_lightning_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
-                              scheduler: Any = None) -> None:
-    """Restore module weights, the (first) optimizer and scheduler from a Lightning ``.ckpt``."""
+                              scheduler: Any = None, scaler: Any = None) -> None:
+    """Restore module weights, the (first) optimizer, scheduler and fp16 loss scaler from a
+    Lightning ``.ckpt``: all of them or none (``RestoreRefused``, nothing changed)."""
     ckpt = safe_torch_load(path)
-    model.load_state_dict(ckpt["state_dict"])
+    if not isinstance(ckpt, Mapping) or "state_dict" not in ckpt:
+        raise RestoreRefused(f"{path}: not a Lightning checkpoint (no 'state_dict')")
     opts = ckpt.get("optimizer_states") or []
-    if optimizer is not None and opts:
-        optimizer.load_state_dict(opts[0])
     scheds = ckpt.get("lr_schedulers") or []
-    if scheduler is not None and scheds:
-        scheduler.load_state_dict(scheds[0])
+    scaler_sd = next((v for k, v in ckpt.items() if k in _SCALER_KEYS and v), None)
+    restore_state(model, ckpt["state_dict"], optimizer, opts[0] if opts else None,
+                  scheduler, scheds[0] if scheds else None, scaler, scaler_sd, where=str(path))
+
+
+#: where Lightning keeps the precision plugin's loss scaler state in a checkpoint
+_SCALER_KEYS = ("MixedPrecision", "MixedPrecisionPlugin", "native_amp_scaling_state")
 
 
 def _logs_this_step(trainer: pl.Trainer) -> bool:
@@ -112,6 +127,14 @@ def _logs_this_step(trainer: pl.Trainer) -> bool:
         return bool(conn.should_update_logs) if conn is not None else True
     except Exception:  # a Lightning without it: log every step
         return True
+
+
+def _log_step(trainer: pl.Trainer) -> int:
+    """The step Lightning writes this batch's ``log_dict`` values at (its optimizer steps
+    before this one), so the metrics sent straight to the loggers land in the same row."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return int(step) if isinstance(step, int) else max(int(trainer.global_step) - 1, 0)
 
 
 class StabilityCallback(pl.Callback):
@@ -134,11 +157,17 @@ class StabilityCallback(pl.Callback):
         Keep the rollback checkpoints as in-memory copies instead of files.
     memory_limit_mb : float
         Budget for in-memory copies (a copy that does not fit is refused and logged).
-    log_metrics : bool or "all"
-        Send the core ``stability/*`` metrics (:data:`LOG_DICT_KEYS`) to ``pl_module.log_dict``
-        on the steps Lightning logs; ``"all"`` also sends the others (detector scores,
-        interventions by type, goodput counters) straight to ``trainer.loggers`` (Lightning's
-        ``log_dict`` costs O(keys^2) per call).
+    log_keys : "core", "all" or list of str
+        Which ``stability/*`` metrics go to the loggers on the steps Lightning logs
+        (:func:`stability.outputs.feedback.key_selector`): ``"core"`` (default) the handful of
+        :data:`~stability.outputs.feedback.CORE_KEYS`; ``"all"`` also detector scores,
+        interventions by type and goodput counters; or a list of names / patterns
+        (``["lr_factor", "score/*"]``).  Keys of :data:`LOG_DICT_KEYS` go through
+        ``pl_module.log_dict`` (so they are in ``callback_metrics``), the others straight to
+        ``trainer.loggers`` at the same step (``log_dict`` costs O(keys^2) per call).
+    log_metrics : bool
+        ``False``: log no ``stability/*`` metric at all (``"all"``, the old spelling of
+        ``log_keys="all"``, is still accepted).
     sync : {"auto", "step", "deferred"}
         ``"step"``: one host sync per step in ``on_before_optimizer_step``.  ``"deferred"``: none
         on the step path (save steps aside), decisions act one step late
@@ -161,7 +190,8 @@ class StabilityCallback(pl.Callback):
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int = 100, keep_checkpoints: int = 2,
                  in_memory: bool = False, memory_limit_mb: float = 256.0,
-                 log_metrics: bool | str = "all", sync: str = "auto",
+                 log_metrics: bool | str = True, sync: str = "auto",
+                 log_keys: str | list[str] | tuple[str, ...] = "core",
                  **guard_kwargs: Any) -> None:
         super().__init__()
         if checkpoint_every < 0:
@@ -173,7 +203,11 @@ class StabilityCallback(pl.Callback):
         self.checkpoint_dir = None if checkpoint_dir is None else str(checkpoint_dir)
         self.checkpoint_every = int(checkpoint_every)
         self.in_memory = in_memory
-        self.log_metrics = log_metrics
+        if log_metrics == "all":  # the old spelling of log_keys="all"
+            log_keys, log_metrics = "all", True
+        self.log_metrics = bool(log_metrics)
+        self.log_keys = log_keys
+        self._keep = key_selector(log_keys, "log_keys")
         self.guard_kwargs = guard_kwargs
         self.store = TrainerCheckpointStore(
             load_lightning_checkpoint, keep=keep_checkpoints,
@@ -192,6 +226,8 @@ class StabilityCallback(pl.Callback):
         self._checked = False
         self._last_lr = math.nan
         self._last_factor = 1.0
+        self._rollback_save = False  # trainer.save_checkpoint is writing a rollback target
+        self._converted_warned = False
 
     @property
     def state_key(self) -> str:
@@ -210,6 +246,10 @@ class StabilityCallback(pl.Callback):
             self.monitor = Monitor(mon_sd.get("config"))
         if self.checkpoint_dir is None:
             self.checkpoint_dir = os.path.join(trainer.default_root_dir, "stability-checkpoints")
+        if not self.in_memory:  # one run per directory; only its own names are ever deleted
+            self.store.own_directory(CheckpointDirectory(
+                self.checkpoint_dir, CHECKPOINT_NAMES,
+                f".stability-lock-rank{int(getattr(trainer, 'global_rank', 0))}"))
         carried = None
         if self.guard is not None:  # a second fit() in this process: the run goes on
             carried = self.state_dict()
@@ -229,13 +269,14 @@ class StabilityCallback(pl.Callback):
             self._load(state)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.store.close()  # the checkpoint directory is free for the next run
         if self.guard is not None:
             self.guard.detach()  # sync="deferred": observes the last step
             if self.guard.stopped is not None and self.stopped is None:
                 self.stopped = self.guard.stopped
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
-        if record is not None:
-            record()
+        if self.guard is None and record is not None:
+            record()  # (a guard records it itself in detach(): the end of training)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
@@ -283,12 +324,12 @@ class StabilityCallback(pl.Callback):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        emergency, why, rolled = finish_step(guard)
+        emergency, why, rolled = guard.finish_step()
         step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
         due = (not self.in_memory and self.checkpoint_every > 0
                and (step + 1) % self.checkpoint_every == 0 and guard.stopped is None)
         if due or emergency:  # sync="deferred": observe this step first (its health)
-            late, why_late, rolled = observe_before_save(guard)
+            late, why_late, rolled = guard.observe_before_save()
             emergency, why = emergency or late, why or why_late
         due = due and guard.healthy and guard.stopped is None
         if guard.stopped is not None and self.stopped is None:
@@ -310,8 +351,11 @@ class StabilityCallback(pl.Callback):
         bad = "rolled back" if rolled else (
             "" if params_finite(guard.model.parameters()) else "non-finite weights")
         if bad:
-            log.warning("stability: checkpoint at trainer step %d not written (%s)",
-                        trainer.global_step, bad)
+            what = "emergency checkpoint requested" if emergency else "checkpoint due"
+            log.warning("stability: %s at trainer step %d not written: %s (the last good "
+                        "checkpoint stays the rollback target)", what, trainer.global_step,
+                        "the weights were just rolled back" if rolled else
+                        "the weights are non-finite")
             self.cancelled_saves.append(int(trainer.global_step))
             return
         assert self.checkpoint_dir is not None
@@ -321,17 +365,58 @@ class StabilityCallback(pl.Callback):
         reason = f"emergency: {why}" if emergency else "periodic"
         guard.multiplier.restore()  # the file holds the scheduler's own LR
         t0 = time.monotonic()
+        self._rollback_save = True
         try:
             trainer.save_checkpoint(path)
         except Exception as exc:  # a full disk must not kill the run
-            guard._goodput("note_checkpoint_failed")
+            note_goodput(guard.goodput, "note_checkpoint_failed")
             log.warning("stability: checkpoint %s failed (%s: %s); training continues", path,
                         type(exc).__name__, exc)
             return
         finally:
+            self._rollback_save = False
             guard.multiplier.show()
-        guard._goodput("note_checkpoint", time.monotonic() - t0)
-        self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
+        note_goodput(guard.goodput, "note_checkpoint", time.monotonic() - t0)
+        if self._verified(path):
+            self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A rollback checkpoint is written in a form ``weights_only=True`` loads: hyper-
+        parameters such as an ``argparse.Namespace``, a ``pathlib.Path`` or a NumPy scalar are
+        stored as plain data (the user is told once, at the first such checkpoint)."""
+        if not self._rollback_save:
+            return  # the user's own checkpoints are left exactly as Lightning writes them
+        converted: list[str] = []
+        for key in list(checkpoint):
+            checkpoint[key], conv = weights_only_safe(checkpoint[key], str(key))
+            converted += conv
+        if converted and not self._converted_warned:
+            self._converted_warned = True
+            log.warning(
+                "stability: the rollback checkpoints hold values torch.load(weights_only=True) "
+                "refuses (%s%s); they are stored as plain data (dict / str / number) in the "
+                "rollback checkpoints in %s so a rollback can load them. Your own checkpoints "
+                "are unchanged.", ", ".join(converted[:6]),
+                f" and {len(converted) - 6} more" if len(converted) > 6 else "",
+                self.checkpoint_dir)
+
+    def _verified(self, path: str) -> bool:
+        """The rollback checkpoint just written loads with ``weights_only=True`` (checked when
+        this rank can see the file); if not, it is never a rollback target and the user is
+        told at once."""
+        if not os.path.exists(path):
+            return True  # written by rank 0 elsewhere: rank 0 checks it
+        why = verify_loadable(path)
+        if why is None:
+            return True
+        log.error("stability: rollback checkpoint %s cannot be loaded with weights_only=True "
+                  "(%s): it is not a rollback target, so a fault cannot be rolled back. Keep "
+                  "non-tensor objects out of the checkpoint (on_save_checkpoint) or allow their "
+                  "types with torch.serialization.add_safe_globals.", path, why)
+        if self.store.owned is not None:
+            self.store.owned.delete(path)
+        return False
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is None or trainer.sanity_checking:
@@ -347,13 +432,15 @@ class StabilityCallback(pl.Callback):
         return last_step_feedback(self.guard, self._last_lr, self._last_factor)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        metrics = self.feedback()
+        metrics = {k: v for k, v in self.feedback().items() if self._keep(k)}
         core = {k: v for k, v in metrics.items() if k in LOG_DICT_KEYS}
-        pl_module.log_dict(core, on_step=True, on_epoch=False)
+        if core:
+            pl_module.log_dict(core, on_step=True, on_epoch=False)
         rest = {k: v for k, v in metrics.items() if k not in LOG_DICT_KEYS}
-        if self.log_metrics == "all" and rest:
+        if rest:
+            step = _log_step(trainer)
             for lg in trainer.loggers:  # straight to the loggers: log_dict is O(keys^2)
-                lg.log_metrics(rest, step=trainer.global_step)
+                lg.log_metrics(rest, step=step)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -50,27 +50,30 @@ position (the monitor's own state is *not* rolled back: it must remember what ha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
-import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from stability._state_check import Fields
 from stability.adapters.distributed import ControlSync
-from stability.adapters.guard.checkpoints import find_ledger
-from stability.adapters.guard.deferred import _tightest
+from stability.adapters.guard.checkpoints import GuardCheckpoints, find_ledger, note_goodput
+from stability.adapters.guard.deferred import DeferredSteps
 from stability.adapters.guard.feedback import GuardFeedback
-from stability.adapters.guard.sync_mode import SyncModes
+from stability.adapters.guard.misuse import MisuseChecks, check_scheduler_arg
+from stability.adapters.guard.sync_mode import SyncPath, check_sync
 from stability.adapters.interventions import (
     CheckpointStore,
     LRMultiplier,
     TrainingStopped,
     clip_gradients,
     drop_gradients,
+    tightest_clip,
 )
 from stability.adapters.torch_ops.amp import (
     AMP_OVERFLOW,
@@ -81,6 +84,7 @@ from stability.adapters.torch_ops.amp import (
 from stability.adapters.torch_ops.signals import SignalCollector, Signals
 from stability.outputs.feedback import InterventionTally, log_interventions
 from stability.run.cadence import CadenceAdvisor
+from stability.run.checkpoints import CheckpointLedger, CheckpointRecord
 from stability.run.goodput import GoodputTracker
 from stability.run.preemption import install_sigterm_checkpoint
 from stability.run.watchdog import StallWatchdog
@@ -90,9 +94,20 @@ __all__ = ["TorchGuard", "TrainingStopped", "attach", "find_ledger"]
 
 log = logging.getLogger("stability.adapters")
 
+STATE_VERSION = 1
 
-class TorchGuard(SyncModes, GuardFeedback):
+
+class TorchGuard:
     """Signals in, decisions out, interventions carried out on real objects.
+
+    The guard keeps the step: counters, data positions, the decision and its control, the
+    measuring and the acting.  It holds three named collaborators: :attr:`checkpoints`
+    (:class:`~stability.adapters.guard.checkpoints.GuardCheckpoints`: saves, rollbacks, cadence,
+    SIGTERM), :attr:`sync_path` (:class:`~stability.adapters.guard.sync_mode.SyncPath`: the
+    ``sync=`` mode and the deferred machinery) and :attr:`feedback`
+    (:class:`~stability.adapters.guard.feedback.GuardFeedback`: the ``stability/*`` metrics).
+    ``sync`` names the :class:`~stability.adapters.distributed.ControlSync` (``None`` on one
+    rank).
 
     Parameters
     ----------
@@ -184,7 +199,7 @@ class TorchGuard(SyncModes, GuardFeedback):
         sync: str = "auto",
         param_norm_every: int = 2,
     ) -> None:
-        self._init_sync(sync)
+        check_sync("TorchGuard", sync)
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of TorchGuard must be an int in "
                              f"the range [0, inf). Got {checkpoint_every} instead.")
@@ -194,24 +209,18 @@ class TorchGuard(SyncModes, GuardFeedback):
         self.monitor = monitor
         self.clip_norm = clip_norm
         self.step_scheduler_on_skip = step_scheduler_on_skip
-        self.checkpoint_every = int(checkpoint_every)
         self.raise_on_stop = raise_on_stop
         if monitor is not None and hasattr(monitor, "trainer_clip_norm"):
             monitor.trainer_clip_norm = clip_norm  # the policy never loosens the loop's clip
-        # the monitor's goodput ledger counts every step from its Control (rollbacks as
-        # requested); the guard adds what only it knows: the wall clock, checkpoint save
-        # times, the rollback it really did (which replaces the requested one), skipped
-        # batches. Without a monitor ledger the guard keeps (and feeds) its own.
-        goodput = getattr(monitor, "goodput", None)
-        self._own_goodput = not isinstance(goodput, GoodputTracker)
-        self.goodput: GoodputTracker = goodput if isinstance(goodput, GoodputTracker) else (
-            GoodputTracker())
-        self._goodput("start")
+        self._init_goodput(monitor)
         self.collector = SignalCollector(
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
             activations=_activation_names(model, activations), activation_every=activation_every,
             update_ratio=update_ratio, param_norm_every=param_norm_every)
+        check_scheduler_arg(scheduler)  # attach(model, opt, Monitor(...)): TypeError now
         self.multiplier = LRMultiplier(optimizer, scheduler=scheduler)
+        self.misuse = MisuseChecks(self)
+        self._goodput_recorded = -1  # step_count of the last goodput record (record_goodput)
         self.scaler = scaler if scaler_enabled(scaler) else None
         self.log_interventions = log_interventions
         self.tally = InterventionTally()
@@ -221,12 +230,39 @@ class TorchGuard(SyncModes, GuardFeedback):
         if self.sync is not None and not self.sync.active:
             self.sync = None
         rank = self.sync.rank if self.sync is not None else -1
+        self.recorder = recorder if rank <= 0 else None
+        self._init_step(int(start_step))
         # a CheckpointStore, or an adapter's store of the trainer's own checkpoints: the file
         # IO of the one checkpoint ledger (the monitor's, else the store's own)
-        self.store = CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
-                                     ledger=find_ledger(monitor))
-        self.recorder = recorder if rank <= 0 else None
-        self.step_count = int(start_step)
+        self.checkpoints = GuardCheckpoints(
+            self, CheckpointStore(checkpoint_dir, keep=keep_checkpoints, rank=rank,
+                                  ledger=find_ledger(monitor)),
+            every=checkpoint_every, cadence=cadence,
+            sigterm=(install_sigterm_checkpoint(lambda: None, chain=False)
+                     if checkpoint_on_sigterm else None))
+        self.sync_path = SyncPath(self, sync)
+        self.feedback = GuardFeedback(self)
+        self.watchdog: StallWatchdog | None = (
+            watchdog if isinstance(watchdog, StallWatchdog)
+            else StallWatchdog.for_monitor(self.monitor) if watchdog else None)
+
+    def _init_goodput(self, monitor: Any) -> None:
+        """The goodput ledger: the monitor's, else the guard's own.
+
+        The monitor's ledger counts every step from its Control (rollbacks as requested); the
+        guard adds what only it knows: the wall clock, checkpoint save times, the rollback it
+        really did (which replaces the requested one), skipped batches.  Without a monitor
+        ledger the guard keeps (and feeds) its own.
+        """
+        goodput = getattr(monitor, "goodput", None)
+        self._own_goodput = not isinstance(goodput, GoodputTracker)
+        self.goodput: GoodputTracker = goodput if isinstance(goodput, GoodputTracker) else (
+            GoodputTracker())
+        note_goodput(self.goodput, "start")
+
+    def _init_step(self, start_step: int) -> None:
+        """The step's state: counters, data positions, the decision in force."""
+        self.step_count = start_step
         self.data_position = 0
         self.skip_positions: set[int] = set()
         self._pos_of_step: OrderedDict[int, int] = OrderedDict()
@@ -242,16 +278,98 @@ class TorchGuard(SyncModes, GuardFeedback):
         self.rolled_back = False  # whether the last finish() rolled back
         # goodput counters (steps_skipped, rollbacks, ...) are views of self.goodput
         self.amp_overflows = 0
-        self._recorder_flush_failed = False
         self.interventions: list[Any] = []
         self.collector.begin_step(self.step_count)
-        self._sigterm = (install_sigterm_checkpoint(lambda: None, chain=False)
-                         if checkpoint_on_sigterm else None)
-        self.watchdog: StallWatchdog | None = (
-            watchdog if isinstance(watchdog, StallWatchdog)
-            else StallWatchdog.for_monitor(self.monitor) if watchdog else None)
-        self.cadence = cadence
-        self._cadence_clock = self._last_save_t = time.monotonic()
+
+    # ------------------------------------------------------------------ collaborators' views
+    @property
+    def sync_requested(self) -> str:
+        """What ``sync=`` the guard was built with: ``"auto"``, ``"step"`` or ``"deferred"``."""
+        return self.sync_path.requested
+
+    @property
+    def sync_mode(self) -> str:
+        """The step path taken: ``"step"`` or ``"deferred"`` (``"auto"`` until resolved)."""
+        return self.sync_path.mode
+
+    @property
+    def deferred(self) -> DeferredSteps | None:
+        """The deferred machinery (:class:`~stability.adapters.guard.deferred.DeferredSteps`)
+        while it runs; ``None`` in step mode."""
+        return self.sync_path.deferred
+
+    def resolve_sync(self) -> str:
+        """The step path, ``"step"`` or ``"deferred"``; resolves ``sync="auto"`` the first time
+        (see :meth:`~stability.adapters.guard.sync_mode.SyncPath.resolve`)."""
+        return self.sync_path.resolve()
+
+    @property
+    def store(self) -> Any:
+        """The checkpoint store: a
+        :class:`~stability.adapters.torch_ops.checkpoint_store.LedgerStore` doing the file IO
+        of :attr:`ledger`.  Assigning another store (an adapter's store of the trainer's own
+        checkpoints) binds it to the same ledger."""
+        return self.checkpoints.store
+
+    @store.setter
+    def store(self, store: Any) -> None:
+        self.checkpoints.store = store
+
+    @property
+    def ledger(self) -> CheckpointLedger:
+        """The checkpoint ledger: the monitor's (``Monitor.checkpoints``), else the store's."""
+        return self.checkpoints.ledger
+
+    @property
+    def checkpoint_every(self) -> int:
+        """A healthy step that is a multiple of this is checkpointed (0: never)."""
+        return self.checkpoints.every
+
+    @property
+    def cadence(self) -> CadenceAdvisor | None:
+        """The risk-adaptive checkpoint cadence, if any."""
+        cadence: CadenceAdvisor | None = self.checkpoints.cadence
+        return cadence
+
+    # ------------------------------------------------------------------ the goodput ledger
+    @property
+    def steps_skipped(self) -> int:
+        """Steps whose update was not applied (``GoodputTracker.skipped``; a rollback's step
+        counts as lost, not skipped)."""
+        return int(self.goodput.skipped)
+
+    @property
+    def batches_skipped(self) -> int:
+        """Batches a rollback asked to skip (``GoodputTracker.batches_skipped``)."""
+        return int(self.goodput.batches_skipped)
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks carried out (``GoodputTracker.rollbacks``)."""
+        return int(self.goodput.rollbacks)
+
+    @property
+    def steps_lost(self) -> int:
+        """Steps thrown away by rollbacks (``GoodputTracker.lost``)."""
+        return int(self.goodput.lost)
+
+    @property
+    def checkpoints_taken(self) -> int:
+        """Checkpoints saved (``GoodputTracker.checkpoints``)."""
+        return int(self.goodput.checkpoints)
+
+    @property
+    def checkpoint_failures(self) -> int:
+        """Checkpoint saves that failed (``GoodputTracker.checkpoint_failures``)."""
+        return int(self.goodput.checkpoint_failures)
+
+    def _count_step(self, step: int, own: Control, acted: Control) -> None:
+        """Feed the goodput ledger this step: all of it when the guard owns the ledger; else
+        the monitor counted ``own`` and only a skip asked by another rank is added."""
+        if self._own_goodput:
+            note_goodput(self.goodput, "update_from_control", step, acted)
+        elif acted.skip_step and not own.skip_step:
+            note_goodput(self.goodput, "mark_skipped", step)
 
     # ------------------------------------------------------------------ data
     def batches(self, n_batches: int, max_iterations: int | None = None) -> Iterator[int]:
@@ -270,13 +388,14 @@ class TorchGuard(SyncModes, GuardFeedback):
             idx = self.data_position
             if idx in self.skip_positions:
                 self.data_position += 1
-                self._goodput("note_batch_skipped")
+                note_goodput(self.goodput, "note_batch_skipped")
                 continue
             self._consumed = self._rewound = False
             it += 1
             yield idx
             if not (self._consumed or self._rewound):
                 self.data_position = idx + 1
+        self.record_goodput()  # all batches consumed: the end of training
 
     def should_skip_batch(self, position: int) -> bool:
         """Whether the batch at ``position`` is one a rollback asked to skip."""
@@ -298,6 +417,7 @@ class TorchGuard(SyncModes, GuardFeedback):
         if self.sync_mode == "auto":
             self.resolve_sync()
         if self.deferred is not None:
+            self.misuse.before_check(loss)
             return self.deferred.step(loss, metrics)
         decision = self.check(loss, metrics)
         try:
@@ -310,6 +430,7 @@ class TorchGuard(SyncModes, GuardFeedback):
             self.multiplier.restore()  # the scheduler reads and writes its own values
             if self.scheduler is not None and (self.should_step or self.step_scheduler_on_skip):
                 self.scheduler.step()
+                self.misuse.scheduler_stepped()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.finish()
@@ -371,6 +492,8 @@ class TorchGuard(SyncModes, GuardFeedback):
         """
         if self.sync_mode == "auto":
             self.resolve_sync()
+        if signals is None:  # (a trainer adapter measured them: it ran backward itself)
+            self.misuse.before_check(loss)
         if self.deferred is not None:
             return self.deferred.check(loss, metrics, signals)
         step = self.step_count
@@ -388,7 +511,7 @@ class TorchGuard(SyncModes, GuardFeedback):
             # the scaler skips this step itself: nothing to clip, no update to measure
             self.multiplier.restore()
         elif self.should_step:
-            norm = _tightest(self.clip_norm, control.clip_norm)
+            norm = tightest_clip(self.clip_norm, control.clip_norm)
             if norm is not None:
                 clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"))
             self.collector.before_step(step)
@@ -434,14 +557,164 @@ class TorchGuard(SyncModes, GuardFeedback):
         self.collector.after_step(stepped=self.should_step)
         self._consumed = True
         if control.save_checkpoint:  # unhealthy: kept for forensics, never a rollback target
-            self._auto_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency")
+            self.checkpoints.auto(healthy=False, reason=control.checkpoint_reason or "emergency")
         if self._end_run(step, control, self.raise_on_stop):
             return
-        self._checkpoints_due(step)
+        self.checkpoints.due(step)  # the weights are those after this step's update
         self.step_count += 1
         self.data_position = self._pos_of_step.get(step, self.data_position) + 1
         self.collector.begin_step(self.step_count)
         self.multiplier.show()  # between steps param_groups show the LR really applied
+
+    def _end_run(self, step: int, control: Control, raise_stop: bool) -> bool:
+        """Carry out a stop or rollback requested for ``step`` (either step path); ``True``
+        when one was.  A stop with a rollback target stops with the last good weights."""
+        if control.stop:
+            restored = None
+            if control.rollback_to is not None and self.rollback(control.rollback_to, None):
+                # stop with the last good weights in place (the run cannot be brought back)
+                restored = self.step_count - 1
+            self.stopped = TrainingStopped(
+                control.stop_reason or "stop requested", step,
+                self.decision.alarms if self.decision else (), self.decision,
+                restored_step=restored)
+            self.step_count += 1
+            self.data_position += 1
+            self.record_goodput()  # the end of the run: `stability goodput EVENTS` has it
+            if raise_stop:
+                raise self.stopped
+            return True
+        if control.rollback_to is not None and self.rollback(control.rollback_to,
+                                                             control.skip_batches):
+            self.collector.begin_step(self.step_count)
+            return True
+        return False
+
+    def flush(self) -> Decision | None:
+        """Observe the pending step of a ``sync="deferred"`` guard and carry out its decision
+        (call at the end of training; :meth:`detach` does).  Returns that decision (``None``:
+        nothing pending, or ``sync="step"``); raises :class:`TrainingStopped` like ``step``."""
+        if self.deferred is None:
+            return None
+        return self.deferred.flush(self.raise_on_stop)
+
+    def _flush_quietly(self) -> None:
+        """:meth:`flush` that never raises (a stop is logged and kept in :attr:`stopped`)."""
+        if self.deferred is None:
+            return
+        try:
+            self.deferred.flush(False)
+        except Exception:  # never crash the user's run on the way out
+            log.warning("observing the last pending step failed", exc_info=True)
+        if self.stopped is not None:
+            log.warning("the last step asked to stop: %s", self.stopped)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, healthy: bool, reason: str = "", step: int | None = None,
+                        register: bool = True) -> CheckpointRecord:
+        """Checkpoint model, optimizer, scheduler, monitor state and data position now.
+
+        The store registers it in the checkpoint ledger with its health flag (``register`` is
+        kept for compatibility: every checkpoint is in the ledger, which is what retention and
+        rollbacks go by) and prunes what the ledger says is no longer needed.  A pending
+        ``sync="deferred"`` step is observed first (the checkpoint's monitor state has every
+        step).
+        """
+        if self.deferred is not None and self.deferred.pending is not None:
+            self.deferred.flush(False)
+        return self.checkpoints.save(healthy, reason, step)
+
+    def rollback(self, to_step: int, skip: tuple[int, int] | None = None) -> bool:
+        """Restore the checkpoint of ``to_step`` (or the latest healthy one before it).
+
+        Batches consumed on steps ``skip[0]..skip[1]`` are added to :attr:`skip_positions`.
+        Returns ``False`` (and only logs) when no checkpoint is available.  A checkpoint that
+        fails to load is dropped from the ledger (logged) and the next older one is tried.
+        """
+        return self.checkpoints.rollback(to_step, skip)
+
+    def metrics(self, scores: bool = True) -> dict[str, float]:
+        """This step's ``stability/*`` metrics, for any logger (see
+        :meth:`~stability.adapters.guard.feedback.GuardFeedback.metrics`)."""
+        return self.feedback.metrics(scores)
+
+    # ------------------------------------------------------------------ state
+    def _monitor_state(self) -> dict[str, Any] | None:
+        if self.monitor is None or not hasattr(self.monitor, "state_dict"):
+            return None
+        state: dict[str, Any] = self.monitor.state_dict()
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible guard state (monitor included) with a ``"version"`` key and the mode
+        taken (``"sync"``); with a pending step (``sync="deferred"``) its signals, observed
+        after a restore; in step mode the control in force."""
+        return {
+            "version": STATE_VERSION,
+            "step": self.step_count,
+            "data_position": self.data_position,
+            "skip_positions": sorted(self.skip_positions),
+            "lr_factor": self.multiplier.factor,
+            "lr_multiplier": self.multiplier.state_dict(),
+            "interventions": self.tally.state_dict(),
+            "monitor": self._monitor_state(),
+            "counters": {"amp_overflows": self.amp_overflows},
+            "goodput": self.goodput.state_dict() if self._own_goodput else None,
+            **self.sync_path.state_dict(self.control),
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output (fields added later fall back to defaults), from a
+        guard of either ``sync`` mode.
+
+        Every field is checked before anything changes (``ValueError`` naming it): the LR
+        factor and the multiplier's numbers must be finite and positive, counters and
+        positions non-negative ints.  The monitor's part follows
+        :meth:`~stability.monitor.monitor.Monitor.load_state_dict` (its config wins;
+        ``strict=False`` re-warms incompatible parts with a warning).
+        """
+        sd = dict(sd)
+        section, recorded = self.sync_path.parse(sd)
+        state = _check_state(Fields("TorchGuard", sd), self)
+        if state.goodput is not None and self._own_goodput:
+            GoodputTracker().load_state_dict(state.goodput)  # checked before anything changes
+        if state.interventions is not None:
+            InterventionTally().load_state_dict(state.interventions)  # checked, changes nothing
+        self._load_monitor(state.monitor, strict)  # the last part that can refuse
+        if state.interventions is not None:
+            self.tally.load_state_dict(state.interventions)
+        self.step_count, self.data_position = state.step, state.position
+        self.skip_positions = state.skips
+        self.multiplier.factor = state.factor
+        if state.multiplier is not None:
+            self.multiplier.load_state_dict(state.multiplier)
+        self.amp_overflows = state.counters.get("amp_overflows", self.amp_overflows)
+        self._load_goodput(state.goodput, state.counters)
+        self.checkpoints.reconcile()
+        self.collector.begin_step(self.step_count)
+        self.sync_path.load(section, recorded)
+
+    def _load_monitor(self, sd: Any, strict: bool) -> None:
+        """Load the monitor's part of a guard snapshot (it checks every field before it
+        changes anything: a refused snapshot leaves the monitor as it was)."""
+        if sd is None or self.monitor is None:
+            return
+        if strict:  # (a duck-typed monitor need not know the argument)
+            self.monitor.load_state_dict(sd)
+        else:
+            self.monitor.load_state_dict(sd, strict=False)
+
+    def _load_goodput(self, goodput: Any, counters: Mapping[str, int]) -> None:
+        """The guard's own goodput ledger from a snapshot (version-1 snapshots kept the counts
+        beside the ledger)."""
+        if not self._own_goodput:
+            return
+        if goodput is not None:
+            self.goodput.load_state_dict(goodput)
+            return
+        for k, v in counters.items():
+            if k in _OLD_COUNTERS:
+                setattr(self.goodput, _OLD_COUNTERS[k], v)
 
     @contextlib.contextmanager
     def base_lr(self) -> Iterator[None]:
@@ -485,6 +758,69 @@ class TorchGuard(SyncModes, GuardFeedback):
         self.collector.remove()
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.record_goodput()
+
+    def record_goodput(self) -> None:
+        """Append the goodput ledger's record to the monitor's event log (if it has one).
+
+        Done by the guard at the end of training -- a stop, the end of :meth:`batches`,
+        :meth:`detach` (the trainer callbacks call it at the end of ``fit`` / ``train``) -- so
+        ``stability goodput EVENTS`` works without ``Monitor.close()``.  Once per step reached.
+        """
+        if self._goodput_recorded == self.step_count:
+            return
+        record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
+        if record is not None:
+            self._goodput_recorded = self.step_count
+            record()
+
+
+#: guard counters of version-1 snapshots -> the goodput ledger's fields
+_OLD_COUNTERS = {"steps_skipped": "skipped", "batches_skipped": "batches_skipped",
+                 "rollbacks": "rollbacks", "steps_lost": "lost",
+                 "checkpoints_taken": "checkpoints", "checkpoint_failures": "checkpoint_failures"}
+_COUNTERS = (*_OLD_COUNTERS, "amp_overflows")
+
+
+@dataclasses.dataclass
+class _GuardState:
+    """A checked guard state (:func:`_check_state`), not yet applied."""
+
+    step: int
+    position: int
+    skips: set[int]
+    factor: float
+    multiplier: Any
+    counters: dict[str, int]
+    goodput: Any
+    monitor: Any
+    interventions: Any
+
+
+def _check_state(f: Fields, guard: TorchGuard) -> _GuardState:
+    """Check every field of a guard state (``ValueError`` names a bad one); changes nothing."""
+    f.version(STATE_VERSION)
+    step = f.integer("step", f.get("step", guard.step_count), lo=0)
+    position = f.integer("data_position", f.get("data_position", guard.data_position), lo=0)
+    skips = {f.integer(f"skip_positions[{i}]", x, lo=0)
+             for i, x in enumerate(f.seq("skip_positions", None, f.get("skip_positions", [])))}
+    factor = f.number("lr_factor", f.get("lr_factor", 1.0), lo=0.0, low_open=True)
+    mult = f.get("lr_multiplier", None)
+    if mult is not None:
+        _check_multiplier(f.sub("lr_multiplier"), factor)
+    counters = {k: f.integer(f"counters.{k}", v, lo=0)
+                for k, v in f.mapping("counters", {}).items() if k in _COUNTERS}
+    return _GuardState(step, position, skips, factor, mult, counters, f.get("goodput", None),
+                       f.get("monitor", None), f.get("interventions", None))
+
+
+def _check_multiplier(m: Fields, factor: float) -> None:
+    """Check the LR multiplier's numbers: finite, positive (``written`` may hold ``None``)."""
+    m.number("factor", m.get("factor", factor), lo=0.0, low_open=True)
+    for key, pos in (("base", False), ("written", True), ("written_factor", False)):
+        for i, x in enumerate(m.seq(key, None, m.get(key, []))):
+            if not (pos and x is None):
+                m.number(f"{key}[{i}]", x, lo=0.0, low_open=not pos and key != "base")
 
 
 def _activation_names(model: torch.nn.Module, activations: Any) -> Any:

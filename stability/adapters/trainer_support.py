@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -32,8 +33,9 @@ __all__ = ["TrainerCheckpointStore", "params_finite", "state_bytes"]
 
 log = logging.getLogger("stability.adapters")
 
-#: ``loader(path, model, optimizer, scheduler)`` restores a trainer checkpoint in place.
-Loader = Callable[[str, Any, Any, Any], None]
+#: ``loader(path, model, optimizer, scheduler, scaler=None)`` restores a trainer checkpoint in
+#: place: all of it or nothing (``RestoreRefused``).
+Loader = Callable[..., None]
 #: ``writer(step, healthy, reason)`` writes a trainer checkpoint now and returns its path.
 Writer = Callable[[int, bool, str], str]
 
@@ -137,7 +139,8 @@ class TrainerCheckpointStore(LedgerStore):
     def save(self, model: Any, optimizer: Any, scheduler: Any, *, step: int,
              data_position: int, healthy: bool, reason: str = "",
              monitor_state: Mapping[str, Any] | None = None,
-             protect: Iterable[int] = (), margin: int | None = None) -> CheckpointRecord:
+             protect: Iterable[int] = (), margin: int | None = None,
+             scaler: Any = None) -> CheckpointRecord:
         """Take a checkpoint now: through the trainer's writer, else in memory (if allowed).
 
         ``protect``: steps retention must not delete now (the rollback target of an open
@@ -163,19 +166,23 @@ class TrainerCheckpointStore(LedgerStore):
             self._memory.pop(victims[0], None)  # (a copy the ledger no longer listed)
             self._memory_bytes.pop(victims[0], None)
         snap = save_checkpoint(None, model, optimizer, scheduler, step=step,
-                               data_position=data_position, healthy=healthy, reason=reason)
+                               data_position=data_position, healthy=healthy, reason=reason,
+                               scaler=scaler)
         self._memory[int(step)] = snap
         self._memory_bytes[int(step)] = need
         return self.ledger.add(step, self._memory_path(step), healthy, reason, step,
                                data_position=data_position, managed=True)
 
     def restore_record(self, rec: CheckpointRecord, model: Any, optimizer: Any,
-                       scheduler: Any) -> dict[str, Any]:
-        """Restore ``rec`` in place; returns the snapshot (``{"data_position": ...}`` for a
-        trainer checkpoint)."""
+                       scheduler: Any, scaler: Any = None) -> dict[str, Any]:
+        """Restore ``rec`` in place (all of it or nothing); returns the snapshot
+        (``{"data_position": ...}`` for a trainer checkpoint)."""
         if rec.in_memory:
-            return load_checkpoint(self._memory[rec.step], model, optimizer, scheduler)
-        self.loader(rec.path, model, optimizer, scheduler)
+            return load_checkpoint(self._memory[rec.step], model, optimizer, scheduler, scaler)
+        if scaler is None:
+            self.loader(rec.path, model, optimizer, scheduler)
+        else:
+            self.loader(rec.path, model, optimizer, scheduler, scaler=scaler)
         return {"data_position": rec.data_position}
 
 
@@ -190,8 +197,9 @@ def last_step_feedback(guard: Any, last_lr: float, last_factor: float) -> dict[s
         return {}
     out: dict[str, float] = guard.metrics()
     out["stability/lr_factor"] = float(last_factor)
-    out["stability/lr_base"] = float(last_lr)
-    out["stability/lr_effective"] = float(last_lr * last_factor)
+    if not math.isnan(last_lr):  # no step yet: missing, never NaN (see outputs.feedback)
+        out["stability/lr_base"] = float(last_lr)
+        out["stability/lr_effective"] = float(last_lr * last_factor)
     out["stability/step"] = float(guard.step_count)
     return out
 

@@ -9,6 +9,8 @@ The schema (``docs/CONTRACTS.md``)::
     strict = false                   # raise on bad input / handler errors instead of recording
     max_series = 4096                # distinct series per detector bank; new names past it skipped
     handler_budget_s = 1.0           # seconds per step for all on_alarm/on_intervention/sink calls
+    own_prefixes = ["guard/"]        # more prefixes of the guard's own logs (never bound);
+                                     # "stability/" always is one
 
     [[detectors]]                    # one binding = one detector bank
     name = "grad_spike_layers"       # unique; appears in Alarm.detector
@@ -60,8 +62,7 @@ True
 >>> MonitorConfig.from_dict({"detector": []})
 Traceback (most recent call last):
 ...
-stability.config.registry.ConfigError: config: unknown key 'detector' (did you mean 'detectors'?);
-...
+stability.config.registry.ConfigError: config: unknown key 'detector' (did you mean ...
 """
 
 from __future__ import annotations

@@ -14,13 +14,11 @@ Examples
 >>> detector_class("ewma")
 Traceback (most recent call last):
 ...
-stability.config.registry.UnknownDetectorError: unknown detector 'ewma' (did you mean 'ewma_z'?);
-...
+stability.config.registry.UnknownDetectorError: unknown detector 'ewma' (did you mean ...
 >>> make_detector("ewma_z", {"alpha": 2.0}, where="detectors[1]")
 Traceback (most recent call last):
 ...
-stability.config.registry.ConfigError: detectors[1].params.alpha: The 'alpha' parameter of
-EWMAZScore ...
+stability.config.registry.ConfigError: detectors[1].params.alpha: The 'alpha' parameter ...
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ class RegistryEntry:
         Offline tuning grid (:func:`replay.tuning.tune`): parameter -> values tried besides the
         threshold; empty = only the threshold is tuned.
     doc
-        One paragraph: how it works.  The detector tables of ``README.md`` and
+        One paragraph: how it works.  The detector tables of ``docs/concepts/detectors.md`` and
         ``docs/CONTRACTS.md`` are generated from the entries
         (``python -m stability.config.registry_docs``).
 
@@ -150,6 +148,23 @@ REGISTRY: dict[str, RegistryEntry] = {
         "detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly",
         doc="Loss volatility relative to its baseline, once the LR exceeds the highest LR seen "
             "while the loss was calm (LR too high)."),
+    "tail_z": RegistryEntry(
+        "detectors.tail:TailZScore", None, {"tail_q": (0.98, 0.99)},
+        doc="EWMA z-score of `log(x)` divided by the run's own tail factor: a high quantile "
+            "of the series' healthy scores against a Gaussian's (a z of 7 on a spiky "
+            "small-batch SGD run counts for less than on a smooth LLM run); with `prior_std` "
+            "it scores from the third value, its variance blended with the prior while "
+            "warming up (no blind start)."),
+    "no_update": RegistryEntry(
+        "detectors.stall:UpdateStall", "stall",
+        doc="Consecutive zero updates (`update_ratio` at or below `eps`) of a series that was "
+            "updating before: an optimizer silently skipping its steps, a parameter group "
+            "frozen by a bug. Never-moving series (unused parameters) score 0."),
+    "no_progress": RegistryEntry(
+        "detectors.progress:NoProgress", "stall",
+        doc="Loss not decreasing: an EW mean of the values over the mean of the first "
+            "`window`, scored once `horizon` values are seen (a run that never starts "
+            "learning). Not bound by default: a run watched from its plateau is healthy."),
     "coherent_jump": RegistryEntry(
         "detectors.jump:CoherentJump", None,
         doc="A one-step rise of log x far beyond each series' typical step-to-step change in "
@@ -174,7 +189,7 @@ def tune_grids() -> dict[str, dict[str, list[Any]]]:
     """The offline tuning grid of every registered detector that has one.
 
     >>> sorted(tune_grids())
-    ['ewma_z', 'overfit_gap', 'page_hinkley', 'ratio', 'robust_z']
+    ['ewma_z', 'overfit_gap', 'page_hinkley', 'ratio', 'robust_z', 'tail_z']
     """
     return {n: {k: list(v) for k, v in s.grid.items()} for n, s in REGISTRY.items() if s.grid}
 
@@ -323,8 +338,7 @@ def make_detector(
     >>> make_detector("ewma_z", {"alpah": 0.1}, where="detectors[0]")
     Traceback (most recent call last):
     ...
-    stability.config.registry.ConfigError: detectors[0].params: unknown parameter 'alpah' for
-    ewma_z ...
+    stability.config.registry.ConfigError: detectors[0].params: unknown parameter 'alpah' ...
     """
     try:
         cls = detector_class(name)

@@ -28,7 +28,8 @@ _WEBHOOK_KEYS = ("url", "url_env", "format", "max_per_window", "window_s", "esca
 _EVENT_LOG_KEYS = ("path", "fsync", "goodput_every")
 WEBHOOK_FORMATS = ("slack", "plain")
 FSYNC_MODES = ("critical", "always", "never")
-_MONITOR_KEYS = ("aliases", "log_only", "strict", "max_series", "handler_budget_s")
+_MONITOR_KEYS = ("aliases", "log_only", "strict", "max_series", "handler_budget_s",
+                 "own_prefixes")
 
 
 def _check_keys(d: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
@@ -82,6 +83,14 @@ def _known(v: Any, allowed: tuple[str, ...], where: str) -> dict[str, Any]:
     return d
 
 
+def _prefixes(v: Any, where: str) -> tuple[str, ...]:
+    """A string or list of non-empty strings (metric-name prefixes), as a tuple."""
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)):
+        raise ConfigError(f"{where}: must be a string or a list of strings; got {v!r}.")
+    return tuple(_str(x, f"{where}[{i}]") for i, x in enumerate(items))
+
+
 def _choice(v: Any, where: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise ConfigError(f"{where}: must be one of {', '.join(choices)}; got {v!r}.")
@@ -121,6 +130,8 @@ class MonitorSettings:
     max_series: int = 4096
     #: seconds per step shared by every handler and alert-sink call (see stability.outputs.handlers)
     handler_budget_s: float = 1.0
+    #: metric-name prefixes of the guard's own logs besides ``stability/`` (never bound)
+    own_prefixes: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "monitor") -> MonitorSettings:
@@ -140,11 +151,13 @@ class MonitorSettings:
             max_series=_int(d.get("max_series", 4096), f"{where}.max_series"),
             handler_budget_s=_number(d.get("handler_budget_s", 1.0), f"{where}.handler_budget_s",
                                      0.0, True),
+            own_prefixes=_prefixes(d.get("own_prefixes", ()), f"{where}.own_prefixes"),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {"aliases": dict(self.aliases), "log_only": self.log_only, "strict": self.strict,
-                "max_series": self.max_series, "handler_budget_s": self.handler_budget_s}
+                "max_series": self.max_series, "handler_budget_s": self.handler_budget_s,
+                "own_prefixes": list(self.own_prefixes)}
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,14 @@ Slots and growth
     every step).  Names that match no pattern are ignored (listed in ``Monitor.unbound``, up to
     ``max_series`` of them).
 
+Own outputs
+    Names under the project's own prefix (:data:`OWN_PREFIX`, ``stability/``; plus any
+    ``[monitor] own_prefixes``) are never bound, by any pattern -- not even a catch-all such
+    as the non-finite binding's ``*``.  They are what the guard logs about itself
+    (``stability/lr_factor``, ``stability/score/...``): replaying or watching a guarded run's
+    own trainer logs must not read them as training signals.  A prefix also matches after a
+    logger's path prefix (HF's TensorBoard writes ``train/stability/lr_factor``).
+
 Per step the monitor writes values into the slot vector and :func:`gather_step` copies them
 into every binding's ``(1, n_inputs, n_series)`` input array and missing mask in one Numba call.
 
@@ -36,6 +44,9 @@ Examples
 >>> p = Pattern("grad_norm/*")
 >>> p.match("grad_norm/blk0"), p.match("grad_norm"), Pattern("loss").match("loss")
 ('blk0', None, '')
+>>> own = OwnNames(["guard/"])
+>>> own("stability/clip_norm"), own("train/stability/score/nan"), own("guard/x"), own("loss")
+(True, True, True, False)
 """
 
 from __future__ import annotations
@@ -48,7 +59,10 @@ from numba import njit
 
 from detectors import BoolArray, FloatArray
 
-__all__ = ["DEFAULT_ALIASES", "Aliases", "Pattern", "gather_step"]
+__all__ = ["DEFAULT_ALIASES", "OWN_PREFIX", "Aliases", "OwnNames", "Pattern", "gather_step"]
+
+#: Prefix of every metric the project logs about itself (never an input of a detector).
+OWN_PREFIX = "stability/"
 
 #: Aliases applied to every metric name before matching (config aliases are merged on top).
 DEFAULT_ALIASES: dict[str, str] = {
@@ -135,6 +149,27 @@ class Aliases:
             if name.startswith(src):
                 return dst + name[len(src):]
         return name
+
+
+class OwnNames:
+    """Predicate: is a metric name one of the project's own outputs (never bound)?
+
+    A name is the project's own when it starts with :data:`OWN_PREFIX` or one of ``extra``, or
+    contains one of them right after a ``/`` (a logger's prefix such as HF's ``train/``).
+
+    Parameters
+    ----------
+    extra
+        More prefixes (``[monitor] own_prefixes``), e.g. ``["guard/"]``.
+    """
+
+    def __init__(self, extra: tuple[str, ...] | list[str] = ()):
+        prefixes = [OWN_PREFIX, *(p for p in extra if p and p != OWN_PREFIX)]
+        self.prefixes = tuple(prefixes)
+        self._inner = tuple("/" + p for p in prefixes)
+
+    def __call__(self, name: str) -> bool:
+        return name.startswith(self.prefixes) or any(q in name for q in self._inner)
 
 
 class Pattern:

@@ -34,16 +34,13 @@ contiguous block (names already bound in another order) copies the same way from
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from stability.monitor.fused import fused_step
-from stability.monitor.layout import _CAPPED, _SCRATCH, MAX_STEP
-from stability.types import Decision
+from stability.monitor.layout import CAPPED, SCRATCH
 
-__all__ = ["BoundInputs", "BoundMixin"]
+__all__ = ["BoundInputs", "resolve_slots"]
 
 
 class BoundInputs:
@@ -145,7 +142,7 @@ class BoundInputs:
             order = []
             for name in self._names:
                 s = mon._lookup(name)
-                if s <= _SCRATCH:
+                if s <= SCRATCH:
                     raise ValueError(f"observe_bound: {name!r} is no longer bound to a detector "
                                      "(the monitor's layout changed); call bind_inputs again")
                 order.append(s)
@@ -156,7 +153,7 @@ class BoundInputs:
         mon._present[self._order] = self._mask
 
 
-def _resolve(mon: Any, keys: list[str], families: list[str]) -> tuple[list[int], list[Any]]:
+def resolve_slots(mon: Any, keys: list[str], families: list[str]) -> tuple[list[int], list[Any]]:
     """Slots of ``keys`` and of each family's layers; ``ValueError`` on anything observe()
     would not feed to a detector (unknown names, a full bank, the same signal twice)."""
     key_slots = []
@@ -164,11 +161,11 @@ def _resolve(mon: Any, keys: list[str], families: list[str]) -> tuple[list[int],
         if not isinstance(k, str):
             raise TypeError(f"bind_inputs: metric names must be strings; got {k!r}")
         s = mon._lookup(k)
-        if s == _SCRATCH:
+        if s == SCRATCH:
             raise ValueError(f"bind_inputs: {k!r} matches no detector binding of the config "
                              "(observe() would ignore it); leave it out or pass it as an extra "
                              "metric to observe_bound()")
-        if s == _CAPPED or s < 0:
+        if s == CAPPED or s < 0:
             raise ValueError(f"bind_inputs: {k!r}: every binding it matches holds max_series="
                              f"{mon.max_series} series")
         key_slots.append(s)
@@ -178,7 +175,7 @@ def _resolve(mon: Any, keys: list[str], families: list[str]) -> tuple[list[int],
         if fam is None:
             raise KeyError(f"bind_inputs: family {name!r} is not declared (pass families="
                            "{name: layers} or call declare_family first)")
-        if (fam.slots <= _SCRATCH).any():
+        if (fam.slots <= SCRATCH).any():
             raise ValueError(f"bind_inputs: family {name!r}: some layers match no detector "
                              "binding or a full bank")
         fam_slots.append(fam.slots.copy())
@@ -194,112 +191,3 @@ def _resolve(mon: Any, keys: list[str], families: list[str]) -> tuple[list[int],
     return key_slots, fam_slots
 
 
-class BoundMixin:
-    """:meth:`bind_inputs` and :meth:`observe_bound` of
-    :class:`~stability.monitor.monitor.Monitor`."""
-
-    _bound: BoundInputs | None = None
-
-    def bind_inputs(self, keys: Sequence[str] = (),
-                    families: Mapping[str, Sequence[str]] | Iterable[str] | None = None
-                    ) -> BoundInputs:
-        """Bind metric names and families once; returns their writable views.
-
-        Parameters
-        ----------
-        keys
-            Metric names (aliases allowed) logged every step, in the order of
-            :attr:`BoundInputs.values`.  Each must feed a detector binding of the config.
-        families
-            Declared family names, or a mapping family name -> layer names (declared here,
-            like :meth:`declare_family`).
-
-        Returns
-        -------
-        BoundInputs
-            Views to write each step's values into; :meth:`observe_bound` reads them.  Bind
-            before the first ``observe()`` for a zero-copy binding (names bound in this
-            order take consecutive slots).
-
-        Raises
-        ------
-        ValueError, KeyError, TypeError
-            A name that matches no binding (``observe()`` would ignore it), a layer or name
-            a full bank refuses, two names for one signal, an undeclared family.
-        """
-        mon: Any = self
-        if isinstance(keys, str):
-            raise TypeError("bind_inputs: keys must be a sequence of metric names, not a str")
-        keys = list(keys)
-        if len(set(keys)) != len(keys):
-            raise ValueError("bind_inputs: keys and family names must be unique")
-        _resolve(mon, keys, [])  # the keys first: they take the first slots of a fresh monitor
-        if families is None:
-            names: list[str] = []
-        elif isinstance(families, Mapping):
-            names = [str(f) for f in families]
-            for f, layers in families.items():
-                if str(f) not in mon._families or mon._families[str(f)].layers != [
-                        str(x) for x in layers]:
-                    mon.declare_family(str(f), layers)
-        else:
-            names = [str(f) for f in families]
-        if len(set(names)) != len(names):
-            raise ValueError("bind_inputs: keys and family names must be unique")
-        key_slots, fam_slots = _resolve(mon, keys, names)
-        inp = BoundInputs(mon, keys, names, key_slots, fam_slots)
-        self._bound = inp
-        return inp
-
-    def observe_bound(self, step: int, metrics: Mapping[str, Any] | None = None, *,
-                      inputs: BoundInputs | None = None) -> Decision:
-        """:meth:`observe` of the values in the bound views (the latest :meth:`bind_inputs`,
-        or ``inputs``), plus optional extra ``metrics`` -- the same decision, scores, state
-        and goodput as ``observe(step, {bound keys present: values, **metrics}, {families:
-        arrays})``."""
-        mon: Any = self
-        inp = self._bound if inputs is None else inputs
-        if inp is None or inp._mon is not self:
-            raise ValueError("observe_bound: no inputs bound to this monitor (call "
-                             "bind_inputs first)")
-        skipped: list[str] = []
-        if mon._ctrl_dirty:
-            mon.control.reset_step()
-            mon._ctrl_dirty = False
-            mon._snap = None
-        if type(step) is int and mon.last_step < step <= MAX_STEP:
-            s = step
-        else:
-            s = mon._check_step(step, skipped)
-            if s is None:
-                return mon._skipped_step(step, skipped)
-        blk = inp._block
-        if blk is not None and inp._target is mon._vals:
-            mon._present_mv[blk] = inp._mask_mv  # the values are in place already
-        else:
-            inp._push()
-        if metrics is not None:
-            if isinstance(metrics, Mapping):
-                if metrics:
-                    mon._fill(metrics, skipped)
-            else:
-                mon._bad(f"metrics: expected a mapping; got {type(metrics).__name__}", skipped)
-        if mon._dirty:
-            mon._relayout()
-        # from here on: observe()'s step, line for line
-        if mon._fused:
-            n_alarms = fused_step(*mon._fused_args)
-        else:
-            n_alarms = mon._plain_step()
-        g, lr, loss, val, g_on, lr_on, loss_on, val_on = mon._tracked.tolist()
-        if lr_on and loss_on and mon.policy.track_quiet(s, lr, loss, val if val_on else None):
-            mon._lr_prev, mon._lr_now = mon._lr_now, lr
-            tivs: tuple[Any, ...] = ()
-        elif lr_on or loss_on or val_on:
-            tivs = mon._track_values(s, lr if lr_on else None, loss if loss_on else None,
-                                     val if val_on else None)
-        else:
-            tivs = ()
-        mon.last_step = s
-        return mon._finish_step(s, mon._live_rows() if n_alarms else None,
-                                g if g_on else None, tivs, tuple(skipped) if skipped else ())

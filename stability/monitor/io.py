@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_float", "is_table", "table_columns", "encode_state", "decode_state"]
+__all__ = ["to_float", "value_kind", "value_message", "is_table", "table_columns",
+           "encode_state", "decode_state"]
 
 _ND = "__ndarray__"
 # one past the monitor's largest accepted step (stability.monitor.monitor.MAX_STEP)
@@ -81,6 +82,38 @@ def to_float(v: Any) -> float | str:
     return f"not a number ({type(v).__name__})"
 
 
+def value_kind(value: Any, reason: str) -> str:
+    """The kind of a rejected value, for one warning per kind.
+
+    >>> value_kind("2.31", ""), value_kind("abc", ""), value_kind(None, "not a number (X)")
+    ('numeric string', 'string', 'not a number')
+    """
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return "string"
+        return "numeric string"
+    return reason.split(" (")[0]
+
+
+def value_message(key: Any, value: Any, reason: str) -> str:
+    """The skipped-value message of ``metrics[key]``; a numeric string says how to pass it.
+
+    >>> value_message("loss", "2.31", "string value not accepted")
+    "metrics['loss']: string value '2.31' not accepted (pass a number: float('2.31')); skipped"
+    """
+    if isinstance(value, str):
+        text = repr(value[:40])
+        try:
+            float(value)
+        except ValueError:
+            return f"metrics[{key!r}]: string value {text} not accepted; skipped"
+        return (f"metrics[{key!r}]: string value {text} not accepted (pass a number: "
+                f"float({text})); skipped")
+    return f"metrics[{key!r}]: {reason}; skipped"
+
+
 def _numeric_column(v: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """(float64 values, present mask) of a dict column, or ``None`` for non-numeric columns."""
     if isinstance(v, np.ma.MaskedArray):
@@ -104,7 +137,7 @@ def _numeric_column(v: Any) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 #: Arrow type names of the columns replay reads (floating, integer, boolean)
-_ARROW_NUMERIC = frozenset({"halffloat", "float", "double", "bool", "int8", "int16", "int32",
+ARROW_NUMERIC = frozenset({"halffloat", "float", "double", "bool", "int8", "int16", "int32",
                             "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
@@ -251,7 +284,7 @@ def table_columns(data: Any) -> tuple[np.ndarray, list[tuple[str, np.ndarray, np
             if name == "step":
                 continue
             col = data.column(k)
-            if str(col.type) not in _ARROW_NUMERIC:
+            if str(col.type) not in ARROW_NUMERIC:
                 continue
             present = ~np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=np.bool_)
             vals = np.asarray(col.cast("float64").to_numpy(zero_copy_only=False),

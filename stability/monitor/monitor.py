@@ -51,27 +51,69 @@ True
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import math
-from collections.abc import Mapping
+import struct
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+import stability.monitor.replay as table_replay
 from detectors.dispatch import compiling
+from stability._state_check import Fields
 from stability.config.config import ConfigSource, MonitorConfig, load_config
-from stability.monitor.binding import Aliases
-from stability.monitor.bound import BoundInputs, BoundMixin
-from stability.monitor.emit import EmitMixin, _decision
-from stability.monitor.fused import fused_step, reference_step
-from stability.monitor.layout import MAX_STEP, _Binding
-from stability.monitor.replay import ReplayMixin
-from stability.monitor.state import GRAD_HISTORY, STATE_VERSION, StateMixin
+from stability.monitor.binding import Aliases, OwnNames, empty_buffers
+from stability.monitor.bound import BoundInputs, resolve_slots
+from stability.monitor.decisions import Decisions
+from stability.monitor.emit import NF_NAMES, new_decision
+from stability.monitor.fused import (
+    N_TRACKED,
+    FusedPlan,
+    build_fused_plan,
+    fused_step,
+    reference_step,
+    step_buffers,
+)
+from stability.monitor.io import (
+    decode_state,
+    encode_state,
+    is_table,
+    to_float,
+    value_kind,
+    value_message,
+)
+from stability.monitor.layout import (
+    CAPPED,
+    MAX_STEP,
+    NO_PLAN,
+    PLAIN_TYPES,
+    SCRATCH,
+    Binding,
+    Family,
+    FamilyPlan,
+    GatherPlan,
+    KeyPlan,
+)
+from stability.monitor.replay import Column, decode_table, merge_columns
+from stability.monitor.replay_fill import fill_bank as _fill_bank
+from stability.monitor.replay_run import Replay, ReplayBlocks
+from stability.monitor.state import (
+    GRAD_HISTORY,
+    STATE_VERSION,
+    checked_goodput,
+    read_control,
+    read_history,
+    read_layout,
+    rewarm,
+)
 from stability.policy.context import PolicyContext
 from stability.policy.policy import Policy
 from stability.run.checkpoints import CheckpointLedger
 from stability.run.goodput import GoodputTracker
-from stability.types import Alarm, Control, Decision, Intervention, Rollback
+from stability.types import Alarm, Alert, Control, Decision, Intervention, Rollback
 
 __all__ = ["MAX_STEP", "STATE_VERSION", "BoundInputs", "Monitor"]
 
@@ -92,7 +134,7 @@ def _new_control(src: Control) -> Control:
     return c
 
 
-class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
+class Monitor:
     """Online training monitor (see the module docstring for the input policy).
 
     Parameters
@@ -132,11 +174,12 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
 
     Notes
     -----
-    The class is assembled from mixins: the slot layout (:mod:`stability.monitor.layout`),
-    bound inputs (:meth:`bind_inputs` / :meth:`observe_bound`, :mod:`stability.monitor.bound`),
-    batch replay (:mod:`stability.monitor.replay`) and snapshots
-    (:mod:`stability.monitor.state`); :meth:`observe`, :meth:`observe_bound` and :meth:`replay`
-    end every step with the same :meth:`_finish_step`.
+    One class, in sections: the step (:meth:`observe`), the slot layout (data types in
+    :mod:`stability.monitor.layout`), emitting (:mod:`stability.monitor.emit`), batch replay
+    (table decoding in :mod:`stability.monitor.replay`), snapshots (field readers in
+    :mod:`stability.monitor.state`) and bound inputs (:meth:`bind_inputs` /
+    :meth:`observe_bound`, :class:`~stability.monitor.bound.BoundInputs`).  :meth:`observe`,
+    :meth:`observe_bound` and :meth:`replay` end every step with the same :meth:`_finish_step`.
     """
 
     def __init__(self, config: ConfigSource = None, *, event_log: Any = None,
@@ -148,8 +191,9 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
         self.log_only = self.config.monitor.log_only
         self.strict = self.config.monitor.strict
         self._alias = Aliases(self.config.monitor.aliases)
+        self._own = OwnNames(self.config.monitor.own_prefixes)
         self._bindings = [
-            _Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
+            Binding(s, f"detectors[{i}]") for i, s in enumerate(self.config.detectors)
         ]
         self.policy = _make_policy(self.config.policy)
         from stability.outputs.alerts import event_log_from_config, sinks_from_config
@@ -172,6 +216,7 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
             handler_timeout = self.config.monitor.handler_budget_s
         self.max_series = self.config.monitor.max_series
         self._capped_banks: set[str] = set()
+        self._warned_kinds: set[str] = set()  # kinds of bad input warned about (once each)
         self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
         self._sink_failed: set[int] = set()
         for fn in _as_list(on_alarm):
@@ -287,7 +332,7 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
         """The decision of a step that is not fed to the detectors (bad or repeated step)."""
         self.counters["skipped_steps"] += 1
         st = int(step) if isinstance(step, (int, np.integer)) else -1
-        return _decision(st, (), (), self._snapshot(), tuple(skipped))
+        return new_decision(st, (), (), self._snapshot(), tuple(skipped))
 
     def _plain_step(self) -> int:
         """The step without the fused driver (:func:`reference_step`); the alarm count."""
@@ -297,7 +342,7 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
             self._dirty = True  # the next step builds the fused plan
         return n_alarms
 
-    def _finish_step(self, s: int, rows: list[tuple[_Binding, Any, Any]] | None,
+    def _finish_step(self, s: int, rows: list[tuple[Binding, Any, Any]] | None,
                      gnow: float | None, tivs: tuple[Intervention, ...],
                      skipped: tuple[str, ...]) -> Decision:
         """The per-step tail shared by :meth:`observe` and :meth:`replay` (one copy, so both
@@ -316,7 +361,7 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
             snap = self._snap
             if snap is None:
                 snap = self._snapshot()
-            d = _decision(s, (), (), snap, skipped)
+            d = new_decision(s, (), (), snap, skipped)
             self.goodput.update_from_control(s, snap)
             counters = self.counters
             counters["steps"] = n = counters["steps"] + 1
@@ -336,7 +381,7 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
         if gnow is not None and math.isfinite(gnow):
             self._grad_hist.append(gnow)
             self._grad_last = gnow
-        d = _decision(s, alarms, ivs, self._snapshot(), skipped)
+        d = new_decision(s, alarms, ivs, self._snapshot(), skipped)
         self.goodput.update_from_control(s, d.control)
         counters = self.counters
         counters["steps"] += 1
@@ -489,6 +534,880 @@ class Monitor(BoundMixin, EmitMixin, ReplayMixin, StateMixin):
         (:func:`stability.monitor.calibrate.calibrate`)."""
         from stability.monitor.calibrate import calibrate
         return calibrate(self, data, resume=resume)
+
+    # ====== the slot layout: names -> slots -> bank inputs (types: monitor.layout)
+    def _reset_layout(self) -> None:
+        self._slot_names: list[str] = ["<absent>", "<scratch>"]
+        self._slot_of: dict[str, int] = {}
+        self._cache: dict[Any, int] = {}
+        self.unbound: set[str] = set()
+        self._families: dict[str, Family] = {}
+        self._fam_plans: dict[tuple[str, ...], FamilyPlan | None] = {}
+        self._set_slot_buffers(*empty_buffers(64))
+        # the two most recent key layouts of ``metrics`` (e.g. with and without val_loss)
+        self._key_plans: list[KeyPlan] = []
+        self._dirty = True
+        self._fused: FusedPlan | None = None
+        self._fused_args: tuple[np.ndarray, ...] = ()
+        self._fused_wait = False
+        self._tslots = np.zeros(N_TRACKED, dtype=np.int64)  # grad_norm, lr, loss, val_loss
+        self._tracked = np.zeros(2 * N_TRACKED)  # ... their values and presence (capture)
+        self._grad_slot = 0
+        self._lr_slot = 0
+        self._loss_slot = 0
+        self._val_slot = 0
+
+    def _set_slot_buffers(self, vals: np.ndarray, present: np.ndarray) -> None:
+        """Install the slot vector and presence mask, and the raw views the fast fills write
+        through (a memoryview slice assignment is a checked ``memcpy``: it refuses another
+        format or shape instead of converting)."""
+        self._vals, self._present = vals, present
+        self._vals_mv = memoryview(vals)  # type: ignore[arg-type]
+        self._present_mv = memoryview(present.view(np.uint8))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ public helpers
+    @property
+    def signals(self) -> list[str]:
+        """Canonical names of the bound signals, in slot order."""
+        return self._slot_names[2:]
+
+    def series(self, binding: str) -> list[str]:
+        """Series keys of a binding, in bank order."""
+        for b in self._bindings:
+            if b.name == binding:
+                return list(b.keys)
+        raise KeyError(f"no binding named {binding!r}; "
+                       f"bindings: {[b.name for b in self._bindings]}")
+
+    def detector(self, binding: str) -> Any:
+        """The detector bank of a binding."""
+        for b in self._bindings:
+            if b.name == binding:
+                return b.det
+        raise KeyError(f"no binding named {binding!r}")
+
+    # ------------------------------------------------------------------ name resolution
+    def _lookup(self, raw: Any) -> int:
+        """Slot of a raw metric name (cached): ``>= 2`` bound, 1 unbound, -1 invalid name."""
+        s = self._cache.get(raw)
+        if s is not None:
+            return s
+        if not isinstance(raw, str):
+            return -1
+        name = self._alias(raw)
+        s = self._slot_of.get(name)
+        if s is None:
+            s = self._bind(name)
+            if s == CAPPED or (s == SCRATCH and len(self.unbound) >= self.max_series):
+                return s  # not cached: memory stays bounded under endless new names
+        self._cache[raw] = s
+        return s
+
+    def _bind(self, name: str) -> int:
+        if self._own(name):  # the guard's own logs are never inputs (binding.OwnNames)
+            return SCRATCH
+        hits = []
+        for b in self._bindings:
+            for j, p in enumerate(b.patterns):
+                key = p.match(name)
+                if key is not None:
+                    hits.append((b, j, key))
+        if not hits:
+            if len(self.unbound) < self.max_series:
+                self.unbound.add(name)
+            return SCRATCH
+        cap = self.max_series
+        kept = [h for h in hits if h[2] in h[0].key_index or len(h[0].keys) < cap]
+        if len(kept) < len(hits):
+            for b, _, _ in hits:
+                if b.name not in self._capped_banks and len(b.keys) >= cap:
+                    self._capped_banks.add(b.name)
+                    logger.warning("binding %r holds max_series=%d series; new names it matches "
+                                   "(first: %r) are not added to it. Raise [monitor] max_series "
+                                   "if this is intended.", b.name, cap, name)
+            if not kept:
+                return CAPPED
+            hits = kept
+        s = len(self._slot_names)
+        self._slot_names.append(name)
+        self._slot_of[name] = s
+        if s >= self._vals.shape[0]:
+            vals, present = empty_buffers(2 * s)
+            vals[: s] = self._vals
+            present[: s] = self._present
+            self._set_slot_buffers(vals, present)
+        for b, j, key in hits:
+            i = b.key_index.get(key)
+            if i is None:
+                i = b.add_series(key)
+                b.det.grow(1)
+            b.slots[j][i] = s
+        if name == "grad_norm":
+            self._grad_slot = s
+        elif name == "lr":
+            self._lr_slot = s
+        elif name == "loss":
+            self._loss_slot = s
+        elif name == "val_loss":
+            self._val_slot = s
+        self._dirty = True
+        return s
+
+    def declare_family(self, name: str, layers: Sequence[str]) -> None:
+        """Declare the layer order of a per-layer family for ``observe(..., families=...)``.
+
+        ``families={name: array}`` is then equivalent to the keys ``f"{name}/{layer}"``
+        (arrays must have ``len(layers)`` elements).  Re-declaring replaces the layer list.
+        """
+        layers = [str(x) for x in layers]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"declare_family({name!r}): layer names must be unique.")
+        slots = np.array([max(self._lookup(f"{name}/{x}"), SCRATCH) for x in layers],
+                         dtype=np.int64)  # a capped layer is written to the scratch slot
+        n = len(slots)
+        contig = slice(int(slots[0]), int(slots[0]) + n) if n and np.array_equal(
+            slots, np.arange(slots[0], slots[0] + n)) else None
+        self._families[name] = Family(layers, slots, contig)
+        self._fam_plans.clear()
+
+    @property
+    def families(self) -> dict[str, list[str]]:
+        """Declared families and their layer order."""
+        return {k: list(v.layers) for k, v in self._families.items()}
+
+    # ------------------------------------------------------------------ gather plan
+    def _relayout(self) -> None:
+        bs = self._bindings
+        sizes = [b.n_inputs * len(b.keys) for b in bs]
+        counts = [len(b.keys) for b in bs]
+        sb = step_buffers(len(bs), sum(sizes), sum(counts))
+        boff, soff = sb.boff, sb.soff
+        boff[1:] = np.cumsum(sizes)
+        soff[1:] = np.cumsum(counts)
+        gidx, x_all, m_all, s_all, a_all = sb.gidx, sb.X, sb.M, sb.S, sb.A
+        m_all[:] = True
+        s_all[:] = np.nan
+        calls = []
+        for k, b in enumerate(bs):
+            n, lo, hi = len(b.keys), int(boff[k]), int(boff[k + 1])
+            if n:
+                gidx[lo:hi] = np.asarray(b.slots, dtype=np.int64).reshape(-1)
+            b.inputs = x_all[lo:hi].reshape(1, b.n_inputs, n)
+            b.missing = m_all[lo:hi].reshape(1, b.n_inputs, n)
+            so, se = int(soff[k]), int(soff[k + 1])
+            s_all[so:se] = b.det.score
+            a_all[so:se] = b.det.alarm
+            # the bank writes its outputs straight into the monitor's shared vectors
+            b.scores = s_all[so:se].reshape(1, n)
+            b.alarms = a_all[so:se].reshape(1, n)
+            b.det.bind_outputs(b.scores, b.alarms)
+            calls.append((b.det.update_array, b.inputs, b.missing))
+        self._gather = GatherPlan(gidx, boff, soff, x_all, m_all, s_all, a_all, sb.active)
+        self._calls = calls
+        sb.tslots[:] = (self._grad_slot, self._lr_slot, self._loss_slot, self._val_slot)
+        self._tslots, self._tracked = sb.tslots, sb.tracked
+        # one native call per step (gather + banks + alarm count); None: the plain path
+        self._fused = build_fused_plan(sb, [b.det for b in bs], [b.n_inputs for b in bs],
+                                       counts, self._vals, self._present)
+        # the driver's argument tuple (the slot vector is replaced only with a relayout)
+        self._fused_args = self._fused.args if self._fused else ()
+        self._fused_wait = self._fused is None and compiling()  # kernels compile aside
+        self._dirty = False
+
+    def _live_rows(self) -> list[tuple[Binding, Any, Any]]:
+        """``(binding, scores, alarms)`` of the step just gathered, for ``_make_alarms``."""
+        return [(b, b.scores[0], b.alarms[0]) for b in self._bindings]  # type: ignore[index]
+
+    # ------------------------------------------------------------------ filling a step
+    def _bad(self, msg: str, skipped: list[str], capped: bool = False, kind: str = "") -> None:
+        """Record bad input in ``Decision.skipped`` (``ValueError`` in strict mode), and warn
+        the first time of each ``kind`` (a run must not look monitored while nothing is)."""
+        if self.strict and not capped:  # a full bank is a resource limit, not bad input
+            raise ValueError(msg)
+        skipped.append(msg)
+        self.counters["skipped_values"] += 1
+        if kind and kind not in self._warned_kinds:
+            self._warned_kinds.add(kind)
+            logger.warning("stability: %s (further input skipped for this reason is recorded in "
+                           "Decision.skipped, not logged)", msg)
+
+    def _check_step(self, step: Any, skipped: list[str]) -> int | None:
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer, float)):
+            self._bad(f"step: must be an int; got {step!r}", skipped)
+            return None
+        if isinstance(step, float) and not (math.isfinite(step) and step.is_integer()):
+            self._bad(f"step: must be an int; got {step!r}", skipped)
+            return None
+        s = int(step)
+        if s < 0:
+            self._bad(f"step {s}: negative step; not fed to detectors", skipped)
+            return None
+        if s > MAX_STEP:
+            self._bad(f"step {s}: above the largest accepted step 2**53 - 1; not fed to "
+                      "detectors", skipped)
+            return None
+        if s <= self.last_step:
+            self._bad(f"step {s}: not after the last observed step {self.last_step} "
+                      "(duplicate or out of order; after a restore from an earlier checkpoint "
+                      "call Monitor.rewind(step) first); not fed to detectors", skipped,
+                      kind="step order")
+            return None
+        return s
+
+    def _key_plan(self, keys: list[Any]) -> KeyPlan:
+        """Slots of the metric names ``keys``, cached for the two most recent key layouts."""
+        plans = self._key_plans
+        for plan in plans:
+            if plan.keys == keys:
+                if plan is not plans[0]:
+                    plans.reverse()
+                return plan
+        slots = [self._lookup(k) for k in keys]
+        ok = not slots or min(slots) >= 0
+        n = len(slots)
+        rng = (slice(slots[0], slots[0] + n) if n and ok and
+               slots == list(range(slots[0], slots[0] + n)) else None)
+        buf = array("d", bytes(8 * n))
+        plan = KeyPlan(keys, np.array(slots, dtype=np.int64), ok, rng, b"\x01" * n,
+                       struct.Struct(f"{n}d").pack_into, buf, np.frombuffer(buf))
+        self._key_plans = [plan] + plans[:1]
+        return plan
+
+    def _fill(self, metrics: Mapping[Any, Any], skipped: list[str]) -> None:
+        keys = [*metrics]
+        plans = self._key_plans
+        plan = plans[0] if plans and plans[0].keys == keys else self._key_plan(keys)
+        values = metrics.values()
+        if plan.valid and PLAIN_TYPES.issuperset(map(type, values)):
+            buf = plan.buf
+            try:  # fast path: plain Python / NumPy real numbers only (as ``float()`` converts
+                plan.pack(buf, 0, *values)  # them; a failure leaves the slots untouched)
+            except (TypeError, ValueError, OverflowError, struct.error):
+                pass
+            else:
+                rng = plan.block
+                if rng is not None:
+                    self._vals_mv[rng] = buf
+                    self._present_mv[rng] = plan.ones
+                else:
+                    self._vals[plan.slots] = plan.arr
+                    self._present[plan.slots] = True
+                return
+        vals, present, slots = self._vals, self._present, plan.slots
+        for k, v, s in zip(keys, values, slots.tolist(), strict=True):
+            if s == SCRATCH or v is None:
+                continue
+            if s < 0:
+                self._bad(f"metrics[{k!r}]: metric names must be strings; skipped" if s != CAPPED
+                          else f"metrics[{k!r}]: every binding it matches holds max_series="
+                          f"{self.max_series} series; skipped", skipped, capped=s == CAPPED)
+                continue
+            x = to_float(v)
+            if isinstance(x, str):
+                self._bad(value_message(k, v, x), skipped, kind=value_kind(v, x))
+                continue
+            vals[s] = x
+            present[s] = True
+
+    def _fam_plan(self, names: tuple[str, ...]) -> FamilyPlan | None:
+        """The :class:`FamilyPlan` when the families ``names`` fill one contiguous slot block."""
+        lo = hi = -1
+        shapes, spans = [], []
+        for name in names:
+            fam = self._families.get(name)
+            if fam is None or fam.block is None or (hi >= 0 and fam.block.start != hi):
+                return None
+            if lo < 0:
+                lo = fam.block.start
+            hi = fam.block.stop
+            shapes.append((len(fam.layers),))
+            spans.append(fam.block)
+        return FamilyPlan(lo, hi, shapes, spans, b"\x01" * (hi - lo),
+                          slice(lo, hi)) if lo >= 0 else None
+
+    def _fill_families(self, families: Mapping[str, Any], skipped: list[str]) -> None:
+        # fast path: all given families at once if they fill one contiguous block: float64
+        # arrays of the declared shapes are copied straight in (memoryview), others converted
+        # by one ``concatenate``; anything else goes through the checked path below
+        names = tuple(families)
+        plan = self._fam_plans.get(names, NO_PLAN)
+        if plan is NO_PLAN:
+            plan = self._fam_plans[names] = self._fam_plan(names)
+        if plan is not None:
+            vmv = self._vals_mv
+            try:  # the exact format and shape, or an exception (nothing half-written is used)
+                for sl, a in zip(plan.spans, families.values(), strict=True):
+                    vmv[sl] = a
+            except Exception:  # e.g. float32, a list, a torch tensor: convert
+                arrs = tuple(families.values())
+                try:
+                    if [a.shape for a in arrs] != plan.shapes:
+                        raise ValueError("shapes")
+                    np.concatenate(arrs, out=self._vals[plan.block], casting="same_kind")
+                except Exception:  # anything unusual goes through the checked path
+                    plan = None
+            if plan is not None:
+                self._present_mv[plan.block] = plan.ones
+                return
+        vals, present = self._vals, self._present
+        for name, arr in families.items():
+            fam = self._families.get(name)
+            if fam is None:
+                self._bad(f"families[{name!r}]: not declared (call declare_family first); "
+                          "skipped", skipped)
+                continue
+            if arr is None:
+                continue
+            layers, slots, contig = fam
+            if type(arr) is np.ndarray and arr.dtype.char == "d" and arr.shape == slots.shape:
+                a = arr
+            else:
+                try:
+                    a = np.asarray(arr)
+                    if a.dtype.kind not in "fiub":
+                        raise TypeError(f"dtype {a.dtype} is not numeric")
+                    a = a.astype(np.float64, copy=False)
+                except Exception as exc:  # any conversion failure is a bad value
+                    self._bad(f"families[{name!r}]: cannot convert ({exc}); skipped", skipped)
+                    continue
+                if a.shape != (len(layers),):
+                    self._bad(f"families[{name!r}]: shape {a.shape}; expected ({len(layers)},); "
+                              "skipped", skipped)
+                    continue
+            if contig is not None:
+                vals[contig] = a
+                present[contig] = True
+            else:
+                vals[slots] = a
+                present[slots] = True
+
+    # ====== emitting: event log, handlers, alert sinks
+    def report_alarms(self, step: int, alarms: Sequence[Alarm]) -> Decision | None:
+        """Record alarms raised outside the monitor's detectors (e.g. the rank outliers of
+        :class:`~stability.adapters.distributed.ControlSync`, a stall watchdog's alarm).
+
+        They go to the event log, the ``on_alarm`` handlers and, as one :class:`Alert`, to the
+        alert sinks -- exactly like the monitor's own alarms -- but the policy does not act on
+        them (the caller already did: e.g. every rank skipped the step).  Returns the recorded
+        decision (``None`` when ``alarms`` is empty).
+        """
+        alarms = tuple(alarms)
+        if not alarms:
+            return None
+        worst = max(alarms, key=lambda a: 2 if a.severity == "critical" else 1)
+        text = "; ".join(a.message or f"{a.kind} on {a.signal}" for a in alarms[:4])
+        alert = Alert(int(step), reason=text + (f" (+{len(alarms) - 4} more)"
+                                                 if len(alarms) > 4 else ""),
+                      severity=worst.severity, message=text)
+        d = new_decision(int(step), alarms, (alert,), self._snapshot(), ())
+        self._emit(d)
+        return d
+
+    def _emit(self, d: Decision) -> None:
+        self.counters["alarm_steps"] += bool(d.alarms)
+        self.counters["alarms"] += len(d.alarms)
+        self.counters["interventions"] += len(d.interventions)
+        log = self.event_log
+        hs = self.handlers
+        hs.begin_step()  # one time budget for every handler and sink call of this step
+        try:
+            for a in d.alarms:
+                if log is not None:
+                    log.alarm(a)
+                hs.alarm(a)
+            for iv in d.interventions:
+                if log is not None:
+                    log.intervention(iv, log_only=self.log_only)
+                if isinstance(iv, Alert):
+                    for sink in self.alert_sinks:
+                        self._send_alert(sink, iv)
+                hs.intervention(iv)
+        finally:
+            hs.end_step()
+
+    def _send_alert(self, sink: Any, alert: Alert) -> None:
+        """``sink.send(alert)`` within the step's handler budget; a failure (or a sink that runs
+        out of time) is logged once per sink and contained unless strict."""
+        try:
+            self.handlers.call(sink, sink.send, alert, f"alert sink {type(sink).__name__}")
+        except Exception as e:
+            self.counters["sink_errors"] += 1
+            if self.strict:
+                raise
+            if id(sink) not in self._sink_failed:
+                self._sink_failed.add(id(sink))
+                logger.warning("alert sink %r failed (%s: %s); contained (strict=False). Further "
+                               "failures of this sink are counted, not logged.", sink,
+                               type(e).__name__, e, exc_info=e)
+
+    def _make_alarms(self, step: int, rows: list[tuple[Binding, Any, Any]]
+                     ) -> tuple[Alarm, ...]:
+        """The step's alarms from each binding's scores and alarm flags (``rows``).
+
+        A non-finite value alarms once: the other detectors' alarms on that signal are dropped.
+        """
+        names = self._slot_names
+        bad: set[str] = set()
+        for b, _, a in rows:
+            if b.nonfinite and a.any():
+                for i in np.flatnonzero(a).tolist():
+                    bad.update(names[b.slots[j][i]] for j in range(b.n_inputs)
+                               if b.slots[j][i] > SCRATCH)
+        out: list[Alarm] = []
+        for b, sc, a in rows:
+            if not a.any():
+                continue
+            thr = float(b.det.threshold)
+            items = []
+            for i in np.flatnonzero(a).tolist():
+                comps = [names[b.slots[j][i]] for j in range(b.n_inputs)
+                         if b.slots[j][i] > SCRATCH]
+                if not b.nonfinite and bad.intersection(comps):
+                    continue
+                score = float(sc[i])
+                signal = ",".join(comps) if comps else b.keys[i]
+                if b.nonfinite:
+                    sev = "critical"
+                    msg = f"{signal} is {NF_NAMES.get(score, 'non-finite')}"
+                else:
+                    sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
+                                         ) else b.severity
+                    msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
+                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg))
+            items.sort(key=lambda al: al.signal)
+            out.extend(items)
+        return tuple(out)
+
+    # ====== batch replay (table decoding: monitor.replay)
+    def replay(self, data: Any) -> Decisions:
+        """Replay a recorded run: identical to a loop of :meth:`observe`, much faster.
+
+        ``data``: a pyarrow ``Table`` / ``RecordBatch``, a pandas / polars ``DataFrame``, a dict
+        of NumPy columns (``step`` plus one column per metric; nulls / masked / ``None`` = not
+        logged; see :func:`stability.monitor.io.table_columns`), or an iterable of those
+        (see :meth:`replay_batches`).  Non-numeric columns are ignored.
+
+        Returns the :class:`Decisions`, one per row (a sequence; ``.events()`` lists those with
+        alarms or interventions).
+        """
+        if is_table(data):
+            return self._replay_table(data)
+        return Decisions.concat(self.replay_stream(data))
+
+    def replay_batches(self, batches: Iterable[Any]) -> Iterator[Decision]:
+        """Replay batch after batch (bounded memory); detector state carries across batches."""
+        for d in self.replay_stream(batches):
+            yield from d
+
+    def replay_stream(self, batches: Iterable[Any]) -> Iterator[Decisions]:
+        """Replay batch after batch, one :class:`Decisions` per batch: the decisions of
+        :meth:`replay` of the whole table, bit for bit, in bounded memory.
+
+        Detector state carries across batches, and so do the replay's chunk blocks (the same
+        pages, their constant parts written once), so a stream of batches of ~100K rows runs
+        as fast as the whole table.
+
+        >>> from stability import Monitor
+        >>> mon = Monitor({"detectors": [{"name": "s", "detector": "ewma_z",
+        ...                               "inputs": ["loss"]}]})
+        >>> parts = [{"step": [0, 1], "loss": [1.0, 1.1]}, {"step": [2], "loss": [1.2]}]
+        >>> [len(d) for d in mon.replay_stream(parts)]
+        [2, 1]
+        """
+        blocks = ReplayBlocks()
+        for batch in batches:
+            out = self._replay_table(batch, blocks)
+            del batch  # freed before the next batch is made
+            yield out
+
+    def bind_table(self, data: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]:
+        """Bind a whole table the way :meth:`replay` does, without running any detector.
+
+        Returns the steps and, per binding name, the ``(T, n_inputs, n_series)`` values and
+        missing mask that replay feeds to that binding's detector -- the one binder shared by
+        replay and offline tuning (:func:`replay.tuning.score_table`), so tuned thresholds
+        reproduce online exactly.  Steps must be strictly increasing.
+
+        >>> from stability import Monitor
+        >>> mon = Monitor({"detectors": [{"name": "g", "detector": "ewma_z",
+        ...                               "inputs": ["grad_norm/*"]}]})
+        >>> steps, bound = mon.bind_table({"step": [0, 1], "grad_norm/a": [1.0, 2.0],
+        ...                                "grad_norm/b": [3.0, 4.0]})
+        >>> bound["g"][0].shape, bound["g"][0][1, 0].tolist()
+        ((2, 1, 2), [2.0, 4.0])
+        """
+        steps, cols = decode_table(data)
+        if np.any(np.diff(steps) <= 0):
+            raise ValueError("bind_table: steps must be strictly increasing.")
+        slotcol = self._bind_columns(cols)
+        if self._dirty:
+            self._relayout()
+        t_len = len(steps)
+        out: dict[str, tuple[Any, Any]] = {}
+        for b in self._bindings:
+            x = np.empty((t_len, b.n_inputs, len(b.keys)))
+            m = np.empty(x.shape, dtype=np.bool_)
+            _fill_bank(self._feeds(b, slotcol), x, m, 0, t_len)
+            out[b.name] = (x, m)
+        return np.asarray(steps, dtype=np.int64), out
+
+    def bound_names(self, names: Iterable[str]) -> list[str]:
+        """The names among ``names`` that feed a detector (binding them, as a replay would):
+        the columns worth reading for a replay with this monitor's config.
+
+        >>> from stability import Monitor
+        >>> mon = Monitor({"detectors": [
+        ...     {"name": "s", "detector": "ewma_z", "inputs": ["loss"]},
+        ...     {"name": "g", "detector": "ewma_z", "inputs": ["grad_norm/*"]}]})
+        >>> mon.bound_names(["train/loss", "epoch_time_s", "grad_norm/3"])
+        ['train/loss', 'grad_norm/3']
+        """
+        return [n for n in names if self._lookup(n) > SCRATCH]
+
+    def _table_slots(self, steps: Any, cols: list[tuple[str, Any, Any]]
+                     ) -> tuple[Any, Any, Any]:
+        """Steps, slot values ``(T, n_slots)`` and presence of decoded table columns (names
+        bound in the order they first appear, as a live run would)."""
+        slotcol = self._bind_columns([(n, (v, p)) for n, v, p in cols])
+        if self._dirty:
+            self._relayout()
+        t_len, n_slots = len(steps), len(self._slot_names)
+        vals = np.zeros((t_len, n_slots))
+        pres = np.zeros((t_len, n_slots), dtype=np.bool_)
+        for s, (v, p) in slotcol.items():
+            if p is None:
+                vals[:, s] = v
+                pres[:, s] = True
+            else:
+                vals[p, s] = v[p]
+                pres[:, s] = p
+        return steps, vals, pres
+
+    def _bind_columns(self, cols: list[tuple[str, Column]]) -> dict[int, Column]:
+        """Bind the columns' names in the order they first appear (as a live run would) and
+        return the column of every bound slot."""
+        firsts = []
+        for ci, (_, (_, p)) in enumerate(cols):
+            if p is None:
+                if len(cols[ci][1][0]):
+                    firsts.append((0, ci))
+            elif p.any():
+                firsts.append((int(p.argmax()), ci))
+        for _, ci in sorted(firsts):
+            self._lookup(cols[ci][0])
+        slotcol: dict[int, Column] = {}
+        for name, col in cols:
+            s = self._cache.get(name, SCRATCH)
+            if s > SCRATCH:
+                old = slotcol.get(s)
+                slotcol[s] = col if old is None else merge_columns(old, col)
+        return slotcol
+
+    def _feeds(self, b: Binding, slotcol: dict[int, Column]
+               ) -> list[tuple[int, int, Column | None]]:
+        return [(j, i, slotcol.get(s)) for j, row in enumerate(b.slots)
+                for i, s in enumerate(row)]
+
+    def _replay_table(self, data: Any, blocks: ReplayBlocks | None = None) -> Decisions:
+        """One table; ``blocks``: the chunk blocks of a stream of tables (``None``: this
+        table's own)."""
+        steps, cols = decode_table(data)
+        t_len = len(steps)
+        if t_len == 0:
+            return Decisions.from_list([])
+        if (steps[0] <= self.last_step or steps[0] < 0 or bool((steps[1:] <= steps[:-1]).any())
+                or steps[-1] > MAX_STEP):
+            return Decisions.from_list([
+                self.observe(int(steps[t]), {n: float(v[t]) for n, (v, p) in cols
+                                             if p is None or p[t]})
+                for t in range(t_len)])
+        slotcol = self._bind_columns(cols)
+        if self._dirty:
+            self._relayout()
+        # no cyclic garbage is made here: a collection triggered by the bulk allocations (the
+        # goodput history, decisions) would only scan the whole heap
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            full = max(1024, table_replay.CHUNK_VALUES // max(1, len(slotcol)))
+            chunk = min(t_len, full)
+            if blocks is None:  # one table: blocks of its own size
+                return Replay(self, steps, slotcol, chunk, ReplayBlocks(), chunk).run()
+            return Replay(self, steps, slotcol, chunk, blocks, full).run()
+        finally:
+            if was:
+                gc.enable()
+
+    # ====== snapshots (field readers: monitor.state)
+    def state_dict(self) -> dict[str, Any]:
+        """Whole-monitor snapshot as JSON-compatible data (``json.dumps`` works, no NaN)."""
+        sd = {
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "slots": self._slot_names[2:],
+            "unbound": sorted(self.unbound),
+            "families": {k: list(v.layers) for k, v in self._families.items()},
+            "bindings": [{"name": b.name, "keys": list(b.keys), "slots": [list(c) for c in b.slots],
+                          "detector": b.det.state_dict()} for b in self._bindings],
+            "policy": self.policy.state_dict(),
+            "policy_dirty": self._policy_dirty,
+            "control": self.control.to_dict(),
+            "policy_control": self._policy_control.to_dict(),
+            "checkpoints": self.checkpoints.state_dict(),
+            "goodput": self.goodput.state_dict(),
+            "last_step": self.last_step,
+            "grad_history": list(self._grad_hist),
+            "grad_last": self._grad_last,
+            "lr_now": self._lr_now,
+            "lr_prev": self._lr_prev,
+            "counters": dict(self.counters),
+        }
+        return encode_state(sd)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore a :meth:`state_dict` snapshot; the snapshot is checked before it is used.
+
+        Precedence: **this monitor's config wins**.  Hyperparameters (thresholds, detector
+        parameters, the policy) always come from :attr:`config`, never from the snapshot; the
+        snapshot contributes state only -- the signal layout, each bank's statistics, the
+        policy's incident state, the control, the checkpoint ledger, the goodput ledger and the
+        counters -- and only where it is compatible with this config: same bindings, the same
+        slot layout (re-derived from the snapshot's signal names, never trusted as indices),
+        detector arrays of the right class, shapes and dtypes with ring positions and counts in
+        range and finite statistics (see :meth:`detectors.BankDetector.validate_state_dict`).
+
+        Parameters
+        ----------
+        state
+            Output of :meth:`state_dict` (possibly through JSON).
+        strict
+            ``True`` (default): any incompatible part raises ``ValueError`` naming the field,
+            and the monitor is left exactly as it was.  ``False``: each incompatible part
+            (the layout, one bank, the policy, the control, the ledgers, the run history)
+            *re-warms* -- it starts fresh -- with a ``UserWarning`` naming it; banks keep the
+            statistics of the series the two layouts share.  A snapshot that is not a monitor
+            snapshot at all (not a mapping, a newer version) raises in both modes.
+        """
+        backup = self.state_dict()
+        try:
+            self._load_state(state, strict)
+        except Exception as exc:  # a hostile encoding may raise anything
+            self._load_state(backup, True)  # a failed load changes nothing
+            if isinstance(exc, ValueError):
+                raise
+            raise ValueError(f"Monitor.load_state_dict(): malformed snapshot "
+                             f"({type(exc).__name__}: {exc}).") from exc
+
+    def _load_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        try:
+            sd = decode_state(state)
+        except Exception as exc:
+            raise ValueError(f"Monitor.load_state_dict(): cannot decode the snapshot "
+                             f"({type(exc).__name__}: {exc}).") from None
+        f = Fields("Monitor", sd)
+        f.version(STATE_VERSION)
+        live = [b.name for b in self._bindings]
+        snap: dict[str, Fields] = {}
+        for i, bd in enumerate(f.seq("bindings")):
+            g = Fields("Monitor", bd, f"bindings[{i}].")
+            snap[g.text("name", max_len=1000)] = g
+        if list(snap) != live:
+            msg = (f"Monitor.load_state_dict(): snapshot bindings {list(snap)} do not match "
+                   f"this monitor's {live}.")
+            if strict:
+                raise ValueError(msg)
+            rewarm(msg + " Bindings missing from the snapshot start fresh.")
+        if sd.get("config") is not None and sd.get("config") != self.config.to_dict():
+            logger.info("Monitor.load_state_dict(): the snapshot was taken with another config; "
+                        "this monitor's config (hyperparameters) wins.")
+
+        def part(name: str, fn: Any, fresh: Any = None) -> Any:
+            try:
+                return fn()
+            except ValueError as exc:
+                if strict:
+                    raise ValueError(f"{exc} (in {name})") from None
+                rewarm(f"{exc} (in {name}) Re-warming it.")
+                return fresh() if callable(fresh) else fresh
+
+        layout = part("the signal layout", lambda: read_layout(f), ([], [], {}))
+        # the goodput ledger is checked (into a scratch tracker) before anything changes
+        gp = f.get("goodput", None)
+        if gp is not None:
+            gp = part("the goodput ledger", lambda: checked_goodput(gp), {})
+        self._reset_runtime()
+        for b in self._bindings:
+            b.keys, b.key_index, b.slots = [], {}, [[] for _ in b.patterns]
+            b.det.n_series = 0
+            b.det.reset()
+        names, unbound, families = layout
+        for name in names:
+            if name not in self._slot_of:
+                self._bind(name)
+        self.unbound |= set(unbound[: max(self.max_series - len(self.unbound), 0)])
+        for fam, layers in families.items():
+            part(f"family {fam!r}", lambda fam=fam, layers=layers: self.declare_family(fam, layers))
+        same_names = self._slot_names[2:] == names
+        for b in self._bindings:  # re-binding left every bank fresh: that is the fallback
+            bd = snap.get(b.name)
+            if bd is not None:
+                part(f"bank {b.name!r}",
+                     lambda b=b, bd=bd: self._load_bank(b, bd, same_names, strict))
+        pol = f.get("policy", None)
+        if pol is not None:
+            part("the policy", lambda: self.policy.load_state_dict(pol),
+                 self.policy.reset)
+        self._policy_dirty = part("the policy flag", lambda: f.flag("policy_dirty", False), False)
+        ctl = part("the control", lambda: (read_control(f, "control"),
+                                           read_control(f, "policy_control")),
+                   lambda: (Control(), Control()))
+        self.control = ctl[0]
+        self._ctrl_dirty = True  # per-step requests of the snapshot's step end with it
+        self._snap = None
+        self._policy_control = ctl[1] if self.log_only else self.control
+        led = f.get("checkpoints", None)
+        if led is not None:
+            part("the checkpoint ledger", lambda: self.checkpoints.load_state_dict(led),
+                 lambda: self.checkpoints.load_state_dict({"records": [], "alarms": []}))
+        if gp is not None:
+            self.goodput.load_state_dict(gp)  # checked above ({} re-warms it)
+        keys = set(self.counters)
+        hist = part("the run history", lambda: read_history(f, keys),
+                    lambda: read_history(Fields("Monitor", {}), keys))
+        self.last_step, grad_hist, self._grad_last, self._lr_now, self._lr_prev, counters = hist
+        self._grad_hist.extend(grad_hist)
+        self.counters.update(counters)
+        self._dirty = True
+
+    def _load_bank(self, b: Binding, g: Fields, same_names: bool, strict: bool) -> None:
+        """Install one bank's snapshot: its series must be this layout's, else (not strict)
+        the series both layouts share keep their statistics."""
+        keys = [g.text(f"keys[{i}]", value=k, max_len=100_000)
+                for i, k in enumerate(g.seq("keys"))]
+        slots = g.seq("slots", b.n_inputs)
+        same = same_names and keys == b.keys and all(
+            isinstance(c, list) and c == b.slots[j] for j, c in enumerate(slots))
+        checked = b.det.validate_state_dict(g.get("detector"))  # names the detector field
+        if checked.n_series != len(keys):
+            g.fail("detector", f"state for {len(keys)} series (one per key)",
+                   f"{checked.n_series} series")
+        if not same:
+            msg = (f"Monitor.load_state_dict(): the series of bank {b.name!r} in the snapshot "
+                   f"do not match the layout this config gives its signals.")
+            if strict:
+                raise ValueError(msg + " Pass strict=False to keep the shared series and "
+                                 "re-warm the rest.")
+            rewarm(msg + " Shared series keep their statistics; the others start fresh.")
+            pos = {k: i for i, k in enumerate(keys)}
+            checked = b.det.select_series(checked, [pos.get(k) for k in b.keys])
+        b.det.apply_state(checked)
+
+    # ====== bound inputs (monitor.bound.BoundInputs)
+    _bound: BoundInputs | None = None
+
+    def bind_inputs(self, keys: Sequence[str] = (),
+                    families: Mapping[str, Sequence[str]] | Iterable[str] | None = None
+                    ) -> BoundInputs:
+        """Bind metric names and families once; returns their writable views.
+
+        Parameters
+        ----------
+        keys
+            Metric names (aliases allowed) logged every step, in the order of
+            :attr:`BoundInputs.values`.  Each must feed a detector binding of the config.
+        families
+            Declared family names, or a mapping family name -> layer names (declared here,
+            like :meth:`declare_family`).
+
+        Returns
+        -------
+        BoundInputs
+            Views to write each step's values into; :meth:`observe_bound` reads them.  Bind
+            before the first ``observe()`` for a zero-copy binding (names bound in this
+            order take consecutive slots).
+
+        Raises
+        ------
+        ValueError, KeyError, TypeError
+            A name that matches no binding (``observe()`` would ignore it), a layer or name
+            a full bank refuses, two names for one signal, an undeclared family.
+        """
+        mon: Any = self
+        if isinstance(keys, str):
+            raise TypeError("bind_inputs: keys must be a sequence of metric names, not a str")
+        keys = list(keys)
+        if len(set(keys)) != len(keys):
+            raise ValueError("bind_inputs: keys and family names must be unique")
+        resolve_slots(mon, keys, [])  # the keys first: they take the first slots of a fresh monitor
+        if families is None:
+            names: list[str] = []
+        elif isinstance(families, Mapping):
+            names = [str(f) for f in families]
+            for f, layers in families.items():
+                if str(f) not in mon._families or mon._families[str(f)].layers != [
+                        str(x) for x in layers]:
+                    mon.declare_family(str(f), layers)
+        else:
+            names = [str(f) for f in families]
+        if len(set(names)) != len(names):
+            raise ValueError("bind_inputs: keys and family names must be unique")
+        key_slots, fam_slots = resolve_slots(mon, keys, names)
+        inp = BoundInputs(mon, keys, names, key_slots, fam_slots)
+        self._bound = inp
+        return inp
+
+    def observe_bound(self, step: int, metrics: Mapping[str, Any] | None = None, *,
+                      inputs: BoundInputs | None = None) -> Decision:
+        """:meth:`observe` of the values in the bound views (the latest :meth:`bind_inputs`,
+        or ``inputs``), plus optional extra ``metrics`` -- the same decision, scores, state
+        and goodput as ``observe(step, {bound keys present: values, **metrics}, {families:
+        arrays})``."""
+        mon: Any = self
+        inp = self._bound if inputs is None else inputs
+        if inp is None or inp._mon is not self:
+            raise ValueError("observe_bound: no inputs bound to this monitor (call "
+                             "bind_inputs first)")
+        skipped: list[str] = []
+        if mon._ctrl_dirty:
+            mon.control.reset_step()
+            mon._ctrl_dirty = False
+            mon._snap = None
+        if type(step) is int and mon.last_step < step <= MAX_STEP:
+            s = step
+        else:
+            s = mon._check_step(step, skipped)
+            if s is None:
+                return mon._skipped_step(step, skipped)
+        blk = inp._block
+        if blk is not None and inp._target is mon._vals:
+            mon._present_mv[blk] = inp._mask_mv  # the values are in place already
+        else:
+            inp._push()
+        if metrics is not None:
+            if isinstance(metrics, Mapping):
+                if metrics:
+                    mon._fill(metrics, skipped)
+            else:
+                mon._bad(f"metrics: expected a mapping; got {type(metrics).__name__}", skipped)
+        if mon._dirty:
+            mon._relayout()
+        # from here on: observe()'s step, line for line
+        if mon._fused:
+            n_alarms = fused_step(*mon._fused_args)
+        else:
+            n_alarms = mon._plain_step()
+        g, lr, loss, val, g_on, lr_on, loss_on, val_on = mon._tracked.tolist()
+        if lr_on and loss_on and mon.policy.track_quiet(s, lr, loss, val if val_on else None):
+            mon._lr_prev, mon._lr_now = mon._lr_now, lr
+            tivs: tuple[Any, ...] = ()
+        elif lr_on or loss_on or val_on:
+            tivs = mon._track_values(s, lr if lr_on else None, loss if loss_on else None,
+                                     val if val_on else None)
+        else:
+            tivs = ()
+        mon.last_step = s
+        return mon._finish_step(s, mon._live_rows() if n_alarms else None,
+                                g if g_on else None, tivs, tuple(skipped) if skipped else ())
 
 
 def _as_list(x: Any) -> list[Any]:

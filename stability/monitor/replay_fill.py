@@ -1,5 +1,5 @@
 """Bank inputs of the replay's chunks (the batch path of
-:class:`stability.monitor.replay.ReplayMixin`).
+:meth:`stability.monitor.monitor.Monitor.replay`).
 
 :func:`fill_bank` copies a chunk of the decoded columns into a bank's ``(rows, n_inputs,
 n_series)`` input block and missing mask (one strided copy per input).  :class:`GuardChunks`

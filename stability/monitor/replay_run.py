@@ -24,8 +24,8 @@ from stability.monitor.replay_fill import Block, Column, Feeds, GuardChunks, fee
 from stability.types import Control, Decision
 
 if TYPE_CHECKING:
-    from stability.monitor.layout import _Binding
-    from stability.monitor.replay import ReplayMixin
+    from stability.monitor.layout import Binding
+    from stability.monitor.monitor import Monitor
 
 __all__ = ["Decided", "Replay", "ReplayBlocks"]
 
@@ -33,7 +33,7 @@ __all__ = ["Decided", "Replay", "ReplayBlocks"]
 class Decided:
     """The decisions of one replayed table, and the quiet steps not yet counted."""
 
-    def __init__(self, mon: ReplayMixin, steps: np.ndarray) -> None:
+    def __init__(self, mon: Monitor, steps: np.ndarray) -> None:
         self.mon = mon
         self.steps = steps
         self.explicit: dict[int, Decision] = {}
@@ -102,7 +102,7 @@ class ReplayBlocks:
         self.tv = np.zeros((0, 0))
         self.tp = np.zeros((0, 0), dtype=np.bool_)
 
-    def track_block(self, mon: ReplayMixin, chunk: int,
+    def track_block(self, mon: Monitor, chunk: int,
                     tracked: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The ``(slots, chunk)`` values / present block of the tracked slots (LR, loss,
         validation loss), kept across the tables of a stream (~9 MB on a wide run: made once,
@@ -118,7 +118,7 @@ class ReplayBlocks:
                     tp[s] = False
         return tv, tp
 
-    def get(self, mon: ReplayMixin, chunk: int, rows: int) -> list[Any]:
+    def get(self, mon: Monitor, chunk: int, rows: int) -> list[Any]:
         """The banks' blocks for chunks of ``chunk`` rows (made anew, of ``rows >= chunk``
         rows, when the layout changed or they are too short)."""
         if self.layout is not mon._gather or chunk > self.rows:
@@ -150,7 +150,7 @@ class Replay:
     stream), made anew with ``rows`` rows when too short.
     """
 
-    def __init__(self, mon: ReplayMixin, steps: np.ndarray, slotcol: dict[int, Column],
+    def __init__(self, mon: Monitor, steps: np.ndarray, slotcol: dict[int, Column],
                  chunk: int, blocks: ReplayBlocks, rows: int) -> None:
         self.mon = mon
         self.steps = steps
@@ -247,7 +247,7 @@ class Replay:
         return k
 
     def _tail(self, lo: int, hi: int, alarm: np.ndarray,
-              outs: list[tuple[_Binding, np.ndarray, np.ndarray]]) -> None:
+              outs: list[tuple[Binding, np.ndarray, np.ndarray]]) -> None:
         mon = self.mon
         c = hi - lo
         need = self.need

@@ -8,20 +8,25 @@ W&B, CSV loggers and ``trainer.state.log_history`` show the same keys:
 key                                 meaning
 ==================================  ===========================================================
 ``stability/lr_factor``             LR multiplier in force (1.0 = untouched)
-``stability/clip_norm``             gradient clip in force set by the monitor (``nan``: none)
+``stability/clip_norm``             gradient clip in force set by the monitor (absent: none)
 ``stability/level``                 escalation level of the policy (0 = no incident)
 ``stability/alarms``                alarms of the step
 ``stability/alarms_total``          alarms since the start of the run
 ``stability/alarm_steps_total``     steps with at least one alarm
 ``stability/interventions_total``   interventions since the start (alerts included)
 ``stability/score/<binding>``       highest detector score of the binding on the step
-                                    (``nan``: the binding saw no input)
+                                    (absent: the binding saw no input)
 ``stability/interventions/<type>``  interventions of that type (counts passed in ``extra`` by
                                     an :class:`InterventionTally`)
 ``stability/<name>``                anything else passed in ``extra``: ``steps_skipped``,
                                     ``rollbacks``, ``steps_lost``, ``checkpoints``,
                                     ``lr_effective``, ...
 ==================================  ===========================================================
+
+"None" is a missing key, never a ``nan`` value: a NaN in a trainer log reads as a fault to
+anything that watches it.  (The monitor never binds ``stability/*`` names either, see
+:class:`stability.monitor.binding.OwnNames`, so replaying or watching a guarded run's own logs
+raises no alarm.)
 
 Only public attributes of the monitor are read (``control``, ``counters``, ``last_step``,
 ``config.detectors``, ``detector(binding).score``, ``policy.level_at``).
@@ -37,14 +42,17 @@ Examples
 >>> m = feedback_metrics(mon, d, extra={"steps_skipped": 1})
 >>> m["stability/alarms"], m["stability/score/nan"], m["stability/steps_skipped"]
 (1.0, 1.0, 1.0)
+>>> "stability/clip_norm" in m    # no clip in force: missing, not nan
+False
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from stability._state_check import Fields
@@ -52,12 +60,15 @@ from stability.types import INTERVENTION_TYPES
 
 __all__ = [
     "ACTING",
+    "CORE_KEYS",
     "PREFIX",
     "InterventionTally",
     "describe",
     "feedback_metrics",
     "is_acting",
+    "key_selector",
     "log_interventions",
+    "skipping",
 ]
 
 PREFIX = "stability/"
@@ -65,6 +76,40 @@ PREFIX = "stability/"
 ACTING = frozenset({"set_clip", "reduce_lr", "skip_step", "checkpoint", "rollback", "stop"})
 
 log = logging.getLogger("stability.adapters")
+
+#: The handful of keys the trainer callbacks log by default (``log_keys="core"``).
+CORE_KEYS = tuple(PREFIX + k for k in (
+    "lr_factor", "lr_base", "lr_effective", "clip_norm", "level", "alarms",
+    "interventions/acting", "steps_skipped", "rollbacks", "amp_overflow", "loss_scale"))
+
+
+def key_selector(log_keys: Any, where: str = "log_keys") -> Callable[[str], bool]:
+    """Which ``stability/*`` keys a trainer callback logs: ``"core"``, ``"all"`` or a list.
+
+    ``"core"``: :data:`CORE_KEYS` (what the run is doing: LR factor and LR, clip, level, alarms,
+    acting interventions, skipped steps, rollbacks, AMP overflow / loss scale).  ``"all"``:
+    every key of :func:`feedback_metrics` (detector scores, interventions by type, goodput
+    counters).  A list: those names (``"stability/"`` may be left out) or fnmatch patterns
+    such as ``"score/*"``.  Anything else is a ``ValueError`` naming ``where``.
+
+    >>> keep = key_selector(["lr_factor", "score/*"])
+    >>> keep("stability/lr_factor"), keep("stability/score/nan"), keep("stability/level")
+    (True, True, False)
+    >>> key_selector("core")("stability/score/nan"), key_selector("all")("stability/score/nan")
+    (False, True)
+    """
+    if isinstance(log_keys, str):
+        if log_keys == "all":
+            return lambda key: True
+        if log_keys == "core":
+            core = frozenset(CORE_KEYS)
+            return core.__contains__
+    elif isinstance(log_keys, (list, tuple, set, frozenset)) and all(
+            isinstance(k, str) and k for k in log_keys):
+        pats = [k if k.startswith(PREFIX) else PREFIX + k for k in log_keys]
+        return lambda key: any(fnmatch.fnmatchcase(key, p) for p in pats)
+    raise ValueError(f"The {where!r} parameter must be 'core', 'all' or a list of key names "
+                     f"(e.g. ['lr_factor', 'score/*']). Got {log_keys!r} instead.")
 
 
 def is_acting(iv: Any) -> bool:
@@ -110,14 +155,15 @@ def feedback_metrics(monitor: Any, decision: Any = None,
         The step's decision; its control, alarms and scores are reported.  Without it the
         monitor's current control is used and the per-step alarm count is 0.
     extra : mapping, optional
-        More values, prefixed with ``stability/`` unless they already are (non-numeric values
-        are left out).
+        More values, prefixed with ``stability/`` unless they already are (non-numeric and NaN
+        values are left out).
     scores : bool
         Report ``stability/score/<binding>`` (one small reduction per binding).
 
     Returns
     -------
     dict of str to float
+        No value is NaN: what is "none" (no clip, a binding without input) is left out.
     """
     out: dict[str, float] = {}
     control = getattr(decision, "control", None)
@@ -126,7 +172,8 @@ def feedback_metrics(monitor: Any, decision: Any = None,
     lr_factor = getattr(control, "lr_factor", 1.0)
     clip = getattr(control, "clip_norm", None)
     out[PREFIX + "lr_factor"] = float(lr_factor) if lr_factor is not None else 1.0
-    out[PREFIX + "clip_norm"] = float(clip) if clip is not None else math.nan
+    if clip is not None:
+        out[PREFIX + "clip_norm"] = float(clip)
     step: Any = getattr(decision, "step", None)
     if step is None:
         step = getattr(monitor, "last_step", 0) or 0
@@ -162,7 +209,12 @@ def feedback_metrics(monitor: Any, decision: Any = None,
             continue
         key = str(k) if str(k).startswith(PREFIX) else PREFIX + str(k)
         out[key] = f
-    return out
+    return _without_nan(out)
+
+
+def _without_nan(out: dict[str, float]) -> dict[str, float]:
+    """Drop the NaN values: "none" is a missing key in a trainer log, never a NaN."""
+    return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
 class InterventionTally:
@@ -221,23 +273,27 @@ def describe(iv: Any) -> str:
     >>> from stability.types import ReduceLR
     >>> describe(ReduceLR(12, "L2: loss_spike(loss)", factor=0.25, duration=100))
     'step 12: reducing the LR factor to 0.25 for 100 steps (L2: loss_spike(loss))'
+    >>> describe(ReduceLR(7, "LR guard", factor=0.1, duration=0))  # the LR guard's hold
+    'step 7: reducing the LR factor to 0.1 while the scheduler asks for a bad LR (LR guard)'
     """
     t = getattr(iv, "type", "intervention")
     step = getattr(iv, "step", -1)
     reason = getattr(iv, "reason", "")
     if t == "reduce_lr":
-        what = (f"reducing the LR factor to {iv.factor:.3g} for {iv.duration} steps")
+        span = (f"for {iv.duration} steps" if iv.duration else
+                "while the scheduler asks for a bad LR")  # the LR guard's hold
+        what = f"reducing the LR factor to {iv.factor:.3g} {span}"
     elif t == "set_clip":
         span = f"for {iv.duration} steps" if iv.duration else "until changed"
         what = f"clipping gradients at {iv.max_norm:.4g} {span}"
     elif t == "skip_step":
         what = "skipping the optimizer step"
     elif t == "checkpoint":
-        what = "taking an emergency checkpoint" if not getattr(iv, "healthy", False) else \
-            "taking a checkpoint"
+        what = ("requesting an emergency checkpoint (written only if the weights are finite)"
+                if not getattr(iv, "healthy", False) else "requesting a checkpoint")
     elif t == "rollback":
-        what = (f"rolling back to the checkpoint of step {iv.to_step}, skipping the batches of "
-                f"steps {iv.skip_from}..{iv.skip_to}")
+        what = f"rolling back to the checkpoint of step {iv.to_step}" + skipping(
+            getattr(iv, "skip_from", None), getattr(iv, "skip_to", None))
     elif t == "stop":
         what = "stopping training"
     elif t == "alert":
@@ -245,6 +301,21 @@ def describe(iv: Any) -> str:
     else:
         what = str(t)
     return f"step {step}: {what}" + (f" ({reason})" if reason else "")
+
+
+def skipping(lo: Any, hi: Any) -> str:
+    """What a rollback skips: ``", skipping the batches of steps a..b"``, or that it skips none.
+
+    >>> skipping(5, 9), skipping(7, 7)
+    (', skipping the batches of steps 5..9', ', skipping the batch of step 7')
+    >>> skipping(200, 199), skipping(None, None)
+    (', skipping no batch', ', skipping no batch')
+    """
+    if not isinstance(lo, int) or not isinstance(hi, int) or hi < lo:
+        return ", skipping no batch"
+    if hi == lo:
+        return f", skipping the batch of step {lo}"
+    return f", skipping the batches of steps {lo}..{hi}"
 
 
 def log_interventions(decision: Any, logger: logging.Logger | None = None,

@@ -111,6 +111,17 @@ def _detector_args(owner: str, threshold: Any, min_ranks: Any, alpha: Any,
             check_int(owner, "history", history, 0))
 
 
+def _present_mask(present: npt.ArrayLike | None, world: int) -> np.ndarray:
+    """``present`` as a ``(world,)`` bool array (``None``: every rank)."""
+    if present is None:
+        return np.ones(world, dtype=bool)
+    here = np.asarray(present, dtype=bool)
+    if here.shape != (world,):
+        raise ValueError(f"Expected one 'present' flag per rank ({world}); got shape "
+                         f"{here.shape}.")
+    return here
+
+
 class RankOutlierDetector:
     """Per step, per signal: robust z of each rank against the cross-rank median.
 
@@ -187,29 +198,38 @@ class RankOutlierDetector:
         z[ok] = (v - med) / scale
         return z, med, scale
 
-    def update(self, step: int, matrix: npt.ArrayLike) -> list[RankFinding]:
+    def update(self, step: int, matrix: npt.ArrayLike,
+               present: npt.ArrayLike | None = None) -> list[RankFinding]:
         """Score one step's ``(world, k)`` matrix (columns :attr:`signals`); test-then-train.
 
-        Returns the findings, ordered by rank then signal. All ranks non-finite is *not* an
-        attribution (the fault is everywhere already).
+        ``present`` (optional, one bool per rank): ranks whose row is *missing* this step (a log
+        that has not reached the step) are ``False``: they are neither judged nor part of the
+        statistics, and their ``nan`` row is not a non-finite value.
+
+        Returns the findings, ordered by rank then signal. All (present) ranks non-finite is
+        *not* an attribution (the fault is everywhere already).
         """
         m = np.asarray(matrix, dtype=np.float64)
         if m.ndim != 2 or m.shape[1] != len(self.signals):
             raise ValueError(f"Expected a (world, {len(self.signals)}) matrix with columns "
                              f"{self.signals}; got shape {m.shape}.")
+        here = _present_mask(present, m.shape[0])
+        if not here.all():
+            m = m.copy()
+            m[~here] = np.nan
         col = {s: i for i, s in enumerate(self.signals)}
         out: list[RankFinding] = []
         # non-finite on some ranks only
         bad = np.zeros(m.shape[0], dtype=bool)
         for s in _NONFINITE_SOURCES:  # missing everywhere (nan on all ranks) is not a finding
             if s in col:
-                b = ~np.isfinite(m[:, col[s]])
-                if not b.all():
+                b = ~np.isfinite(m[:, col[s]]) & here
+                if not b[here].all():
                     bad |= b
         if "nonfinite" in col:
             flag = m[:, col["nonfinite"]]
             bad |= np.isfinite(flag) & (flag > 0)
-        if bad.any() and not bad.all():
+        if bad.any() and not bad[here].all():
             for r in np.flatnonzero(bad):
                 out.append(RankFinding(step, int(r), "nonfinite", math.inf, math.nan, math.nan))
         for s, spec in self.specs.items():

@@ -131,13 +131,18 @@ class RankMonitor:
         return Alarm(f.step, "rank_outlier", f"rank{f.rank}/{f.signal}", float(abs(f.z)),
                      self.detector.threshold, sev, "rank_mad", msg)
 
-    def observe(self, step: int, matrix: npt.ArrayLike) -> tuple[Alarm, ...]:
-        """Score one step's ``(world, k)`` matrix; update the ledger; return the alarms."""
+    def observe(self, step: int, matrix: npt.ArrayLike,
+                present: npt.ArrayLike | None = None) -> tuple[Alarm, ...]:
+        """Score one step's ``(world, k)`` matrix; update the ledger; return the alarms.
+
+        ``present``: one bool per rank, ``False`` for a rank whose row is missing this step
+        (see :meth:`RankOutlierDetector.update`).
+        """
         m = np.asarray(matrix, dtype=np.float64)
         if m.ndim != 2 or m.shape[0] != self.world_size:
             raise ValueError(f"Expected {self.world_size} rows (one per rank); got shape "
                              f"{m.shape}.")
-        self.findings = self.detector.update(step, m)
+        self.findings = self.detector.update(step, m, present)
         self.changes = self.ledger.update(step, self.findings)
         return tuple(self.alarm(f) for f in self.findings)
 

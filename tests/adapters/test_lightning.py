@@ -129,7 +129,7 @@ def test_state_key_and_resume_with_ckpt_path(tmp_path) -> None:
     assert [r["step"] for r in recs] == [19, 29]  # keep_checkpoints=2
     assert sorted(cb2.store.entries) == [29, 39]  # the registry came back and went on
     assert [r.step for r in cb2.monitor.checkpoints.records] == [29, 39]
-    assert sorted(p.name for p in (tmp_path / "stability-checkpoints").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "stability-checkpoints").glob("*.ckpt")) == [
         "step=29.ckpt", "step=39.ckpt"]  # pruned files went with their records
 
 
@@ -169,10 +169,11 @@ def test_on_exception_removes_hooks(tmp_path) -> None:
     assert not model.net[0]._forward_hooks
 
 
-def test_metrics_reach_the_csv_logger(tmp_path) -> None:
+@pytest.mark.parametrize("log_keys", ["core", "all"])
+def test_metrics_reach_the_csv_logger(tmp_path, log_keys) -> None:
     from lightning.pytorch.loggers import CSVLogger
 
-    cb = StabilityCallback(Monitor("small"), checkpoint_every=0)
+    cb = StabilityCallback(Monitor("small"), checkpoint_every=0, log_keys=log_keys)
     _trainer(tmp_path, cb, steps=10, logger=CSVLogger(str(tmp_path)),
              log_every_n_steps=2).fit(Tiny(), _loader())
     (f,) = glob.glob(str(tmp_path / "lightning_logs" / "version_*" / "metrics.csv"))
@@ -181,7 +182,11 @@ def test_metrics_reach_the_csv_logger(tmp_path) -> None:
     core = [r for r in rows if r.get("stability/lr_factor")]
     assert len(core) == 5 and all(float(r["stability/lr_factor"]) == 1.0 for r in core)
     assert float(core[0]["stability/lr_effective"]) == pytest.approx(1e-2)
-    assert any(r.get("stability/score/loss_spike") for r in rows)  # log_metrics="all"
+    scores = any(r.get("stability/score/loss_spike") for r in rows)
+    assert scores == (log_keys == "all")
+    # the core keys: one row per logged step; "all": the rest at the same step
+    assert sorted({r["step"] for r in rows}) == ["1", "3", "5", "7", "9"]
+    assert len(rows) == (5 if log_keys == "core" else 10)
 
 
 def test_emergency_checkpoint_resumes_with_lightning(tmp_path) -> None:
@@ -201,7 +206,8 @@ def test_no_checkpoint_of_nonfinite_weights(tmp_path) -> None:
     cb = StabilityCallback(mon, checkpoint_every=2)
     tr = _trainer(tmp_path, cb, steps=6)
     tr.fit(Tiny(poison_at=3), _loader())
-    files = sorted(os.listdir(tmp_path / "stability-checkpoints"))
+    files = sorted(p for p in os.listdir(tmp_path / "stability-checkpoints")
+                   if p.endswith(".ckpt"))  # (and the directory's lock file)
     assert files == ["step=1.ckpt"]  # nothing after the weights went NaN at step 3
     assert cb.cancelled_saves == [4, 6]  # the emergency one (step 3) and the periodic step 5
 

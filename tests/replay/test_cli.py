@@ -1,4 +1,4 @@
-"""CLI end to end on real runs; replay batch path == observe() loop for the summary."""
+"""CLI end to end on the shipped runs; replay batch path == observe() loop for the summary."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import pytest
 
 from replay.cli import build_parser, main
 from replay.replay import discover_runs, goodput, read_table, replay_run, replay_table
-from tests.shared_data import PUBLIC_LABELS, PUBLIC_RUNS
+from tests.shared_data import BENCH_LABELS, BENCH_RUNS, SAMPLE_LABELS, SAMPLE_RUNS
 
-RUNS = str(PUBLIC_RUNS)
-LABELS = str(PUBLIC_LABELS)
-R9 = f"{RUNS}/public_0009.parquet"  # fp16 overflow -> NaN at 767
+RUNS = str(SAMPLE_RUNS)
+LABELS = str(SAMPLE_LABELS)
+BITFLIP = f"{RUNS}/bitflip"  # a directory of parts: NaN weights from step 300
 
 monitor = pytest.importorskip("stability.monitor.monitor")
 
 
 def test_replay_batch_equals_observe_loop() -> None:
-    table = read_table(R9)
-    batch = replay_table(table, None, "r9")
+    table = read_table(BITFLIP)
+    batch = replay_table(table, None, "bitflip")
     mon = monitor.Monitor()
     cols = {c: table.column(c).to_pylist() for c in table.column_names}
     alarms, ivs = [], []
@@ -39,13 +39,13 @@ def test_replay_batch_equals_observe_loop() -> None:
 
 def test_cli_replay_one_run_with_events(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     ev = tmp_path / "events.jsonl"
-    assert main(["replay", R9, "--events", str(ev)]) == 0
+    assert main(["replay", BITFLIP, "--events", str(ev)]) == 0
     out = capsys.readouterr().out
-    assert "run public_0009" in out and "goodput" in out and "first at step" in out
+    assert "run bitflip" in out and "goodput" in out and "first at step" in out
     lines = [json.loads(x) for x in ev.read_text().splitlines()]
-    assert lines and all(x["run_id"] == "public_0009" for x in lines)
+    assert lines and all(x["run_id"] == "bitflip" for x in lines)
     pq_ev = tmp_path / "events.parquet"
-    res = replay_run(R9, events=pq_ev)
+    res = replay_run(BITFLIP, events=pq_ev)
     import pyarrow.parquet as pq
 
     t = pq.read_table(pq_ev)
@@ -55,8 +55,8 @@ def test_cli_replay_one_run_with_events(tmp_path, capsys) -> None:  # type: igno
 def test_cli_replay_glob_and_dir_of_parts(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     d = tmp_path / "runs" / "myrun"
     d.mkdir(parents=True)
-    shutil.copy(f"{RUNS}/public_0001.parquet", d / "part-000000.parquet")
-    shutil.copy(f"{RUNS}/public_0002.parquet", tmp_path / "runs" / "other.parquet")
+    shutil.copy(BENCH_RUNS / "bench_000_a.parquet", d / "part-000000.parquet")
+    shutil.copy(BENCH_RUNS / "bench_000_b.parquet", tmp_path / "runs" / "other.parquet")
     assert [r[0] for r in discover_runs(tmp_path / "runs")] == ["myrun", "other"]
     assert [r[0] for r in discover_runs(str(tmp_path / "runs" / "*"))] == ["myrun", "other"]
     assert main(["replay", str(tmp_path / "runs"), "--jobs", "2", "--json"]) == 0
@@ -65,7 +65,7 @@ def test_cli_replay_glob_and_dir_of_parts(tmp_path, capsys) -> None:  # type: ig
 
 
 def test_cli_eval_with_baselines(capsys) -> None:  # type: ignore[no-untyped-def]
-    runs = [f"{RUNS}/public_000{i}.parquet" for i in (1, 6, 9)]
+    runs = [f"{RUNS}/{name}" for name in ("clean", "lr_blowup", "bitflip")]
     assert main(["eval", *runs, "--labels", LABELS, "--baselines", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     for name in ("ours", "sigma6_128", "ratio2x_w100_p5", "nan_only", "page_hinkley", "adwin"):
@@ -74,8 +74,9 @@ def test_cli_eval_with_baselines(capsys) -> None:  # type: ignore[no-untyped-def
 
 def test_cli_tune_writes_loadable_config(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "tuned.toml"
-    runs = [f"{RUNS}/public_00{i:02d}.parquet" for i in range(8)]
-    rc = main(["tune", *runs, "--labels", LABELS, "--budget", "2", "-o", str(out),
+    runs = sorted(str(p) for p in BENCH_RUNS.glob("bench_00[01]_*.parquet"))
+    assert len(runs) == 8
+    rc = main(["tune", *runs, "--labels", str(BENCH_LABELS), "--budget", "2", "-o", str(out),
                "--folds", "2", "--jobs", "1", "--thresholds", "100"])
     assert rc == 0 and out.exists()
     assert "held-out" in capsys.readouterr().out

@@ -18,9 +18,7 @@ from replay.evaluate import (
 )
 from replay.labels import LabelError, RunLabel, labels_from_records, load_labels
 from replay.scoring import candidate_thresholds, run_profile, summarise_sweep, sweep
-from tests.shared_data import PUBLIC_LABELS
-
-LABELS = str(PUBLIC_LABELS)
+from tests.shared_data import BENCH_LABELS, PUBLIC_LABELS, SAMPLE_LABELS, need_shared
 
 
 def test_episodes_gap_boundary() -> None:
@@ -105,8 +103,16 @@ def test_labels_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]
         load_labels(bad)
 
 
+def test_shipped_labels_load() -> None:
+    labs = load_labels(str(SAMPLE_LABELS))
+    assert len(labs) == 7 and {r for r, lab in labs.items() if lab.is_clean} == {"clean",
+                                                                                   "clean_mlp"}
+    labs = load_labels(str(BENCH_LABELS))
+    assert len(labs) == 304 and sum(lab.is_clean for lab in labs.values()) == 76
+
+
 def test_public_labels_load() -> None:
-    labs = load_labels(LABELS)
+    labs = load_labels(str(need_shared(PUBLIC_LABELS)))
     assert len(labs) == 30 and sum(lab.is_clean for lab in labs.values()) == 8
 
 

@@ -18,10 +18,12 @@ from replay.tuning import (
     tune_scores,
     write_config,
 )
-from tests.shared_data import PUBLIC_LABELS, PUBLIC_RUNS
+from tests.shared_data import BENCH_LABELS, BENCH_RUNS
 
-PUBLIC = sorted(glob.glob(str(PUBLIC_RUNS / "*.parquet")))
-LABELS = str(PUBLIC_LABELS)
+#: the shipped benchmark runs, four per configuration (``bench_000_a`` ... ``bench_002_d``: every
+#: model of the benchmark, clean and faulty runs)
+BENCH = sorted(glob.glob(str(BENCH_RUNS / "*.parquet")))
+LABELS = str(BENCH_LABELS)
 
 BASE = {"monitor": {"aliases": {}, "log_only": False, "strict": False}, "detectors": [
     {"name": "nonfinite", "detector": "nonfinite", "inputs": ["*"], "kind": "nonfinite"},
@@ -81,12 +83,12 @@ def test_toml_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert tomllib.loads((tmp_path / "c.toml").read_text()) == cfg
 
 
-def test_tune_public_writes_config_monitor_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_tune_writes_config_monitor_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from stability.config.config import MonitorConfig, load_config
 
     base = MonitorConfig.from_dict(BASE).to_dict()
     cands = make_candidates(base["detectors"])
-    runs = [(p.split("/")[-1][:-8], p) for p in PUBLIC[:12]]
+    runs = [(p.split("/")[-1][:-8], p) for p in BENCH[:12]]
     scores = score_runs(runs, cands, {}, jobs=1, progress=False)
     labels = load_labels(LABELS)
     res = tune_scores(scores, cands, labels, base, 2.0, folds=3, n_thresholds=200)
@@ -108,7 +110,8 @@ def test_ray_backend_matches_local() -> None:
 
     base = MonitorConfig.from_dict(BASE).to_dict()
     cands = make_candidates(base["detectors"], grids={})
-    runs = [(p.split("/")[-1][:-8], p) for p in PUBLIC[:2]]
+    runs = [(p.split("/")[-1][:-8], p) for p in BENCH[:2]]
+    assert len(runs) == 2
     local = score_runs(runs, cands, {}, jobs=1, progress=False)
     remote = score_runs(runs, cands, {}, backend="ray", progress=False)
     for a, b in zip(local, remote, strict=True):
@@ -125,7 +128,7 @@ def test_tuned_config_replays_to_the_alarms_the_tuner_predicted(tmp_path) -> Non
 
     base = MonitorConfig.from_dict(BASE).to_dict()
     cands = make_candidates(base["detectors"])
-    runs = [(p.split("/")[-1][:-8], p) for p in PUBLIC[:8]]
+    runs = [(p.split("/")[-1][:-8], p) for p in BENCH[:8]]
     scores = score_runs(runs, cands, {}, jobs=1, progress=False)
     res = tune_scores(scores, cands, load_labels(LABELS), base, 3.0, folds=0, n_thresholds=100)
     tuned = res.config["detectors"]

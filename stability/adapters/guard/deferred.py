@@ -1,4 +1,4 @@
-"""Sync-free guard steps: ``TorchGuard(..., sync="deferred")`` (see ``docs/notes/deferred.md``).
+"""Sync-free guard steps: ``TorchGuard(..., sync="deferred")`` (see ``docs/guides/sync-modes.md``).
 
 ``sync="step"`` copies each step's signal vector to the host (one ``.tolist()``) between
 ``backward()`` and ``optimizer.step()``: on a GPU the host waits for the backward pass and the
@@ -36,9 +36,10 @@ GPU then idles until the optimizer step is launched.  ``sync="deferred"`` never 
    move their weights.  A ``GradScaler`` skips overflow steps itself (on the device with a
    fused optimizer, else with its own ``.item()`` in ``scaler.step``).  The update ratio after a
    skipped step is not reported, as with ``sync="step"``.
-5. **Flush**: :meth:`DeferredGuard.flush` observes the last step and carries out its decision
-   (``detach()`` and a hand-saved checkpoint flush first).  ``state_dict()`` observes nothing:
-   it carries the pending step's signals and the control in force.
+5. **Flush**: :meth:`~stability.adapters.torch.TorchGuard.flush` observes the last step and
+   carries out its decision (``detach()`` and a hand-saved checkpoint flush first).
+   ``state_dict()`` observes nothing: it carries the pending step's signals and the control in
+   force.
 6. **Distributed**: decisions are reduced across ranks (``ControlSync``) when observed, one step
    late, at the same step everywhere -- the one host sync left on a distributed step path.
 """
@@ -49,7 +50,6 @@ import copy
 import logging
 import math
 import statistics
-import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,14 +59,13 @@ import numpy as np
 import torch
 
 from stability._state_check import Fields
-from stability.adapters.guard.checkpoints import GuardCheckpoints
 from stability.adapters.guard.deferred_gate import GateState, SkipGate, parse_gate
-from stability.adapters.interventions import TrainingStopped, drop_gradients
+from stability.adapters.interventions import TrainingStopped, drop_gradients, tightest_clip
 from stability.adapters.torch_ops.signals import SignalLayout, Signals
 from stability.policy.lr_guard import LRGuard
 from stability.types import Control, Decision
 
-__all__ = ["SYNC_MODES", "DeferredGuard", "DeferredSteps", "device_skips"]
+__all__ = ["SYNC_MODES", "DeferredSteps", "device_skips", "parse_deferred"]
 
 log = logging.getLogger("stability.adapters")
 
@@ -159,6 +158,7 @@ class DeferredSteps:
             g.multiplier.restore()
             if g.scheduler is not None and g.should_step:
                 g.scheduler.step()
+                g.misuse.scheduler_stepped()
         finally:
             g.optimizer.zero_grad(set_to_none=True)
             self._clear_found_inf()
@@ -194,8 +194,8 @@ class DeferredSteps:
             control = g.control
             g.multiplier.factor = min(float(control.lr_factor),
                                       self._lr_guard_factor(t, extra.get("lr")))
-            self._protect(vec, layout, _tightest(_tightest(g.clip_norm, control.clip_norm),
-                                                 self._spike_clip()))
+            self._protect(vec, layout, tightest_clip(tightest_clip(g.clip_norm, control.clip_norm),
+                                                     self._spike_clip()))
             g.collector.before_step(t)
             g.multiplier.apply()
         return decision if decision is not None else Decision(-1)
@@ -221,7 +221,7 @@ class DeferredSteps:
             g.data_position = g._pos_of_step.get(t, g.data_position) + 1
         g.collector.begin_step(g.step_count)
         g.multiplier.show()
-        if g._sigterm is not None and g._sigterm.received is not None:
+        if g.checkpoints.sigterm_received():
             self.flush(g.raise_on_stop)  # checkpoints this step, then lets SIGTERM go on
 
     def flush(self, raise_stop: bool) -> Decision | None:
@@ -283,11 +283,11 @@ class DeferredSteps:
                 self.late_skips += 1
                 log.debug("skip_step for step %d arrived after its update (sync='deferred')", s)
             if control.save_checkpoint:  # unhealthy: kept for forensics, never a target
-                g._auto_checkpoint(healthy=False, reason=control.checkpoint_reason or "emergency")
+                g.checkpoints.auto(healthy=False, reason=control.checkpoint_reason or "emergency")
             if control.stop or control.rollback_to is not None:
                 self._void = (s, control)
             else:
-                g._checkpoints_due(s)  # the weights are those after step s's update
+                g.checkpoints.due(s)  # the weights are those after step s's update
         finally:
             g.step_count, g.data_position = saved
         return decision
@@ -369,13 +369,13 @@ class DeferredSteps:
     def load_state_dict(self, sd: Mapping[str, Any] | None) -> None:
         """Restore :meth:`state_dict` output (``None``: nothing pending, default control)."""
         (self.pending, self.g.control, self._bad_step, self.late_skips,
-         norms, gate) = _parse_state(sd)
+         norms, gate) = parse_deferred(sd)
         self._norms = deque(norms, maxlen=SPIKE_WINDOW)
         self.gate.load_state_dict(gate)
         self._void = None
 
 
-def _parse_state(sd: Mapping[str, Any] | None) -> tuple[
+def parse_deferred(sd: Mapping[str, Any] | None) -> tuple[
         _Pending | None, Control, int | None, int, list[float], GateState]:
     """Check :meth:`DeferredSteps.state_dict` output; ``ValueError`` names a bad field."""
     if sd is None:
@@ -416,94 +416,3 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
 
 def _json_float(v: float) -> float | str:
     return v if math.isfinite(v) else str(v)
-
-
-def _tightest(a: float | None, b: float | None) -> float | None:
-    """The tighter of two clip norms (``None``, non-finite and non-positive ones ignored)."""
-    vals = [v for v in (a, b) if v is not None and math.isfinite(v) and v > 0]
-    return min(vals) if vals else None
-
-
-class DeferredGuard(GuardCheckpoints):
-    """How a step of :class:`~stability.adapters.torch.TorchGuard` ends once its decision is
-    known (after the step with ``sync="step"``, one step later with ``sync="deferred"``), and
-    the deferred mode's flush (its state: :class:`~stability.adapters.guard.sync_mode.SyncModes`).
-    The attributes are set by ``TorchGuard.__init__``."""
-
-    deferred: DeferredSteps | None
-    control: Control
-    stopped: TrainingStopped | None
-    raise_on_stop: bool
-    checkpoint_every: int
-    _cadence_clock: float
-
-    def flush(self) -> Decision | None:
-        """Observe the pending step of a ``sync="deferred"`` guard and carry out its decision
-        (call at the end of training; :meth:`detach` does).  Returns that decision (``None``:
-        nothing pending, or ``sync="step"``); raises :class:`TrainingStopped` like ``step``."""
-        if self.deferred is None:
-            return None
-        return self.deferred.flush(self.raise_on_stop)
-
-    def _flush_quietly(self) -> None:
-        """:meth:`flush` that never raises (a stop is logged and kept in :attr:`stopped`)."""
-        if self.deferred is None:
-            return
-        try:
-            self.deferred.flush(False)
-        except Exception:  # never crash the user's run on the way out
-            log.warning("observing the last pending step failed", exc_info=True)
-        if self.stopped is not None:
-            log.warning("the last step asked to stop: %s", self.stopped)
-
-    def save_checkpoint(self, healthy: bool, reason: str = "", step: int | None = None,
-                        register: bool = True) -> Any:
-        if self.deferred is not None and self.deferred.pending is not None:
-            self.deferred.flush(False)  # the checkpoint's monitor state has every step
-        return super().save_checkpoint(healthy, reason, step, register)
-
-    save_checkpoint.__doc__ = GuardCheckpoints.save_checkpoint.__doc__
-
-    # ------------------------------------------------------------------ end of a step
-    def _end_run(self, step: int, control: Control, raise_stop: bool) -> bool:
-        """Carry out a stop or rollback requested for ``step``; ``True`` when one was."""
-        if control.stop:
-            restored = None
-            if control.rollback_to is not None and self.rollback(control.rollback_to, None):
-                # stop with the last good weights in place (the run cannot be brought back)
-                restored = self.step_count - 1
-            self.stopped = TrainingStopped(
-                control.stop_reason or "stop requested", step,
-                self.decision.alarms if self.decision else (), self.decision,
-                restored_step=restored)
-            self.step_count += 1
-            self.data_position += 1
-            if raise_stop:
-                raise self.stopped
-            return True
-        if control.rollback_to is not None and self.rollback(control.rollback_to,
-                                                             control.skip_batches):
-            self.collector.begin_step(self.step_count)
-            return True
-        return False
-
-    def _checkpoints_due(self, step: int) -> None:
-        """The periodic / cadence checkpoint of a healthy ``step``; SIGTERM's checkpoint."""
-        if self.healthy and ((self.checkpoint_every and step % self.checkpoint_every == 0)
-                             or (self.cadence is not None and self._cadence_due())):
-            self._auto_checkpoint(healthy=True, reason="periodic", step=step)
-        if self._sigterm is not None and self._sigterm.received is not None:
-            self._preempted(step)
-
-    def _cadence_due(self) -> bool:
-        """The cadence advisor's interval has elapsed (sooner while an episode is open)."""
-        assert self.cadence is not None
-        now = time.monotonic()
-        self.cadence.note_time(now - self._cadence_clock)
-        self._cadence_clock = now
-        if not self.cadence.saves:
-            return True  # measure the save cost once
-        policy = getattr(self.monitor, "policy", None)  # scripted monitors have none
-        warnings_open = getattr(policy, "episode_onset", None) is not None
-        return self.cadence.should_checkpoint(now - self._last_save_t, warnings_open)
-

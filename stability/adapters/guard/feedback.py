@@ -1,21 +1,21 @@
 """The ``stability/*`` feedback metrics of :class:`~stability.adapters.torch.TorchGuard`.
 
-:class:`GuardFeedback` is a mixin of ``TorchGuard``: :meth:`~GuardFeedback.metrics` gives the
-latest decision's :func:`stability.outputs.feedback.feedback_metrics` plus the LR actually applied
-and the
-goodput counters (read from the goodput ledger), for any logger.  The attributes it uses are set
-by ``TorchGuard.__init__`` (declared below for type checking).
+:class:`GuardFeedback` is a collaborator the guard holds (``guard.feedback``):
+:meth:`~GuardFeedback.metrics` gives the latest decision's
+:func:`stability.outputs.feedback.feedback_metrics` plus the LR actually applied and the goodput
+counters (read from the goodput ledger), for any logger; ``guard.metrics()`` is its shortcut.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import math
+from typing import TYPE_CHECKING
 
-from stability.adapters.interventions import LRMultiplier
-from stability.outputs.feedback import InterventionTally, feedback_metrics
-from stability.run.goodput import GoodputTracker
-from stability.types import Decision
+from stability.outputs.feedback import feedback_metrics
+
+if TYPE_CHECKING:
+    from stability.adapters.torch import TorchGuard
 
 __all__ = ["GuardFeedback"]
 
@@ -23,17 +23,10 @@ log = logging.getLogger("stability.adapters")
 
 
 class GuardFeedback:
-    """The :meth:`metrics` method of :class:`~stability.adapters.torch.TorchGuard`."""
+    """The feedback metrics of one :class:`~stability.adapters.torch.TorchGuard`."""
 
-    # set by TorchGuard.__init__
-    monitor: Any
-    decision: Decision | None
-    multiplier: LRMultiplier
-    tally: InterventionTally
-    scaler: Any | None
-    amp_overflow: bool
-    amp_overflows: int
-    goodput: GoodputTracker
+    def __init__(self, guard: TorchGuard) -> None:
+        self.guard = guard
 
     def metrics(self, scores: bool = True) -> dict[str, float]:
         """This step's ``stability/*`` metrics, for TensorBoard / W&B / any logger.
@@ -53,14 +46,15 @@ class GuardFeedback:
         >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> guard = TorchGuard(model, opt, monitor=Monitor("small"), log_interventions=False)
         >>> loss = model(torch.ones(4, 2)).pow(2).mean(); loss.backward(); _ = guard.step(loss)
-        >>> m = guard.metrics()
+        >>> m = guard.feedback.metrics()
         >>> m["stability/lr_effective"], m["stability/lr_factor"], m["stability/steps_skipped"]
         (0.1, 1.0, 0.0)
         """
-        lrs = self.multiplier.base_lrs()
-        g = self.goodput  # the one goodput ledger (the monitor's)
+        guard = self.guard
+        lrs = guard.multiplier.base_lrs()
+        g = guard.goodput  # the one goodput ledger (the monitor's)
         extra: dict[str, float] = {
-            "lr_effective": lrs[0] * self.multiplier.factor if lrs else float("nan"),
+            "lr_effective": lrs[0] * guard.multiplier.factor if lrs else float("nan"),
             "lr_base": lrs[0] if lrs else float("nan"),
             "steps_skipped": g.skipped,
             "batches_skipped": g.batches_skipped,
@@ -69,16 +63,17 @@ class GuardFeedback:
             "checkpoints": g.checkpoints,
             "checkpoint_failures": g.checkpoint_failures,
         }
-        extra.update(self.tally.metrics())
-        if self.scaler is not None:
-            extra["amp_overflow"] = float(self.amp_overflow)
-            extra["amp_overflows"] = float(self.amp_overflows)
+        extra.update(guard.tally.metrics())
+        if guard.scaler is not None:
+            extra["amp_overflow"] = float(guard.amp_overflow)
+            extra["amp_overflows"] = float(guard.amp_overflows)
             try:
-                extra["loss_scale"] = float(self.scaler.get_scale())
+                extra["loss_scale"] = float(guard.scaler.get_scale())
             except Exception:
                 log.debug("could not read the loss scale", exc_info=True)
         try:
-            return feedback_metrics(self.monitor, self.decision, extra, scores=scores)
+            return feedback_metrics(guard.monitor, guard.decision, extra, scores=scores)
         except Exception:  # feedback must never kill the run
             log.debug("feedback metrics failed", exc_info=True)
-            return {f"stability/{k}": float(v) for k, v in extra.items()}
+            return {f"stability/{k}": float(v) for k, v in extra.items()
+                    if not math.isnan(float(v))}

@@ -48,13 +48,13 @@ import torch.distributed as dist
 
 from stability.adapters.guard.deferred import (
     SYNC_MODES,
-    DeferredGuard,
     DeferredSteps,
-    _parse_state,
     device_skips,
+    parse_deferred,
 )
+from stability.types import Control
 
-__all__ = ["SYNC_CHOICES", "SyncModes", "auto_sync", "check_sync", "device_skips"]
+__all__ = ["SYNC_CHOICES", "SyncPath", "auto_sync", "check_sync", "device_skips"]
 
 log = logging.getLogger("stability.adapters")
 
@@ -129,81 +129,86 @@ class _Handover(DeferredSteps):
             if self.pending is not None:
                 self.flush(self.g.raise_on_stop)
         finally:
-            if self.g.deferred is self:
-                self.g.deferred = None
+            path = self.g.sync_path
+            if path.deferred is self:
+                path.deferred = None
 
 
-class SyncModes(DeferredGuard):
-    """The ``sync=`` mode of :class:`~stability.adapters.torch.TorchGuard`: resolution of
-    ``"auto"`` and the state of either mode (see the module docstring).
+class SyncPath:
+    """The ``sync=`` mode of one :class:`~stability.adapters.torch.TorchGuard`
+    (``guard.sync_path``): resolution of ``"auto"`` and the state of either mode (see the module
+    docstring).
+
+    Parameters
+    ----------
+    guard : TorchGuard
+    sync : {"auto", "step", "deferred"}
 
     Attributes
     ----------
-    sync_requested : {"auto", "step", "deferred"}
-        What the guard was built with.
-    sync_mode : {"auto", "step", "deferred"}
-        The step path taken (``"auto"`` until :meth:`resolve_sync` ran).
+    requested : {"auto", "step", "deferred"}
+        What the guard was built with (``guard.sync_requested``).
+    mode : {"auto", "step", "deferred"}
+        The step path taken (``"auto"`` until :meth:`resolve` ran; ``guard.sync_mode``).
+    deferred : DeferredSteps or None
+        The deferred machinery while it runs (``guard.deferred``).
     """
 
-    sync_requested: str
-    sync_mode: str
-    sync: Any  # the ControlSync (TorchGuard's attribute)
-    _carried: Mapping[str, Any] | None
+    def __init__(self, guard: Any, sync: str) -> None:
+        self.g = guard
+        self.requested = self.mode = check_sync("TorchGuard", sync)
+        self._carried: Mapping[str, Any] | None = None  # deferred state waiting for "auto"
+        self.deferred: DeferredSteps | None = DeferredSteps(guard) if sync == "deferred" else None
 
-    def _init_sync(self, sync: str) -> None:
-        self.sync_requested = self.sync_mode = check_sync("TorchGuard", sync)
-        self._carried = None  # restored deferred state waiting for "auto" to resolve
-        self.deferred = DeferredSteps(self) if sync == "deferred" else None
-
-    def resolve_sync(self) -> str:
+    def resolve(self) -> str:
         """The step path, ``"step"`` or ``"deferred"``; resolves ``sync="auto"`` the first time
         (:func:`auto_sync`, agreed across ranks).  Called by the first ``step()`` / ``check()``."""
-        if self.sync_mode != "auto":
-            return self.sync_mode
+        if self.mode != "auto":
+            return self.mode
+        g = self.g
         try:
-            mode, why = auto_sync(getattr(self.collector, "params", []), self.optimizer)
+            mode, why = auto_sync(getattr(g.collector, "params", []), g.optimizer)
         except Exception as exc:  # an exotic optimizer: the safe path, never a crash
             mode, why = "step", f"undecidable: {type(exc).__name__}: {exc}"
-        agreed = agree(mode, self.sync)
+        agreed = agree(mode, g.sync)
         if agreed != mode:
             why += f"; another rank resolved {agreed!r}"
-        self.sync_mode = agreed
+        self.mode = agreed
         log.info("stability: sync='auto' resolved to %r (%s)", agreed, why)
         if agreed == "deferred":
-            self.deferred = DeferredSteps(self)
+            self.deferred = DeferredSteps(g)
         carried, self._carried = self._carried, None
-        self._take_deferred(carried)
+        self._take(carried)
         return agreed
 
-    def _take_deferred(self, section: Mapping[str, Any] | None) -> None:
+    def _take(self, section: Mapping[str, Any] | None) -> None:
         """Restore a checked deferred section into the resolved mode (see the module docstring)."""
-        if self.sync_mode == "deferred":
+        if self.mode == "deferred":
             assert self.deferred is not None
             self.deferred.load_state_dict(section)
         elif section is not None and section.get("pending") is not None:
-            self.deferred = _Handover(self)
+            self.deferred = _Handover(self.g)
             self.deferred.load_state_dict(section)
         else:
             self.deferred = None  # (a handover not yet run is replaced by the restored state)
 
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-compatible guard state (monitor included) with a ``"version"`` key and the mode
-        taken (``"sync"``); with a pending step (``sync="deferred"``) its signals, observed
-        after a restore; in step mode the control in force."""
-        sd = super().state_dict()
-        sd["sync"] = self.sync_mode
+    def state_dict(self, control: Control) -> dict[str, Any]:
+        """The guard state's sync part: the mode taken (``"sync"``); with a pending step
+        (``sync="deferred"``) its signals, observed after a restore; in step mode the control
+        in force."""
+        sd: dict[str, Any] = {"sync": self.mode}
         if self.deferred is not None:
             sd["deferred"] = self.deferred.state_dict()
         elif self._carried is not None:
             sd["deferred"] = dict(self._carried)
         else:
-            sd["control"] = self.control.to_dict()
+            sd["control"] = control.to_dict()
         return sd
 
-    def load_state_dict(self, sd: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Restore :meth:`state_dict` output (see ``GuardCheckpoints.load_state_dict``), from a
-        guard of either mode; every field is checked before anything changes."""
-        sd = dict(sd)
+    @staticmethod
+    def parse(sd: dict[str, Any]) -> tuple[Mapping[str, Any] | None, str | None]:
+        """Pop and check the sync part of a guard state (``ValueError`` names a bad field);
+        returns ``(section, recorded mode)`` for :meth:`load` -- nothing changes yet."""
         section = sd.pop("deferred", None)
         control = sd.pop("control", None)
         recorded = sd.pop("sync", None)
@@ -212,12 +217,14 @@ class SyncModes(DeferredGuard):
                              f"Got {recorded!r} instead.")
         if section is None and control is not None:
             section = {"pending": None, "control": control}
-        _parse_state(section)  # checked before anything changes
-        super().load_state_dict(sd, strict=strict)
-        if self.sync_mode == "auto":
+        parse_deferred(section)  # checked before anything changes
+        return section, recorded
+
+    def load(self, section: Mapping[str, Any] | None, recorded: str | None) -> None:
+        """Restore :meth:`parse` output, from a guard of either mode."""
+        if self.mode == "auto":
             self._carried = section
             return
-        self._take_deferred(section)
-        if recorded not in (None, "auto", self.sync_mode):
-            log.info("stability: a sync=%r snapshot resumed with sync=%r", recorded,
-                     self.sync_mode)
+        self._take(section)
+        if recorded not in (None, "auto", self.mode):
+            log.info("stability: a sync=%r snapshot resumed with sync=%r", recorded, self.mode)

@@ -74,7 +74,7 @@ ACT_STATS = ("act_mean", "act_std", "act_absmax", "act_kurtosis")
 #: Ways to measure update ratios (see the module docstring).
 UPDATE_RATIO_MODES = ("sampled", "exact")
 #: Default cadences of the update ratios and of the per-tensor weight norms (see the module
-#: docstring and ``docs/notes/cheapguard.md``).
+#: docstring and ``docs/performance.md``, "Overhead per step").
 UPDATE_RATIO_EVERY = 4
 PARAM_NORM_EVERY = 2
 

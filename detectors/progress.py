@@ -1,0 +1,124 @@
+"""Loss not decreasing: the smoothed level still at its starting level after a horizon.
+
+A run that does not learn at all -- the LR is zero, the loss is detached from the model, the
+model is frozen or badly initialised, the labels are shuffled -- keeps a loss that moves with
+the batches but never goes down.  :class:`NoProgress` compares, per series, an exponentially
+weighted mean of the values (debiased, memory ``1 / alpha`` values) with the mean of the first
+``window`` values, once ``horizon`` values have been seen: the score is
+``ew_mean / initial_mean`` and ``alarm = score > threshold`` (``0.97``: the smoothed loss is
+still within 3 % of where it started).  Averaging makes it insensitive to batch noise (a noisy
+small-batch loss that does go down is not flagged, a noisy one that does not is).
+
+The rule is about the *start* of training: a monitor attached to a run already at its plateau
+(a resume without state, a log replayed from the middle) would see a healthy flat loss, which
+is why the ``default`` preset does not bind it (``docs/detectors.md``).  Before ``horizon``
+values the score is ``0``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from ._base import BankDetector, FloatArray
+from ._kernel import indices, learns, skip_value
+from ._state import StateCheck
+from .validation import check_float, check_int
+
+# state rows
+_COUNT, _REF_SUM, _EWM = 0, 1, 2
+#: a non-positive initial mean is replaced by this (the detector is meant for a positive loss)
+TINY = 1e-300
+
+
+class NoProgressParams(NamedTuple):
+    """Layout of :class:`NoProgress`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    window: float
+    horizon: float
+    alpha: float
+
+
+P = indices(NoProgressParams)
+
+
+@njit(cache=True, error_model="numpy")
+def _progress_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    """The bank kernel (see ``detectors/_base.py``)."""
+    window, horizon, alpha = params[P.window], params[P.horizon], params[P.alpha]
+    threshold, freeze = params[P.threshold], params[P.freeze_on_alarm]
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            x = X[t, 0, i]
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
+                continue
+            count = state[_COUNT, i]
+            s = 0.0
+            if count >= horizon and count > 0.0:
+                s = state[_EWM, i] / max(state[_REF_SUM, i] / min(count, window), TINY)
+            alarm = s > threshold
+            scores[t, i] = s
+            alarms[t, i] = alarm
+            if learns(alarm, freeze):
+                if count < window:
+                    state[_REF_SUM, i] += x
+                a = max(alpha, 1.0 / (count + 1.0))
+                state[_EWM, i] += a * (x - state[_EWM, i])
+                state[_COUNT, i] = count + 1.0
+
+
+class NoProgress(BankDetector):
+    """Smoothed level / initial level, once ``horizon`` values have been seen.
+
+    Parameters
+    ----------
+    n_series
+        Number of series in the bank.
+    threshold
+        Alarm when the smoothed level is above this fraction of the initial level.
+    window
+        Number of first values whose mean is the initial level.
+    horizon
+        Number of values before any score (the run's chance to start learning).
+    alpha
+        Weight of the newest value in the smoothed level (memory about ``1 / alpha`` values).
+    freeze_on_alarm
+        Do not learn a value that raised an alarm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> flat = 2.3 * np.exp(rng.normal(0.0, 0.1, 400))
+    >>> learning = flat * np.linspace(1.0, 0.6, 400)
+    >>> bool(NoProgress().update_many(learning)[1].any())
+    False
+    >>> int(np.flatnonzero(NoProgress().update_many(flat)[1][:, 0])[0])
+    300
+    """
+
+    kind = "stall"
+    param_layout = NoProgressParams
+    kernel = staticmethod(_progress_kernel)
+    hyperparameters = ("window", "horizon", "alpha")
+
+    def __init__(self, n_series: int = 1, threshold: float = 0.97, window: int = 50,
+                 horizon: int = 300, alpha: float = 0.02, freeze_on_alarm: bool = False):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.window = check_int(name, "window", window, 1)
+        self.horizon = check_int(name, "horizon", horizon, 1)
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
+        self._setup()
+
+    def _init_state(self, n: int) -> FloatArray:
+        return np.zeros((3, n))
+
+    def _check_state(self, c: StateCheck) -> None:
+        c.integers("count", c.state[_COUNT], 0)
+        c.finite("ref_sum", c.state[_REF_SUM])
+        c.finite("ewm", c.state[_EWM])

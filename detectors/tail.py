@@ -1,0 +1,243 @@
+"""Spike z-score calibrated to the run's own tail, with a prior for the first steps.
+
+:class:`TailZScore` scores ``log(x)`` (or ``x``) against an exponentially weighted mean and
+variance exactly as :class:`~detectors.ewma.EWMAZScore` does (same recurrence, same debiased
+warm-up, same winsorised updates), and adds two rules:
+
+Per-run tail calibration
+    Each series tracks a high quantile ``q`` (level ``tail_q``, 0.99 by default) of its own
+    *healthy* scores (scores that did not alarm, after warm-up) with a stochastic-approximation
+    quantile tracker (``q += tail_rate * tail_q`` when a score exceeds ``q``, ``q -= tail_rate *
+    (1 - tail_q)`` otherwise; never below the reference).  The reference ``tail_ref`` is the
+    same quantile of a standard normal score (2.33 for 0.99).  The reported score is the raw
+    z divided by ``max(1, min(tail_max, q / tail_ref))``: on a smooth run (Gaussian-like
+    noise, ``q`` at the reference) it is the plain z; on a spiky run -- small-batch SGD, whose
+    loss spikes now and then by 5-7 sigma without anything being wrong -- the same z counts for
+    less, in proportion to how far that run's own 99th percentile lies above a Gaussian's.  A
+    z of 7 on a run whose healthy 99th percentile is 4 scores 4.1; on a smooth run it scores 7.
+    The factor is capped at ``tail_max`` (3): a run cannot calibrate itself blind.
+
+Priors for the first steps (no blind start)
+    With ``prior_std > 0`` a series scores from its third finite value on instead of after
+    ``warmup`` values: until the warm-up is over its variance is the prior blended with what it
+    has seen, ``(prior_n * prior_std**2 + n * var) / (prior_n + n)``.  ``prior_std`` is the
+    typical step-to-step variation of the signal in this kind of run (log units in log space),
+    so a log that starts a few rows before an event is not blind.  ``prior_std = 0`` (default):
+    silent during warm-up, as EWMAZScore.
+
+Test-then-train: every score uses the state before the value is learnt; an alarmed value does
+not move the quantile tracker (nor the statistics with ``freeze_on_alarm``).
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from ._base import LOG_FLOOR, BankDetector, FloatArray
+from ._kernel import indices, learns, skip_value
+from ._state import StateCheck
+from .ewma import DIRECTIONS, ew_update
+from .validation import check_bool, check_choice, check_float, check_int
+
+# state rows
+_MEAN, _VAR, _COUNT, _Q = 0, 1, 2, 3
+_N_FIELDS = 4
+#: a prior needs this many values before scoring (a level and one step from it)
+PRIOR_MIN_COUNT = 2.0
+
+
+class TailZParams(NamedTuple):
+    """Layout of :class:`TailZScore`'s float64 ``params`` array, in kernel order."""
+
+    threshold: float
+    freeze_on_alarm: float
+    alpha: float
+    warmup: float
+    log_space: float
+    min_std: float
+    direction: float  # DIRECTIONS value
+    clip: float
+    tail_q: float
+    tail_rate: float
+    tail_ref: float
+    tail_max: float
+    prior_std: float
+    prior_n: float
+
+
+P = indices(TailZParams)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _std(var, mean, count, params):  # type: ignore[no-untyped-def]
+    """The scale a value is scored against: the variance, blended with the prior while
+    warming up, floored at ``min_std`` (relative to ``|mean|`` in linear space)."""
+    warmup, prior, n0 = params[P.warmup], params[P.prior_std], params[P.prior_n]
+    if prior > 0.0 and count < warmup:
+        var = (n0 * prior * prior + count * var) / (n0 + count)
+    floor = params[P.min_std] if params[P.log_space] != 0.0 else params[P.min_std] * abs(mean)
+    return max(math.sqrt(var), floor, 1e-300)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _scores(y, mean, var, count, q, params):  # type: ignore[no-untyped-def]
+    """``(raw, calibrated)`` directional scores of ``y`` against the state (0 while silent)."""
+    warmup = params[P.warmup]
+    scoring = count >= warmup or (params[P.prior_std] > 0.0 and count >= PRIOR_MIN_COUNT)
+    if count == 0.0 or not scoring:
+        return 0.0, 0.0
+    z = (y - mean) / _std(var, mean, count, params)
+    d = params[P.direction]
+    s = z if d > 0.0 else (-z if d < 0.0 else abs(z))
+    factor = max(1.0, min(params[P.tail_max], q / params[P.tail_ref]))
+    return s, s / factor
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _learn(y, s, mean, var, count, q, params):  # type: ignore[no-untyped-def]
+    """The state after learning ``y`` (raw score ``s``): quantile tracker, then the
+    winsorised, debiased EW mean / variance.  Returns ``(mean, var, count, q)``."""
+    if count == 0.0:
+        return y, 0.0, 1.0, q
+    warmup = params[P.warmup]
+    if count >= warmup:
+        tq, rate = params[P.tail_q], params[P.tail_rate]
+        q = q + rate * tq if s > q else q - rate * (1.0 - tq)
+        q = max(q, params[P.tail_ref])
+        clip = params[P.clip]
+        if clip < np.inf:
+            std = _std(var, mean, count, params)
+            y = min(max(y, mean - clip * std), mean + clip * std)
+    a = max(params[P.alpha], 1.0 / (count + 1.0))
+    m2, v2 = ew_update(mean, var, y, a)
+    return m2, v2, count + 1.0, q
+
+
+@njit(cache=True, error_model="numpy")
+def _tail_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-untyped-def]
+    """The bank kernel (see ``detectors/_base.py``)."""
+    log_space = params[P.log_space] != 0.0
+    threshold, freeze = params[P.threshold], params[P.freeze_on_alarm]
+    for t in range(X.shape[0]):
+        for i in range(X.shape[2]):
+            x = X[t, 0, i]
+            if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
+                continue
+            y = math.log(max(x, LOG_FLOOR)) if log_space else x
+            mean, var, count, q = state[_MEAN, i], state[_VAR, i], state[_COUNT, i], state[_Q, i]
+            raw, s = _scores(y, mean, var, count, q, params)
+            alarm = s > threshold
+            scores[t, i] = s
+            alarms[t, i] = alarm
+            if learns(alarm, freeze):
+                m2, v2, c2, q2 = _learn(y, raw, mean, var, count, q, params)
+                state[_MEAN, i], state[_VAR, i], state[_COUNT, i], state[_Q, i] = m2, v2, c2, q2
+
+
+class TailZScore(BankDetector):
+    """EWMA z-score divided by the run's own tail factor; optional prior for the first steps.
+
+    Parameters
+    ----------
+    n_series
+        Number of series in the bank.
+    alpha, warmup, log_space, min_std, direction, clip
+        As :class:`~detectors.ewma.EWMAZScore` (debiased warm-up always on).
+    threshold
+        Alarm when the calibrated score exceeds this.
+    tail_q
+        Level of the tracked quantile of the run's healthy scores (in ``(0.5, 1)``).
+    tail_rate
+        Step of the quantile tracker (score units).
+    tail_max
+        Largest factor the calibration may divide a score by (``1`` = no calibration).
+    prior_std
+        Typical step-to-step variation of the signal (log units in log space); ``0`` = no
+        prior (silent for ``warmup`` values).
+    prior_n
+        Weight of the prior, in values.
+    freeze_on_alarm
+        Do not update a series' statistics while it is in alarm.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> smooth = np.exp(rng.normal(0.0, 0.05, 400))
+    >>> spiky = smooth.copy()
+    >>> spiky[50::20] *= np.exp(0.3)        # a healthy 6-sigma spike every 20 steps
+    >>> smooth[390] = spiky[390] = np.exp(0.35)  # the same 7-sigma spike in both
+    >>> float(TailZScore().update_many(smooth)[0][390, 0]) > 6.0
+    True
+    >>> float(TailZScore().update_many(spiky)[0][390, 0]) < 6.0
+    True
+    """
+
+    kind = "spike"
+    param_layout = TailZParams
+    kernel = staticmethod(_tail_kernel)
+    hyperparameters = ("alpha", "warmup", "log_space", "min_std", "direction", "clip", "tail_q",
+                       "tail_rate", "tail_max", "prior_std", "prior_n")
+    state_hyperparameters = ("log_space",)
+
+    def __init__(
+        self,
+        n_series: int = 1,
+        alpha: float = 0.02,
+        warmup: int = 30,
+        threshold: float = 6.0,
+        log_space: bool = True,
+        min_std: float = 0.01,
+        direction: str = "up",
+        clip: float = 4.0,
+        tail_q: float = 0.99,
+        tail_rate: float = 0.25,
+        tail_max: float = 3.0,
+        prior_std: float = 0.0,
+        prior_n: float = 20.0,
+        freeze_on_alarm: bool = False,
+    ):
+        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
+        self.warmup = check_int(name, "warmup", warmup, 0)
+        self.log_space = check_bool(name, "log_space", log_space)
+        self.min_std = check_float(name, "min_std", min_std, 0.0)
+        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
+        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
+        self.tail_q = check_float(name, "tail_q", tail_q, 0.5, 1.0, low_open=True, high_open=True)
+        self.tail_rate = check_float(name, "tail_rate", tail_rate, 0.0)
+        self.tail_max = check_float(name, "tail_max", tail_max, 1.0)
+        self.prior_std = check_float(name, "prior_std", prior_std, 0.0)
+        self.prior_n = check_float(name, "prior_n", prior_n, 0.0, low_open=True)
+        self._setup()
+
+    @property
+    def tail_ref(self) -> float:
+        """The ``tail_q`` quantile of a standard normal score (the calibration's reference)."""
+        return NormalDist().inv_cdf(self.tail_q)
+
+    def _param_values(self) -> dict[str, float]:
+        return {"direction": DIRECTIONS[self.direction], "tail_ref": self.tail_ref}
+
+    def _init_state(self, n: int) -> FloatArray:
+        state = np.zeros((_N_FIELDS, n))
+        state[_Q] = self.tail_ref
+        return state
+
+    def _check_state(self, c: StateCheck) -> None:
+        c.not_nan("mean", c.state[_MEAN])
+        c.not_nan("var", c.state[_VAR], 0.0)
+        c.integers("count", c.state[_COUNT], 0)
+        c.finite("q", c.state[_Q], 0.0)
+
+    @property
+    def tail_factor(self) -> FloatArray:
+        """Per series, what a raw z-score is divided by (1 = a Gaussian-like tail)."""
+        q = self._state[_Q]
+        return np.maximum(1.0, np.minimum(self.tail_max, q / self.tail_ref))

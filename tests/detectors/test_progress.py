@@ -1,0 +1,61 @@
+"""NoProgress: the kernel against a plain-Python reference, and what it flags."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from detectors.progress import NoProgress
+
+
+def ref_no_progress(x, threshold=0.97, window=50, horizon=300, alpha=0.02,
+                    freeze_on_alarm=False):
+    """Plain Python: one series, returns (scores, alarms)."""
+    seen: list[float] = []
+    ewm = 0.0
+    scores, alarms = [], []
+    for v in x:
+        if not math.isfinite(v):
+            scores.append(math.inf)
+            alarms.append(True)
+            continue
+        n = len(seen)
+        s = 0.0
+        if n >= horizon and n > 0:
+            first = seen[:window]
+            s = ewm / max(sum(first) / len(first), 1e-300)
+        scores.append(s)
+        alarms.append(s > threshold)
+        if s > threshold and freeze_on_alarm:
+            continue
+        a = max(alpha, 1.0 / (n + 1))
+        ewm += a * (v - ewm)
+        seen.append(v)
+    return np.array(scores), np.array(alarms)
+
+
+REFERENCES = {"no_progress": ref_no_progress}
+
+
+@pytest.mark.parametrize("params", [{}, {"horizon": 5, "window": 3}, {"freeze_on_alarm": True},
+                                    {"alpha": 0.2, "threshold": 0.9}])
+def test_kernel_matches_the_reference(params: dict) -> None:
+    rng = np.random.default_rng(0)
+    x = 2.0 * np.exp(rng.normal(0.0, 0.1, 500))
+    x[250:] *= np.linspace(1.0, 0.7, 250)
+    x[[10, 320, 400]] = [np.nan, np.inf, -np.inf]
+    scores, alarms = NoProgress(**params).update_many(x)
+    rs, ra = ref_no_progress(x, **params)
+    np.testing.assert_allclose(scores[:, 0], rs, rtol=1e-12)
+    np.testing.assert_array_equal(alarms[:, 0], ra)
+
+
+def test_a_noisy_learning_loss_is_quiet_and_a_noisy_flat_one_is_not() -> None:
+    rng = np.random.default_rng(3)
+    noise = np.exp(rng.normal(0.0, 0.3, 600))  # small-batch noise, 30 % per step
+    learning = 3.0 * noise * np.linspace(1.0, 0.7, 600)  # 15 % down by step 300
+    flat = 3.0 * noise
+    assert not NoProgress().update_many(learning)[1].any()
+    assert NoProgress().update_many(flat)[1][300:].mean() > 0.9

@@ -1,0 +1,116 @@
+"""TailZScore: the kernel against a plain-Python reference, calibration and prior behaviour."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+
+from detectors.tail import TailZScore
+
+
+def ref_tail_z(x, alpha=0.02, warmup=30, threshold=6.0, log_space=True, min_std=0.01,
+               direction="up", clip=4.0, tail_q=0.99, tail_rate=0.25, tail_max=3.0,
+               prior_std=0.0, prior_n=20.0, freeze_on_alarm=False):
+    """Plain Python: one series, returns (scores, alarms)."""
+    ref = NormalDist().inv_cdf(tail_q)
+    mean = var = 0.0
+    count, q = 0, ref
+    scores, alarms = [], []
+
+    def std_of(v, m, c):
+        if prior_std > 0 and c < warmup:
+            v = (prior_n * prior_std**2 + c * v) / (prior_n + c)
+        floor = min_std if log_space else min_std * abs(m)
+        return max(math.sqrt(v), floor, 1e-300)
+
+    for v in x:
+        if not math.isfinite(v):
+            scores.append(math.inf)
+            alarms.append(True)
+            continue
+        y = math.log(max(v, 1e-30)) if log_space else v
+        raw = s = 0.0
+        if count > 0 and (count >= warmup or (prior_std > 0 and count >= 2)):
+            z = (y - mean) / std_of(var, mean, count)
+            raw = {"up": z, "down": -z, "both": abs(z)}[direction]
+            s = raw / max(1.0, min(tail_max, q / ref))
+        alarm = s > threshold
+        scores.append(s)
+        alarms.append(alarm)
+        if alarm and freeze_on_alarm:
+            continue
+        if count == 0:
+            mean, var, count = y, 0.0, 1
+            continue
+        if count >= warmup:
+            q = max(q + tail_rate * tail_q if raw > q else q - tail_rate * (1 - tail_q), ref)
+            sd = std_of(var, mean, count)
+            y = min(max(y, mean - clip * sd), mean + clip * sd)
+        a = max(alpha, 1.0 / (count + 1))
+        d = y - mean
+        mean, var = mean + a * d, (1 - a) * (var + d * a * d)
+        count += 1
+    return np.array(scores), np.array(alarms)
+
+
+REFERENCES = {"tail_z": ref_tail_z}
+
+
+def _stream(seed: int, n: int = 500, spikes: int = 0) -> np.ndarray:
+    """Log-normal noise (log std 0.05) on a falling trend; with ``spikes``, a healthy 4.5-7
+    sigma spike every ``spikes`` steps."""
+    rng = np.random.default_rng(seed)
+    x = np.exp(rng.normal(0.0, 0.05, n) + np.linspace(1.0, 0.5, n))
+    if spikes:
+        x[60::spikes] *= np.exp(rng.uniform(0.22, 0.35, len(x[60::spikes])))
+    return x
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"prior_std": 0.05}, {"direction": "both", "log_space": False, "min_std": 0.05},
+    {"freeze_on_alarm": True, "threshold": 3.0}, {"tail_max": 1.0}, {"warmup": 0},
+])
+def test_kernel_matches_the_reference(params: dict) -> None:
+    x = _stream(1, spikes=17)
+    x[[100, 300]] = [np.nan, np.inf]
+    scores, alarms = TailZScore(**params).update_many(x)
+    rs, ra = ref_tail_z(x, **params)
+    np.testing.assert_allclose(scores[:, 0], rs, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(alarms[:, 0], ra)
+
+
+def test_the_same_z_counts_less_on_a_spiky_run() -> None:
+    smooth, spiky = _stream(2), _stream(2, spikes=15)
+    smooth[480] = spiky[480] = np.exp(0.5 + 0.6)  # a 1.8x spike on both
+    s_smooth = TailZScore().update_many(smooth)[0][480, 0]
+    det = TailZScore()
+    s_spiky = det.update_many(spiky)[0][480, 0]
+    assert s_smooth > 6.0 > s_spiky
+    assert det.tail_factor[0] > 1.3
+
+
+def test_calibration_is_capped_so_a_real_spike_still_alarms() -> None:
+    x = _stream(3, spikes=15)
+    x[490] = x[489] * 1e3
+    det = TailZScore(tail_max=1.2)
+    _, alarms = det.update_many(x[:490])
+    assert det.tail_factor[0] == pytest.approx(1.2)  # the calibration reached its cap
+    assert det.update(x[490])[0]
+
+
+def test_a_prior_scores_from_the_third_value() -> None:
+    x = np.array([2.20, 2.22, 2.24, 2.21, 5.0])
+    blind, _ = TailZScore(warmup=40).update_many(x)
+    primed, alarms = TailZScore(warmup=40, prior_std=0.05).update_many(x)
+    assert not blind.any()
+    assert primed[:2, 0].tolist() == [0.0, 0.0] and alarms[:, 0].tolist() == [0, 0, 0, 0, 1]
+
+
+def test_bad_parameters_are_named() -> None:
+    with pytest.raises(ValueError, match="'tail_q' parameter of TailZScore"):
+        TailZScore(tail_q=1.0)
+    with pytest.raises(ValueError, match="'tail_max' parameter of TailZScore"):
+        TailZScore(tail_max=0.5)
