@@ -151,6 +151,17 @@ def test_inv4_a_20_batch_bad_window_is_undone_and_ends_within_2pct_of_clean() ->
     assert a > 1.05 * c  # (the fault does matter)
 
 
+def test_a_fault_on_a_checkpoint_step_loses_only_the_steps_since_the_last_healthy_update(
+) -> None:
+    """The bad window begins on a checkpoint step (350, ``checkpoint_every=25``): the weights
+    before that step's update are healthy, so the undo goes back to step 349, not to 325."""
+    assert WINDOW[0] % 25 == 0
+    g, _, stopped, w = train(bad_window)
+    rbs = [i for i in g.interventions if i.type == "rollback"]
+    assert stopped is None and len(rbs) == 1
+    assert rbs[0].to_step == WINDOW[0] - 1  # (the ledger's latest healthy checkpoint)
+
+
 # ------------------------------------------------------------------ invariants 5 + 2
 def test_inv5_a_skip_storm_escalates_then_stops_with_the_healthy_weights() -> None:
     """Non-finite gradients on every step from 300 on: a bounded number of consecutive skips,
