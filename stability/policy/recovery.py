@@ -161,7 +161,8 @@ class RecoveryMixin(PolicyState):
         # LRGuard.observe(step, lr) -> _healthy(lr), inlined
         g.last_lr = lr
         g.n += 1
-        g.ref = lr
+        if not (g.warm and not c.allow_restarts and ref <= lr):  # lr_guard.healthy_ref
+            g.ref = lr
         peak = g.peak
         if not math.isfinite(peak) or lr > peak:
             g.peak = lr
