@@ -173,3 +173,132 @@ def _plain_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             json.dump({"loss": loss.item(), "placement": str(p.placements[0]),
                        "local": p.to_local().flatten().tolist()}, fh)
     os._exit(0)
+
+
+def _full(t: Any) -> Any:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _reference(model: Any, layers: list[str], prev: list[Any] | None) -> dict[str, Any]:
+    """The signals from the gathered (full) tensors: what one process holding the whole model
+    measures."""
+    from stability.adapters.torch_ops.signals import layer_of
+
+    sq = dict.fromkeys(layers, 0.0)
+    wsq = dict.fromkeys(layers, 0.0)
+    dsq = dict.fromkeys(layers, 0.0)
+    full = [_full(p.detach()).clone() for p in model.parameters()]
+    for (n, p), w in zip(model.named_parameters(), full, strict=True):
+        sq[layer_of(n)] += float(_full(p.grad).double().square().sum())
+        wsq[layer_of(n)] += float(w.double().square().sum())
+    w0sq = dict.fromkeys(layers, 0.0)  # ||w_t|| of the update w_t -> w_t+1 (now)
+    if prev is not None:
+        for (n, _), w, w0 in zip(model.named_parameters(), full, prev, strict=True):
+            dsq[layer_of(n)] += float((w.double() - w0.double()).square().sum())
+            w0sq[layer_of(n)] += float(w0.double().square().sum())
+    return {"grad": [math.sqrt(sq[k]) for k in layers],
+            "param": math.sqrt(sum(wsq.values())), "full": full,
+            "ratio": [math.sqrt(dsq[k] / max(w0sq[k], 1e-300)) for k in layers]}
+
+
+def _signals_worker(rank: int, world: int, port: int, out_dir: str, mode: str) -> None:
+    import json
+
+    with process_group(rank, world, port, timeout_s=60):
+        from stability.adapters.interventions import clip_gradients
+        from stability.adapters.torch_ops.signals import SignalCollector
+
+        model = _mixed_model(world) if mode == "mixed" else _fsdp_mlp(world)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        col = SignalCollector(model, update_ratio_every=1, param_norm_every=1,
+                              update_ratio="exact" if mode == "exact" else "sampled")
+        out: list[dict[str, Any]] = []
+        prev_full = None
+        for i in range(4):
+            col.begin_step(i)
+            # (the mixed model's replicated parts need the same batch on every rank)
+            seed = i if mode == "mixed" else 100 * rank + i
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))
+            loss = model(x).square().mean()
+            loss.backward()
+            sig = col.collect(loss)
+            prev_ratio = _reference(model, col.layer_names, prev_full)["ratio"]
+            ref = _reference(model, col.layer_names, None)
+            out.append({"grad_norm": sig.scalars["grad_norm"],
+                        "layers": sig.families["grad_norm"].tolist(),
+                        "param_norm": sig.scalars["param_norm"],
+                        "ratio": sig.families.get("update_ratio", []).tolist()
+                        if "update_ratio" in sig.families else None,
+                        "ref_grad": ref["grad"], "ref_param": ref["param"],
+                        "ref_ratio": prev_ratio if prev_full is not None else None})
+            if i == 3:  # the clip uses the global norm: the full gradient ends at max_norm
+                clip_gradients(col.params, 0.5 * sig.scalars["grad_norm"],
+                               sig.scalars["grad_norm"], col.local_grads())  # (as the guard)
+                out[-1]["clipped"] = math.sqrt(sum(float(_full(p.grad).double().square().sum())
+                                                   for p in model.parameters()))
+            col.before_step(i)
+            prev_full = ref["full"]
+            opt.step()
+            opt.zero_grad()
+            col.after_step()
+        same_views = all(a.data_ptr() == p.to_local().data_ptr() if hasattr(p, "to_local")
+                         else a is p for a, p in zip(col._lists.local, col.params, strict=True))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump({"steps": out, "same_views": same_views}, fh)
+    os._exit(0)
+
+
+def _mixed_model(world: int) -> Any:
+    """A model with a ``Shard(0)`` parameter, a ``Replicate`` one and a plain one (every rank
+    holds the whole of the last two: they must count once in the norms)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+
+    class Mixed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 6, bias=False)
+            self.b = torch.nn.Linear(6, 3, bias=False)
+            self.c = torch.nn.Linear(3, 1)
+            self.a.weight = torch.nn.Parameter(distribute_tensor(self.a.weight.detach(), mesh,
+                                                                 [Shard(0)]))
+            self.b.weight = torch.nn.Parameter(distribute_tensor(self.b.weight.detach(), mesh,
+                                                                 [Replicate()]))
+            self.mesh = mesh
+
+        def forward(self, x: Any) -> Any:
+            from torch.distributed.tensor import DTensor
+
+            h = DTensor.from_local(x, self.mesh, [Replicate()]).redistribute(
+                self.mesh, [Replicate()])
+            h = torch.tanh(torch.nn.functional.linear(h, self.a.weight))
+            h = torch.nn.functional.linear(h, self.b.weight).full_tensor()
+            return self.c(h)
+
+    return Mixed()
+
+
+@pytest.mark.parametrize("mode", ["sampled", "exact", "mixed"])
+def test_sharded_signals_equal_full_model(tmp_path: Path, mode: str) -> None:
+    """Each rank measures its shards and the squares are summed over the ranks: every rank
+    reports the norms of the whole model (gradients per layer and global, weights, update
+    ratios), clips by the global norm, and keeps measuring the live shards."""
+    ranks = run_ranks(_signals_worker, 2, tmp_path, mode, timeout_s=240)
+    for r in ranks:
+        assert r["same_views"]
+        for s in r["steps"]:
+            assert s["grad_norm"] == pytest.approx(math.sqrt(sum(v * v for v in s["ref_grad"])),
+                                                   rel=1e-5)
+            assert s["layers"] == pytest.approx(s["ref_grad"], rel=1e-5)
+            assert s["param_norm"] == pytest.approx(s["ref_param"], rel=1e-5)
+        assert r["steps"][0]["ratio"] is None
+        for s in r["steps"][1:]:
+            tol = 1e-5 if mode != "sampled" else 1e-4  # (small tensors are sampled whole)
+            assert s["ratio"] == pytest.approx(s["ref_ratio"], rel=tol)
+        assert r["steps"][-1]["clipped"] == pytest.approx(0.5 * r["steps"][-1]["grad_norm"],
+                                                          rel=1e-4)
+    for k in ("grad_norm", "layers", "param_norm", "ratio"):
+        assert [s[k] for s in ranks[0]["steps"]] == [s[k] for s in ranks[1]["steps"]]

@@ -106,7 +106,10 @@ class ParamLists:
         self._partial: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._perm: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
-        self._copies: torch.Tensor | None = None  # 1 / copies of each tensor (sharded only)
+        # sharded: 1 / copies of each tensor's elements, by kind: (scale, vector, device)
+        self._copies_cache: dict[str, tuple[tuple[float, ...], torch.Tensor | None, Any]] = {}
+        #: ``1 / copies`` of the gradients of the last :meth:`grads` (``None``: all 1)
+        self.grad_copies: torch.Tensor | None = None
         self._large_idx: list[torch.Tensor] = []
         self._views_key: Any = None  # (device, data pointers) the views below were made for
         self._views: tuple[list[torch.Tensor], list[list[torch.Tensor]],
@@ -126,8 +129,6 @@ class ParamLists:
         self._partial = None
         self._perm = torch.tensor(self._perm_list, dtype=torch.long, device=device)
         self._scale = torch.tensor(self._scale_list, dtype=torch.float32, device=device)
-        if self.shards is not None and not self.shards.uniform:
-            self._copies = torch.tensor(self.shards.scale, dtype=torch.float32, device=device)
         self._large_idx = [t.to(p.device) for t, p in zip(self._idx_cpu, self.large, strict=True)]
 
     def index(self, mask: tuple[bool, ...] | None) -> torch.Tensor:
@@ -145,33 +146,60 @@ class ParamLists:
     def grads(self) -> tuple[list[torch.Tensor], tuple[bool, ...] | None]:
         """The present gradients (local shards when sharded) and which parameters have one
         (``None``: all of them)."""
-        grads_all = ([p.grad for p in self.params] if self.shards is None
-                     else self.shards.local_grads(self.params))
+        if self.shards is None:
+            grads_all = [p.grad for p in self.params]
+        else:
+            grads_all, scale = self.shards.measured_grads(self.params)
+            self.grad_copies = self._copies_of(tuple(scale), "grad")
         grads = [g for g in grads_all if g is not None]
         if len(grads) == len(grads_all):
             return grads, None
         return grads, tuple(g is not None for g in grads_all)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The present gradients, local shards when sharded (what a clip scales in place)."""
+        if self.shards is None:
+            return [p.grad for p in self.params if p.grad is not None]
+        return self.shards.local_grads(self.params)
+
+    def _copies_of(self, scale: tuple[float, ...], key: str) -> torch.Tensor | None:
+        """``scale`` as a cached device vector (``None`` when every element counts once)."""
+        cached = self._copies_cache.get(key)
+        if cached is not None and cached[0] == scale and cached[2] == self.device:
+            return cached[1]
+        t = None if all(v == 1.0 for v in scale) else torch.tensor(
+            scale, dtype=torch.float32, device=self.device)
+        self._copies_cache[key] = (scale, t, self.device)
+        return t
 
     def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per-tensor L2 norms as one float32 vector on :attr:`device` (one foreach op)."""
         with torch.no_grad():
             return stack_f32(torch._foreach_norm(list(tensors)), self.device)
 
-    def layer_sq(self, norms: torch.Tensor, mask: tuple[bool, ...] | None) -> torch.Tensor:
+    def layer_sq(self, norms: torch.Tensor, mask: tuple[bool, ...] | None,
+                 copies: torch.Tensor | None = None) -> torch.Tensor:
         """Per-layer sums of squares of per-tensor ``norms`` (of the tensors ``mask`` selects).
 
-        Sharded: this rank's part (each element counted once); :meth:`reduce` sums the parts.
+        Sharded: this rank's part, each tensor's squares times ``copies`` (:attr:`grad_copies`
+        for the gradients of :meth:`grads`, :attr:`param_copies` for the weights: each element
+        counted once); :meth:`reduce` sums the parts.
         """
-        return self.layer_sum(norms * norms, mask)
+        return self.layer_sum(norms * norms, mask, copies)
 
-    def layer_sum(self, sq: torch.Tensor, mask: tuple[bool, ...] | None) -> torch.Tensor:
-        """Per-layer sums of per-tensor squares ``sq`` (of the tensors ``mask`` selects)."""
-        index = self.index(mask)
+    def layer_sum(self, sq: torch.Tensor, mask: tuple[bool, ...] | None,
+                  copies: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-layer sums of per-tensor squares ``sq`` (of the tensors ``mask`` selects),
+        each times ``copies`` (see :meth:`layer_sq`)."""
         out = torch.zeros(self.n_layers, device=self.device, dtype=torch.float32)
-        if self._copies is not None:  # replicated elements: each copy counts 1 / copies
-            sq = sq * (self._copies if mask is None else self._copies[
-                torch.tensor(mask, device=self.device)])
-        return out.index_add_(0, index, sq)
+        return out.index_add_(0, self.index(mask), sq if copies is None else sq * copies)
+
+    @property
+    def param_copies(self) -> torch.Tensor | None:
+        """``1 / copies`` of each weight's local elements (``None``: every one counts once)."""
+        if self.shards is None:
+            return None
+        return self._copies_of(tuple(self.shards.scale), "param")
 
     def reduce(self, vectors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per-layer sums of this rank summed over the ranks (sharded: one ``all_reduce`` of

@@ -27,6 +27,7 @@ Nothing here runs without an initialised process group and a DTensor parameter:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -52,23 +53,35 @@ def is_sharded(tensors: Iterable[torch.Tensor]) -> bool:
     return dt is not None and any(isinstance(t, dt) for t in tensors)
 
 
-def _copies(p: Any, world: int) -> int:
-    """How many ranks hold each local element of ``p`` (``world`` for a plain tensor)."""
-    if not hasattr(p, "device_mesh"):
+def _copies(t: Any, world: int) -> int:
+    """How many ranks hold each local element of ``t`` (``world`` for a plain tensor)."""
+    if not hasattr(t, "device_mesh"):
         return world
-    mesh = p.device_mesh
+    mesh = t.device_mesh
     if mesh.size() != world:
-        raise ValueError(f"A sharded parameter lives on a device mesh of {mesh.size()} ranks, "
-                         f"not the whole world ({world}); the guard sums its norms over the "
-                         "world, so every mesh must span it.")
+        raise ValueError(f"A sharded tensor lives on a device mesh of {mesh.size()} ranks, not "
+                         f"the whole world ({world}); the guard sums its norms over the world, "
+                         "so every mesh must span it.")
     n = 1
-    for dim, pl in enumerate(p.placements):
+    for dim, pl in enumerate(t.placements):
         if pl.is_partial():
             raise ValueError("A parameter has a Partial placement: its norm cannot be summed "
                              "from the local shards. Redistribute it (Shard or Replicate).")
         if pl.is_replicate():
             n *= mesh.size(dim)
     return n
+
+
+def _measurable(g: Any) -> Any:
+    """A gradient DTensor whose local shards can be summed: ``Partial`` placements (partial
+    sums on each rank) are reduced to ``Replicate`` first (one collective, the same on every
+    rank: placements agree across ranks)."""
+    if not any(pl.is_partial() for pl in g.placements):
+        return g
+    from torch.distributed.tensor import Replicate
+
+    return g.redistribute(g.device_mesh,
+                          [Replicate() if pl.is_partial() else pl for pl in g.placements])
 
 
 class ShardLayout:
@@ -95,7 +108,6 @@ class ShardLayout:
             self.local: list[torch.Tensor] = [
                 p.to_local() if hasattr(p, "to_local") else p for p in params]
         self.scale = [1.0 / _copies(p, world) for p in params]
-        self.uniform = all(s == 1.0 for s in self.scale)
 
     @classmethod
     def of(cls, params: Sequence[torch.Tensor]) -> ShardLayout | None:
@@ -103,11 +115,34 @@ class ShardLayout:
         return cls(params) if is_sharded(params) else None
 
     @staticmethod
-    def local_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Each parameter's gradient as its local shard (``None`` where there is none)."""
+    def local_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The present gradients as their local shards (what a clip scales in place)."""
         with torch.no_grad():
-            return [None if (g := p.grad) is None else (
-                g.to_local() if hasattr(g, "to_local") else g) for p in params]
+            return [g.to_local() if hasattr(g, "to_local") else g
+                    for p in params if (g := p.grad) is not None]
+
+    def measured_grads(self, params: Sequence[torch.Tensor]
+                       ) -> tuple[list[torch.Tensor | None], list[float]]:
+        """Each parameter's gradient as local values whose squares sum over the ranks to the
+        full gradient's (``None`` where there is none), and ``1 / copies`` of each present one.
+
+        A gradient's placements need not be its parameter's (a ``Replicate`` weight can get a
+        ``Shard`` gradient), so its own are read.
+        """
+        world = torch.distributed.get_world_size()
+        out: list[torch.Tensor | None] = []
+        scale: list[float] = []
+        with torch.no_grad():
+            for p in params:
+                g = p.grad
+                if g is not None and hasattr(g, "to_local"):
+                    g = _measurable(g)
+                    scale.append(1.0 / _copies(g, world))
+                    g = g.to_local()
+                elif g is not None:
+                    scale.append(1.0 / world)
+                out.append(g)
+        return out, scale
 
     @staticmethod
     def reduce(vectors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -153,11 +188,15 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
 
 def local_state(obj: Any) -> Any:
     """``obj`` (a nested state dict) with every ``DTensor`` replaced by its local shard."""
-    if hasattr(obj, "to_local") and isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor):
+        if not hasattr(obj, "to_local"):
+            return obj
         with torch.no_grad():
             return obj.to_local()
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, local_state(v)) for k, v in obj.items())
     if isinstance(obj, Mapping):
-        return type(obj)((k, local_state(v)) for k, v in obj.items())
+        return {k: local_state(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
         return type(obj)(local_state(v) for v in obj)
     return obj

@@ -274,7 +274,7 @@ class SignalCollector:
         """
         lists = self._lists
         grads, mask = lists.grads()
-        gsq = (lists.layer_sq(lists.norms(grads), mask) if grads
+        gsq = (lists.layer_sq(lists.norms(grads), mask, lists.grad_copies) if grads
                else torch.zeros(len(self.layer_names), device=lists.device))
         every, self._pn = self.param_norm_every, None
         due = bool(self.params) and every > 0 and self._step % every == 0
@@ -285,7 +285,7 @@ class SignalCollector:
         ratio, self._pending_ratio = self._pending_ratio, None
         if lists.shards is None:
             return gsq.sqrt(), None if self._pn is None else self._pn.square().sum().sqrt(), ratio
-        psq = None if self._pn is None else lists.layer_sq(self._pn, None)
+        psq = None if self._pn is None else lists.layer_sq(self._pn, None, lists.param_copies)
         out = lists.reduce([v for v in (gsq, psq, ratio) if v is not None])
         gsq, rest = out[0], out[1:]
         if psq is not None:
@@ -294,6 +294,11 @@ class SignalCollector:
             dsq, wsq = rest[0].chunk(2)
             ratio = dsq.sqrt() / wsq.sqrt().clamp_min(1e-12)
         return gsq.sqrt(), None if psq is None else psq.sum().sqrt(), ratio
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The present gradients, as their local shards when the parameters are sharded (what
+        a clip scales in place)."""
+        return self._lists.local_grads()
 
     def measure(self, loss: Any = None, extra: Mapping[str, Any] | None = None
                 ) -> tuple[torch.Tensor, SignalLayout]:
@@ -381,13 +386,16 @@ class SignalCollector:
         with torch.no_grad():
             if self.update_ratio == "exact":
                 diffs = list(torch._foreach_sub(lists.local, snap))
-                self._set_ratio(lists.layer_sq(lists.norms(diffs), None),
-                                lists.layer_sq(lists.norms(snap), None))
+                copies = lists.param_copies
+                self._set_ratio(lists.layer_sq(lists.norms(diffs), None, copies),
+                                lists.layer_sq(lists.norms(snap), None, copies))
                 return
             sq = lists.sample_sq(snap)
             if wnorms is None:  # (set with the snapshot; None only after a state_reset)
                 return
-            self._set_ratio(lists.layer_sum(sq, None), lists.layer_sum(wnorms.square(), None))
+            copies = lists.param_copies
+            self._set_ratio(lists.layer_sum(sq, None, copies),
+                            lists.layer_sum(wnorms.square(), None, copies))
 
     def _set_ratio(self, dsq: torch.Tensor, wsq: torch.Tensor) -> None:
         """The pending update ratios from per-layer ``||dw||^2`` and ``||w||^2``; sharded, the
