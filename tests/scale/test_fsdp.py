@@ -302,3 +302,41 @@ def test_sharded_signals_equal_full_model(tmp_path: Path, mode: str) -> None:
                                                           rel=1e-4)
     for k in ("grad_norm", "layers", "param_norm", "ratio"):
         assert [s[k] for s in ranks[0]["steps"]] == [s[k] for s in ranks[1]["steps"]]
+
+
+def _refusal_worker(rank: int, world: int, port: int, out_dir: str, ckpt_dir: str) -> None:
+    """Rank 1's file of the newest checkpoint is damaged: both ranks refuse it and restore
+    the one before, together."""
+    import json
+
+    with process_group(rank, world, port, timeout_s=60):
+        from stability.adapters.torch import TorchGuard
+
+        model = _fsdp_mlp(world)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        guard = TorchGuard(model, opt, None, None, checkpoint_every=10, checkpoint_dir=ckpt_dir)
+        at: dict[int, list[list[float]]] = {}
+        for i in guard.batches(21):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1000 * rank + i))
+            model(x).square().mean().backward()
+            step = guard.step_count
+            guard.step(None)
+            at[step] = _shards(model)
+        if rank == 1:  # a damaged file on one rank only
+            (Path(ckpt_dir) / "step-000000020-rank1.pt").write_bytes(b"not a checkpoint")
+        torch.distributed.barrier()
+        ok = guard.rollback(20)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump({"ok": ok, "step": guard.step_count, "restored": _shards(model),
+                       "at10": at[10], "ledger": _ledger(guard)}, fh)
+    os._exit(0)
+
+
+def test_restore_refused_on_every_rank(tmp_path: Path) -> None:
+    """A checkpoint one rank cannot restore is refused by every rank (the verdict is
+    all-reduced): no rank is left on other weights than the others."""
+    r0, r1 = run_ranks(_refusal_worker, 2, tmp_path, str(tmp_path / "ckpt"), timeout_s=240)
+    assert r0["ok"] and r1["ok"]
+    assert r0["step"] == r1["step"] == 11  # both fell back to the checkpoint of step 10
+    assert r0["restored"] == r0["at10"] and r1["restored"] == r1["at10"]
+    assert r0["ledger"] == r1["ledger"] and 20 not in [s for s, _ in r0["ledger"]]
