@@ -65,7 +65,7 @@ class RegistryEntry:
         Offline tuning grid (:func:`replay.tuning.tune`): parameter -> values tried besides the
         threshold; empty = only the threshold is tuned.
     doc
-        One paragraph: how it works.  The detector tables of ``README.md`` and
+        One paragraph: how it works.  The detector tables of ``docs/concepts/detectors.md`` and
         ``docs/CONTRACTS.md`` are generated from the entries
         (``python -m stability.config.registry_docs``).
 

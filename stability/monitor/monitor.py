@@ -82,6 +82,8 @@ from stability.monitor.io import (
     encode_state,
     is_table,
     to_float,
+    value_kind,
+    value_message,
 )
 from stability.monitor.layout import (
     CAPPED,
@@ -215,6 +217,7 @@ class Monitor:
             handler_timeout = self.config.monitor.handler_budget_s
         self.max_series = self.config.monitor.max_series
         self._capped_banks: set[str] = set()
+        self._warned_kinds: set[str] = set()  # kinds of bad input warned about (once each)
         self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
         self._sink_failed: set[int] = set()
         for fn in _as_list(on_alarm):
@@ -717,11 +720,17 @@ class Monitor:
         return [(b, b.scores[0], b.alarms[0]) for b in self._bindings]  # type: ignore[index]
 
     # ------------------------------------------------------------------ filling a step
-    def _bad(self, msg: str, skipped: list[str], capped: bool = False) -> None:
+    def _bad(self, msg: str, skipped: list[str], capped: bool = False, kind: str = "") -> None:
+        """Record bad input in ``Decision.skipped`` (``ValueError`` in strict mode), and warn
+        the first time of each ``kind`` (a run must not look monitored while nothing is)."""
         if self.strict and not capped:  # a full bank is a resource limit, not bad input
             raise ValueError(msg)
         skipped.append(msg)
         self.counters["skipped_values"] += 1
+        if kind and kind not in self._warned_kinds:
+            self._warned_kinds.add(kind)
+            logger.warning("stability: %s (further input skipped for this reason is recorded in "
+                           "Decision.skipped, not logged)", msg)
 
     def _check_step(self, step: Any, skipped: list[str]) -> int | None:
         if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer, float)):
@@ -740,7 +749,9 @@ class Monitor:
             return None
         if s <= self.last_step:
             self._bad(f"step {s}: not after the last observed step {self.last_step} "
-                      "(duplicate or out of order); not fed to detectors", skipped)
+                      "(duplicate or out of order; after a restore from an earlier checkpoint "
+                      "call Monitor.rewind(step) first); not fed to detectors", skipped,
+                      kind="step order")
             return None
         return s
 
@@ -794,7 +805,7 @@ class Monitor:
                 continue
             x = to_float(v)
             if isinstance(x, str):
-                self._bad(f"metrics[{k!r}]: {x}; skipped", skipped)
+                self._bad(value_message(k, v, x), skipped, kind=value_kind(v, x))
                 continue
             vals[s] = x
             present[s] = True
