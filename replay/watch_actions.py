@@ -202,7 +202,7 @@ class WatchActions:
         try:
             _atomic_write(self.control_file, json.dumps(doc))  # type: ignore[arg-type]
             self._last_control = ctrl
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # a full disk; a foreign file put there since
             logger.warning("cannot write the control file %s: %s", self.control_file, exc)
 
     def _run_hook(self, hook: str, d: Decision, kind: str, reason: str, cause: str) -> None:
