@@ -96,8 +96,12 @@ class Constraint:
         """The number the kernel reads for an accepted ``value`` (its ``params`` entry)."""
         return float(value)
 
-    def invalid(self, det: Any) -> tuple[Any, ...]:
-        """Values this constraint refuses on ``det``: just outside each end, the wrong type."""
+    def invalid(self, det: Any) -> list[tuple[Any, str]]:
+        """Values this constraint refuses on ``det`` (just outside each end, the wrong type),
+        each with the rule its error message states."""
+        return [(v, self.rule(det)) for v in self._invalid_values(det)]
+
+    def _invalid_values(self, det: Any) -> tuple[Any, ...]:
         return ()
 
     def edges(self, det: Any) -> tuple[Any, ...]:
@@ -125,7 +129,7 @@ class Int(Constraint):
     def rule(self, det: Any) -> str:
         return int_rule(_resolve(self.lo, det), _resolve(self.hi, det))
 
-    def invalid(self, det: Any) -> tuple[Any, ...]:
+    def _invalid_values(self, det: Any) -> tuple[Any, ...]:
         lo, hi = _resolve(self.lo, det), _resolve(self.hi, det)
         ends = [int(lo) - 1] if math.isfinite(lo) else []
         ends += [int(hi) + 1] if math.isfinite(hi) else []
@@ -154,7 +158,7 @@ class Float(Constraint):
         return float_rule(_resolve(self.lo, det), _resolve(self.hi, det),
                           low_open=self.low_open, high_open=self.high_open)
 
-    def invalid(self, det: Any) -> tuple[Any, ...]:
+    def _invalid_values(self, det: Any) -> tuple[Any, ...]:
         lo, hi = _resolve(self.lo, det), _resolve(self.hi, det)
         out: list[Any] = []
         if math.isfinite(lo):
@@ -192,8 +196,9 @@ class Bool(Constraint):
             return "a bool"
         return f"{self.only}: {self.why}" if self.why else str(self.only)
 
-    def invalid(self, det: Any) -> tuple[Any, ...]:
-        return (1, "yes") if self.only is None else (1, "yes", not self.only)
+    def invalid(self, det: Any) -> list[tuple[Any, str]]:
+        wrong_type = [(1, "a bool"), ("yes", "a bool")]
+        return wrong_type if self.only is None else [*wrong_type, (not self.only, self.rule(det))]
 
     def edges(self, det: Any) -> tuple[Any, ...]:
         return (True, False) if self.only is None else (self.only,)
@@ -220,7 +225,7 @@ class Choice(Constraint):
             return float(self.options[value])
         return float(value)
 
-    def invalid(self, det: Any) -> tuple[Any, ...]:
+    def _invalid_values(self, det: Any) -> tuple[Any, ...]:
         return ("no-such-choice", 3, None)
 
     def edges(self, det: Any) -> tuple[Any, ...]:
@@ -253,7 +258,7 @@ class Flags(Constraint):
         n = int(_resolve(self.count, det))
         return f"a bool or a sequence of {n} bools (one per feature)"
 
-    def invalid(self, det: Any) -> tuple[Any, ...]:
+    def _invalid_values(self, det: Any) -> tuple[Any, ...]:
         n = int(_resolve(self.count, det))
         return (1, "yes", (True,) * (n + 1), (1,) * n)
 
