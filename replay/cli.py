@@ -345,8 +345,9 @@ def _save_state(runs: list[tuple[str, str]], config: Any, out: str) -> None:
 
     mon = Monitor("default" if config is None else config, alert_sinks=[])
     mon.replay(read_table(runs[0][1]))
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(mon.state_dict(), f)
+    from stability.outputs.safe_files import atomic_write, json_object
+
+    atomic_write(out, json.dumps(mon.state_dict()).encode(), ours=json_object)
 
 
 def _eval_settings(a: argparse.Namespace) -> dict[str, int]:
@@ -403,7 +404,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
         h = res.heldout
         header += (f"held-out ({a.folds}-fold by run): recall {h.recall:.3f}, "
                    f"false alarms/10k {h.fa_per_10k:.3f}\n")
-    write_config(a.output, res.config, header)
+    write_config(a.output, res.file_config(), header + res.header())
     for c in res.choices:
         print(f"  {c['binding']:<24} {c['detector']:<12} threshold {c['threshold']:.4g}  "
               f"{json.dumps(c['params'])}")

@@ -75,7 +75,8 @@ class RegistryEntry:
         the bound signals, see :func:`stability.config.config.infer_kind`), ``grid`` (offline
         tuning grid of :func:`replay.tuning.tune`: parameter -> values tried besides the
         threshold) and ``doc`` (one paragraph, how it works: the row in the detector tables of
-        ``README.md`` and ``docs/CONTRACTS.md``, ``python -m stability.config.registry_docs``).
+        ``docs/concepts/detectors.md`` and ``docs/CONTRACTS.md``, ``python -m
+        stability.config.registry_docs``).
 
     >>> REGISTRY["page_hinkley"].kind, REGISTRY["ewma_z"].grid["alpha"]
     ('level_shift', (0.02, 0.05))

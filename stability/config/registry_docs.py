@@ -1,4 +1,4 @@
-"""The detector tables of ``README.md`` and ``docs/CONTRACTS.md``, generated from the registry.
+"""The detector tables of ``docs/concepts/detectors.md`` and ``docs/CONTRACTS.md``, from the registry.
 
 Each table sits between two markers; ``python -m stability.config.registry_docs`` rewrites what is
 between them from :data:`stability.config.registry.REGISTRY` (the ``doc`` row, class, inputs, default
@@ -6,7 +6,7 @@ kind and tuning grid of every entry), ``--check`` only reports stale files (exit
 ``tests/test_registry_docs.py`` fails when a file differs from the generated text, so a detector
 is documented by its registry entry and nowhere else.
 
->>> print(readme_table({"nonfinite": REGISTRY["nonfinite"]}))
+>>> print(detectors_table({"nonfinite": REGISTRY["nonfinite"]}))
 | registry name | class | how it works |
 |---|---|---|
 | `nonfinite` | `NonFiniteGuard` | Alarms on every NaN/±inf element. Keeps the count and the current streak. |
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from stability.config.registry import _N_INPUT_ARGS, REGISTRY, RegistryEntry, detector_class
 
-__all__ = ["BEGIN", "END", "TABLES", "contracts_table", "main", "parameter_docs", "readme_table",
-           "render", "stale_files"]
+__all__ = ["BEGIN", "END", "TABLES", "contracts_table", "detectors_table", "main",
+           "parameter_docs", "render", "stale_files"]
 
 BEGIN = "<!-- detector-table: generated from stability/config/registry.py by " \
         "`python -m stability.config.registry_docs`; do not edit -->"
@@ -64,8 +64,8 @@ def parameter_docs(cls: type) -> dict[str, str]:
     return {k: " ".join(v) for k, v in out.items()}
 
 
-def readme_table(registry: Registry | None = None) -> str:
-    """The README's table: registry name, class, how it works."""
+def detectors_table(registry: Registry | None = None) -> str:
+    """``docs/concepts/detectors.md``'s table: registry name, class, how it works."""
     reg = REGISTRY if registry is None else registry
     rows = ["| registry name | class | how it works |", "|---|---|---|"]
     for name, e in reg.items():
@@ -103,7 +103,7 @@ def contracts_table(registry: Registry | None = None) -> str:
 
 
 #: file (relative to the repository root) -> its table
-TABLES: dict[str, Callable[[], str]] = {"README.md": readme_table,
+TABLES: dict[str, Callable[[], str]] = {"docs/concepts/detectors.md": detectors_table,
                                         "docs/CONTRACTS.md": contracts_table}
 
 

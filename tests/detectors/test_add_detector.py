@@ -9,7 +9,7 @@ any other file, that the detector
 * is importable from the package root (``detectors.MeanZ``),
 * works by name in a monitor config and alarms on a spike,
 * is tuned (its registry grid reaches :func:`replay.tuning.make_candidates`),
-* has its rows in the generated README / CONTRACTS tables,
+* has its rows in the generated detectors-page / CONTRACTS tables,
 * passes every check of the conformance suite and its own reference test.
 
 The module declares its parameters (``parameter_constraints``) and its registry metadata
@@ -34,7 +34,7 @@ import detectors
 from stability import Monitor
 from stability.config import registry
 from stability.config.registry import REGISTRY, register_detector, tune_grids
-from stability.config.registry_docs import contracts_table, readme_table
+from stability.config.registry_docs import contracts_table, detectors_table
 from tests.detectors.test_conformance import CHECKS, check_reference
 
 #: file 1: detectors/mean_z.py -- kernel, parameter layout, class
@@ -218,7 +218,7 @@ def test_a_new_detector_is_exported_usable_by_name_and_documented(mean_z: Module
         assert mon.observe(s, {"loss": 2.0 + 0.01 * rng.standard_normal()}).healthy
     alarms = mon.observe(60, {"loss": 3.0}).alarms
     assert [(a.detector, a.kind) for a in alarms] == [("loss_mean_z", "loss_spike")]
-    assert "| `mean_z` | `MeanZ` | z-score against all past values. |" in readme_table()
+    assert "| `mean_z` | `MeanZ` | z-score against all past values. |" in detectors_table()
     assert "| `mean_z` | `detectors.mean_z.MeanZ` | x | loss_spike | threshold × `warmup` 10, " \
            "30 |" in contracts_table()
 
