@@ -184,6 +184,9 @@ def check_bad_inputs_have_clear_errors(name: str) -> None:
         det.update_many(*((np.ones((5, 2)),) * k))
     with pytest.raises(ValueError, match="'missing' has shape"):
         det.update_many(*((np.ones((5, N)),) * k), missing=np.zeros((4, N), dtype=bool))
+    if k > 1:
+        with pytest.raises(ValueError, match="different numbers of steps"):
+            det.update_many(np.ones((5, N)), *((np.ones((4, N)),) * (k - 1)))
 
 
 def check_lower_threshold_never_fewer_alarms(name: str) -> None:
