@@ -22,8 +22,8 @@ from pathlib import Path
 
 from stability.config.registry import _N_INPUT_ARGS, REGISTRY, RegistryEntry, detector_class
 
-__all__ = ["BEGIN", "END", "TABLES", "contracts_table", "detectors_table", "main", "render",
-           "stale_files"]
+__all__ = ["BEGIN", "END", "TABLES", "contracts_table", "detectors_table", "main",
+           "parameter_docs", "render", "stale_files"]
 
 BEGIN = "<!-- detector-table: generated from stability/config/registry.py by " \
         "`python -m stability.config.registry_docs`; do not edit -->"
@@ -34,6 +34,34 @@ Registry = Mapping[str, RegistryEntry]
 
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
+
+
+def parameter_docs(cls: type) -> dict[str, str]:
+    """Each argument's description in ``cls``'s numpy-style ``Parameters`` section.
+
+    Names listed together (``alpha, warmup``) share one description.
+
+    >>> from detectors import NonFiniteGuard
+    >>> parameter_docs(NonFiniteGuard)["freeze_on_alarm"]
+    'Must be ``False``: the guard has no statistics to freeze.'
+    """
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    out: dict[str, list[str]] = {}
+    names: list[str] = []
+    inside = False
+    for i, line in enumerate(lines):
+        header = i + 1 < len(lines) and lines[i + 1].strip() and set(lines[i + 1]) == {"-"}
+        if header:
+            inside = line.strip() == "Parameters"
+            names = []
+        elif inside and line and not line.startswith(" ") and set(line) != {"-"}:
+            names = [n.strip() for n in line.split(":")[0].split(",")]
+            for n in names:
+                out[n] = []
+        elif inside and line.strip():
+            for n in names:
+                out[n].append(line.strip())
+    return {k: " ".join(v) for k, v in out.items()}
 
 
 def detectors_table(registry: Registry | None = None) -> str:
