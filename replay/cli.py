@@ -322,8 +322,11 @@ def _cmd_watch(a: argparse.Namespace) -> int:
 
         w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port)
 
+    got: list[int] = []
+
     def _stop(signum: int, frame: Any) -> None:
-        w.stop()  # finish the poll under way, save the state, exit 0
+        got.append(signum)
+        w.stop()  # finish the poll under way, kill the hooks, save the state, exit 0
 
     main_thread = threading.current_thread() is threading.main_thread()
     old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)
@@ -335,7 +338,21 @@ def _cmd_watch(a: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         w.close()
     print(w.summary() + (f"; state saved to {a.state}" if a.state else ""), file=sys.stderr)
+    if signal.SIGTERM in got:  # a supervisor wants us gone: everything is saved and closed,
+        _exit_now(w)           # skip the interpreter's slow teardown (numba, GC)
     return 0
+
+
+def _exit_now(w: Any) -> None:
+    """Close the monitor's outputs (sinks, event log), flush stdio and leave at once (0)."""
+    import os
+
+    try:
+        w.monitor.close()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 
@@ -345,8 +362,9 @@ def _save_state(runs: list[tuple[str, str]], config: Any, out: str) -> None:
 
     mon = Monitor("default" if config is None else config, alert_sinks=[])
     mon.replay(read_table(runs[0][1]))
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(mon.state_dict(), f)
+    from stability.outputs.safe_files import atomic_write, json_object
+
+    atomic_write(out, json.dumps(mon.state_dict()).encode(), ours=json_object)
 
 
 def _eval_settings(a: argparse.Namespace) -> dict[str, int]:
@@ -403,7 +421,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
         h = res.heldout
         header += (f"held-out ({a.folds}-fold by run): recall {h.recall:.3f}, "
                    f"false alarms/10k {h.fa_per_10k:.3f}\n")
-    write_config(a.output, res.config, header)
+    write_config(a.output, res.file_config(), header + res.header())
     for c in res.choices:
         print(f"  {c['binding']:<24} {c['detector']:<12} threshold {c['threshold']:.4g}  "
               f"{json.dumps(c['params'])}")

@@ -248,10 +248,20 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
                  run_id: str = "") -> int:
     """Write decision records as JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``).
 
-    Parquet gets one row per alarm / intervention: ``run_id, step, event, kind, detail``
-    (``detail`` is the JSON of the alarm or intervention).  Returns the number of records.
+    JSONL: the live event log's records (:func:`stability.outputs.events.decision_records`:
+    ``alarm`` / ``intervention`` / ``info``, each with ``run_id``), so ``report --events`` and
+    every reader take either file.  Parquet gets one row per alarm / intervention:
+    ``run_id, step, event, kind, detail`` (``detail`` is the JSON of the alarm or
+    intervention).  Returns the number of decision records.
+    The file is written atomically and replaces only an events file of ours (JSON Lines of
+    objects, or a Parquet file): anything else -- a checkpoint, a config, the job's metrics --
+    is refused with ``ValueError`` and left untouched
+    (:mod:`stability.outputs.safe_files`).
     """
+    from stability.outputs.safe_files import check_replaceable
+
     p = Path(path)
+    check_replaceable(p, _events_file_of_ours)
     recs = list(records)
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -276,12 +286,27 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
                           "event": pa.array(rows["event"], pa.string()),
                           "kind": pa.array(rows["kind"], pa.string()),
                           "detail": pa.array(rows["detail"], pa.string())})
-        pq.write_table(table, p)
-    else:
-        with p.open("w") as fh:
-            for r in recs:
-                fh.write(json.dumps({"run_id": run_id, **r}) + "\n")
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        _write_atomic(p, sink.getvalue().to_pybytes())
+    else:  # the live event log's schema (stability.outputs.events), one record per event
+        from stability.outputs.events import decision_records
+
+        _write_atomic(p, "".join(json.dumps(e) + "\n" for r in recs
+                                 for e in decision_records(r, run_id=run_id)).encode())
     return len(recs)
+
+
+def _events_file_of_ours(head: bytes) -> bool:
+    """An events file this module (or the event log) wrote: JSON Lines of objects whose first
+    key is ``run_id`` or ``type``, or a Parquet file."""
+    return head.startswith((b'{"run_id":', b'{"type":', b"PAR1"))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    from stability.outputs.safe_files import atomic_write
+
+    atomic_write(path, data, ours=_events_file_of_ours)
 
 
 #: rows per chunk when a long replay draws a progress bar

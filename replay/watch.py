@@ -27,17 +27,28 @@ Steps (the rule):
   line repeats the iteration of the training line); a step is judged once a later step has been
   read, or when a poll brings nothing new (the data settled), or at the end of ``--once``;
 * a row for a step that was already judged is **already seen** and skipped -- a re-read after a
-  truncation or a rotation, a late row -- unless its values differ from the ones judged (for the
-  last 4096 steps): then the job **re-ran** that step (it was restarted from a checkpoint), and
-  the monitor is rewound to just before it (:meth:`~stability.monitor.monitor.Monitor.rewind`:
-  detector
-  statistics kept, LR-jump state reset) and judges the new values.
+  truncation or a rotation, a late row, the same step from another source (two ranks' logs, a
+  JSONL and a rounded CSV of one job) -- unless *its own stream went back* (a step at or before
+  the stream's previous one) and its values differ from the ones judged (for the last 4096
+  steps, beyond a relative 1e-5 for the rounding of text formats): then the job **re-ran**
+  that step (it was restarted from a checkpoint), and the monitor is rewound to just before it
+  (:meth:`~stability.monitor.monitor.Monitor.rewind`: detector statistics kept, LR-jump state
+  reset) and judges the new values.
 
 State (``state=``): the monitor's :meth:`~stability.monitor.monitor.Monitor.state_dict`, every
 source's
-offsets and the unjudged rows, written atomically (temporary file + ``os.replace``) every
-``save_every`` seconds and on exit; loaded at start, so a restarted watcher neither re-warms its
-detectors nor judges a step twice.
+offsets and the unjudged rows, written atomically (an ``O_EXCL`` temporary file + ``os.replace``;
+an existing file is replaced only if it is a JSON object) every ``save_every`` seconds and on
+exit; loaded at start, so a restarted watcher neither re-warms its detectors nor judges a step
+twice.  A save that fails (a full disk) is reported once and retried at the next save: the
+watcher goes on.  A damaged state file is refused with "unusable watch state" (never a
+traceback).
+
+Survival: a source that is not a regular file (a FIFO, a device) is reported and not read (an
+``open`` on a FIFO without a writer would block forever); a line that cannot be parsed (a stray
+CR in a CSV row) is counted and skipped; hooks run concurrently and never hold up a poll
+(:class:`~replay.watch_actions.HookRunner`); SIGTERM ends the loop within a poll slice (0.1 s),
+kills the hooks still running (their process groups) and saves the state.
 
 Known limits: a step the job logs only after a later step (more than one poll late) is dropped
 as already seen; a Megatron ``OVERFLOW`` line read just before a watcher restart is not carried
@@ -85,7 +96,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from replay.watch_actions import HOOK_KINDS, WatchActions, _atomic_write, parse_hooks
+from replay.watch_actions import HOOK_KINDS, HookRunner, WatchActions, _atomic_write, parse_hooks
 from replay.watch_actions import format_decision as format_decision
 from replay.watch_sources import FORMATS, Row, detect_watch_format, make_source
 from stability.types import Decision
@@ -168,6 +179,11 @@ class Watcher(WatchActions):
         for k in self.hooks:
             if k not in HOOK_KINDS:
                 raise ValueError(f"unknown hook kind {k!r}; known: {', '.join(HOOK_KINDS)}")
+        from stability.outputs.safe_files import check_replaceable, json_object
+
+        for path in (control_file, state):  # ours to replace, or refused now (clear error)
+            if path is not None:
+                check_replaceable(path, json_object)
         self.control_file = control_file
         self.exporter = exporter
         self.echo = echo
@@ -193,6 +209,8 @@ class Watcher(WatchActions):
         self.resumes = 0
         self.hook_runs = 0
         self.hook_failures = 0
+        self.hook_runner = HookRunner(hook_timeout, self._hook_failed)
+        self.save_failures = 0
         self._loaded_sources: dict[str, Any] = {}
         if state is not None and os.path.exists(state):
             self._load(state)
@@ -210,14 +228,26 @@ class Watcher(WatchActions):
                 "memory": [[s, m] for s, m in mem], "prev": dict(self._prev),
                 "control": self._last_control,
                 "counts": {"steps_judged": self.steps_judged, "already_seen": self.already_seen,
-                           "resumes": self.resumes}}
+                           "resumes": self.resumes},
+                "stop_hooked": self.stop_hooked}
 
     def save(self) -> None:
-        """Write the state file now (atomically); no-op without ``state``."""
+        """Write the state file now (atomically); no-op without ``state``.
+
+        A failure (a full disk, a read-only directory) is reported once and retried at the
+        next save: the watcher goes on.
+        """
         if self.state_path is None:
             return
-        _atomic_write(self.state_path, json.dumps(self.state_dict()))
         self._saved_at = time.monotonic()
+        try:
+            _atomic_write(self.state_path, json.dumps(self.state_dict()))
+        except OSError as exc:
+            self.save_failures += 1
+            if self.save_failures == 1:
+                logger.warning("cannot save the watch state to %s (%s); the watcher goes on "
+                               "and retries at the next save (reported once)", self.state_path,
+                               exc)
 
     def _load(self, path: str) -> None:
         try:
@@ -242,9 +272,25 @@ class Watcher(WatchActions):
             self.steps_judged = int(c.get("steps_judged", 0))
             self.already_seen = int(c.get("already_seen", 0))
             self.resumes = int(c.get("resumes", 0))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{path}: unusable watch state ({exc}); move it away to start "
-                             "afresh") from None
+            sh = st.get("stop_hooked")
+            self.stop_hooked = None if sh is None else int(sh)
+            for spec, saved in self._loaded_sources.items():
+                self._check_source_state(spec, saved)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError,
+                RecursionError) as exc:
+            raise ValueError(f"{path}: unusable watch state ({type(exc).__name__}: {exc}); "
+                             "move it away to start afresh") from None
+
+    def _check_source_state(self, spec: str, saved: Any) -> None:
+        """A saved source state loads into a fresh source of that spec (else ``ValueError``)."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"source {spec!r}: a {type(saved).__name__}, not a mapping")
+        src = make_source(spec, self.format, self.step_column)
+        if src is not None:
+            try:
+                src.load_state_dict(saved)
+            finally:
+                src.close()
 
     # ------------------------------------------------------------------ reading
     def _source(self, spec: str) -> Any:
@@ -260,6 +306,7 @@ class Watcher(WatchActions):
 
     def poll(self) -> list[Decision]:
         """Read every source once, judge what is ready; returns the new decisions."""
+        self.hook_runner.reap()
         rows: list[Row] = []
         for spec in self.specs:
             src = self._source(spec)
@@ -322,7 +369,8 @@ class Watcher(WatchActions):
                 out += self._release(everything=True)  # the stream went back: settle first
             if step <= self.hw:
                 old = self._memory.get(step)
-                if old is None or not _differs(old, metrics):
+                went_back = prev is not None and step <= prev  # this stream, not another
+                if old is None or not went_back or not _differs(old, metrics):
                     self.already_seen += 1
                     continue
                 out += self._release(everything=True)
@@ -333,6 +381,7 @@ class Watcher(WatchActions):
     def _resume(self, step: int) -> None:
         """The job re-ran ``step`` (restarted from a checkpoint): judge from there again."""
         self.resumes += 1
+        self.stop_hooked = None  # the job came back: a new stop is news
         self._backlog_max = min(self._backlog_max, step - 1)  # a re-run is news
         self.monitor.rewind(step - 1)
         self.hw = step - 1
@@ -382,8 +431,8 @@ class Watcher(WatchActions):
                 if once:
                     if collect:
                         out += ds
-                    if self._last_rows and not self._stop:
-                        continue  # a long backlog: read on until nothing new
+                    if (self._last_rows or self._more()) and not self._stop:
+                        continue  # a long backlog (maybe of non-metric lines): read to EOF
                     ds = self.flush()
                     out += ds if collect else []
                     break
@@ -397,8 +446,12 @@ class Watcher(WatchActions):
                 while not self._stop and time.monotonic() < wake:
                     time.sleep(min(0.1, poll))
         except KeyboardInterrupt:
-            pass
+            self._stop = True
         finally:
+            if self._stop:
+                self.hook_runner.cancel()  # SIGTERM: never wait for a hook
+            else:
+                self.hook_runner.finish(self.hook_timeout)
             self.save()
             ev = getattr(self.monitor, "event_log", None)
             if ev is not None:
@@ -406,8 +459,13 @@ class Watcher(WatchActions):
         return out
 
     def stop(self) -> None:
-        """Ask :meth:`run` to return after the current poll (safe from a signal handler)."""
+        """Ask :meth:`run` to return after the current poll (safe from a signal handler); the
+        hooks still running are killed on the way out."""
         self._stop = True
+
+    def _more(self) -> bool:
+        """Some source stopped at its byte budget: bytes remain to read."""
+        return any(getattr(src, "more", False) for src in self._sources.values())
 
     def close(self) -> None:
         """Close the files held open."""
@@ -423,12 +481,26 @@ class Watcher(WatchActions):
                 f"{c['alarm_steps']} steps, {c['interventions']} interventions")
 
 
+#: relative difference under which two values of one metric are the same (text formats round:
+#: ``%.6g`` in a CSV)
+SAME_REL = 1e-5
+
+
 def _differs(old: Mapping[str, float], new: Mapping[str, float]) -> bool:
-    """Some metric both rows hold has another value (NaN equals NaN)."""
+    """Some metric both rows hold has another value (NaN equals NaN; values within a relative
+    :data:`SAME_REL` are equal).
+
+    >>> _differs({"loss": 2.3456789}, {"loss": 2.34568}), _differs({"loss": 2.0}, {"loss": 2.5})
+    (False, True)
+    """
     for k, v in new.items():
         o = old.get(k)
         if o is None:
             continue
-        if not (o == v or (math.isnan(o) and math.isnan(v))):
+        if math.isnan(o) or math.isnan(v):
+            if math.isnan(o) and math.isnan(v):
+                continue
+            return True
+        if not (o == v or math.isclose(o, v, rel_tol=SAME_REL)):
             return True
     return False

@@ -4,21 +4,30 @@ Hook specs (``--on KIND=COMMAND``, :func:`parse_hooks`) name an intervention typ
 (every alarm step) or ``any`` (every intervention); :class:`WatchActions` runs them, writes the
 control file atomically and echoes one line per decision (:func:`format_decision`). A failing
 or hanging command, or an unwritable control file, is reported and never stops the watcher.
+
+Hooks never hold the watcher up (:class:`HookRunner`): each command starts in its own process
+group and runs while the watcher goes on reading (at most ``max_running`` at once, the rest
+queued, a bounded queue); one running past ``hook_timeout`` is killed with its whole process
+group (``sh -c`` children included).  On SIGTERM the watcher kills what is still running and
+exits; at the end of ``--once`` it waits for them (up to ``hook_timeout``).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from stability.outputs.safe_files import atomic_write, json_object
 from stability.types import INTERVENTION_TYPES, Decision
 
-__all__ = ["HOOK_KINDS", "WatchActions", "format_decision", "parse_hooks"]
+__all__ = ["HOOK_KINDS", "HookRunner", "WatchActions", "format_decision", "parse_hooks"]
 
 logger = logging.getLogger("stability.watch")
 
@@ -50,20 +59,111 @@ def parse_hooks(specs: Iterable[str]) -> dict[str, str]:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file in the same folder + replace)."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    """Write ``text`` to ``path`` atomically: an ``O_EXCL`` temporary file with a random name,
+    replacing only a file of ours (a JSON object) -- see :mod:`stability.outputs.safe_files`."""
+    atomic_write(path, text.encode("utf-8"), ours=json_object)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen[bytes], grace: float = 0.5) -> None:
+    """SIGTERM the process group of ``proc``, SIGKILL it after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # the group leader exited; its children may linger: end them too
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class HookRunner:
+    """Shell hooks run concurrently, each in its own process group, bounded in time and number.
+
+    :meth:`start` never waits; :meth:`reap` (every poll) collects finished hooks, kills those
+    past ``timeout`` (the whole group) and starts queued ones; :meth:`finish` waits for the
+    rest; :meth:`cancel` kills them (SIGTERM).  ``on_failure(label, message)`` is called for
+    every hook that fails, times out or is dropped.
+    """
+
+    def __init__(self, timeout: float, on_failure: Callable[[str, str], None],
+                 max_running: int = 4, max_queued: int = 256) -> None:
+        self.timeout = float(timeout)
+        self.on_failure = on_failure
+        self.max_running = int(max_running)
+        self.max_queued = int(max_queued)
+        self.running: list[tuple[str, subprocess.Popen[bytes], float]] = []
+        self.queued: collections.deque[tuple[str, str, dict[str, str]]] = collections.deque()
+
+    def start(self, label: str, cmd: str, env: Mapping[str, str]) -> None:
+        """Queue ``cmd`` (started at once when a slot is free)."""
+        if len(self.queued) >= self.max_queued:
+            self.on_failure(label, "dropped: too many hooks waiting")
+            return
+        self.queued.append((label, cmd, dict(env)))
+        self.reap()
+
+    def reap(self) -> None:
+        """Collect finished hooks, kill timed-out ones, start queued ones (never waits)."""
+        now = time.monotonic()
+        still = []
+        for label, proc, deadline in self.running:
+            rc = proc.poll()
+            if rc is None and now >= deadline:
+                _kill_group(proc)
+                self.on_failure(label, f"timed out after {self.timeout:g} s (killed with its "
+                                       "process group)")
+            elif rc is None:
+                still.append((label, proc, deadline))
+            elif rc != 0:
+                self.on_failure(label, f"exited with status {rc}")
+        self.running = still
+        while self.queued and len(self.running) < self.max_running:
+            label, cmd, env = self.queued.popleft()
+            try:
+                proc = subprocess.Popen(cmd, shell=True, env=env, start_new_session=True)
+            except OSError as exc:
+                self.on_failure(label, f"failed to start: {exc}")
+                continue
+            self.running.append((label, proc, time.monotonic() + self.timeout))
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait for every hook (queued ones too) up to ``timeout`` seconds, then cancel."""
+        end = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while (self.running or self.queued) and time.monotonic() < end:
+            self.reap()
+            time.sleep(0.02)
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Kill every running hook's process group (all signalled at once, SIGKILL after
+        0.2 s); drop the queued ones (reported)."""
+        live = [(label, proc) for label, proc, _ in self.running if proc.poll() is None]
+        for _, proc in live:
+            _signal_group(proc, signal.SIGTERM)
+        end = time.monotonic() + 0.2
+        for label, proc in live:
+            try:
+                proc.wait(max(end - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_group(proc, grace=0.0)  # (the leader's children too)
+            self.on_failure(label, "killed: the watcher is stopping")
+        self.running = []
+        while self.queued:
+            self.on_failure(self.queued.popleft()[0], "not run: the watcher is stopping")
 
 
 class WatchActions:
@@ -78,10 +178,14 @@ class WatchActions:
     control_file: str | None
     hooks: dict[str, str]
     hook_timeout: float
+    hook_runner: HookRunner
     hook_runs: int
     hook_failures: int
     _muted: bool
     _last_control: dict[str, Any] | None
+    #: step whose stop ran the stop hook (a stop stands: the monitor repeats it every later
+    #: step until the job is gone); ``None`` until then, again after a resume
+    stop_hooked: int | None = None
 
     def _handle(self, d: Decision) -> None:
         if self.exporter is not None:
@@ -105,8 +209,20 @@ class WatchActions:
                 self._run_hook("alarm", d, a.kind, a.message or f"{a.kind} on {a.signal}", "")
             for iv in d.interventions:
                 cmd_kind = iv.type if iv.type in self.hooks else "any"
-                if cmd_kind in self.hooks:
-                    self._run_hook(cmd_kind, d, iv.type, iv.reason, getattr(iv, "cause", ""))
+                if cmd_kind not in self.hooks or self._repeated_stop(iv.type, d.step):
+                    continue
+                self._run_hook(cmd_kind, d, iv.type, iv.reason, getattr(iv, "cause", ""))
+
+    def _repeated_stop(self, kind: str, step: int) -> bool:
+        """Whether this is a stop after the one whose hook already ran (hooks fire once per
+        intervention: the stop the monitor keeps asking for on the steps the job still logs
+        is the same one)."""
+        if kind != "stop":
+            return False
+        if self.stop_hooked is not None and step > self.stop_hooked:
+            return True
+        self.stop_hooked = step
+        return False
 
     def _write_control(self, d: Decision) -> None:
         ctrl = d.control.to_dict()
@@ -116,7 +232,7 @@ class WatchActions:
         try:
             _atomic_write(self.control_file, json.dumps(doc))  # type: ignore[arg-type]
             self._last_control = ctrl
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # a full disk; a foreign file put there since
             logger.warning("cannot write the control file %s: %s", self.control_file, exc)
 
     def _run_hook(self, hook: str, d: Decision, kind: str, reason: str, cause: str) -> None:
@@ -124,16 +240,11 @@ class WatchActions:
                    STABILITY_REASON=reason, STABILITY_CAUSE=cause,
                    STABILITY_CONTROL=json.dumps(d.control.to_dict()))
         self.hook_runs += 1
-        try:
-            r = subprocess.run(self.hooks[hook], shell=True, env=env, timeout=self.hook_timeout,
-                               check=False)
-            if r.returncode != 0:
-                self.hook_failures += 1
-                logger.warning("hook %s (step %d) exited with status %d", hook, d.step,
-                               r.returncode)
-        except (OSError, subprocess.SubprocessError) as exc:
-            self.hook_failures += 1
-            logger.warning("hook %s (step %d) failed: %s", hook, d.step, exc)
+        self.hook_runner.start(f"hook {hook} (step {d.step})", self.hooks[hook], env)
+
+    def _hook_failed(self, label: str, message: str) -> None:
+        self.hook_failures += 1
+        logger.warning("%s %s", label, message)
 
 
 

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -106,6 +107,7 @@ class _Tail:
         self._fresh = True  # the next data starts at byte 0 of a file
         self.budget = POLL_BYTES
         self.more = False  # the last poll stopped at the byte budget
+        self._not_regular = False  # reported once: a FIFO / device is never opened
 
     # -- state
     def state_dict(self) -> dict[str, Any]:
@@ -182,12 +184,21 @@ class _Tail:
             st = os.stat(self.path)
         except FileNotFoundError:
             return  # rotated away, the new file is not there yet
+        if not stat.S_ISREG(st.st_mode):
+            # a FIFO without a writer would block open() forever (and SIGTERM with it); a
+            # device never ends: only regular files are followed
+            if not self._not_regular:
+                self._not_regular = True
+                logger.warning("%s is not a regular file (a FIFO or a device); not read. "
+                               "Point watch at the file the job writes.", self.path)
+            return
+        self._not_regular = False
         ident = (st.st_dev, st.st_ino)
         if self.fd is None or ident != self.ident:
             if self.fd is not None or (self.ident is not None and ident != self.ident):
                 self._restart()  # rotation: a new file at this path
             self.close()
-            self.fd = os.open(self.path, os.O_RDONLY)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # (never blocks)
             self.ident = (os.fstat(self.fd).st_dev, os.fstat(self.fd).st_ino)
         fd = self.fd
         size = os.fstat(fd).st_size
@@ -322,7 +333,12 @@ class _LineSource:
 
     def _csv(self, lines: Sequence[str]) -> None:
         delim = "\t" if self.path.lower().endswith(".tsv") else ","
-        for cells in csv.reader(lines, delimiter=delim):
+        for line in lines:
+            try:  # one line at a time: a stray CR or quote spoils that row only
+                cells = next(csv.reader([line.removesuffix("\r")], delimiter=delim), [])
+            except csv.Error as exc:
+                self._bad(f"unreadable CSV row {line[:60]!r} ({exc})")
+                continue
             if not cells:
                 continue
             if self.header is None:

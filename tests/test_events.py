@@ -59,7 +59,8 @@ def test_fsync_only_on_critical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     log.intervention(Checkpoint(2, healthy=False))
     log.intervention(Rollback(2, to_step=1))
     log.intervention(Stop(2, "bye"))
-    assert len(calls) == 4
+    assert log.wait_synced(5.0)  # fsynced by the syncer thread, in groups
+    assert 1 <= len(calls) <= 4
     log.close()
     log.close()  # idempotent
     # after close: dropped with a one-time warning, never raised into the training loop

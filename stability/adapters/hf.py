@@ -318,8 +318,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             self.guard.detach()  # sync="deferred": observes the last step
             self._note_stop(None)
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
-        if record is not None:
-            record()
+        if self.guard is None and record is not None:
+            record()  # (a guard records it itself in detach(): the end of training)
 
     # ------------------------------------------------------------------ per step
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -389,8 +389,11 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             "" if params_finite(guard.model.parameters()) else "non-finite weights")
         if bad:
             if control.should_save or emergency:
-                log.warning("stability: checkpoint at trainer step %d cancelled (%s)",
-                            state.global_step, bad)
+                what = "emergency checkpoint requested" if emergency else "checkpoint due"
+                log.warning("stability: %s at trainer step %d not written: %s (the last good "
+                            "checkpoint stays the rollback target)", what, state.global_step,
+                            "the weights were just rolled back" if rolled else
+                            "the weights are non-finite")
                 self.cancelled_saves.append(int(state.global_step))
             control.should_save = False
             return

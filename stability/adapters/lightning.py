@@ -275,8 +275,8 @@ class StabilityCallback(pl.Callback):
             if self.guard.stopped is not None and self.stopped is None:
                 self.stopped = self.guard.stopped
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
-        if record is not None:
-            record()
+        if self.guard is None and record is not None:
+            record()  # (a guard records it itself in detach(): the end of training)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
@@ -351,8 +351,11 @@ class StabilityCallback(pl.Callback):
         bad = "rolled back" if rolled else (
             "" if params_finite(guard.model.parameters()) else "non-finite weights")
         if bad:
-            log.warning("stability: checkpoint at trainer step %d not written (%s)",
-                        trainer.global_step, bad)
+            what = "emergency checkpoint requested" if emergency else "checkpoint due"
+            log.warning("stability: %s at trainer step %d not written: %s (the last good "
+                        "checkpoint stays the rollback target)", what, trainer.global_step,
+                        "the weights were just rolled back" if rolled else
+                        "the weights are non-finite")
             self.cancelled_saves.append(int(trainer.global_step))
             return
         assert self.checkpoint_dir is not None

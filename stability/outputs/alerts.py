@@ -5,8 +5,19 @@ posts from a background thread through a bounded queue, with a wall-clock deadli
 (connect, send, status line and headers together: a server that trickles bytes cannot hold a
 request past ``timeout``, see :mod:`stability.outputs.http_deadline`), rate limiting (at most
 ``max_per_window`` warnings per ``window_s`` seconds; the rest are coalesced into a count that
-rides on the next message) and escalation (critical alerts always go, ahead of warnings).
+rides on the next message) and escalation (critical alerts go ahead of warnings).
 Failures are reported once through :mod:`logging` and counted in ``stats``.
+
+Storms stay bounded in every sink (:class:`EpisodeGate`): alerts of one severity whose steps
+lie within ``gap_steps`` of each other form an episode; the first ``max_per_episode`` of an
+episode go out, the rest are coalesced into a count that rides on the next alert that goes (a
+reminder every ``remind_s`` seconds while the episode lasts, the next episode, or close).  A
+1,000-step NaN storm is a handful of messages, not 1,000.
+
+Text from the run (metric names, messages) is made inert on the way out: control characters are
+escaped (a newline in a metric name cannot forge a line in the log or the file sink) and, in
+webhook payloads, ``&``, ``<`` and ``>`` are escaped (a metric named ``<!channel>`` cannot ping
+anyone).
 
 From configuration data: :func:`sinks_from_config` builds the sinks of an ``[alerts]`` table
 (the logging sink is on by default) and :func:`event_log_from_config` the
@@ -25,9 +36,11 @@ Examples
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
+import re
 import threading
 import time
 import urllib.error
@@ -48,21 +61,44 @@ def _rank(severity: str) -> int:
     return _ORDER.index(severity) if severity in _ORDER else 1
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def inert_text(text: str) -> str:
+    r"""``text`` on one line: control characters (newlines, escapes) written as ``\xNN``.
+
+    >>> print(inert_text("loss\n[stability] CRITICAL forged"))
+    loss\x0a[stability] CRITICAL forged
+    """
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
+def chat_escape(text: str) -> str:
+    """Escape ``&``, ``<``, ``>`` (Slack's control characters: ``<!channel>``, links).
+
+    >>> chat_escape("<!channel> a&b")
+    '&lt;!channel&gt; a&amp;b'
+    """
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def format_slack(alert: Alert, suppressed: int = 0, mention: str = "") -> dict[str, Any]:
     """Slack incoming-webhook payload: ``text`` (notification fallback) + one mrkdwn block.
+
+    Text from the run is escaped (:func:`chat_escape`); only ``mention`` is left as markup.
 
     >>> a = Alert(7, "L3", severity="critical", message="nonfinite(loss) -> skip")
     >>> p = format_slack(a, 0, "<!here>")
     >>> p["text"]
-    '<!here> :rotating_light: [stability] CRITICAL step 7: nonfinite(loss) -> skip'
+    '<!here> :rotating_light: [stability] CRITICAL step 7: nonfinite(loss) -&gt; skip'
     >>> p["blocks"][0]["text"]["text"].splitlines()[0]
     '<!here> :rotating_light: *stability* CRITICAL at step 7'
     """
     icon = {"critical": ":rotating_light:", "warning": ":warning:"}.get(alert.severity,
                                                                         ":information_source:")
     lead = f"{mention} " if mention and alert.severity == "critical" else ""
-    text = f"{lead}{icon} {format_alert(alert)}"
-    body = alert.message or alert.reason
+    text = f"{lead}{icon} {chat_escape(format_alert(alert))}"
+    body = chat_escape(inert_text(alert.message or alert.reason)).replace("`", "'")
     lines = [f"{lead}{icon} *stability* {alert.severity.upper()} at step {alert.step}",
              f"```{body}```"]
     if suppressed:
@@ -85,7 +121,77 @@ def format_alert(alert: Alert, prefix: str = "[stability]") -> str:
     if text.startswith(head):
         text = text[len(head):]
     cause = f" (cause: {alert.cause})" if getattr(alert, "cause", "") else ""
-    return f"{prefix} {alert.severity.upper()} step {alert.step}{cause}: {text}"
+    return inert_text(f"{prefix} {alert.severity.upper()} step {alert.step}{cause}: {text}")
+
+
+class EpisodeGate:
+    """Bound an alert storm: per severity, at most ``max_per_episode`` alerts of an episode.
+
+    Only alerts of ``severities`` are gated (the webhook gates criticals: its warnings have
+    their own rate limit).  An episode is a run of alerts of one severity whose steps lie
+    within ``gap_steps`` of the previous one (either way: a rollback sends the step back).
+    Past ``max_per_episode``, an alert goes only if ``remind_s`` seconds passed since the last
+    one that went; the others are coalesced and their count rides on the next alert that goes
+    (:meth:`admit` returns it).
+
+    >>> g = EpisodeGate(max_per_episode=2, gap_steps=10, remind_s=3600)
+    >>> [g.admit(Alert(s, "x", severity="critical"))[0] for s in range(5)]
+    [True, True, False, False, False]
+    >>> g.admit(Alert(100, "x", severity="critical"))   # a new episode: 3 were coalesced
+    (True, 3)
+    """
+
+    def __init__(self, max_per_episode: int = 3, gap_steps: int = 100, remind_s: float = 60.0,
+                 clock: Callable[[], float] | None = None,
+                 severities: Iterable[str] = ("warning", "critical")) -> None:
+        if max_per_episode < 1 or gap_steps < 0 or remind_s <= 0:
+            raise ValueError("EpisodeGate needs max_per_episode >= 1, gap_steps >= 0 and "
+                             "remind_s > 0.")
+        self.max_per_episode = int(max_per_episode)
+        self.gap_steps = int(gap_steps)
+        self.remind_s = float(remind_s)
+        self.clock = clock or time.monotonic
+        self.severities = frozenset(severities)  # the others always go
+        # severity -> [last step, sent in this episode, coalesced since the last sent, t sent]
+        self._state: dict[str, list[float]] = {}
+
+    def admit(self, alert: Alert) -> tuple[bool, int]:
+        """``(goes, coalesced)``: whether ``alert`` goes out, and how many alerts coalesced
+        before it that its message should mention (0 when it does not go)."""
+        if alert.severity not in self.severities:
+            return True, 0
+        now = self.clock()
+        st = self._state.get(alert.severity)
+        if st is None or abs(int(alert.step) - st[0]) > self.gap_steps or alert.step < 0:
+            pending = 0 if st is None else int(st[2])
+            self._state[alert.severity] = [int(alert.step), 1, 0, now]
+            return True, pending
+        st[0] = int(alert.step)
+        if st[1] < self.max_per_episode or now - st[3] >= self.remind_s:
+            pending = int(st[2])
+            st[1], st[2], st[3] = st[1] + 1, 0, now
+            return True, pending
+        st[2] += 1
+        return False, 0
+
+    def pending(self) -> int:
+        """Alerts coalesced and not yet mentioned by any alert that went out."""
+        return int(sum(st[2] for st in self._state.values()))
+
+    def take_pending(self) -> int:
+        """:meth:`pending`, and forget them (they are reported now)."""
+        n = self.pending()
+        for st in self._state.values():
+            st[2] = 0
+        return n
+
+
+def _with_count(alert: Alert, coalesced: int) -> Alert:
+    """``alert`` whose message mentions ``coalesced`` alerts that did not go out."""
+    if not coalesced:
+        return alert
+    note = f" (+{coalesced} more alerts of this episode coalesced)"
+    return dataclasses.replace(alert, message=(alert.message or alert.reason) + note)
 
 
 class AlertSink:
@@ -93,17 +199,33 @@ class AlertSink:
 
     name = "sink"
 
-    def __init__(self) -> None:
+    def __init__(self, gate: EpisodeGate | None = None) -> None:
         self.stats: collections.Counter[str] = collections.Counter()
         self._reported = False
+        self.gate = gate if gate is not None else EpisodeGate()
 
     def send(self, alert: Alert) -> None:
-        """Deliver ``alert`` (or queue it); never raises."""
+        """Deliver ``alert`` (or queue it) unless its episode's storm bound coalesces it;
+        never raises."""
         try:
-            self._send(alert)
+            goes, coalesced = self.gate.admit(alert)
+            if not goes:
+                self.stats["coalesced"] += 1
+                return
+            self._send(_with_count(alert, coalesced))
             self.stats["sent"] += 1
         except Exception as e:  # a sink must never break training
             self._failed(e)
+
+    def _report_coalesced(self) -> None:
+        """At close: one last alert with the count of coalesced alerts not yet mentioned."""
+        n = self.gate.take_pending()
+        if n:
+            try:
+                self._send(Alert(-1, "storm", severity="warning",
+                                 message=f"{n} more alerts of the last episode were coalesced"))
+            except Exception as e:
+                self._failed(e)
 
     def _send(self, alert: Alert) -> None:
         raise NotImplementedError
@@ -116,7 +238,9 @@ class AlertSink:
                            "counted, not reported.", self.name, type(e).__name__, e)
 
     def close(self, timeout: float | None = None) -> None:
-        """Release resources (flushing what is pending within ``timeout`` seconds)."""
+        """Release resources (flushing what is pending within ``timeout`` seconds); the count
+        of coalesced alerts not yet mentioned goes out in one last message."""
+        self._report_coalesced()
 
 
 class LoggingSink(AlertSink):
@@ -206,8 +330,10 @@ class WebhookSink(AlertSink):
         ``"plain"`` posts ``{"text": ...}`` (what Slack, Mattermost, Teams-compatible and most
         chat webhooks accept); ``"slack"`` adds an icon and a mrkdwn block (:func:`format_slack`).
     escalate : bool
-        Critical alerts bypass the rate limit and go ahead of queued warnings (default); with
-        ``False`` they are rate limited like warnings.
+        Critical alerts bypass the warnings' rate limit and go ahead of queued warnings
+        (default); with ``False`` they are rate limited like warnings.  Either way a storm of
+        them is bounded per episode (:class:`EpisodeGate`: 3 per episode, then one reminder a
+        minute, the rest coalesced into the count of the next message).
     mention : str
         Prefixed to critical alerts, e.g. ``"<!here>"`` or ``"<@U123>"`` (escalation to people).
     """
@@ -236,6 +362,7 @@ class WebhookSink(AlertSink):
         self.min_severity = min_severity
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self.limiter = RateLimiter(max_per_window, window_s, clock)
+        self.gate = EpisodeGate(clock=clock, severities=("critical",))
         self._queue: collections.deque[tuple[Alert, int]] = collections.deque()
         self._cond = threading.Condition()
         self._suppressed = 0
@@ -256,6 +383,10 @@ class WebhookSink(AlertSink):
             with self._cond:
                 if self._stop:
                     self.stats["dropped"] += 1
+                    return
+                if not self.gate.admit(alert)[0]:  # the episode's storm bound (criticals too)
+                    self._suppressed += 1  # (one count here: it rides on the next message)
+                    self.stats["coalesced"] += 1
                     return
                 if not self.limiter.allow(force=critical):
                     self._suppressed += 1
@@ -303,7 +434,7 @@ class WebhookSink(AlertSink):
         if self.format == "slack":
             payload = format_slack(alert, suppressed, self.mention)
         else:
-            text = format_alert(alert)
+            text = chat_escape(format_alert(alert))
             if self.mention and alert.severity == "critical":
                 text = f"{self.mention} {text}"
             if suppressed:
