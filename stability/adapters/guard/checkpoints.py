@@ -33,7 +33,7 @@ from stability.run.goodput import GoodputTracker
 if TYPE_CHECKING:
     from stability.adapters.torch import TorchGuard
 
-__all__ = ["GuardCheckpoints", "find_ledger", "note_goodput"]
+__all__ = ["GuardCheckpoints", "find_ledger", "note_goodput", "policy_anchors"]
 
 log = logging.getLogger("stability.adapters")
 
@@ -45,6 +45,19 @@ def find_ledger(monitor: Any) -> CheckpointLedger | None:
         if isinstance(led, CheckpointLedger):
             return led
     return None
+
+
+def policy_anchors(monitor: Any) -> list[int]:
+    """The steps before which the monitor's policy may still need a checkpoint (its
+    ``rollback_anchors()``; none without a policy); never raises."""
+    anchors = getattr(getattr(monitor, "policy", None), "rollback_anchors", None)
+    if anchors is None:
+        return []
+    try:
+        return [int(a) for a in anchors()]
+    except Exception:  # bookkeeping must never kill the run
+        log.debug("rollback_anchors failed", exc_info=True)
+        return []
 
 
 def note_goodput(goodput: GoodputTracker | None, method: str, *args: Any) -> None:
@@ -204,10 +217,11 @@ class GuardCheckpoints:
         open episode's onset, the best validation point) and before now.
         """
         led = self.ledger
-        anchors = getattr(getattr(self.guard.monitor, "policy", None), "rollback_anchors", None)
+        sync = self.guard.sync  # several ranks: the anchors of all of them (same everywhere)
+        anchors = policy_anchors(self.guard.monitor) if sync is None else list(sync.anchors)
         out = set()
         margin = self._margin()
-        for at in [*(anchors() if anchors is not None else ()), self.guard.step_count]:
+        for at in [*anchors, self.guard.step_count]:
             try:
                 rec = led.latest_healthy_before(int(at), margin)
             except Exception:  # bookkeeping must never kill the run
