@@ -22,6 +22,17 @@ Usage::
 
     python benchmarks/bench_field.py                       # every trainer, seed 0
     python benchmarks/bench_field.py --trainers torch --precisions fp16 --faults clean,nan_weight
+    python benchmarks/bench_field.py --only scenarios      # the scenario table alone
+
+**Scenarios** (``--only scenarios``; after the matrix by default): a pass/fail table of what a
+user does with a guarded run's own trainer logs (:mod:`field_logs`): for torch (JSONL of
+``guard.metrics()``), HF (``trainer_state.json``, TensorBoard) and Lightning (CSV,
+TensorBoard), clean and faulty runs are replayed and watched with the default preset -- a
+clean run's logs must give 0 alarms and 0 acting interventions (PASS / FAIL); for a faulty run
+the table says whether its logs show the fault (``seen``: at least one alarm; ``unseen``: the
+guard stopped the run between two logging steps, so no faulty value was logged) -- and
+``tune -> replay``: a config tuned on ``data/runs`` must keep the default's stop of the bundled
+``overfit`` run.
 
 ``bare`` is the final loss of the same faulty run without any guard (when the trainer module
 has ``unguarded(precision, fault, seed)``): what the fault does to an unprotected run.
@@ -96,13 +107,88 @@ def verdict(row: dict[str, Any], fault: str) -> str:
     return "ok" if not bad else ",".join(bad)
 
 
+def log_scenarios(trainers: list[str], faults: list[str], seed: int) -> list[tuple[str, str]]:
+    """``(scenario, verdict)`` rows: replay / watch of each stack's own logs (module docstring)."""
+    import tempfile
+
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import field_logs
+
+    rows = []
+    for trainer in trainers:
+        for fault in faults:
+            with tempfile.TemporaryDirectory(prefix=f"field_{trainer}_") as d:
+                try:
+                    judged = field_logs.judge_logs(field_logs.MAKERS[trainer](d, fault, seed))
+                except ImportError as exc:
+                    rows.append((f"{trainer} {fault}", f"skipped ({exc})"))
+                    continue
+            for log, r in judged.items():
+                alarms = r["replay_alarms"] + r["watch_alarms"]
+                acting = r["replay_acting"] + r["watch_acting"]
+                read = r["steps"] > 0 and r["watch_steps"] > 0
+                if fault == "clean":
+                    verdict = "PASS" if read and alarms == acting == 0 else "FAIL"
+                elif not read:
+                    verdict = "FAIL"
+                else:  # informational: a trainer logs every N steps; a guard that stopped the
+                    # run between two logging steps leaves no faulty value in the log
+                    verdict = "seen" if r["replay_alarms"] else "unseen"
+                rows.append((f"{trainer} {fault} replay+watch {log}",
+                             f"{verdict:6s} steps {r['steps']}/{r['watch_steps']}"
+                             f"  alarms {r['replay_alarms']}/{r['watch_alarms']}"
+                             f"  acting {r['replay_acting']}/{r['watch_acting']}"))
+    rows.append(("tune data/runs -> replay overfit", tune_then_replay()))
+    return rows
+
+
+def tune_then_replay() -> str:
+    """Tune on the bundled runs, replay ``overfit`` with the default and the tuned config."""
+    import contextlib
+    import io
+    import tempfile
+
+    from replay.cli import main as cli
+    from replay.replay import replay_run
+
+    data = HERE.parent / "data"
+    if not (data / "runs" / "overfit").exists():
+        return "skipped (no data/runs)"
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "tuned.toml"
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli(["tune", str(data / "runs"), "--labels", str(data / "labels.parquet"),
+                 "--budget", "5", "--folds", "0", "-o", str(out)])
+        stops = []
+        for cfg in ("default", str(out)):
+            ivs = replay_run(data / "runs" / "overfit", cfg).interventions
+            stops.append(min((i.step for i in ivs if i.type == "stop"), default=None))
+    ok = stops[0] is not None and stops[0] == stops[1]
+    return f"{'PASS' if ok else 'FAIL'}  stop step default {stops[0]}, tuned {stops[1]}"
+
+
+def print_scenarios(args: argparse.Namespace) -> int:
+    print("\nscenario                                        verdict")
+    rows = log_scenarios(args.trainers.split(","), ["clean", "nan_weight"], args.seed)
+    for name, verdict in rows:
+        print(f"{name:47s} {verdict}", flush=True)
+    return sum(v.startswith("FAIL") for _, v in rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trainers", default=",".join(TRAINERS))
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", choices=("matrix", "scenarios"), default=None,
+                    help="run only the trainer matrix or only the scenario table")
     args = ap.parse_args(argv)
+    if args.only == "scenarios":
+        failing = print_scenarios(args)
+        print(f"\n{failing} failing scenario(s)")
+        return 1 if failing else 0
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
     header = (f"{'trainer':9s} {'prec':5s} {'fault':15s} {'resume':6s} {'final':>9s} "
               f"{'clean':>9s} {'bare':>9s} {'ratio':>6s} {'acting':>6s} {'stop':18s} "
@@ -150,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"{clean:9.4g} {bare} {ratio:6.3f} {row['acting_interventions']:6d} "
                           f"{stop:18s} {row['overhead_ms']:7.3f} {same:>4s} {v}", flush=True)
     print(f"\n{failures} failing cell(s); {time.perf_counter() - t_all:.0f} s")
+    if args.only is None:
+        failing = print_scenarios(args)
+        print(f"\n{failing} failing scenario(s)")
+        failures += failing
     return 1 if failures else 0
 
 

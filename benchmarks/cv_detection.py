@@ -60,6 +60,8 @@ from replay.tuning import Choice, Tuner
 HERE = Path(__file__).resolve().parent
 DEFAULT_SET = HERE / "data" / "bench14"
 DEFAULT_LONG = HERE / "data" / "bench14_clean_long"
+#: long clean small-batch SGD runs (issue 28: the runs whose natural spikes alarmed)
+DEFAULT_SGD = HERE / "data" / "bench28_sgd_small"
 
 
 class Fold(NamedTuple):
@@ -457,10 +459,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runs", default=str(DEFAULT_SET / "runs"), help="folder (or glob) of runs")
     p.add_argument("--labels", default=None,
                    help="labels file (default: labels.parquet next to the runs folder)")
-    p.add_argument("--long", default=str(DEFAULT_LONG / "runs" / "*.parquet"),
-                   help="folder (or glob) of long clean runs ('' for none)")
-    p.add_argument("--long-labels", default=str(DEFAULT_LONG / "labels.parquet"),
-                   help="their labels (architecture in column 'model'; missing = held out)")
+    p.add_argument("--long", default=",".join(str(d / "runs" / "*.parquet")
+                                              for d in (DEFAULT_LONG, DEFAULT_SGD)),
+                   help="comma-separated folders (or globs) of long clean runs ('' for none)")
+    p.add_argument("--long-labels", default=",".join(str(d / "labels.parquet")
+                                                     for d in (DEFAULT_LONG, DEFAULT_SGD)),
+                   help="their labels, comma-separated (architecture in column 'model'; "
+                        "missing = held out)")
     p.add_argument("--base", default="default", help="base config / preset (default %(default)s)")
     p.add_argument("--tuner", choices=("warm", "greedy"), default="warm",
                    help="warm: from the base thresholds (default); greedy: stability tune's")
@@ -490,9 +495,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"no runs found at {a.runs!r}")
     labels_path = Path(a.labels) if a.labels else Path(a.runs).parent / "labels.parquet"
     labels = dict(load_labels(labels_path))
-    long_runs = discover_runs(a.long) if a.long else []
-    if long_runs and a.long_labels and Path(a.long_labels).exists():
-        labels.update(load_labels(a.long_labels))
+    long_runs = [r for g in a.long.split(",") if g for r in discover_runs(g)]
+    for lp in (x for x in a.long_labels.split(",") if x):
+        if long_runs and Path(lp).exists():
+            labels.update(load_labels(lp))
     kinds = [k for k in a.folds.split(",") if k]
     if a.quick:
         keep = {f"bench_{i:03d}_" for i in range(8)}

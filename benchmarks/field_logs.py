@@ -86,7 +86,11 @@ def torch_logs(d: str, fault: str = "clean", seed: int = 0) -> dict[str, str]:
 
 
 def hf_logs(d: str, fault: str = "clean", seed: int = 0) -> dict[str, str]:
-    """HF ``Trainer`` with the callback, ``report_to=["tensorboard"]``."""
+    """HF ``Trainer`` with the callback, ``report_to=["tensorboard"]``.
+
+    ``logging_nan_inf_filter=False``: HF's default replaces a NaN/inf loss by the mean of the
+    previous ones before logging it, so a faulty run's logs would not show the fault at all.
+    """
     import transformers
     from field_hf import Data, Fault, Net
 
@@ -97,7 +101,7 @@ def hf_logs(d: str, fault: str = "clean", seed: int = 0) -> dict[str, str]:
     args = transformers.TrainingArguments(
         d, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=3e-3,
         weight_decay=0.0, max_grad_norm=1.0, logging_steps=5, save_strategy="steps",
-        save_steps=STEPS, report_to=["tensorboard"],
+        save_steps=STEPS, report_to=["tensorboard"], logging_nan_inf_filter=False,
         use_cpu=True, disable_tqdm=True, seed=seed, data_seed=seed, dataloader_num_workers=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(fault))

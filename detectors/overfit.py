@@ -38,8 +38,8 @@ from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, learns
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 # state rows: train EW mean/count, previous gap, validation points seen, ring position, stored
 # increments
@@ -163,10 +163,20 @@ class OverfitGap(BankDetector):
     (False, True)
     """
 
-    kind = "train_val_divergence"
     n_inputs = 2
     input_names = ("loss", "val_loss")
-    hyperparameters = ("alpha", "n_points", "warmup")
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "n_points": Int(2),
+        "warmup": Int(0),
+    }
+    n_points: int
+    kind = "train_val_divergence"
+    tuning_grid = {"alpha": (0.1, 0.2, 0.3), "n_points": (3, 4)}
+    summary = (
+        "The train/validation gap grew at each of the last 4 validation points (train falling, "
+        "val rising or stalled: memorisation).")
 
     def __init__(
         self,
@@ -177,12 +187,7 @@ class OverfitGap(BankDetector):
         threshold: float = 0.02,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.n_points = check_int(name, "n_points", n_points, 2)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))

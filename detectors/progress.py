@@ -24,8 +24,8 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 # state rows
 _COUNT, _REF_SUM, _EWM = 0, 1, 2
@@ -101,19 +101,23 @@ class NoProgress(BankDetector):
     300
     """
 
-    kind = "stall"
     param_layout = NoProgressParams
     kernel = staticmethod(_progress_kernel)
-    hyperparameters = ("window", "horizon", "alpha")
+
+    parameter_constraints = {
+        "window": Int(1),
+        "horizon": Int(1),
+        "alpha": Float(0.0, 1.0, low_open=True),
+    }
+    kind = "stall"
+    summary = (
+        "Loss not decreasing: an EW mean of the values over the mean of the first `window`, "
+        "scored once `horizon` values are seen (a run that never starts learning). Not bound by "
+        "default: a run watched from its plateau is healthy.")
 
     def __init__(self, n_series: int = 1, threshold: float = 0.97, window: int = 50,
                  horizon: int = 300, alpha: float = 0.02, freeze_on_alarm: bool = False):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.window = check_int(name, "window", window, 1)
-        self.horizon = check_int(name, "horizon", horizon, 1)
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((3, n))

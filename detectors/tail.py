@@ -5,17 +5,20 @@ variance exactly as :class:`~detectors.ewma.EWMAZScore` does (same recurrence, s
 warm-up, same winsorised updates), and adds two rules:
 
 Per-run tail calibration
-    Each series tracks a high quantile ``q`` (level ``tail_q``, 0.99 by default) of its own
-    *healthy* scores (scores that did not alarm, after warm-up) with a stochastic-approximation
-    quantile tracker (``q += tail_rate * tail_q`` when a score exceeds ``q``, ``q -= tail_rate *
-    (1 - tail_q)`` otherwise; never below the reference).  The reference ``tail_ref`` is the
-    same quantile of a standard normal score (2.33 for 0.99).  The reported score is the raw
-    z divided by ``max(1, min(tail_max, q / tail_ref))``: on a smooth run (Gaussian-like
-    noise, ``q`` at the reference) it is the plain z; on a spiky run -- small-batch SGD, whose
-    loss spikes now and then by 5-7 sigma without anything being wrong -- the same z counts for
-    less, in proportion to how far that run's own 99th percentile lies above a Gaussian's.  A
-    z of 7 on a run whose healthy 99th percentile is 4 scores 4.1; on a smooth run it scores 7.
-    The factor is capped at ``tail_max`` (3): a run cannot calibrate itself blind.
+    Each series tracks a high quantile ``q`` (level ``tail_q``, 0.999 by default) of its own
+    healthy spike events with a stochastic-approximation quantile tracker: ``q += tail_rate *
+    tail_q`` when a score exceeds ``q``, ``q -= tail_rate * (1 - tail_q)`` otherwise, never
+    below the reference.  Only after warm-up, never while in alarm (a fault does not raise the
+    bar) and once per run of consecutive scores above ``q`` (a building excursion is one
+    event).  With the defaults a healthy spike lifts ``q`` by about 1 and it sinks back by 1
+    per 1000 scores.  The reference ``tail_ref`` is the same quantile of a standard normal
+    score (3.09 for 0.999).  The reported score is the raw z divided by ``max(1,
+    min(tail_max, q / tail_ref))``: on a smooth run (Gaussian-like noise, ``q`` at the
+    reference) it is the plain z; on a spiky run -- small-batch SGD, whose loss spikes now and
+    then by 5-8 sigma without anything being wrong -- the same z counts for less, in proportion
+    to how far that run's own tail lies above a Gaussian's.  A z of 7 on a run whose healthy
+    spikes reached 4.6 scores 4.7; on a smooth run it scores 7.  The factor is capped at
+    ``tail_max`` (3): a run cannot calibrate itself blind.
 
 Priors for the first steps (no blind start)
     With ``prior_std > 0`` a series scores from its third finite value on instead of after
@@ -40,13 +43,13 @@ from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Bool, Choice, Float, Int, arguments
 from ._state import StateCheck
 from .ewma import DIRECTIONS, ew_update
-from .validation import check_bool, check_choice, check_float, check_int
 
 # state rows
-_MEAN, _VAR, _COUNT, _Q = 0, 1, 2, 3
-_N_FIELDS = 4
+_MEAN, _VAR, _COUNT, _Q, _ABOVE = 0, 1, 2, 3, 4
+_N_FIELDS = 5
 #: a prior needs this many values before scoring (a level and one step from it)
 PRIOR_MIN_COUNT = 2.0
 
@@ -99,23 +102,31 @@ def _scores(y, mean, var, count, q, params):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _learn(y, s, mean, var, count, q, params):  # type: ignore[no-untyped-def]
+def _learn(y, s, alarm, mean, var, count, q, above, params):  # type: ignore[no-untyped-def]
     """The state after learning ``y`` (raw score ``s``): quantile tracker, then the
-    winsorised, debiased EW mean / variance.  Returns ``(mean, var, count, q)``."""
+    winsorised, debiased EW mean / variance.  Returns ``(mean, var, count, q, above)``.
+
+    The tracker counts spike *events*: a score above ``q`` lifts it only when the previous
+    score was not above it (``above``), and never while in alarm -- the steps of one building
+    excursion are one event, and a fault does not raise the bar."""
     if count == 0.0:
-        return y, 0.0, 1.0, q
+        return y, 0.0, 1.0, q, 0.0
     warmup = params[P.warmup]
     if count >= warmup:
-        tq, rate = params[P.tail_q], params[P.tail_rate]
-        q = q + rate * tq if s > q else q - rate * (1.0 - tq)
-        q = max(q, params[P.tail_ref])
+        exceeds = s > q
+        if not alarm and not (exceeds and above != 0.0):
+            tq, rate = params[P.tail_q], params[P.tail_rate]
+            q = q + rate * tq if exceeds else q - rate * (1.0 - tq)
+            q = max(q, params[P.tail_ref])
+        above = 1.0 if exceeds else 0.0
+    if count >= warmup:
         clip = params[P.clip]
         if clip < np.inf:
             std = _std(var, mean, count, params)
             y = min(max(y, mean - clip * std), mean + clip * std)
     a = max(params[P.alpha], 1.0 / (count + 1.0))
     m2, v2 = ew_update(mean, var, y, a)
-    return m2, v2, count + 1.0, q
+    return m2, v2, count + 1.0, q, above
 
 
 @njit(cache=True, error_model="numpy")
@@ -135,8 +146,10 @@ def _tail_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
             scores[t, i] = s
             alarms[t, i] = alarm
             if learns(alarm, freeze):
-                m2, v2, c2, q2 = _learn(y, raw, mean, var, count, q, params)
-                state[_MEAN, i], state[_VAR, i], state[_COUNT, i], state[_Q, i] = m2, v2, c2, q2
+                m2, v2, c2, q2, a2 = _learn(y, raw, alarm, mean, var, count, q,
+                                            state[_ABOVE, i], params)
+                state[_MEAN, i], state[_VAR, i], state[_COUNT, i] = m2, v2, c2
+                state[_Q, i], state[_ABOVE, i] = q2, a2
 
 
 class TailZScore(BankDetector):
@@ -167,23 +180,42 @@ class TailZScore(BankDetector):
     Examples
     --------
     >>> import numpy as np
-    >>> rng = np.random.default_rng(0)
-    >>> smooth = np.exp(rng.normal(0.0, 0.05, 400))
+    >>> smooth = np.exp(0.05 * np.sin(0.7 * np.arange(400)))
     >>> spiky = smooth.copy()
-    >>> spiky[50::20] *= np.exp(0.3)        # a healthy 6-sigma spike every 20 steps
-    >>> smooth[390] = spiky[390] = np.exp(0.35)  # the same 7-sigma spike in both
+    >>> spiky[50::20] *= np.exp(0.3)         # a healthy 6-sigma spike every 20 steps
+    >>> smooth[390] = spiky[390] = np.exp(0.5)  # the same spike in both
     >>> float(TailZScore().update_many(smooth)[0][390, 0]) > 6.0
     True
     >>> float(TailZScore().update_many(spiky)[0][390, 0]) < 6.0
     True
     """
 
-    kind = "spike"
     param_layout = TailZParams
     kernel = staticmethod(_tail_kernel)
-    hyperparameters = ("alpha", "warmup", "log_space", "min_std", "direction", "clip", "tail_q",
-                       "tail_rate", "tail_max", "prior_std", "prior_n")
     state_hyperparameters = ("log_space",)
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "warmup": Int(0),
+        "log_space": Bool(),
+        "min_std": Float(0.0),
+        "direction": Choice(DIRECTIONS),
+        "clip": Float(0.0, low_open=True),
+        "tail_q": Float(0.5, 1.0, low_open=True, high_open=True),
+        "tail_rate": Float(0.0),
+        "tail_max": Float(1.0),
+        "prior_std": Float(0.0),
+        "prior_n": Float(0.0, low_open=True),
+    }
+    direction: str
+    tail_q: float
+    tail_max: float
+    tuning_grid = {"tail_q": (0.99, 0.999)}
+    summary = (
+        "EWMA z-score of `log(x)` divided by the run's own tail factor: a high quantile of the "
+        "series' healthy scores against a Gaussian's (a z of 7 on a spiky small-batch SGD run "
+        "counts for less than on a smooth LLM run); with `prior_std` it scores from the third "
+        "value, its variance blended with the prior while warming up (no blind start).")
 
     def __init__(
         self,
@@ -195,35 +227,19 @@ class TailZScore(BankDetector):
         min_std: float = 0.01,
         direction: str = "up",
         clip: float = 4.0,
-        tail_q: float = 0.99,
-        tail_rate: float = 0.25,
+        tail_q: float = 0.999,
+        tail_rate: float = 1.0,
         tail_max: float = 3.0,
         prior_std: float = 0.0,
         prior_n: float = 20.0,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self.log_space = check_bool(name, "log_space", log_space)
-        self.min_std = check_float(name, "min_std", min_std, 0.0)
-        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
-        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
-        self.tail_q = check_float(name, "tail_q", tail_q, 0.5, 1.0, low_open=True, high_open=True)
-        self.tail_rate = check_float(name, "tail_rate", tail_rate, 0.0)
-        self.tail_max = check_float(name, "tail_max", tail_max, 1.0)
-        self.prior_std = check_float(name, "prior_std", prior_std, 0.0)
-        self.prior_n = check_float(name, "prior_n", prior_n, 0.0, low_open=True)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     @property
     def tail_ref(self) -> float:
         """The ``tail_q`` quantile of a standard normal score (the calibration's reference)."""
         return NormalDist().inv_cdf(self.tail_q)
-
-    def _param_values(self) -> dict[str, float]:
-        return {"direction": DIRECTIONS[self.direction], "tail_ref": self.tail_ref}
 
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))
@@ -235,6 +251,7 @@ class TailZScore(BankDetector):
         c.not_nan("var", c.state[_VAR], 0.0)
         c.integers("count", c.state[_COUNT], 0)
         c.finite("q", c.state[_Q], 0.0)
+        c.one_of("above", c.state[_ABOVE], (0.0, 1.0))
 
     @property
     def tail_factor(self) -> FloatArray:

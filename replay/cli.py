@@ -425,7 +425,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
         h = res.heldout
         header += (f"held-out ({a.folds}-fold by run): recall {h.recall:.3f}, "
                    f"false alarms/10k {h.fa_per_10k:.3f}\n")
-    write_config(a.output, res.config, header)
+    write_config(a.output, res.file_config(), header + res.header())
     for c in res.choices:
         print(f"  {c['binding']:<24} {c['detector']:<12} threshold {c['threshold']:.4g}  "
               f"{json.dumps(c['params'])}")

@@ -248,8 +248,11 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
                  run_id: str = "") -> int:
     """Write decision records as JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``).
 
-    Parquet gets one row per alarm / intervention: ``run_id, step, event, kind, detail``
-    (``detail`` is the JSON of the alarm or intervention).  Returns the number of records.
+    JSONL: the live event log's records (:func:`stability.outputs.events.decision_records`:
+    ``alarm`` / ``intervention`` / ``info``, each with ``run_id``), so ``report --events`` and
+    every reader take either file.  Parquet gets one row per alarm / intervention:
+    ``run_id, step, event, kind, detail`` (``detail`` is the JSON of the alarm or
+    intervention).  Returns the number of decision records.
     The file is written atomically and replaces only an events file of ours (JSON Lines of
     objects, or a Parquet file): anything else -- a checkpoint, a config, the job's metrics --
     is refused with ``ValueError`` and left untouched
@@ -286,9 +289,11 @@ def write_events(path: str | os.PathLike[str], records: Iterable[Mapping[str, An
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink)
         _write_atomic(p, sink.getvalue().to_pybytes())
-    else:
-        _write_atomic(p, "".join(json.dumps({"run_id": run_id, **r}) + "\n"
-                                 for r in recs).encode())
+    else:  # the live event log's schema (stability.outputs.events), one record per event
+        from stability.outputs.events import decision_records
+
+        _write_atomic(p, "".join(json.dumps(e) + "\n" for r in recs
+                                 for e in decision_records(r, run_id=run_id)).encode())
     return len(recs)
 
 

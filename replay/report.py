@@ -91,6 +91,8 @@ def split_events(
             continue
         if "kind" in r and "signal" in r:
             alarms.append(r)
+        elif r.get("type") == "intervention" and isinstance(r.get("intervention"), str):
+            interventions.append({**r, "type": r["intervention"]})  # the event log's schema
         elif r.get("type") in INTERVENTION_TYPES:
             interventions.append(r)
         elif isinstance(r.get("goodput"), Mapping):

@@ -21,6 +21,13 @@ Detectors without a tunable threshold (``nonfinite``) are kept as they are.  Tun
 written with ``freeze_on_alarm = false`` where the detector has that parameter (the scores the
 thresholds were tuned on assume it).
 
+**The written config is complete.**  Every binding of the base config stays: the tuned ones with
+their new parameters, the others (no tunable threshold, or no labelled gain under the budget:
+loss-spike, weight-corruption and overfit protection among them) as they were.  Based on a
+preset, the file is the preset line plus the tuned overrides (:meth:`TuneResult.file_config`),
+under a header that lists what changed and what was kept (:meth:`TuneResult.header`); the
+figures printed by ``tune`` are those of the tuned bindings.
+
 Step 1 (candidates, scoring jobs) lives in :mod:`replay.tuning_scores`, the TOML writer in
 :mod:`replay.config_toml`; this module re-exports both.
 """
@@ -235,13 +242,41 @@ class TuneResult:
     heldout: Summary | None
     fold_figures: list[dict[str, float]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    #: the preset the base config is (``None``: a config of its own, written whole)
+    preset: str | None = None
+    #: one line per tuned binding: what changed (``"loss_spike (ewma_z): threshold 6 -> 7.2"``)
+    changed: list[str] = field(default_factory=list)
+    #: the bindings kept as in the base config
+    kept: list[str] = field(default_factory=list)
+
+    def file_config(self) -> dict[str, Any]:
+        """What ``tune -o`` writes: ``preset`` + the tuned bindings' parameters when the base
+        is a preset (the loader merges them over it), else the whole :attr:`config`."""
+        if self.preset is None:
+            return self.config
+        tuned = {c["binding"] for c in self.choices}
+        return {"preset": self.preset,
+                "detectors": [{"name": d["name"], "params": d["params"]}
+                              for d in self.config["detectors"] if d["name"] in tuned]}
+
+    def header(self) -> str:
+        """The comment lines above the written config: what changed and what was kept."""
+        base = f"preset {self.preset!r}" if self.preset else "the base config"
+        lines = [f"complete config: {base}, every binding kept; "
+                 f"{len(self.changed)} tuned, {len(self.kept)} as before"]
+        lines += [f"changed: {c}" for c in self.changed] or ["changed: nothing"]
+        if self.kept:
+            lines.append("kept: " + ", ".join(self.kept))
+        return "\n".join(lines)
 
 
 def tune_scores(scores: Sequence[RunScores], candidates: Sequence[Candidate],
                 labels: Mapping[str, RunLabel], base: Mapping[str, Any], budget: float, *,
                 folds: int = 5, settings: EvalSettings | None = None,
-                n_thresholds: int = 1000, seed: int = 0) -> TuneResult:
-    """Tune on precomputed scores; ``base`` is the resolved config dict the result is built on."""
+                n_thresholds: int = 1000, seed: int = 0, preset: str | None = None
+                ) -> TuneResult:
+    """Tune on precomputed scores; ``base`` is the resolved config dict the result is built on
+    (``preset``: the preset it is, for :meth:`TuneResult.file_config`)."""
     t0 = time.perf_counter()
     tuner = Tuner(scores, candidates, labels, budget, settings, n_thresholds)
     all_rows = list(range(len(scores)))
@@ -266,27 +301,61 @@ def tune_scores(scores: Sequence[RunScores], candidates: Sequence[Candidate],
         c = candidates[ch.cand]
         desc.append({"binding": c.name, "detector": c.detector, "params": c.params_dict(),
                      "threshold": ch.threshold})
+    changed, kept = describe_changes(base, cfg, choices)
     return TuneResult(cfg, desc, train_summary, heldout, fold_figs,
-                      {"cv": t1 - t0, "final": time.perf_counter() - t1})
+                      {"cv": t1 - t0, "final": time.perf_counter() - t1}, preset, changed, kept)
 
 
 def build_config(base: Mapping[str, Any], candidates: Sequence[Candidate],
                  choices: Mapping[int, Choice]) -> dict[str, Any]:
-    """The base config with tuned bindings updated and unused tunable bindings removed."""
+    """The complete base config with the tuned bindings' parameters updated.
+
+    Every binding is kept: one the tuner did not pick keeps its base parameters (dropping it
+    would silently remove its protection from the written config).
+    """
     cfg = copy.deepcopy(dict(base))
     cfg.pop("preset", None)
     dets = []
-    tunable_b = {c.binding for c in candidates if c.tunable}
     for b, d in enumerate(cfg.get("detectors", [])):
         if b in choices:
             c = candidates[choices[b].cand]
             d = dict(d)
             d["params"] = {**c.params_dict(), "threshold": _round_up(choices[b].threshold)}
-            dets.append(d)
-        elif b not in tunable_b:
-            dets.append(d)
+        dets.append(d)
     cfg["detectors"] = dets
     return cfg
+
+
+def describe_changes(base: Mapping[str, Any], cfg: Mapping[str, Any],
+                     choices: Mapping[int, Choice]) -> tuple[list[str], list[str]]:
+    """``(changed, kept)``: one line per tuned binding (parameters before -> after), and the
+    names of the bindings kept as in ``base``.
+
+    >>> base = {"detectors": [{"name": "a", "detector": "ewma_z", "params": {"threshold": 6.0}},
+    ...                       {"name": "b", "detector": "nonfinite"}]}
+    >>> cfg = {"detectors": [{"name": "a", "detector": "ewma_z",
+    ...                       "params": {"threshold": 7.5, "freeze_on_alarm": False}},
+    ...                      {"name": "b", "detector": "nonfinite"}]}
+    >>> describe_changes(base, cfg, {0: Choice(0, 7.5)})
+    (['a (ewma_z): threshold 6 -> 7.5, freeze_on_alarm (default) -> False'], ['b'])
+    """
+    changed, kept = [], []
+    for b, (old, new) in enumerate(zip(base.get("detectors", []), cfg["detectors"],
+                                       strict=True)):
+        if b not in choices:
+            kept.append(str(new["name"]))
+            continue
+        p0, p1 = dict(old.get("params", {})), dict(new.get("params", {}))
+        diffs = [f"{k} {_short(p0[k]) if k in p0 else '(default)'} -> {_short(p1[k])}"
+                 for k in sorted(p1, key=lambda k: (k != "threshold", k))
+                 if k not in p0 or p0[k] != p1[k]]
+        changed.append(f"{new['name']} ({new['detector']}): "
+                       + (", ".join(diffs) if diffs else "unchanged"))
+    return changed, kept
+
+
+def _short(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else repr(v)
 
 
 def _round_up(x: float) -> float:
@@ -302,6 +371,26 @@ def _round_up(x: float) -> float:
 
 
 # ---------------------------------------------------------------------------- entry point
+def preset_of(cfg: Any) -> str | None:
+    """The preset a resolved config *is* (its name when nothing overrides it), else ``None``.
+
+    >>> from stability.config.config import load_config
+    >>> preset_of(load_config("small")), preset_of(load_config({"preset": "small",
+    ...     "detectors": [{"name": "loss_spike", "params": {"threshold": 9.0}}]}))
+    ('small', None)
+    """
+    from stability.config.config import ConfigError, MonitorConfig
+
+    name = getattr(cfg, "preset", None)
+    if not name:
+        return None
+    try:
+        same = MonitorConfig.from_preset(name).to_dict() == cfg.to_dict()
+    except ConfigError:
+        return None
+    return str(name) if same else None
+
+
 def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget: float, *,
          config: Any = None, folds: int = 5, backend: str = "local", jobs: int | None = None,
          settings: EvalSettings | None = None, grids: Mapping[str, Mapping[str, list[Any]]]
@@ -324,14 +413,15 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     """
     from stability.config.config import load_config
 
-    base = load_config(config).to_dict()
+    resolved = load_config(config)
+    base = resolved.to_dict()
     t0 = time.perf_counter()
     cands = make_candidates(base["detectors"], grids)
     scores = score_runs(runs, cands, base.get("monitor", {}).get("aliases", {}),
                         backend=backend, jobs=jobs, progress=progress, address=address)
     t1 = time.perf_counter()
     res = tune_scores(scores, cands, labels, base, budget, folds=folds, settings=settings,
-                      n_thresholds=n_thresholds)
+                      n_thresholds=n_thresholds, preset=preset_of(resolved))
     res.seconds["scoring"] = t1 - t0
     res.seconds["candidates"] = float(len(cands))
     return res

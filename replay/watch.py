@@ -228,7 +228,8 @@ class Watcher(WatchActions):
                 "memory": [[s, m] for s, m in mem], "prev": dict(self._prev),
                 "control": self._last_control,
                 "counts": {"steps_judged": self.steps_judged, "already_seen": self.already_seen,
-                           "resumes": self.resumes}}
+                           "resumes": self.resumes},
+                "stop_hooked": self.stop_hooked}
 
     def save(self) -> None:
         """Write the state file now (atomically); no-op without ``state``.
@@ -271,6 +272,8 @@ class Watcher(WatchActions):
             self.steps_judged = int(c.get("steps_judged", 0))
             self.already_seen = int(c.get("already_seen", 0))
             self.resumes = int(c.get("resumes", 0))
+            sh = st.get("stop_hooked")
+            self.stop_hooked = None if sh is None else int(sh)
             for spec, saved in self._loaded_sources.items():
                 self._check_source_state(spec, saved)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError,
@@ -378,6 +381,7 @@ class Watcher(WatchActions):
     def _resume(self, step: int) -> None:
         """The job re-ran ``step`` (restarted from a checkpoint): judge from there again."""
         self.resumes += 1
+        self.stop_hooked = None  # the job came back: a new stop is news
         self._backlog_max = min(self._backlog_max, step - 1)  # a re-run is news
         self.monitor.rewind(step - 1)
         self.hw = step - 1

@@ -183,6 +183,9 @@ class WatchActions:
     hook_failures: int
     _muted: bool
     _last_control: dict[str, Any] | None
+    #: step whose stop ran the stop hook (a stop stands: the monitor repeats it every later
+    #: step until the job is gone); ``None`` until then, again after a resume
+    stop_hooked: int | None = None
 
     def _handle(self, d: Decision) -> None:
         if self.exporter is not None:
@@ -206,8 +209,20 @@ class WatchActions:
                 self._run_hook("alarm", d, a.kind, a.message or f"{a.kind} on {a.signal}", "")
             for iv in d.interventions:
                 cmd_kind = iv.type if iv.type in self.hooks else "any"
-                if cmd_kind in self.hooks:
-                    self._run_hook(cmd_kind, d, iv.type, iv.reason, getattr(iv, "cause", ""))
+                if cmd_kind not in self.hooks or self._repeated_stop(iv.type, d.step):
+                    continue
+                self._run_hook(cmd_kind, d, iv.type, iv.reason, getattr(iv, "cause", ""))
+
+    def _repeated_stop(self, kind: str, step: int) -> bool:
+        """Whether this is a stop after the one whose hook already ran (hooks fire once per
+        intervention: the stop the monitor keeps asking for on the steps the job still logs
+        is the same one)."""
+        if kind != "stop":
+            return False
+        if self.stop_hooked is not None and step > self.stop_hooked:
+            return True
+        self.stop_hooked = step
+        return False
 
     def _write_control(self, d: Decision) -> None:
         ctrl = d.control.to_dict()

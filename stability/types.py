@@ -46,6 +46,10 @@ def _parse_float(v: Any) -> float:
 class Alarm:
     """One detector crossing its threshold on one signal at one step.
 
+    ``recovering``: the alarm belongs to an excursion already returning to trend (its score
+    has given back at least half of the episode's peak excess over the threshold; see
+    :mod:`stability.monitor.recovery`): report it, never escalate on it.
+
     Examples
     --------
     >>> a = Alarm(10, "loss_spike", "loss", 8.2, 6.0, "warning", "ewma_z", "loss 8.2 sigma")
@@ -61,6 +65,7 @@ class Alarm:
     severity: str
     detector: str
     message: str = ""
+    recovering: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -79,6 +84,7 @@ class Alarm:
             severity=str(d["severity"]),
             detector=str(d["detector"]),
             message=str(d.get("message", "")),
+            recovering=bool(d.get("recovering", False)),
         )
 
 

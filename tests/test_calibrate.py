@@ -37,9 +37,11 @@ def _alarm_steps(decisions) -> list[int]:
     return [d.step for d in decisions if d.alarms]
 
 
-def test_calibrated_monitor_alarms_on_a_short_window_a_fresh_one_misses() -> None:
+def test_calibrated_monitor_alarms_on_a_short_window_a_fresh_one_sees_late() -> None:
     fresh = Monitor("default", alert_sinks=[])
-    assert _alarm_steps(fresh.replay(_window(1000))) == []
+    # the preset's priors alone: only the 2.3x loss of the last row (the grad norm's own
+    # variance is still mostly its first rows')
+    assert _alarm_steps(fresh.replay(_window(1000))) == [1005]
     mon = Monitor("default", alert_sinks=[])
     assert mon.calibrate(_history()) == 300
     steps = _alarm_steps(mon.replay(_window(1000)))
@@ -128,7 +130,8 @@ def test_bloom_first_spike_alarms_after_calibration() -> None:
     pq = pytest.importorskip("pyarrow.parquet")
     table = pq.read_table(BLOOM)
     fresh = Monitor("llm_pretrain", alert_sinks=[])
-    assert _alarm_steps(fresh.replay(table)) == []
+    # the preset's priors alone: the 2.3x loss at 31219, three rows into the event
+    assert _alarm_steps(fresh.replay(table)) == [31219]
     mon = Monitor("llm_pretrain", alert_sinks=[])
     mon.calibrate(_history(n=300, start=30914, level=2.2, gn=0.24, lr=5.279e-05))
     decisions = mon.replay(table)

@@ -1,8 +1,9 @@
-"""Every ``stability ...`` command of the README's shell blocks runs as written on the bundled data.
+"""Every ``stability ...`` command of the shell blocks of README.md and docs/**/*.md runs as written
+on the bundled data.
 
 Commands on placeholder paths (``/jobs/...``, ``RUN``) and multi-line ones are skipped; the rest
-run in order in one temporary directory (``data/`` linked in), so a command may use a file an
-earlier one wrote (``tuned.toml``).
+run in order (the README first, then the pages) in one temporary directory (``data/`` linked
+in), so a command may use a file an earlier one wrote (``tuned.toml``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```(?:bash|sh|console)[^\n]*\n(.*?)^```", re.S | re.M)
 
 
 def _commands() -> list[str]:
     out: list[str] = []
-    for block in _FENCE.findall((ROOT / "README.md").read_text()):
+    blocks = [b for page in PAGES for b in _FENCE.findall(page.read_text(encoding="utf-8"))]
+    for block in blocks:
         for line in block.splitlines():
             line = line.strip()
             if "&&" in line:  # install one-liners: only their final stability command
@@ -37,9 +40,9 @@ def _commands() -> list[str]:
 COMMANDS = _commands()
 
 
-def test_the_readme_has_commands_to_check() -> None:
-    assert any(c.startswith("stability replay") for c in COMMANDS)
-    assert any(c.startswith("stability watch") for c in COMMANDS)
+def test_the_docs_have_commands_to_check() -> None:
+    for sub in ("replay", "eval", "tune", "report", "watch", "warmup"):
+        assert any(c.startswith(f"stability {sub} ") for c in COMMANDS), sub
 
 
 def test_readme_commands_run(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
-"""Every ```python block of README.md runs as written; every ```toml block is a valid config.
+"""Every ```python block of README.md and docs/**/*.md runs as written; every ```toml block is a
+valid config; every printed output shown in them is what the block prints.
 
 Each python block is executed in a fresh temporary working directory with a *prelude*: the
-names a snippet may use without defining them.  Keep README snippets within these names (or
-make them self-contained):
+names a snippet may use without defining them.  Keep snippets within these names (or make them
+self-contained):
 
 ==========================  ====================================================================
 always                      ``torch``, ``Monitor`` (imported by the first snippet); ``model``
@@ -21,47 +22,84 @@ the snippet names           ``model`` is a tiny GPT-2 (``transformers``, built f
                             examples; ``Trainer``, ``TrainingArguments`` are imported
 ==========================  ====================================================================
 
-``monitor.toml`` in the working directory holds the latest ```toml block above the snippet.
+``monitor.toml`` in the working directory holds the latest ```toml block above the snippet in
+the same file.
+
+**Printed output.** A ```text block right after the line ``<!-- output of the block above -->``
+is the output of the python block before it (the next block after it, prose between them
+allowed): that block is run as a standalone script (no
+prelude, its own process, stdout and stderr together) and must print those lines; integers must
+match exactly, decimals within 5 % (float32 arithmetic differs a little between CPUs).
+
+**Sketches.** A python block right after ``<!-- sketch: not run -->`` is an API outline with
+placeholders (``docs/CONTRACTS.md``), not a snippet: it is not run.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.S | re.M)
+OUTPUT_MARK = "<!-- output of the block above -->"
+SKETCH_MARK = "<!-- sketch: not run -->"
 
 
-def _blocks() -> list[tuple[str, str, str | None, int]]:
-    """``(lang, code, latest toml before it, line)`` for every fenced block, in order."""
-    out = []
+class Block(NamedTuple):
+    page: Path
+    lang: str
+    code: str  # padded with newlines so that tracebacks point at the page's lines
+    toml: str | None  # the latest toml block above it in the same page
+    output: str | None  # the printed output shown after it, if any
+    line: int  # of its first line in the page
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def _blocks(page: Path) -> list[Block]:
+    """Every fenced block of ``page``, in order."""
+    text = page.read_text(encoding="utf-8")
+    matches = list(_FENCE.finditer(text))
+    out: list[Block] = []
     toml = None
-    text = README.read_text(encoding="utf-8")
-    for m in _FENCE.finditer(text):
+    for k, m in enumerate(matches):
         lang, code = m.group(1), m.group(2)
-        line = text.count("\n", 0, m.start(2))  # tracebacks point at README lines
-        out.append((lang, code, toml, line))
+        line = text.count("\n", 0, m.start(2))
+        nxt = matches[k + 1] if k + 1 < len(matches) else None
+        output = None
+        if (lang == "python" and nxt is not None and nxt.group(1) == "text"
+                and text[m.end():nxt.start()].rstrip().endswith(OUTPUT_MARK)):
+            output = nxt.group(2)
+        if lang == "python" and text[:m.start()].rstrip().endswith(SKETCH_MARK):
+            continue
+        out.append(Block(page, lang, "\n" * line + code, toml, output, line + 1))
         if lang == "toml":
             toml = code
     return out
 
 
-PYTHON = [("\n" * line + code, toml) for lang, code, toml, line in _blocks()
-          if lang == "python"]
-TOML = [code for lang, code, _, _ in _blocks() if lang == "toml"]
+BLOCKS = [b for page in PAGES for b in _blocks(page)]
+PYTHON = [b for b in BLOCKS if b.lang == "python"]
+TOML = [b for b in BLOCKS if b.lang == "toml"]
 
 
-def _id(code: str) -> str:
-    lines = [ln for ln in code.splitlines() if ln.strip() and not ln.startswith(("import",
-                                                                                "from"))]
-    return re.sub(r"\W+", "_", (lines[0] if lines else code)[:40]).strip("_")
+def _id(b: Block) -> str:
+    lines = [ln for ln in b.code.splitlines() if ln.strip() and not ln.startswith(("import",
+                                                                                  "from"))]
+    return f"{b.where}:" + re.sub(r"\W+", "_", (lines[0] if lines else b.code)[:30]).strip("_")
 
 
 class _Net(torch.nn.Module):
@@ -152,31 +190,68 @@ def _hf_prelude() -> dict[str, Any]:
             "Trainer": transformers.Trainer, "TrainingArguments": transformers.TrainingArguments}
 
 
-def test_readme_has_snippets() -> None:
-    assert len(PYTHON) >= 5 and TOML
+def test_readme_and_docs_have_snippets() -> None:
+    readme = [b for b in PYTHON if b.page.name == "README.md"]
+    assert readme and any(b.output for b in readme), "the README's example shows its output"
+    assert len(PYTHON) >= 20 and TOML
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize(("code", "toml"), PYTHON, ids=[_id(c) for c, _ in PYTHON])
-def test_python_snippet_runs(code: str, toml: str | None, tmp_path: Path,
+@pytest.mark.parametrize("block", PYTHON, ids=[_id(b) for b in PYTHON])
+def test_python_snippet_runs(block: Block, tmp_path: Path,
                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    if block.output is not None:
+        _check_output(block, tmp_path)
+        return
     from stability.config.registry import REGISTRY
 
     saved = dict(REGISTRY)  # a snippet may register a detector: restore the registry after it
     try:
-        _run_snippet(code, toml, tmp_path)
+        _run_snippet(block, tmp_path)
     finally:
         REGISTRY.clear()
         REGISTRY.update(saved)
 
 
-def _run_snippet(code: str, toml: str | None, tmp_path: Path) -> None:
-    if toml is not None:
-        (tmp_path / "monitor.toml").write_text(toml)
+_NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+
+
+def _same_line(want: str, got: str) -> bool:
+    """Equal text; integers equal; decimals within 5 %."""
+    if _NUMBER.sub("#", want) != _NUMBER.sub("#", got):
+        return False
+    for w, g in zip(_NUMBER.findall(want), _NUMBER.findall(got), strict=True):
+        if re.fullmatch(r"[-+]?\d+", w):
+            if w != g:
+                return False
+        elif not math.isclose(float(w), float(g), rel_tol=0.05, abs_tol=1e-12):
+            return False
+    return True
+
+
+def _check_output(block: Block, tmp_path: Path) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(block.code, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    assert res.returncode == 0, f"{block.where}: the example failed\n{res.stdout[-3000:]}"
+    want = [ln.rstrip() for ln in (block.output or "").strip("\n").splitlines()]
+    got = [ln.rstrip() for ln in res.stdout.strip("\n").splitlines()]
+    assert len(got) == len(want) and all(map(_same_line, want, got)), (
+        f"{block.where}: the output shown differs from what the block prints now:\n"
+        + "\n".join(got))
+
+
+def _run_snippet(block: Block, tmp_path: Path) -> None:
+    if block.toml is not None:
+        (tmp_path / "monitor.toml").write_text(block.toml)
+    code = block.code
     ns = _prelude(code)
     guard_before = ns["guard"]
-    exec(compile(code, str(README), "exec"), ns)  # our own README
+    exec(compile(code, str(block.page), "exec"), ns)  # our own docs
     guard = ns.get("guard")
     if guard is not None and guard is not guard_before:  # the snippet attached its own guard
         assert guard.step_count > 0 and guard.stopped is None
@@ -186,8 +261,15 @@ def _run_snippet(code: str, toml: str | None, tmp_path: Path) -> None:
         assert ns["d"].step == ns["step"]
 
 
-@pytest.mark.parametrize("code", TOML, ids=[f"toml{i}" for i in range(len(TOML))])
-def test_toml_snippet_is_a_valid_config(code: str) -> None:
+@pytest.mark.parametrize("block", TOML, ids=[b.where for b in TOML])
+def test_toml_snippet_is_a_valid_config(block: Block) -> None:
     from stability.config.config import MonitorConfig
 
-    MonitorConfig.from_toml(code)
+    MonitorConfig.from_toml(block.code)
+
+
+def test_printed_output_is_compared_with_tolerance_only_on_decimals() -> None:
+    assert _same_line("step 200: loss 0.0710", "step 200: loss 0.0712")
+    assert not _same_line("step 200: loss 0.0710", "step 201: loss 0.0710")
+    assert not _same_line("loss 0.0710", "loss 0.0810")
+    assert not _same_line("LR factor 0.01 until changed", "LR factor 0.01 for 50 steps")

@@ -18,8 +18,8 @@ from stability.config.registry_docs import (
     BEGIN,
     END,
     TABLES,
+    detectors_table,
     main,
-    readme_table,
     render,
     stale_files,
 )
@@ -54,11 +54,12 @@ def test_the_generator_rewrites_a_stale_table_and_check_reports_it(tmp_path: Pat
     assert main(["--check", "--root", str(tmp_path)]) == 1
     assert main(["--root", str(tmp_path)]) == 0
     assert stale_files(tmp_path) == []
-    text = (tmp_path / "README.md").read_text(encoding="utf-8")
+    page = "docs/concepts/detectors.md"
+    text = (tmp_path / page).read_text(encoding="utf-8")
     assert text.startswith("intro\n\n") and text.endswith(f"{END}\n\noutro\n")
-    assert f"{BEGIN}\n{readme_table()}\n{END}" in text
-    (tmp_path / "README.md").write_text("no markers\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="README.md: no .* markers"):
+    assert f"{BEGIN}\n{detectors_table()}\n{END}" in text
+    (tmp_path / page).write_text("no markers\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="detectors.md: no .* markers"):
         stale_files(tmp_path)
 
 
@@ -74,7 +75,7 @@ def test_register_detector_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None
                       grid={"alpha": [0.1]}, doc="An EWMA z-score under another name.")
     assert REGISTRY["my_z"].kind == "loss_spike"
     assert tune_grids()["my_z"] == {"alpha": [0.1]}
-    assert "| `my_z` | `EWMAZScore` | An EWMA z-score under another name. |" in readme_table()
+    assert "| `my_z` | `EWMAZScore` | An EWMA z-score under another name. |" in detectors_table()
     from stability.config.config import MonitorConfig
 
     cfg = MonitorConfig.from_dict({"detectors": [

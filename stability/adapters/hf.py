@@ -81,8 +81,6 @@ from stability.adapters.torch_ops.checkpoint_store import restore_state
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
-    finish_step,
-    observe_before_save,
     pending_grad_norm,
 )
 from stability.adapters.trainer_support import (
@@ -320,8 +318,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             self.guard.detach()  # sync="deferred": observes the last step
             self._note_stop(None)
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
-        if record is not None:
-            record()
+        if self.guard is None and record is not None:
+            record()  # (a guard records it itself in detach(): the end of training)
 
     # ------------------------------------------------------------------ per step
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -364,12 +362,12 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        emergency, why, rolled = finish_step(guard)
+        emergency, why, rolled = guard.finish_step()
         if guard.deferred is not None and control.should_log and guard.scaler is not None:
             self._last_grad_norm = pending_grad_norm(guard)  # (HF's logging syncs anyway)
         due = bool(self.checkpoint_every) and guard.step_count % self.checkpoint_every == 0
         if control.should_save or emergency or due:
-            late, why_late, rolled = observe_before_save(guard)  # deferred: observe this step
+            late, why_late, rolled = guard.observe_before_save()  # deferred: observe this step
             emergency, why = emergency or late, why or why_late
             self._decide_save(control, state, rolled, emergency, why)
         self._note_stop(control)
@@ -391,8 +389,11 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             "" if params_finite(guard.model.parameters()) else "non-finite weights")
         if bad:
             if control.should_save or emergency:
-                log.warning("stability: checkpoint at trainer step %d cancelled (%s)",
-                            state.global_step, bad)
+                what = "emergency checkpoint requested" if emergency else "checkpoint due"
+                log.warning("stability: %s at trainer step %d not written: %s (the last good "
+                            "checkpoint stays the rollback target)", what, state.global_step,
+                            "the weights were just rolled back" if rolled else
+                            "the weights are non-finite")
                 self.cancelled_saves.append(int(state.global_step))
             control.should_save = False
             return
@@ -415,7 +416,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # saves this callback did not foresee (save_strategy="best", end of training)
         if self.guard is not None and state.global_step not in self._registered:
-            emergency, _, rolled = observe_before_save(self.guard)  # deferred: observe first
+            emergency, _, rolled = self.guard.observe_before_save()  # deferred: observe first
             if not rolled:  # (a rollback just now: these weights are no rollback target)
                 self._register(state, self.guard.healthy and not emergency, "trainer")
             self._note_stop(control)

@@ -79,8 +79,6 @@ from stability.adapters.torch_ops.checkpoint_store import (
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
-    finish_step,
-    observe_before_save,
 )
 from stability.adapters.trainer_support import (
     TrainerCheckpointStore,
@@ -277,8 +275,8 @@ class StabilityCallback(pl.Callback):
             if self.guard.stopped is not None and self.stopped is None:
                 self.stopped = self.guard.stopped
         record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
-        if record is not None:
-            record()
+        if self.guard is None and record is not None:
+            record()  # (a guard records it itself in detach(): the end of training)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
@@ -326,12 +324,12 @@ class StabilityCallback(pl.Callback):
         self._checked = False
         # the emergency checkpoint is written below through the trainer's own save, and only
         # if the weights are fine
-        emergency, why, rolled = finish_step(guard)
+        emergency, why, rolled = guard.finish_step()
         step = guard.step_count - 1  # the step the weights now cover (unless rolled back)
         due = (not self.in_memory and self.checkpoint_every > 0
                and (step + 1) % self.checkpoint_every == 0 and guard.stopped is None)
         if due or emergency:  # sync="deferred": observe this step first (its health)
-            late, why_late, rolled = observe_before_save(guard)
+            late, why_late, rolled = guard.observe_before_save()
             emergency, why = emergency or late, why or why_late
         due = due and guard.healthy and guard.stopped is None
         if guard.stopped is not None and self.stopped is None:
@@ -353,8 +351,11 @@ class StabilityCallback(pl.Callback):
         bad = "rolled back" if rolled else (
             "" if params_finite(guard.model.parameters()) else "non-finite weights")
         if bad:
-            log.warning("stability: checkpoint at trainer step %d not written (%s)",
-                        trainer.global_step, bad)
+            what = "emergency checkpoint requested" if emergency else "checkpoint due"
+            log.warning("stability: %s at trainer step %d not written: %s (the last good "
+                        "checkpoint stays the rollback target)", what, trainer.global_step,
+                        "the weights were just rolled back" if rolled else
+                        "the weights are non-finite")
             self.cancelled_saves.append(int(trainer.global_step))
             return
         assert self.checkpoint_dir is not None

@@ -65,6 +65,7 @@ from stability.adapters.distributed import ControlSync
 from stability.adapters.guard.checkpoints import GuardCheckpoints, find_ledger, note_goodput
 from stability.adapters.guard.deferred import DeferredSteps
 from stability.adapters.guard.feedback import GuardFeedback
+from stability.adapters.guard.misuse import MisuseChecks, check_scheduler_arg
 from stability.adapters.guard.sync_mode import SyncPath, check_sync
 from stability.adapters.interventions import (
     CheckpointStore,
@@ -216,7 +217,10 @@ class TorchGuard:
             model, layer_depth=layer_depth, update_ratio_every=update_ratio_every,
             activations=_activation_names(model, activations), activation_every=activation_every,
             update_ratio=update_ratio, param_norm_every=param_norm_every)
+        check_scheduler_arg(scheduler)  # attach(model, opt, Monitor(...)): TypeError now
         self.multiplier = LRMultiplier(optimizer, scheduler=scheduler)
+        self.misuse = MisuseChecks(self)
+        self._goodput_recorded = -1  # step_count of the last goodput record (record_goodput)
         self.scaler = scaler if scaler_enabled(scaler) else None
         self.log_interventions = log_interventions
         self.tally = InterventionTally()
@@ -391,6 +395,7 @@ class TorchGuard:
             yield idx
             if not (self._consumed or self._rewound):
                 self.data_position = idx + 1
+        self.record_goodput()  # all batches consumed: the end of training
 
     def should_skip_batch(self, position: int) -> bool:
         """Whether the batch at ``position`` is one a rollback asked to skip."""
@@ -412,6 +417,7 @@ class TorchGuard:
         if self.sync_mode == "auto":
             self.resolve_sync()
         if self.deferred is not None:
+            self.misuse.before_check(loss)
             return self.deferred.step(loss, metrics)
         decision = self.check(loss, metrics)
         try:
@@ -424,6 +430,7 @@ class TorchGuard:
             self.multiplier.restore()  # the scheduler reads and writes its own values
             if self.scheduler is not None and (self.should_step or self.step_scheduler_on_skip):
                 self.scheduler.step()
+                self.misuse.scheduler_stepped()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         self.finish()
@@ -485,6 +492,8 @@ class TorchGuard:
         """
         if self.sync_mode == "auto":
             self.resolve_sync()
+        if signals is None:  # (a trainer adapter measured them: it ran backward itself)
+            self.misuse.before_check(loss)
         if self.deferred is not None:
             return self.deferred.check(loss, metrics, signals)
         step = self.step_count
@@ -561,14 +570,17 @@ class TorchGuard:
         """Carry out a stop or rollback requested for ``step`` (either step path); ``True``
         when one was.  A stop with a rollback target stops with the last good weights."""
         if control.stop:
-            if control.rollback_to is not None:
+            restored = None
+            if control.rollback_to is not None and self.rollback(control.rollback_to, None):
                 # stop with the last good weights in place (the run cannot be brought back)
-                self.rollback(control.rollback_to, None)
+                restored = self.step_count - 1
             self.stopped = TrainingStopped(
                 control.stop_reason or "stop requested", step,
-                self.decision.alarms if self.decision else (), self.decision)
+                self.decision.alarms if self.decision else (), self.decision,
+                restored_step=restored)
             self.step_count += 1
             self.data_position += 1
+            self.record_goodput()  # the end of the run: `stability goodput EVENTS` has it
             if raise_stop:
                 raise self.stopped
             return True
@@ -746,6 +758,21 @@ class TorchGuard:
         self.collector.remove()
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.record_goodput()
+
+    def record_goodput(self) -> None:
+        """Append the goodput ledger's record to the monitor's event log (if it has one).
+
+        Done by the guard at the end of training -- a stop, the end of :meth:`batches`,
+        :meth:`detach` (the trainer callbacks call it at the end of ``fit`` / ``train``) -- so
+        ``stability goodput EVENTS`` works without ``Monitor.close()``.  Once per step reached.
+        """
+        if self._goodput_recorded == self.step_count:
+            return
+        record = getattr(self.monitor, "record_goodput", None)  # scripted monitors lack it
+        if record is not None:
+            self._goodput_recorded = self.step_count
+            record()
 
 
 #: guard counters of version-1 snapshots -> the goodput ledger's fields

@@ -44,7 +44,9 @@ __all__ = ["TrainerGuard", "check_sync", "finish_step", "observe_before_save",
 
 class TrainerGuard(TorchGuard):
     """The guard of the trainer callbacks: a :class:`TorchGuard` whose ``sync="deferred"``
-    emergency checkpoints are left to the trainer, and which counts voided steps.
+    emergency checkpoints are left to the trainer, and which counts voided steps.  It follows
+    :class:`~stability.adapters.protocol.TrainerGuardSeam` (``check`` -> ``finish_step`` ->
+    ``observe_before_save`` -> ``state_dict``), the protocol every trainer adapter drives.
 
     Attributes
     ----------
@@ -77,6 +79,15 @@ class TrainerGuard(TorchGuard):
         if self.deferred is not None and not self.should_step:
             self.voided_steps += 1  # only a late stop / rollback withholds a deferred step
         return decision
+
+    # ------------------------------------------------------------------ the adapter seam
+    def finish_step(self) -> tuple[bool, str, bool]:
+        """End the step (see :func:`finish_step`): ``(emergency, reason, rolled_back)``."""
+        return finish_step(self)
+
+    def observe_before_save(self) -> tuple[bool, str, bool]:
+        """Before a trainer save (see :func:`observe_before_save`)."""
+        return observe_before_save(self)
 
     def take_emergency(self) -> tuple[bool, str]:
         """``(asked, reason)`` of an emergency checkpoint observed since the last call."""

@@ -1,4 +1,4 @@
-"""The detector tables of ``README.md`` and ``docs/CONTRACTS.md``, generated from the registry.
+"""The detector tables of ``docs/concepts/detectors.md`` and ``docs/CONTRACTS.md``, from the registry.
 
 Each table sits between two markers; ``python -m stability.config.registry_docs`` rewrites what is
 between them from :data:`stability.config.registry.REGISTRY` (the ``doc`` row, class, inputs, default
@@ -6,7 +6,7 @@ kind and tuning grid of every entry), ``--check`` only reports stale files (exit
 ``tests/test_registry_docs.py`` fails when a file differs from the generated text, so a detector
 is documented by its registry entry and nowhere else.
 
->>> print(readme_table({"nonfinite": REGISTRY["nonfinite"]}))
+>>> print(detectors_table({"nonfinite": REGISTRY["nonfinite"]}))
 | registry name | class | how it works |
 |---|---|---|
 | `nonfinite` | `NonFiniteGuard` | Alarms on every NaN/±inf element. Keeps the count and the current streak. |
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from stability.config.registry import _N_INPUT_ARGS, REGISTRY, RegistryEntry, detector_class
 
-__all__ = ["BEGIN", "END", "TABLES", "contracts_table", "main", "readme_table", "render",
-           "stale_files"]
+__all__ = ["BEGIN", "END", "TABLES", "contracts_table", "detectors_table", "main",
+           "parameter_docs", "render", "stale_files"]
 
 BEGIN = "<!-- detector-table: generated from stability/config/registry.py by " \
         "`python -m stability.config.registry_docs`; do not edit -->"
@@ -36,8 +36,36 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def readme_table(registry: Registry | None = None) -> str:
-    """The README's table: registry name, class, how it works."""
+def parameter_docs(cls: type) -> dict[str, str]:
+    """Each argument's description in ``cls``'s numpy-style ``Parameters`` section.
+
+    Names listed together (``alpha, warmup``) share one description.
+
+    >>> from detectors import NonFiniteGuard
+    >>> parameter_docs(NonFiniteGuard)["freeze_on_alarm"]
+    'Must be ``False``: the guard has no statistics to freeze.'
+    """
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    out: dict[str, list[str]] = {}
+    names: list[str] = []
+    inside = False
+    for i, line in enumerate(lines):
+        header = i + 1 < len(lines) and lines[i + 1].strip() and set(lines[i + 1]) == {"-"}
+        if header:
+            inside = line.strip() == "Parameters"
+            names = []
+        elif inside and line and not line.startswith(" ") and set(line) != {"-"}:
+            names = [n.strip() for n in line.split(":")[0].split(",")]
+            for n in names:
+                out[n] = []
+        elif inside and line.strip():
+            for n in names:
+                out[n].append(line.strip())
+    return {k: " ".join(v) for k, v in out.items()}
+
+
+def detectors_table(registry: Registry | None = None) -> str:
+    """``docs/concepts/detectors.md``'s table: registry name, class, how it works."""
     reg = REGISTRY if registry is None else registry
     rows = ["| registry name | class | how it works |", "|---|---|---|"]
     for name, e in reg.items():
@@ -75,7 +103,7 @@ def contracts_table(registry: Registry | None = None) -> str:
 
 
 #: file (relative to the repository root) -> its table
-TABLES: dict[str, Callable[[], str]] = {"README.md": readme_table,
+TABLES: dict[str, Callable[[], str]] = {"docs/concepts/detectors.md": detectors_table,
                                         "docs/CONTRACTS.md": contracts_table}
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_float", "is_table", "table_columns", "encode_state", "decode_state"]
+__all__ = ["to_float", "value_kind", "value_message", "is_table", "table_columns",
+           "encode_state", "decode_state"]
 
 _ND = "__ndarray__"
 # one past the monitor's largest accepted step (stability.monitor.monitor.MAX_STEP)
@@ -79,6 +80,38 @@ def to_float(v: Any) -> float | str:
         except Exception as exc:
             return f"cannot convert {type(v).__name__} to float ({exc})"
     return f"not a number ({type(v).__name__})"
+
+
+def value_kind(value: Any, reason: str) -> str:
+    """The kind of a rejected value, for one warning per kind.
+
+    >>> value_kind("2.31", ""), value_kind("abc", ""), value_kind(None, "not a number (X)")
+    ('numeric string', 'string', 'not a number')
+    """
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return "string"
+        return "numeric string"
+    return reason.split(" (")[0]
+
+
+def value_message(key: Any, value: Any, reason: str) -> str:
+    """The skipped-value message of ``metrics[key]``; a numeric string says how to pass it.
+
+    >>> value_message("loss", "2.31", "string value not accepted")
+    "metrics['loss']: string value '2.31' not accepted (pass a number: float('2.31')); skipped"
+    """
+    if isinstance(value, str):
+        text = repr(value[:40])
+        try:
+            float(value)
+        except ValueError:
+            return f"metrics[{key!r}]: string value {text} not accepted; skipped"
+        return (f"metrics[{key!r}]: string value {text} not accepted (pass a number: "
+                f"float({text})); skipped")
+    return f"metrics[{key!r}]: {reason}; skipped"
 
 
 def _numeric_column(v: Any) -> tuple[np.ndarray, np.ndarray] | None:

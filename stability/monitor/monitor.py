@@ -82,6 +82,8 @@ from stability.monitor.io import (
     encode_state,
     is_table,
     to_float,
+    value_kind,
+    value_message,
 )
 from stability.monitor.layout import (
     CAPPED,
@@ -95,6 +97,7 @@ from stability.monitor.layout import (
     GatherPlan,
     KeyPlan,
 )
+from stability.monitor.recovery import RecoveryTracker
 from stability.monitor.replay import Column, decode_table, merge_columns
 from stability.monitor.replay_fill import fill_bank as _fill_bank
 from stability.monitor.replay_run import Replay, ReplayBlocks
@@ -214,6 +217,7 @@ class Monitor:
             handler_timeout = self.config.monitor.handler_budget_s
         self.max_series = self.config.monitor.max_series
         self._capped_banks: set[str] = set()
+        self._warned_kinds: set[str] = set()  # kinds of bad input warned about (once each)
         self.handlers = HandlerRegistry(strict=self.strict, timeout=handler_timeout)
         self._sink_failed: set[int] = set()
         for fn in _as_list(on_alarm):
@@ -223,6 +227,7 @@ class Monitor:
         if checkpoints is None:
             checkpoints = CheckpointLedger()
         self.checkpoints = checkpoints
+        self.policy.ledger = checkpoints  # the policy's rollback targets between alarm steps
         #: the trainer's own gradient clip (adapters set it); the policy never loosens it
         self.trainer_clip_norm: float | None = None
         self._reset_runtime()
@@ -242,6 +247,7 @@ class Monitor:
         self.last_step = -1
         self.counters = {"steps": 0, "skipped_steps": 0, "skipped_values": 0, "alarm_steps": 0,
                          "alarms": 0, "interventions": 0, "sink_errors": 0}
+        self._recovery = RecoveryTracker()  # peak score per alarming (binding, signal)
 
     # ------------------------------------------------------------------ public helpers
     def on_alarm(self, fn: Any) -> Any:
@@ -715,11 +721,17 @@ class Monitor:
         return [(b, b.scores[0], b.alarms[0]) for b in self._bindings]  # type: ignore[index]
 
     # ------------------------------------------------------------------ filling a step
-    def _bad(self, msg: str, skipped: list[str], capped: bool = False) -> None:
+    def _bad(self, msg: str, skipped: list[str], capped: bool = False, kind: str = "") -> None:
+        """Record bad input in ``Decision.skipped`` (``ValueError`` in strict mode), and warn
+        the first time of each ``kind`` (a run must not look monitored while nothing is)."""
         if self.strict and not capped:  # a full bank is a resource limit, not bad input
             raise ValueError(msg)
         skipped.append(msg)
         self.counters["skipped_values"] += 1
+        if kind and kind not in self._warned_kinds:
+            self._warned_kinds.add(kind)
+            logger.warning("stability: %s (further input skipped for this reason is recorded in "
+                           "Decision.skipped, not logged)", msg)
 
     def _check_step(self, step: Any, skipped: list[str]) -> int | None:
         if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer, float)):
@@ -738,7 +750,9 @@ class Monitor:
             return None
         if s <= self.last_step:
             self._bad(f"step {s}: not after the last observed step {self.last_step} "
-                      "(duplicate or out of order); not fed to detectors", skipped)
+                      "(duplicate or out of order; after a restore from an earlier checkpoint "
+                      "call Monitor.rewind(step) first); not fed to detectors", skipped,
+                      kind="step order")
             return None
         return s
 
@@ -792,7 +806,7 @@ class Monitor:
                 continue
             x = to_float(v)
             if isinstance(x, str):
-                self._bad(f"metrics[{k!r}]: {x}; skipped", skipped)
+                self._bad(value_message(k, v, x), skipped, kind=value_kind(v, x))
                 continue
             vals[s] = x
             present[s] = True
@@ -954,17 +968,30 @@ class Monitor:
                     continue
                 score = float(sc[i])
                 signal = ",".join(comps) if comps else b.keys[i]
+                rec = False
                 if b.nonfinite:
                     sev = "critical"
                     msg = f"{signal} is {NF_NAMES.get(score, 'non-finite')}"
                 else:
-                    sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
-                                         ) else b.severity
-                    msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
-                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg))
+                    sev, msg, rec = self._rated(b, step, signal, score, thr)
+                items.append(Alarm(step, b.kind, signal, score, thr, sev, b.name, msg, rec))
             items.sort(key=lambda al: al.signal)
             out.extend(items)
         return tuple(out)
+
+    def _rated(self, b: Binding, step: int, signal: str, score: float, thr: float
+               ) -> tuple[str, str, bool]:
+        """Severity, message and the recovering flag of a detector alarm: critical above
+        ``critical_factor`` x the threshold, never while recovering
+        (:mod:`stability.monitor.recovery`)."""
+        rec = self._recovery.update(b.name, signal, step, score, thr)
+        msg = f"{b.spec.detector} score {score:.4g} > {thr:.4g} on {signal}"
+        if rec:
+            sev = "warning" if b.severity == "critical" else b.severity
+            return sev, msg + " (recovering)", True
+        sev = "critical" if (b.severity == "critical" or score > b.critical_factor * thr
+                             ) else b.severity
+        return sev, msg, False
 
     # ====== batch replay (table decoding: monitor.replay)
     def replay(self, data: Any) -> Decisions:
@@ -1149,6 +1176,7 @@ class Monitor:
             "lr_now": self._lr_now,
             "lr_prev": self._lr_prev,
             "counters": dict(self.counters),
+            "recovery": self._recovery.state_dict(),
         }
         return encode_state(sd)
 
@@ -1265,6 +1293,9 @@ class Monitor:
         self.last_step, grad_hist, self._grad_last, self._lr_now, self._lr_prev, counters = hist
         self._grad_hist.extend(grad_hist)
         self.counters.update(counters)
+        rec = f.get("recovery", None)
+        if rec is not None:
+            part("the recovery episodes", lambda: self._recovery.load_state_dict(rec))
         self._dirty = True
 
     def _load_bank(self, b: Binding, g: Fields, same_names: bool, strict: bool) -> None:

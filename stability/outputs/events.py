@@ -25,6 +25,20 @@ Opening an existing log cuts a torn last record (a line without its newline, lef
 middle of a write), so records appended after a restart never follow half a line; a short write
 (disk full) is truncated away for the same reason.
 
+One schema, live and replayed: ``replay --events`` writes the same records
+(:func:`decision_records`; with ``run_id`` and without ``time``, a replay has no wall clock):
+
+==================  ==========================================================================
+``type``            fields
+==================  ==========================================================================
+``alarm``           ``step``, ``kind``, ``signal``, ``score``, ``threshold``, ``severity``,
+                    ``detector``, ``cause``, ``message`` (:meth:`Alarm.to_dict`)
+``intervention``    ``step``, ``intervention`` (its type: ``reduce_lr``, ``stop``, ...),
+                    ``reason``, ``cause`` and the intervention's own fields
+``goodput``         ``step`` and the goodput ledger's record
+``info``            ``step``, ``message`` (e.g. input a replay skipped)
+==================  ==========================================================================
+
 Write failures (read-only directory, full disk, ...) are reported once through :mod:`logging` and
 never raise into the training loop, unless ``strict=True``.  Appending to a closed log drops the
 record with a one-time warning (``append`` returns ``False``); it never raises.
@@ -309,7 +323,7 @@ class EventLog:
         if self._held is not None and self._held["step"] != step:
             self._write_held()
         if self.storm.admit(step):
-            return self.append({"type": "alarm", **alarm.to_dict(), **extra})
+            return self.append(alarm_record(alarm.to_dict(), **extra))
         self._hold(alarm)
         return True
 
@@ -337,9 +351,7 @@ class EventLog:
 
     def intervention(self, iv: Intervention, **extra: Any) -> bool:
         """Append an ``intervention`` record (``intervention`` holds the intervention type)."""
-        d = iv.to_dict()
-        d["intervention"] = d.pop("type")
-        return self.append_unheld({"type": "intervention", **d, **extra})
+        return self.append_unheld(intervention_record(iv.to_dict(), **extra))
 
     def goodput(self, step: int, stats: Mapping[str, Any]) -> bool:
         """Append a ``goodput`` record."""
@@ -427,6 +439,37 @@ class EventLog:
 
     def __repr__(self) -> str:
         return f"EventLog({self.path!r}, written={self.n_written}, dropped={self.n_dropped})"
+
+
+def alarm_record(alarm: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """The ``alarm`` record of an alarm (:meth:`Alarm.to_dict` output)."""
+    return {"type": "alarm", **alarm, **extra}
+
+
+def intervention_record(iv: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """The ``intervention`` record of an intervention (``Intervention.to_dict`` output)."""
+    d = dict(iv)
+    d["intervention"] = d.pop("type")
+    return {"type": "intervention", **d, **extra}
+
+
+def decision_records(decision: Mapping[str, Any], **extra: Any) -> Iterator[dict[str, Any]]:
+    """The event records of one decision (``Decision.to_dict`` output): its alarms, its
+    interventions and one ``info`` record per skipped input -- the live log's schema.
+
+    >>> from stability.types import Alarm, Decision, SkipStep
+    >>> d = Decision(7, (Alarm(7, "loss_spike", "loss", 9.0, 6.0, "warning", "ewma_z"),),
+    ...              (SkipStep(7, "L1"),))
+    >>> [(r["type"], r.get("intervention")) for r in decision_records(d.to_dict(), run_id="a")]
+    [('alarm', None), ('intervention', 'skip_step')]
+    """
+    step = decision.get("step")
+    for a in decision.get("alarms", ()) or ():
+        yield alarm_record(a, **extra)
+    for iv in decision.get("interventions", ()) or ():
+        yield intervention_record(iv, **extra)
+    for msg in decision.get("skipped", ()) or ():
+        yield {"type": "info", "step": step, "message": f"skipped: {msg}", **extra}
 
 
 def iter_events(path: str | os.PathLike[str], errors: str = "raise") -> Iterator[dict[str, Any]]:

@@ -68,6 +68,7 @@ __all__ = [
     "is_acting",
     "key_selector",
     "log_interventions",
+    "skipping",
 ]
 
 PREFIX = "stability/"
@@ -272,14 +273,15 @@ def describe(iv: Any) -> str:
     >>> from stability.types import ReduceLR
     >>> describe(ReduceLR(12, "L2: loss_spike(loss)", factor=0.25, duration=100))
     'step 12: reducing the LR factor to 0.25 for 100 steps (L2: loss_spike(loss))'
-    >>> describe(ReduceLR(7, "LR guard", factor=0.1, duration=0))  # held until the monitor lifts it
-    'step 7: reducing the LR factor to 0.1 until changed (LR guard)'
+    >>> describe(ReduceLR(7, "LR guard", factor=0.1, duration=0))  # the LR guard's hold
+    'step 7: reducing the LR factor to 0.1 while the scheduler asks for a bad LR (LR guard)'
     """
     t = getattr(iv, "type", "intervention")
     step = getattr(iv, "step", -1)
     reason = getattr(iv, "reason", "")
     if t == "reduce_lr":
-        span = f"for {iv.duration} steps" if iv.duration else "until changed"
+        span = (f"for {iv.duration} steps" if iv.duration else
+                "while the scheduler asks for a bad LR")  # the LR guard's hold
         what = f"reducing the LR factor to {iv.factor:.3g} {span}"
     elif t == "set_clip":
         span = f"for {iv.duration} steps" if iv.duration else "until changed"
@@ -287,11 +289,11 @@ def describe(iv: Any) -> str:
     elif t == "skip_step":
         what = "skipping the optimizer step"
     elif t == "checkpoint":
-        what = "taking an emergency checkpoint" if not getattr(iv, "healthy", False) else \
-            "taking a checkpoint"
+        what = ("requesting an emergency checkpoint (written only if the weights are finite)"
+                if not getattr(iv, "healthy", False) else "requesting a checkpoint")
     elif t == "rollback":
-        what = (f"rolling back to the checkpoint of step {iv.to_step}, skipping the batches of "
-                f"steps {iv.skip_from}..{iv.skip_to}")
+        what = f"rolling back to the checkpoint of step {iv.to_step}" + skipping(
+            getattr(iv, "skip_from", None), getattr(iv, "skip_to", None))
     elif t == "stop":
         what = "stopping training"
     elif t == "alert":
@@ -299,6 +301,21 @@ def describe(iv: Any) -> str:
     else:
         what = str(t)
     return f"step {step}: {what}" + (f" ({reason})" if reason else "")
+
+
+def skipping(lo: Any, hi: Any) -> str:
+    """What a rollback skips: ``", skipping the batches of steps a..b"``, or that it skips none.
+
+    >>> skipping(5, 9), skipping(7, 7)
+    (', skipping the batches of steps 5..9', ', skipping the batch of step 7')
+    >>> skipping(200, 199), skipping(None, None)
+    (', skipping no batch', ', skipping no batch')
+    """
+    if not isinstance(lo, int) or not isinstance(hi, int) or hi < lo:
+        return ", skipping no batch"
+    if hi == lo:
+        return f", skipping the batch of step {lo}"
+    return f", skipping the batches of steps {lo}..{hi}"
 
 
 def log_interventions(decision: Any, logger: logging.Logger | None = None,

@@ -106,3 +106,33 @@ def test_clean_guarded_runs_replay_and_watch_without_alarms(stack: str, tmp_path
     text = "".join(Path(p).read_text(errors="replace") for p in logs.values()
                    if Path(p).is_file())
     assert "stability/" in text and "NaN" not in text and "nan," not in text
+
+
+# ---------------------------------------------------------------- one event schema
+def test_replay_events_and_the_live_event_log_share_one_schema(tmp_path: Path) -> None:
+    from replay.reader import read_run
+    from replay.replay import replay_run
+    from replay.report import split_events
+    from stability.outputs.events import EventLog, read_events
+
+    run = Path(__file__).resolve().parents[2] / "data" / "runs" / "bitflip"
+    if not run.exists():
+        pytest.skip("data/runs not in this checkout")
+    replayed = tmp_path / "replayed.jsonl"
+    replay_run(run, "default", events=replayed)
+    live = tmp_path / "live.jsonl"
+    cols = read_run(str(run)).to_pydict()
+    steps = cols.pop("step")
+    with EventLog(live) as log:
+        mon = Monitor("default", event_log=log, alert_sinks=[])
+        for i, s in enumerate(steps):
+            mon.observe(int(s), {k: v[i] for k, v in cols.items() if v[i] is not None})
+
+    def facts(path: Path) -> list[tuple]:
+        return sorted((r["type"], r["step"], r.get("kind") or r.get("intervention"))
+                      for r in read_events(path) if r["type"] in ("alarm", "intervention"))
+
+    assert facts(replayed) and facts(replayed) == facts(live)
+    for path in (replayed, live):  # and the report reads both the same way
+        alarms, ivs, _ = split_events(read_events(path))
+        assert len(alarms) + len(ivs) == len(facts(path))

@@ -25,6 +25,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from stability.outputs.feedback import skipping
 from stability.run.checkpoints import CheckpointLedger, CheckpointRecord
 from stability.run.goodput import GoodputTracker
 
@@ -252,7 +253,8 @@ class GuardCheckpoints:
         g._rewound = g.rolled_back = True
         g.collector.state_reset()
         g.optimizer.zero_grad(set_to_none=True)
-        log.warning("rolled back to step %d (%d steps lost), skipping %s", entry.step, lost, skip)
+        log.warning("rolled back to step %d (%d steps lost)%s", entry.step, lost,
+                    skipping(*(skip or (None, None))))
         return True
 
     def _restore(self, to_step: int) -> tuple[CheckpointRecord | None, dict[str, Any] | None]:

@@ -158,6 +158,7 @@ class DeferredSteps:
             g.multiplier.restore()
             if g.scheduler is not None and g.should_step:
                 g.scheduler.step()
+                g.misuse.scheduler_stepped()
         finally:
             g.optimizer.zero_grad(set_to_none=True)
             self._clear_found_inf()
