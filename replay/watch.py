@@ -179,6 +179,11 @@ class Watcher(WatchActions):
         for k in self.hooks:
             if k not in HOOK_KINDS:
                 raise ValueError(f"unknown hook kind {k!r}; known: {', '.join(HOOK_KINDS)}")
+        from stability.outputs.safe_files import check_replaceable, json_object
+
+        for path in (control_file, state):  # ours to replace, or refused now (clear error)
+            if path is not None:
+                check_replaceable(path, json_object)
         self.control_file = control_file
         self.exporter = exporter
         self.echo = echo

@@ -64,6 +64,13 @@ def _atomic_write(path: str, text: str) -> None:
     atomic_write(path, text.encode("utf-8"), ours=json_object)
 
 
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _kill_group(proc: subprocess.Popen[bytes], grace: float = 0.5) -> None:
     """SIGTERM the process group of ``proc``, SIGKILL it after ``grace`` seconds."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
@@ -141,11 +148,19 @@ class HookRunner:
         self.cancel()
 
     def cancel(self) -> None:
-        """Kill every running hook's process group; drop the queued ones (reported)."""
-        for label, proc, _ in self.running:
-            if proc.poll() is None:
-                _kill_group(proc, grace=0.2)
-                self.on_failure(label, "killed: the watcher is stopping")
+        """Kill every running hook's process group (all signalled at once, SIGKILL after
+        0.2 s); drop the queued ones (reported)."""
+        live = [(label, proc) for label, proc, _ in self.running if proc.poll() is None]
+        for _, proc in live:
+            _signal_group(proc, signal.SIGTERM)
+        end = time.monotonic() + 0.2
+        for label, proc in live:
+            try:
+                proc.wait(max(end - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+            _kill_group(proc, grace=0.0)  # (the leader's children too)
+            self.on_failure(label, "killed: the watcher is stopping")
         self.running = []
         while self.queued:
             self.on_failure(self.queued.popleft()[0], "not run: the watcher is stopping")
@@ -217,7 +232,7 @@ class WatchActions:
         try:
             _atomic_write(self.control_file, json.dumps(doc))  # type: ignore[arg-type]
             self._last_control = ctrl
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # a full disk; a foreign file put there since
             logger.warning("cannot write the control file %s: %s", self.control_file, exc)
 
     def _run_hook(self, hook: str, d: Decision, kind: str, reason: str, cause: str) -> None:

@@ -78,13 +78,16 @@ class TrainingStopped(RuntimeError):
     """
 
     def __init__(
-        self, reason: str, step: int = -1, alarms: tuple[Any, ...] = (), decision: Any = None
+        self, reason: str, step: int = -1, alarms: tuple[Any, ...] = (), decision: Any = None,
+        restored_step: int | None = None,
     ) -> None:
         super().__init__(f"training stopped at step {step}: {reason}")
         self.reason = reason
         self.step = step
         self.alarms = alarms
         self.decision = decision
+        #: the step whose (healthy) checkpoint the model holds now (``None``: none restored)
+        self.restored_step = restored_step
 
 
 # ---------------------------------------------------------------------------- learning rate

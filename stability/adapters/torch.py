@@ -570,12 +570,14 @@ class TorchGuard:
         """Carry out a stop or rollback requested for ``step`` (either step path); ``True``
         when one was.  A stop with a rollback target stops with the last good weights."""
         if control.stop:
-            if control.rollback_to is not None:
+            restored = None
+            if control.rollback_to is not None and self.rollback(control.rollback_to, None):
                 # stop with the last good weights in place (the run cannot be brought back)
-                self.rollback(control.rollback_to, None)
+                restored = self.step_count - 1
             self.stopped = TrainingStopped(
                 control.stop_reason or "stop requested", step,
-                self.decision.alarms if self.decision else (), self.decision)
+                self.decision.alarms if self.decision else (), self.decision,
+                restored_step=restored)
             self.step_count += 1
             self.data_position += 1
             self.record_goodput()  # the end of the run: `stability goodput EVENTS` has it

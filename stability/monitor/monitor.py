@@ -227,6 +227,7 @@ class Monitor:
         if checkpoints is None:
             checkpoints = CheckpointLedger()
         self.checkpoints = checkpoints
+        self.policy.ledger = checkpoints  # the policy's rollback targets between alarm steps
         #: the trainer's own gradient clip (adapters set it); the policy never loosens it
         self.trainer_clip_norm: float | None = None
         self._reset_runtime()

@@ -273,7 +273,19 @@ class RecoveryConfig:
       ``val_margin`` (relative) above the best one *and* the training loss has fallen more than
       ``val_train_drop`` (relative) below its level at the best point (a widening gap from both
       sides -- a persistent input shift moves validation, not this) is early-stopped with the
-      checkpoint of the best point restored.
+      checkpoint of the best point restored;
+    * ``max_skips`` -- a *skip storm*: this many consecutive skipped steps (non-finite
+      gradients on every step, ...) mean the run is not training at all.  It escalates: a
+      rollback with an LR cut while rollbacks are left, then a stop with the healthy weights
+      restored (whatever the loss says: a run that does not train is not on its trajectory);
+    * ``improve_margin`` -- "closing the gap": the recent loss level (log units) fell by more
+      than this since the watch began (or since the last such fall).  A run closing the gap is
+      returning to its trajectory: it is neither stopped nor rolled back;
+    * ``max_undo`` -- damage that outlives its cause: when an episode is over (no acting alarm
+      for ``cooldown`` steps, the LR back in its band) and the loss stays measurably worse than
+      before it for ``adapt_steps`` steps without closing the gap, the policy rolls back once to
+      the latest healthy checkpoint before the onset (skipping the episode's batches when its
+      cause was the data).  At most this many such rollbacks per run (0: never).
     """
 
     max_consecutive_skips: int = 8
@@ -285,6 +297,9 @@ class RecoveryConfig:
     val_train_drop: float = 0.25
     fast_alpha: float = 0.1
     base_alpha: float = 0.02
+    max_skips: int = 25
+    improve_margin: float = 0.02
+    max_undo: int = 1
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "policy.recovery") -> RecoveryConfig:
@@ -306,6 +321,10 @@ class RecoveryConfig:
                                low_open=True, high=1.0),
             base_alpha=_number(d.get("base_alpha", c.base_alpha), f"{path}.base_alpha", 0.0,
                                low_open=True, high=1.0),
+            max_skips=_int(d.get("max_skips", c.max_skips), f"{path}.max_skips", 1),
+            improve_margin=_number(d.get("improve_margin", c.improve_margin),
+                                   f"{path}.improve_margin", 0.0, high=1e6),
+            max_undo=_int(d.get("max_undo", c.max_undo), f"{path}.max_undo", 0),
         )
 
 

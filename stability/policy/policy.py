@@ -160,8 +160,11 @@ class Policy(ResponseMixin, RecoveryMixin):
                 self._apply_persistent(step, control)
             return []
         ctx = PolicyContext.coerce(context)
+        if ctx.healthy_checkpoints is not None:
+            self.ledger = ctx.healthy_checkpoints
         cfg = self.config
         jcfg = cfg.lr_jump
+        self._storm = False
         if cfg.lr_guard.enabled and self.guard.n >= cfg.lr_guard.min_steps:
             # the LR guard judges the requested LR itself, every step: LR-jump alarms are
             # recorded but do not act (a rewound scheduler, a benign restart, a step decay)
@@ -176,6 +179,8 @@ class Policy(ResponseMixin, RecoveryMixin):
         ep = self._ep
         ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
         ep.last_seen = step
+        self._after = None  # the episode goes on: its aftermath is judged when it is over
+        self._judged_onset = None
         rc = cfg.recovery
         cause = attribute(acts, lr_fault=self.guard.active,
                           nonfinite_loss_run=self.loss.nonfinite_run,
@@ -183,7 +188,11 @@ class Policy(ResponseMixin, RecoveryMixin):
         stop = self._overfit_stop(step, acts, cause, ctx, control)
         if stop is not None:
             return stop
-        self.cause = cause
+        replayed = self._replayed_cause(step)
+        if replayed:
+            cause = replayed  # a rollback replayed a step fault: the same cause
+        if not (cause == "divergence" and self.cause and self._onset is not None):
+            self.cause = cause  # (a slow trend inside an episode keeps the episode's cause)
         damaged = False
         if jcfg.enabled:
             if any(a.kind in jcfg.damage_kinds for a in acts):
@@ -273,15 +282,17 @@ class Policy(ResponseMixin, RecoveryMixin):
             if damaged and jcfg.rollback_on_damage:
                 actions.update(("checkpoint", "rollback"))
         nonfinite_now = "nonfinite" in kinds
-        if skip and cause == "shift" and not nonfinite_now:
-            skip = False  # no skip storms: a persistent shift must be learned, not skipped
-        adapting = cause == "shift" or (
+        if skip and (cause == "shift" or replayed) and not nonfinite_now:
+            # no skip storms: a persistent shift must be learned, not skipped; a replayed
+            # deterministic fault is trained through (skipping cannot heal the weights)
+            skip = False
+        adapting = cause == "shift" or bool(replayed) or (
             cause == "overflow" and ep.consec > rc.max_consecutive_skips)
         if adapting and ep.adapt_start is None:
             self._start_adapting(step)
             actions.update(("alert", "clip", "reduce_lr"))
             responded = True
-        if cause == "corruption":
+        if cause == "corruption" and not replayed:
             actions.update(("alert", "checkpoint", "rollback"))
             skip = True
             responded = True
@@ -289,7 +300,8 @@ class Policy(ResponseMixin, RecoveryMixin):
         if "stop" in actions and not self._exhausted(step, ctx):
             # stop only when nothing is left to try: a rollback comes first
             actions = (actions - {"stop"}) | {"checkpoint", "rollback"}
-        if "rollback" in actions and cause in ("shift", "overflow", "outlier", "divergence"):
+        if "rollback" in actions and not self._storm and cause in (
+                "shift", "overflow", "outlier", "divergence"):
             ok = worse is not False and (cause in ("outlier", "divergence") or (
                 ep.adapt_start is not None and step - ep.adapt_start >= rc.adapt_steps
                 and not self._improving()))
@@ -300,6 +312,11 @@ class Policy(ResponseMixin, RecoveryMixin):
                     actions.update(("alert", "clip", "reduce_lr"))
         if skip:
             actions.add("skip")
+            if self._skip_storm(step, ctx):
+                actions = (actions - {"skip", "clip", "checkpoint"}) | (
+                    {"alert", "stop"} if self._exhausted(step, ctx)
+                    else {"alert", "rollback", "reduce_lr"})
+                responded = True
         if responded:
             self.n_responses += 1
         else:
@@ -324,6 +341,17 @@ class Policy(ResponseMixin, RecoveryMixin):
             self._apply_persistent(step if self._rewound_to is None else self._rewound_to,
                                    control)
         return ivs
+
+    def _skip_storm(self, step: int, ctx: PolicyContext) -> bool:
+        """Count this skipped step; ``True`` when the run has been skipping for
+        ``recovery.max_skips`` consecutive steps (it is not training: escalate)."""
+        ep = self._ep
+        ep.skip_run = ep.skip_run + 1 if step - ep.last_skip == 1 else 1
+        ep.last_skip = step
+        if ep.skip_run < self.config.recovery.max_skips:
+            return False
+        self._storm = True
+        return True
 
     def __repr__(self) -> str:
         return f"Policy(mode={self.config.mode!r}, level={self._level})"

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from stability.policy.attribution import DATA_CAUSES
 from stability.policy.context import PolicyContext
-from stability.policy.state import PolicyState
+from stability.policy.state import Aftermath, PolicyState, Probation
 from stability.types import Alarm, Alert, Control, Intervention, ReduceLR, Rollback, Stop
 
 __all__ = ["RecoveryMixin"]
@@ -54,11 +55,15 @@ class RecoveryMixin(PolicyState):
         if loss is not None:
             # _track_loss, inlined (every step)
             self.loss.update(loss, step - self._ep.last_seen > self.config.cooldown
-                             and not self.guard.active and self._probation is None)
+                             and not self.guard.active and self._probation is None
+                             and self._after is None)
             if self._probation is not None:
                 out = self._check_probation(step, control)
-        if lr is None or not self.config.lr_guard.enabled:
-            return out
+            elif self._aftermath_due(step):
+                out = self._check_aftermath(step, control)
+        if lr is None or not self.config.lr_guard.enabled or (
+                out and any(isinstance(iv, Rollback) for iv in out)):
+            return out  # (after a rollback the guard re-primes from the restored LR)
         g = self.guard
         was = g.active
         f = g.observe(step, lr)
@@ -75,6 +80,9 @@ class RecoveryMixin(PolicyState):
             reason = f"LR {g.last_lr:.3g} back in its healthy band"
             out += [Alert(step, reason, cause="lr", severity="warning",
                           message=f"step {step}: {reason}; LR guard released")]
+            if self._after is None and self._probation is None and g.onset >= 0:
+                # the LR fault is over: does its damage outlive it?
+                self._after = Aftermath(g.onset, step, "lr", step, 0, self.loss.fast)
         if control is not None and not self.log_only and (g.active or was):
             self._apply_persistent(step, control)
         return out
@@ -87,7 +95,7 @@ class RecoveryMixin(PolicyState):
         inlined (the monitor's quiet step; ``control`` is not touched when nothing is asked).
         """
         g = self.guard
-        if g.active or not g.primed or self._probation is not None:
+        if g.active or not g.primed or self._probation is not None or self._watching():
             return False
         c = g.config
         if not (0.0 < lr < math.inf and self.config.lr_guard.enabled):
@@ -145,7 +153,7 @@ class RecoveryMixin(PolicyState):
         that of a :meth:`track` loop over the steps taken (the replay's fast path).
         """
         n = len(steps)
-        if self._probation is not None or n == 0:
+        if self._probation is not None or n == 0 or self._watching():
             return 0
         if lr is not None and self.config.lr_guard.enabled and lr[1].any():
             g = self.guard
@@ -190,6 +198,10 @@ class RecoveryMixin(PolicyState):
         healthy checkpoint before each must survive checkpoint retention.
         """
         out = [] if self._onset is None else [self._onset]
+        if self._after is not None:
+            out.append(self._after.onset)
+        if self.guard.active and self.guard.onset >= 0:
+            out.append(self.guard.onset)
         if self.val.best_step >= 0:
             out.append(self.val.best_step + 1)
         return out
@@ -212,14 +224,125 @@ class RecoveryMixin(PolicyState):
         if step - pb.resume > rc.recur_steps:
             self._probation = None
             return []
-        n_worse = pb.n_worse + 1 if self.worse() else 0
-        self._probation = pb._replace(n_worse=n_worse)
+        n_worse, ref = self._gap(pb.n_worse, pb.ref)
+        self._probation = pb._replace(n_worse=n_worse, ref=ref)
         if n_worse < max(1, rc.adapt_steps):
             return []
         self._probation = None
-        reason = (f"the loss stayed measurably worse for {n_worse} steps after the rollback at "
-                  f"step {pb.resume} skipped the bad data: the data source keeps failing")
+        reason = (f"the loss stayed measurably worse without closing the gap for {n_worse} "
+                  f"steps after the rollback at step {pb.resume} skipped the bad data: the "
+                  f"data source keeps failing")
         return self._stop_restoring(step, pb.target, reason, pb.cause, control)
+
+    def _gap(self, n_worse: int, ref: float) -> tuple[int, float]:
+        """One step of a gap watch: ``(n_worse, ref)`` after this step's loss level.
+
+        ``n_worse`` counts the steps the run has been measurably worse than before the episode
+        *without closing the gap*: a fall of the recent level by more than
+        ``recovery.improve_margin`` below ``ref`` (the level when the count began, or at the
+        last such fall) means the run is returning to its trajectory -- the count restarts.
+        """
+        fast = self.loss.fast
+        if not self.worse():
+            return 0, fast
+        if math.isnan(ref) or n_worse == 0:
+            return 1, fast
+        if fast < ref - self.config.recovery.improve_margin:
+            return 0, fast  # closing the gap: returning to the trajectory
+        return n_worse + 1, ref
+
+    # ------------------------------------------------------------------ damage outliving its cause
+    def _watching(self) -> bool:
+        """An aftermath is being watched, or an episode's aftermath is still to be judged."""
+        return self._after is not None or (
+            self._onset is not None and self._judged_onset != self._onset
+            and self.n_undo < self.config.recovery.max_undo)
+
+    def _aftermath_due(self, step: int) -> bool:
+        """Watch (or start watching) the aftermath of the open episode now?"""
+        if self._after is not None:
+            return True
+        if (self._onset is None or self._judged_onset == self._onset or self.guard.active
+                or self.n_undo >= self.config.recovery.max_undo):
+            return False
+        ep = self._ep
+        if step - ep.last_seen <= self.config.cooldown:
+            return False  # the episode is not over
+        self._judged_onset = self._onset
+        self._after = Aftermath(self._onset, ep.last_seen, ep.cause, step, 0, math.nan)
+        return True
+
+    def _check_aftermath(self, step: int, control: Control | None) -> list[Intervention]:
+        """The episode is over: undo damage that outlives it (one rollback to before it).
+
+        While the loss stays measurably worse than before the episode without closing the gap
+        for ``adapt_steps`` steps (within ``recur_steps`` of the watch's start), the cause is
+        gone but its damage is not: roll back to the latest healthy checkpoint before the
+        onset (skipping the episode's batches when its cause was the data).  A run back to its
+        level, or still closing the gap when the watch ends, is left alone.
+        """
+        af = self._after
+        assert af is not None
+        rc = self.config.recovery
+        if self.guard.active or self.n_undo >= rc.max_undo or step - af.start > rc.recur_steps:
+            self._after = None
+            return []
+        if not self.worse():
+            self._after = None  # back to its pre-episode level: nothing to undo
+            return []
+        n_worse, ref = self._gap(af.n_worse, af.ref)
+        self._after = af._replace(n_worse=n_worse, ref=ref)
+        # the updates of a data episode came from batches that alarmed: with the data back to
+        # normal and the loss still measurably worse, their damage is undone at once; any other
+        # cause waits for adapt_steps steps without closing the gap
+        wait = 1 if af.cause in DATA_CAUSES else max(1, rc.adapt_steps)
+        if n_worse < wait:
+            return []
+        self._after = None
+        return self._undo(step, af, control)
+
+    def _undo(self, step: int, af: Aftermath, control: Control | None) -> list[Intervention]:
+        """Roll back to the latest healthy checkpoint before ``af.onset`` (see
+        :meth:`_check_aftermath`); nothing when there is none."""
+        ledger = self.ledger
+        target = None if ledger is None else ledger.latest_healthy_before(
+            af.onset, self.config.checkpoint_margin)
+        if target is None or self.n_rollbacks >= self.config.max_rollbacks:
+            return []
+        data = af.cause in DATA_CAUSES
+        reason = (f"the loss stayed measurably above its level before the episode of step "
+                  f"{af.onset} (cause: {af.cause or 'unknown'}) for "
+                  f"{self.config.recovery.adapt_steps} steps after it ended, without closing "
+                  f"the gap: its damage outlives it")
+        what = f"roll back to step {target.step}" + (
+            f", skipping the batches of steps {af.onset}-{af.last}" if data else "")
+        msg = f"step {step}: {reason} -> {what} (undo {self.n_undo + 1})"
+        out: list[Intervention] = [
+            Alert(step, reason, cause=af.cause, severity="critical", message=msg),
+            Rollback(step, reason, cause=af.cause, to_step=target.step, skip_from=af.onset,
+                     skip_to=af.last if data else af.onset - 1)]
+        self.n_undo += 1
+        self.n_rollbacks += 1
+        if not data:
+            self._rb_onsets = [*self._rb_onsets[-7:], (int(af.onset), af.cause)]
+        self.n_responses += 1
+        act = control is not None and not self.log_only
+        resume = target.covers if act and self.config.rewind_on_rollback else step
+        self._probation = (Probation(resume, target.step, 0, af.cause)
+                           if data and af.cause else None)
+        if act:
+            assert control is not None
+            control.rollback_to = target.step
+            control.skip_batches = (af.onset, af.last) if data else None
+            if self.config.rewind_on_rollback:
+                self._rewind(step, target.covers, ledger)
+        self._onset = None
+        self._lr = self._clip = None  # the responses to the undone episode go with it
+        self._update_neutral()
+        self._reset_episode()
+        self.guard.rewind()
+        self.val.rewind(target.covers)
+        return out
 
     def _overfit_stop(self, step: int, acts: Sequence[Alarm], cause: str, ctx: PolicyContext,
                       control: Control) -> list[Intervention] | None:

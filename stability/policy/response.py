@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from stability.policy.attribution import DATA_CAUSES
 from stability.policy.config import ACTIONS
-from stability.policy.context import PolicyContext, finite_or_none
+from stability.policy.context import Ledger, PolicyContext, finite_or_none
 from stability.policy.lr_schedule import adaptive_clip, compound_factor
 from stability.policy.state import ClipHold, JumpHold, LRCut, PolicyState, Probation
 from stability.types import (
@@ -53,6 +53,16 @@ class ResponseMixin(PolicyState):
         out: list[Intervention] = []
         ledger = ctx.healthy_checkpoints
         self._rolled_back = False
+        if "rollback" in actions and self._recurs(step):
+            # rerun verdict: the same fault at the same step after a rollback to before it is
+            # deterministic -- another rollback would replay it (invariant 6: not repeated)
+            onset = step if self._onset is None else self._onset
+            actions = actions - {"rollback", "checkpoint"}
+            if self._storm:
+                actions |= {"stop"}
+            notes.append(f"the fault recurred at step {onset} after a rollback to before it: "
+                         f"deterministic, a rollback does not help -- "
+                         + ("stopping" if self._storm else "training through it"))
         if "rollback" in actions and self.n_rollbacks >= cfg.max_rollbacks:
             actions = (actions - {"rollback"}) | {"stop"}
             notes.append(f"rollback limit ({cfg.max_rollbacks}) reached")
@@ -65,7 +75,7 @@ class ResponseMixin(PolicyState):
                     actions = actions | {"stop"}
         if "stop" in actions:
             worse = self.worse()
-            if worse is False:
+            if worse is False and not self._storm:
                 actions = actions - {"stop"}
                 notes.append("would stop, but the run is not measurably worse than before the "
                              "episode: continuing")
@@ -124,6 +134,8 @@ class ResponseMixin(PolicyState):
                 out.append(Rollback(step, reason, to_step=target.step, skip_from=onset,
                                     skip_to=step if skip_data else onset - 1))
                 self.n_rollbacks += 1
+                if not skip_data:
+                    self._note_rolled_back(onset)
                 self._onset = None
                 self._rolled_back = True  # log_only decides as if it had acted
                 resume = target.covers if act and cfg.rewind_on_rollback else step
@@ -136,6 +148,7 @@ class ResponseMixin(PolicyState):
                         self._rewind(step, target.covers, ledger)
                         self._rewound_to = target.covers
         if "stop" in actions:
+            out += self._stop_restore(step, ledger, notes, control)
             out.append(Stop(step, reason + ("; " + "; ".join(notes) if notes else "")))
             if act:
                 control.stop = True
@@ -148,6 +161,46 @@ class ResponseMixin(PolicyState):
             msg = f"step {step}: {reason} -> {done}" + ("; " + "; ".join(notes) if notes else "")
             out.insert(0, Alert(step, reason, severity=sev, message=msg))
         return out
+
+    def _note_rolled_back(self, onset: int) -> None:
+        """Remember the onset and cause of an episode undone by a rollback (a step fault
+        replays there)."""
+        self._rb_onsets = [*self._rb_onsets[-7:], (int(onset), self.cause)]
+
+    def _replayed_cause(self, step: int) -> str | None:
+        """The cause of the step-fault episode undone by a rollback that began where the open
+        episode begins (``None``: none) -- the rollback replayed the fault, which is therefore
+        deterministic (Megatron's rerun verdict), whatever the alarms look like this time."""
+        onset = step if self._onset is None else self._onset
+        for o, cause in self._rb_onsets:
+            if abs(onset - o) <= 3:
+                return cause
+        return None
+
+    def _recurs(self, step: int) -> bool:
+        """Whether the open episode replays a step fault a rollback already undid."""
+        return self.cause not in DATA_CAUSES and self._replayed_cause(step) is not None
+
+    def _stop_restore(self, step: int, ledger: Ledger | None, notes: list[str],
+                      control: Control) -> list[Intervention]:
+        """A stop restores the latest healthy checkpoint before the episode (invariant 2):
+        the :class:`Rollback` that goes with the :class:`Stop`, its note, and the control."""
+        if self._rolled_back:
+            return []  # this response's own rollback restores the healthy weights
+        onset = step if self._onset is None else self._onset
+        target = None if ledger is None else ledger.latest_healthy_before(
+            onset, self.config.checkpoint_margin)
+        if target is None:
+            notes.append(f"no healthy checkpoint before step {onset}: the weights of step "
+                         f"{step} are kept")
+            return []
+        notes.append(f"the weights of step {target.step} (the latest healthy checkpoint "
+                     f"before the episode of step {onset}) restored")
+        if not self.log_only:
+            control.rollback_to = target.step
+            control.skip_batches = None
+        return [Rollback(step, "stop: restore the healthy weights", to_step=target.step,
+                         skip_from=step, skip_to=step - 1)]
 
     # ------------------------------------------------------------------ LR jumps
     def _is_jump(self, a: Alarm) -> bool:

@@ -22,6 +22,7 @@ LRCut(start=10, factor=0.5, duration=100, restore=50)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from stability.policy.lr_guard import LRGuard
 from stability.policy.lr_schedule import lr_cut_end, lr_factor_at
 from stability.types import Control
 
-__all__ = ["ClipHold", "Episode", "JumpHold", "LRCut", "PolicySnapshot", "PolicyState",
+__all__ = ["Aftermath", "ClipHold", "Episode", "JumpHold", "LRCut", "PolicySnapshot", "PolicyState",
            "Probation", "STATE_VERSION", "read_state", "write_state"]
 
 STATE_VERSION = 2
@@ -72,12 +73,28 @@ class JumpHold(NamedTuple):
 
 class Probation(NamedTuple):
     """After a rollback that skipped bad data: resumed at ``resume`` from the checkpoint of
-    ``target``; ``n_worse`` steps measurably worse so far; the episode's ``cause``."""
+    ``target``; ``n_worse`` steps measurably worse (and not closing the gap) so far; the
+    episode's ``cause``; ``ref`` the loss level (log) the gap is measured from."""
 
     resume: int
     target: int
     n_worse: int
     cause: str
+    ref: float = math.nan
+
+
+class Aftermath(NamedTuple):
+    """An episode is over (its cause gone): does the damage outlive it?  The episode began at
+    ``onset`` (its last acting alarm at ``last``, its ``cause``); watched since ``start``;
+    ``n_worse`` steps measurably worse without closing the gap; ``ref`` the loss level (log)
+    the gap is measured from."""
+
+    onset: int
+    last: int
+    cause: str
+    start: int
+    n_worse: int
+    ref: float
 
 
 @dataclass
@@ -86,7 +103,8 @@ class Episode:
 
     consec: int = 0                 #: consecutive alarm steps of the episode
     last_seen: int = -INF_STEP      #: last step with acting alarms
-    skip_run: int = 0               #: kept in the snapshot format (always 0)
+    skip_run: int = 0               #: consecutive skipped alarm steps (a skip storm)
+    last_skip: int = -INF_STEP      #: last step the policy skipped
     adapt_start: int | None = None  #: step the policy started adapting (clip + LR cut)
     adapt_fast: float = math.nan    #: the fast loss average then
     cause: str = ""                 #: the episode's attributed cause
@@ -114,6 +132,10 @@ class PolicySnapshot:
     probation: Probation | None
     loss: LossTracker
     val: ValTracker
+    aftermath: Aftermath | None = None
+    judged_onset: int | None = None
+    n_undo: int = 0
+    rb_onsets: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
 def write_state(s: PolicySnapshot) -> dict[str, Any]:
@@ -136,9 +158,15 @@ def write_state(s: PolicySnapshot) -> dict[str, Any]:
         "n_merged": s.n_merged,
         "guard": s.guard.state_dict(),
         "episode": {"consec": ep.consec, "last_seen": ep.last_seen,
-                    "skip_run": ep.skip_run, "adapt_start": ep.adapt_start,
+                    "skip_run": ep.skip_run, "last_skip": ep.last_skip,
+                    "adapt_start": ep.adapt_start,
                     "adapt_fast": _enc(ep.adapt_fast), "cause": ep.cause},
-        "probation": None if s.probation is None else list(s.probation),
+        "probation": _probation(s.probation),
+        "aftermath": None if s.aftermath is None else [*s.aftermath[:5],
+                                                       _enc(s.aftermath.ref)],
+        "judged_onset": s.judged_onset,
+        "n_undo": s.n_undo,
+        "rb_onsets": [list(x) for x in s.rb_onsets],
         "loss": s.loss.state_dict(),
         "val": s.val.state_dict(),
     }
@@ -182,14 +210,29 @@ def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
         consec=ep.integer("consec", ep.get("consec", 0), lo=0),
         last_seen=ep.integer("last_seen", ep.get("last_seen", -INF_STEP)),
         skip_run=ep.integer("skip_run", ep.get("skip_run", 0), lo=0),
+        last_skip=ep.integer("last_skip", ep.get("last_skip", -INF_STEP)),
         adapt_start=ep.opt_integer("adapt_start"),
         adapt_fast=ep.number("adapt_fast", ep.get("adapt_fast", math.nan), nan=True),
         cause=ep.text("cause", "", max_len=200))
-    pb = f.opt_seq("probation", 4)
+    pb = f.opt_seq("probation")
+    if pb is not None and len(pb) not in (4, 5):
+        f.fail("probation", "a list of 4 or 5 items", pb)
     probation = None if pb is None else Probation(
         f.integer("probation[0]", pb[0]), f.integer("probation[1]", pb[1]),
         f.integer("probation[2]", pb[2], lo=0),
-        f.text("probation[3]", value=pb[3], max_len=200))
+        f.text("probation[3]", value=pb[3], max_len=200),
+        f.number("probation[4]", pb[4] if len(pb) > 4 else math.nan, nan=True))
+    af = f.opt_seq("aftermath", 6)
+    aftermath = None if af is None else Aftermath(
+        f.integer("aftermath[0]", af[0]), f.integer("aftermath[1]", af[1]),
+        f.text("aftermath[2]", value=af[2], max_len=200), f.integer("aftermath[3]", af[3]),
+        f.integer("aftermath[4]", af[4], lo=0), f.number("aftermath[5]", af[5], nan=True))
+    judged_onset = f.opt_integer("judged_onset")
+    n_undo = f.integer("n_undo", f.get("n_undo", 0), lo=0)
+    rb_onsets = [(f.integer(f"rb_onsets[{i}][0]", f.seq(f"rb_onsets[{i}]", 2, x)[0]),
+                  f.text(f"rb_onsets[{i}][1]", value=x[1], max_len=200))
+                 for i, x in enumerate(f.seq("rb_onsets", None, f.get("rb_onsets", []),
+                                             max_len=64))]
     guard = LRGuard(config.lr_guard)
     if f.get("guard", None) is not None:
         guard.load_state_dict(f.get("guard"))
@@ -203,7 +246,8 @@ def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
         onset=onset, hist=hist, lr=lr, clip=clip, jump=jump, damage_last=damage_last,
         n_rollbacks=counts["n_rollbacks"], n_responses=counts["n_responses"],
         n_merged=counts["n_merged"], guard=guard, episode=episode, probation=probation,
-        loss=loss, val=val)
+        loss=loss, val=val, aftermath=aftermath, judged_onset=judged_onset, n_undo=n_undo,
+        rb_onsets=rb_onsets)
 
 
 class PolicyState:
@@ -215,6 +259,8 @@ class PolicyState:
 
     config: PolicyConfig
     log_only: bool
+    #: the checkpoint ledger (set by the monitor; also taken from each step's context)
+    ledger: Ledger | None = None
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -233,6 +279,12 @@ class PolicyState:
         self._damage_last: int | None = None
         self._rolled_back = False
         self._probation: Probation | None = None
+        self._after: Aftermath | None = None
+        self._judged_onset: int | None = None  # the episode whose aftermath was judged
+        self.n_undo = 0
+        #: (onset, cause) of step-fault episodes undone by a rollback
+        self._rb_onsets: list[tuple[int, str]] = []
+        self._storm = False  # this step's response is a skip storm's escalation
         self.n_rollbacks = 0
         self.n_responses = 0
         self.n_merged = 0
@@ -263,7 +315,8 @@ class PolicyState:
             clip=self._clip, jump=self._jump, damage_last=self._damage_last,
             n_rollbacks=self.n_rollbacks, n_responses=self.n_responses, n_merged=self.n_merged,
             guard=self.guard, episode=self._ep, probation=self._probation, loss=self.loss,
-            val=self.val))
+            val=self.val, aftermath=self._after, judged_onset=self._judged_onset,
+            n_undo=self.n_undo, rb_onsets=self._rb_onsets))
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; later decisions are identical.
@@ -283,6 +336,8 @@ class PolicyState:
             s.n_rollbacks, s.n_responses, s.n_merged)
         self.guard, self.loss, self.val = s.guard, s.loss, s.val
         self._ep, self._probation = s.episode, s.probation
+        self._after, self._judged_onset, self.n_undo = s.aftermath, s.judged_onset, s.n_undo
+        self._rb_onsets = list(s.rb_onsets)
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
@@ -371,6 +426,13 @@ class PolicyState:
         self._damage_last = sh(self._damage_last)
         if ledger is not None:
             ledger.rewind(to)
+
+
+def _probation(p: Probation | None) -> list[Any] | None:
+    """A probation as written: 4 items (version 2) or 5 once its gap reference is known."""
+    if p is None:
+        return None
+    return list(p[:4]) if math.isnan(p.ref) else [*p[:4], p.ref]
 
 
 def _enc(v: float) -> float | str:
