@@ -26,8 +26,14 @@ def test_params_follow_the_declared_layout(name: str) -> None:
     assert params[0] == det.threshold
     assert params[1] == float(det.freeze_on_alarm)
     given = det._param_values()
+    rules = type(det).parameter_constraints
     for k, f in enumerate(fields[2:], start=2):
-        want = given[f] if f in given else float(getattr(det, f))
+        if f in given:
+            want = given[f]
+        elif f in rules:  # a declared Choice hands the kernel its mapped number, not the name
+            want = rules[f].kernel_value(getattr(det, f))
+        else:
+            want = float(getattr(det, f))
         assert params[k] == want, f"{name}: params[{k}] is not {f}"
 
 
@@ -85,3 +91,12 @@ def test_bind_outputs_checks_shapes_and_dtypes() -> None:
         det.bind_outputs(np.zeros((1, 2), dtype=np.float32), np.zeros((1, 2), dtype=np.bool_))
     with pytest.raises(ValueError, match="alarms"):
         det.bind_outputs(np.zeros((1, 2)), np.zeros((1, 2)))
+
+
+@pytest.mark.parametrize(("aggregate", "value"), [("rms", 0.0), ("max", 1.0)])
+def test_a_choice_reaches_the_kernel_as_its_mapped_number(aggregate: str, value: float) -> None:
+    """``activation_shift(aggregate=...)`` keeps the name; the kernel reads rms 0.0, max 1.0."""
+    det = make_detector("activation_shift", {"aggregate": aggregate}, n_series=2)
+    assert det.aggregate == aggregate
+    fields = type(det).param_layout._fields  # type: ignore[union-attr]
+    assert det.params[fields.index("aggregate")] == value
