@@ -85,3 +85,17 @@ def test_overflowing_values_stay_out_and_ratios_saturate() -> None:
     assert np.isfinite(det._state).all()
     assert scores[4, 0] == np.inf and alarms[4, 0]  # 1e308 + 1e308: out
     assert scores[-1, 0] == BIGGEST and alarms[-1, 0]
+
+
+@pytest.mark.parametrize("const", [1e-300, 1.0, 2.3, 1e8, 1e300])
+def test_a_constant_positive_loss_alarms_from_the_horizon(const: float) -> None:
+    """A loss that never leaves its starting level is the fault: every value from ``horizon``."""
+    scores, alarms = NoProgress(n_series=2, horizon=300).update_many(np.full((500, 2), const))
+    assert not alarms[:300].any() and alarms[300:].all()
+    np.testing.assert_allclose(scores[300:], 1.0, rtol=1e-12)
+
+
+@pytest.mark.parametrize("const", [0.0, -0.0, -5.0, 5e-324])
+def test_a_zero_or_negative_constant_is_not_flagged(const: float) -> None:
+    """The rule is for a positive loss: a non-positive initial level never alarms."""
+    assert not NoProgress(n_series=2).update_many(np.full((500, 2), const))[1].any()
