@@ -519,6 +519,8 @@ class TorchGuard:
             self.multiplier.apply()  # idempotent; also done by the optimizer pre-hook
         else:
             drop_gradients(self.collector.params)
+        if not self.healthy:  # a fault on a checkpoint step: its pre-update state is healthy
+            self.checkpoints.before_update(step, _finite_loss(sig))
         return decision
 
     def _decide(self, step: int, sig: Signals) -> Decision:
@@ -796,6 +798,15 @@ class _GuardState:
     goodput: Any
     monitor: Any
     interventions: Any
+
+
+def _finite_loss(sig: Signals) -> float | None:
+    """The step's loss as a float (``None``: not measured)."""
+    v = sig.scalars.get("loss")
+    try:
+        return None if v is None else float(v)
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_state(f: Fields, guard: TorchGuard) -> _GuardState:
