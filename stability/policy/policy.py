@@ -296,6 +296,10 @@ class Policy(ResponseMixin, RecoveryMixin):
             actions.update(("alert", "checkpoint", "rollback"))
             skip = True
             responded = True
+        if cause == "data":
+            # the canary (held-out early batches) diverged: the model is learning bad data
+            actions.update(("alert", "rollback"))
+            responded = True
         worse = self.worse()
         if "stop" in actions and not self._exhausted(step, ctx):
             # stop only when nothing is left to try: a rollback comes first
@@ -332,6 +336,8 @@ class Policy(ResponseMixin, RecoveryMixin):
             self._hist = {}
             self._kind_last = {}
             self._onset = None
+            if cause == "data":
+                self._lr = self._clip = None  # the undone episode's responses go with it
             self._reset_episode()
             self.guard.rewind()
             self.val.rewind(self._rewound_to if self._rewound_to is not None else step)
