@@ -513,7 +513,8 @@ class TorchGuard:
         elif self.should_step:
             norm = tightest_clip(self.clip_norm, control.clip_norm)
             if norm is not None:
-                clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"))
+                clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"),
+                               self.collector.local_grads())
             self.collector.before_step(step)
             self.multiplier.apply()  # idempotent; also done by the optimizer pre-hook
         else:

@@ -25,6 +25,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from stability.adapters.torch_ops.sharded import all_finite
 from stability.outputs.feedback import skipping
 from stability.run.checkpoints import CheckpointLedger, CheckpointRecord
 from stability.run.goodput import GoodputTracker
@@ -151,9 +152,19 @@ class GuardCheckpoints:
         SIGTERM's checkpoint."""
         if self.guard.healthy and ((self.every and step % self.every == 0)
                                    or (self.cadence is not None and self._cadence_due())):
-            self.auto(healthy=True, reason="periodic", step=step)
+            if self._weights_finite(step):
+                self.auto(healthy=True, reason="periodic", step=step)
         if self.sigterm_received():
             self._preempted(step)
+
+    def _weights_finite(self, step: int) -> bool:
+        """No weight is NaN/inf (sharded: on any rank's shard, all-reduced, so the save is
+        refused on every rank or none); a refusal is logged."""
+        if all_finite(self.guard.collector.params):
+            return True
+        log.warning("periodic checkpoint at step %d refused: the weights hold non-finite "
+                    "values", step)
+        return False
 
     def sigterm_received(self) -> bool:
         """Whether SIGTERM arrived (``checkpoint_on_sigterm``) and is not yet handled."""
