@@ -112,6 +112,13 @@ class BankDetector:
     #: the hyperparameters whose value shapes the state (a snapshot taken with other values is
     #: incompatible); the others (threshold, alpha, ...) may differ and this detector's win
     state_hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: version of this class's ``state`` rows; bumped when rows are appended (a snapshot
+    #: records it as ``"state_version"``, absent = 1)
+    state_version: ClassVar[int] = 1
+    #: older state versions -> their number of state rows: a snapshot of such a version loads
+    #: with the rows added since set to their fresh values (:meth:`_init_state`), which each
+    #: detector documents as its "uncalibrated" fallback
+    legacy_state_rows: ClassVar[Mapping[int, int]] = {}
     #: the ``params`` layout: a ``NamedTuple`` class whose fields, in order, name the entries of
     #: the kernel's float64 ``params`` array, ``threshold`` and ``freeze_on_alarm`` first (see
     #: ``detectors/_kernel.py``); ``None``: the subclass overrides :meth:`_extra_params`
@@ -453,6 +460,7 @@ class BankDetector:
         return {
             "version": STATE_VERSION,
             "class": type(self).__name__,
+            "state_version": type(self).state_version,
             "params": self.get_params(),
             "state": self._state.copy(),
             "buf": self._buf.copy(),

@@ -158,6 +158,29 @@ class StateCheck:
                 )
 
 
+def upgrade_state(det: BankDetector, f: Fields, st: FloatArray) -> FloatArray:
+    """``st`` in ``det``'s current row layout: a snapshot of an older ``state_version`` (rows
+    appended since) gets the missing rows from a fresh state (the detector's uncalibrated
+    values); the current version is returned as is.
+
+    Raises ``ValueError`` for a version newer than the class's, one it does not know, or a
+    row count that is not the recorded version's.
+    """
+    cls = type(det)
+    sv = f.integer("state_version", f.get("state_version", 1), lo=1)
+    if sv > cls.state_version:
+        raise ValueError(f"{f.where}: state_version {sv} is newer than this library's "
+                         f"{cls.__name__} ({cls.state_version}).")
+    if sv == cls.state_version:
+        return st
+    rows = cls.legacy_state_rows.get(sv)
+    if rows is None or st.shape[0] != rows:
+        raise ValueError(f"{f.where}: a state_version {sv} snapshot must have "
+                         f"{rows if rows is not None else 'known'} state rows; got {st.shape[0]}.")
+    fresh = det._init_state(st.shape[1])
+    return np.ascontiguousarray(np.concatenate([st, fresh[rows:]], axis=0))
+
+
 def check_snapshot(det: BankDetector, state: Any) -> CheckedState:
     """Check a snapshot against ``det``; return its arrays (copies) or raise ``ValueError``.
 
@@ -174,7 +197,7 @@ def check_snapshot(det: BankDetector, state: Any) -> CheckedState:
         raise ValueError(f"{where}: snapshot is of class {cls!r:.60}.")
     f.version(STATE_VERSION)
     params = f.mapping("params", {})
-    st = as_float_array(name, "state", f.get("state"), 2)
+    st = upgrade_state(det, f, as_float_array(name, "state", f.get("state"), 2))
     n = st.shape[1]
     if "n_series" in params and not same_value(params["n_series"], n):
         raise ValueError(f"{where}: 'params.n_series' is {params['n_series']!r:.60} but the "

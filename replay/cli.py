@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("jsonl", "csv", "megatron", "tensorboard", "parquet"))
     p.add_argument("--prometheus-port", type=int, default=None, metavar="N",
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
+    p.add_argument("--prometheus-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics server binds (default 127.0.0.1: this machine "
+                        "only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--backlog", choices=("act", "quiet"), default="act",
                    help="what a fresh watcher (no state) finds at start: act on it, or only "
                         "warm the monitor on it (default %(default)s)")
@@ -320,7 +323,8 @@ def _cmd_watch(a: argparse.Namespace) -> int:
     if a.prometheus_port is not None:
         from stability.outputs.prometheus import PrometheusExporter
 
-        w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port)
+        w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port,
+                                        addr=a.prometheus_addr)
 
     got: list[int] = []
 

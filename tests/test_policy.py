@@ -237,14 +237,14 @@ def test_nonfinite_skips_then_rolls_back_when_persistent() -> None:
     assert out[2] == ["alert", "skip_step", "checkpoint", "rollback"]
 
 
-def test_train_val_divergence_alert_and_checkpoint_only() -> None:
+def test_train_val_divergence_alert_only() -> None:
+    """A warning alone does not act (invariant 1): no emergency checkpoint either."""
     pol = Policy(BASE)
     ctl = Control()
     for s in (100, 150, 200, 250):
         ctl.reset_step()
-        assert types_(pol.step(s, [alarm(s, "train_val_divergence")], ctl)) == [
-            "alert", "checkpoint"]
-        assert ctl.save_checkpoint and ctl.lr_factor == 1.0
+        assert types_(pol.step(s, [alarm(s, "train_val_divergence")], ctl)) == ["alert"]
+        assert not ctl.save_checkpoint and ctl.lr_factor == 1.0
     assert pol.level_at(250) == 0
     # its own cooldown does not hide a loss spike
     ctl.reset_step()

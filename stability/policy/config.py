@@ -233,8 +233,10 @@ class KindRule:
 
 DEFAULT_KINDS: dict[str, KindRule] = {
     "nonfinite": KindRule(skip="always", patience=3, persist_level=3),
-    "train_val_divergence": KindRule(ladder=(("alert", "checkpoint"),), escalate=False,
-                                     skip="never"),
+    # a warning alone does not act (invariant 1): no emergency checkpoint either -- it would
+    # never be a rollback target (unhealthy), and the overfitting early stop restores the
+    # periodic checkpoint of the best validation point
+    "train_val_divergence": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
     "lr_loss_anomaly": KindRule(ladder=(("alert", "reduce_lr"),), skip="never"),
     "level_shift": KindRule(ladder=(("alert",),), escalate=False, skip="never"),
     "weight_corruption": KindRule(skip="always", start_level=3, critical_start_level=3),

@@ -4,8 +4,11 @@ A learning-rate fault -- a bad config that multiplies the LR, a schedule bug, a 
 peak k times too high -- is visible in the LR the scheduler *asks for* before the optimizer uses
 it.  :class:`LRGuard` watches that requested LR on every step and keeps
 
-* ``ref`` -- the last healthy LR (after warm-up, training schedules do not rise: cosine, linear,
-  step and inverse-sqrt decay, constant);
+* ``ref`` -- the last healthy LR during warm-up; after it, the *lowest* healthy LR since (after
+  warm-up, training schedules do not rise: cosine, linear, step and inverse-sqrt decay,
+  constant), so a slow ramp -- a re-warm-up to a too-high peak, each step inside the band --
+  cannot climb the band step by step: it is a fault once it is ``tolerance`` above that floor
+  (``allow_restarts`` keeps the last LR: rises up to the peak are healthy there);
 * ``peak`` -- the highest healthy LR (the end of warm-up);
 
 and declares an LR fault when the requested LR leaves the healthy band: above ``ref *
@@ -135,6 +138,7 @@ class LRGuard:
                 self.active, self.factor = False, 1.0
             if not self.active and (not math.isfinite(self.peak)
                                     or lr <= self.peak * self.config.tolerance):
+                self.ref = lr  # a rewound schedule may be back at a higher LR: the new floor
                 self._healthy(lr)
                 return self.factor
         up = self.upper()
@@ -174,12 +178,13 @@ class LRGuard:
         if self.active or not self.primed or lv.size == 0:
             return 0
         c = self.config
-        k, j, n, peak, since, warm = _observe_healthy(
+        k, j, n, ref, peak, since, warm = _observe_healthy(
             lv, self.n, self.ref, self.peak, self.since_peak, self.warm, c.tolerance,
             c.warmup_jump, c.settle, c.min_steps, c.allow_restarts)
         if j >= 0:  # the last LR taken
             self.n = int(n)
-            self.ref = self.last_lr = float(lv[j])
+            self.ref = float(ref)
+            self.last_lr = float(lv[j])
             self.peak = float(peak)
             self.since_peak = int(since)
             self.warm = bool(warm)
@@ -188,7 +193,7 @@ class LRGuard:
 
     def _healthy(self, lr: float) -> None:
         self.n += 1
-        self.ref = lr
+        self.ref = healthy_ref(self.ref, lr, self.warm, self.config.allow_restarts)
         if not math.isfinite(self.peak) or lr > self.peak:
             self.peak = lr
             self.since_peak = 0
@@ -251,6 +256,14 @@ class LRGuard:
             setattr(self, k, v)
 
 
+def healthy_ref(ref: float, lr: float, warm: bool, restarts: bool) -> float:
+    """The reference after a healthy ``lr``: the LR itself during warm-up (and with
+    ``restarts``), the lowest healthy LR after it (a schedule does not rise after warm-up)."""
+    if warm and not restarts and ref <= lr:  # (NaN ref: False -> lr)
+        return ref
+    return lr
+
+
 @njit(cache=True, error_model="numpy")
 def _observe_healthy(lv, n, ref, peak, since, warm, tol, jump, settle, min_steps,  # type: ignore[no-untyped-def]
                      restarts):
@@ -272,9 +285,10 @@ def _observe_healthy(lv, n, ref, peak, since, warm, tol, jump, settle, min_steps
                     hi = max(hi, peak)
                 up = hi * tol
             if lr > up:
-                return k, last, n, peak, since, warm
+                return k, last, n, ref, peak, since, warm
         n += 1
-        ref = lr
+        if not (warm and not restarts and ref <= lr):  # healthy_ref, inlined
+            ref = lr
         if not math.isfinite(peak) or lr > peak:
             peak = lr
             since = 0
@@ -283,4 +297,4 @@ def _observe_healthy(lv, n, ref, peak, since, warm, tol, jump, settle, min_steps
             if since >= settle:
                 warm = True
         last = k
-    return lv.shape[0], last, n, peak, since, warm
+    return lv.shape[0], last, n, ref, peak, since, warm

@@ -21,7 +21,7 @@ import numpy as np
 
 from stability.policy.attribution import DATA_CAUSES
 from stability.policy.context import PolicyContext
-from stability.policy.state import Aftermath, PolicyState, Probation
+from stability.policy.state import Aftermath, LRCut, PolicyState, Probation
 from stability.types import Alarm, Alert, Control, Intervention, ReduceLR, Rollback, Stop
 
 __all__ = ["RecoveryMixin"]
@@ -66,6 +66,7 @@ class RecoveryMixin(PolicyState):
             return out  # (after a rollback the guard re-primes from the restored LR)
         g = self.guard
         was = g.active
+        eff_prev = g.last_lr * g.factor  # the effective LR of the last step
         f = g.observe(step, lr)
         if g.active and not was:
             reason = (f"LR {g.last_lr:.3g} left its healthy band (last healthy LR {g.ref:.3g}, "
@@ -78,14 +79,43 @@ class RecoveryMixin(PolicyState):
             self.cause = "lr"
         elif was and not g.active:
             reason = f"LR {g.last_lr:.3g} back in its healthy band"
+            ramp = self._release_ramp(step, eff_prev, g.last_lr)
+            note = "" if ramp is None else (
+                f"; LR factor {ramp.factor:.3g} ramped back to 1 over "
+                f"{ramp.restore_steps} steps (the effective LR does not jump)")
             out += [Alert(step, reason, cause="lr", severity="warning",
-                          message=f"step {step}: {reason}; LR guard released")]
+                          message=f"step {step}: {reason}; LR guard released{note}")]
+            if ramp is not None:
+                out.append(ramp)
             if self._after is None and self._probation is None and g.onset >= 0:
                 # the LR fault is over: does its damage outlive it?
                 self._after = Aftermath(g.onset, step, "lr", step, 0, self.loss.fast)
         if control is not None and not self.log_only and (g.active or was):
             self._apply_persistent(step, control)
         return out
+
+    def _release_ramp(self, step: int, eff_prev: float, lr: float) -> ReduceLR | None:
+        """The LR guard releases at ``step``: the effective LR rises gradually, never at once.
+
+        A fault that fades out (a multiplied LR decaying along a cosine schedule until it is
+        back inside the band of the frozen reference) ends with the requested LR far above the
+        effective LR the guard let through: releasing at once would multiply the effective LR
+        by ``lr / eff_prev`` in one step.  The release starts from the effective LR of the last
+        step instead (``eff_prev / lr``) and ramps back to 1 over ``lr.restore_steps`` steps
+        (a ladder LR cut, so it is state, snapshot and replay like any other).  A fault that
+        ends abruptly (the requested LR falls back to the healthy one) needs no ramp.
+        """
+        tol = self.config.lr_guard.tolerance
+        if not (math.isfinite(eff_prev) and eff_prev > 0.0 and lr > eff_prev * tol):
+            return None
+        f0 = eff_prev / lr
+        if self._lr is not None and self._ladder_lr_factor_at(step) <= f0:
+            return None  # a deeper ladder cut is already in force
+        restore = max(1, self.config.lr.restore_steps)
+        self._lr = LRCut(step, f0, 0, restore)
+        self._update_neutral()
+        return ReduceLR(step, "the LR guard releases: ramp back to the requested LR", cause="lr",
+                        factor=f0, duration=0, restore_steps=restore)
 
     def track_quiet(self, step: int, lr: float, loss: float, val: float | None = None) -> bool:
         """:meth:`track` ``(step, lr, loss, control, val)`` (``int`` step, ``float`` LR and
@@ -131,7 +161,8 @@ class RecoveryMixin(PolicyState):
         # LRGuard.observe(step, lr) -> _healthy(lr), inlined
         g.last_lr = lr
         g.n += 1
-        g.ref = lr
+        if not (g.warm and not c.allow_restarts and ref <= lr):  # lr_guard.healthy_ref
+            g.ref = lr
         peak = g.peak
         if not math.isfinite(peak) or lr > peak:
             g.peak = lr

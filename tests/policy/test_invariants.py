@@ -59,7 +59,8 @@ def bad_window(i: int, x: torch.Tensor, y: torch.Tensor) -> Batch:
 
 
 def train(fault: Fault = clean, monitor: bool = True, grad_fault: Callable[[int], bool] | None
-          = None, weight_fault: Callable[[int], float] | None = None, steps: int = STEPS):
+          = None, weight_fault: Callable[[int], float] | None = None, steps: int = STEPS,
+          val_every: int = 0):
     """Train; returns (guard, held-out loss, stop or None, weights per step)."""
     model, xs, ys = problem()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -81,6 +82,11 @@ def train(fault: Fault = clean, monitor: bool = True, grad_fault: Callable[[int]
                 for p in model.parameters():
                     p.grad.fill_(math.inf)
             guard.step(loss)
+            if val_every and guard.step_count % val_every == 0:
+                with torch.no_grad():  # a small held-out set, as a user's eval loop would
+                    guard.validation(float(torch.nn.functional.mse_loss(
+                        model(xs[STEPS:STEPS + 4].reshape(-1, 16)),
+                        ys[STEPS:STEPS + 4].reshape(-1, 1))))
             weights[guard.step_count - 1] = [p.detach().clone() for p in model.parameters()]
     except TrainingStopped as e:
         stopped = e
@@ -105,6 +111,30 @@ def test_inv1_a_healthy_run_is_never_touched() -> None:
     assert held == held0
 
 
+def test_inv1_with_validation_a_healthy_run_is_never_touched() -> None:
+    """The same with ``guard.validation`` every 10 steps: train/validation warnings (if any)
+    alert only -- no emergency checkpoint, no other action -- and the weights stay bit for bit
+    those of the unmonitored loop."""
+    g, held, stopped, w = train(clean, val_every=10)
+    _, held0, _, w0 = train(clean, monitor=False, val_every=10)
+    assert stopped is None and acting(g) == []
+    assert all(torch.equal(a, b) for a, b in zip(w[STEPS - 1], w0[STEPS - 1], strict=True))
+    assert held == held0
+
+
+def test_inv1_a_train_val_warning_alone_does_not_act() -> None:
+    """A train/validation divergence warning (the kind clean runs see now and then) is an
+    alert and nothing else: the control is untouched."""
+    from stability.policy.policy import Policy
+    from stability.types import Alarm, Control
+
+    pol, ctl = Policy(), Control()
+    ivs = pol.step(500, [Alarm(500, "train_val_divergence", "val_loss", 5.0, 4.0, "warning",
+                               "train_val")], ctl)
+    assert [i.type for i in ivs] == ["alert"]
+    assert ctl == Control()
+
+
 # ------------------------------------------------------------------ invariants 4 (data) + field
 def test_inv4_a_20_batch_bad_window_is_undone_and_ends_within_2pct_of_clean() -> None:
     """The window is learned (clipped) while it lasts; once the data is back and the loss is
@@ -119,6 +149,17 @@ def test_inv4_a_20_batch_bad_window_is_undone_and_ends_within_2pct_of_clean() ->
     assert b <= 1.02 * c, (b, c)
     assert b <= a, (b, a)  # never worse than unguarded
     assert a > 1.05 * c  # (the fault does matter)
+
+
+def test_a_fault_on_a_checkpoint_step_loses_only_the_steps_since_the_last_healthy_update(
+) -> None:
+    """The bad window begins on a checkpoint step (350, ``checkpoint_every=25``): the weights
+    before that step's update are healthy, so the undo goes back to step 349, not to 325."""
+    assert WINDOW[0] % 25 == 0
+    g, _, stopped, w = train(bad_window)
+    rbs = [i for i in g.interventions if i.type == "rollback"]
+    assert stopped is None and len(rbs) == 1
+    assert rbs[0].to_step == WINDOW[0] - 1  # (the ledger's latest healthy checkpoint)
 
 
 # ------------------------------------------------------------------ invariants 5 + 2

@@ -21,11 +21,13 @@ entry points that are documented to need torch.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from stability.adapters.torch_ops.sharded import all_finite
+from stability.adapters.trainer_support import params_finite
 from stability.outputs.feedback import skipping
 from stability.run.checkpoints import CheckpointLedger, CheckpointRecord
 from stability.run.goodput import GoodputTracker
@@ -96,6 +98,8 @@ class GuardCheckpoints:
         self.sigterm = sigterm
         self._cadence_clock = self._last_save_t = time.monotonic()
         self._recorder_flush_failed = False
+        #: the last step whose update is known healthy (the weights after it are)
+        self._healthy_through = -1
 
     # ------------------------------------------------------------------ the one registry
     @property
@@ -160,9 +164,49 @@ class GuardCheckpoints:
             _record_failure(g.monitor, at, reason, healthy, exc)
             return None
 
+    def before_update(self, step: int, loss: float | None) -> None:
+        """A periodic checkpoint falls on an alarmed ``step``: save the weights *before* its
+        update, marked by what they hold (step ``step - 1``).
+
+        The alarm says this step's update may be bad, not that the weights it starts from are:
+        they are the weights after step ``step - 1``, as healthy as a checkpoint taken at the
+        end of that step -- provided step ``step - 1`` was healthy and this step's evidence
+        does not point at the weights themselves (its loss, computed with them, is finite; no
+        alarm blames corrupted weights; every weight is finite).  Without this, a fault on a
+        checkpoint step costs a whole checkpoint interval on rollback.  Stores that cannot
+        save mid-step (a trainer's own checkpoints, no in-memory budget) are left alone.
+        """
+        g = self.guard
+        c = g.control
+        if (g.healthy or not self.every or step % self.every or step < 1
+                or self._healthy_through != step - 1 or c.rollback_to is not None or c.stop
+                or not self._can_save_now()):
+            return
+        if loss is None or not math.isfinite(loss) or self._blames_weights():
+            return
+        if self.ledger.get(step - 1) is not None or not params_finite(g.model.parameters()):
+            return
+        self.auto(healthy=True, reason="periodic (before the alarmed update)", step=step - 1)
+
+    def _blames_weights(self) -> bool:
+        """This step's alarms or responses say the weights themselves are corrupted."""
+        d = self.guard.decision
+        if d is None:
+            return False
+        return (any(a.kind == "weight_corruption" for a in d.alarms)
+                or any(getattr(iv, "cause", "") == "corruption" for iv in d.interventions))
+
+    def _can_save_now(self) -> bool:
+        """The store can take a checkpoint mid-step (not only the trainer's own saves)."""
+        st = self.store
+        return not (getattr(st, "writer", False) is None
+                    and not getattr(st, "memory_limit_bytes", 0))
+
     def due(self, step: int) -> None:
         """The periodic / cadence checkpoint of a healthy ``step`` (its update applied);
         SIGTERM's checkpoint."""
+        if self.guard.healthy:
+            self._healthy_through = step
         if self.guard.healthy and ((self.every and step % self.every == 0)
                                    or (self.cadence is not None and self._cadence_due())):
             if self._weights_finite(step):
@@ -273,6 +317,7 @@ class GuardCheckpoints:
             self.ledger.rewind(entry.step)  # another rank asked: keep this rank's ledger in line
         g.multiplier.restore()
         lost = g.step_count - entry.step
+        self._healthy_through = entry.step  # the restored weights are healthy
         g.step_count = entry.step + 1
         g.data_position = int(snap.get("data_position", entry.data_position))
         g._rewound = g.rolled_back = True
