@@ -12,11 +12,18 @@ Three measurements, printed as one line each:
 * **new name every step** -- ``--names`` steps, each with a metric name never seen before, on the
   ``default`` preset (``max_series`` 4096): mean ``observe()`` time over the last 1000 steps and
   the size of the ``"*"`` bank.
+* **NaN storm with the event log on** (issue 27) -- ``--storm-steps`` all-NaN steps at
+  ``--layers`` layers (4 activation statistics + a gradient norm per layer) on the ``default``
+  preset, with an event log (``fsync="critical"``), the logging alert sink and a counting sink:
+  worst and median ``observe()`` against ``handler_budget_s``, event-log records, bytes and
+  fsyncs, alerts delivered and coalesced.  The promise: worst ``observe()`` within the budget,
+  alerts bounded per episode.
 
 Run::
 
     python benchmarks/bench_time_bounds.py
     python benchmarks/bench_time_bounds.py --budget 1.0 --steps 100 --names 20000
+    python benchmarks/bench_time_bounds.py --only storm --layers 512 --storm-steps 1000
 """
 
 from __future__ import annotations
@@ -130,6 +137,59 @@ def new_names(n: int) -> str:
             f"{getattr(mon, 'max_series', None)})")
 
 
+def nan_storm(layers: int, steps: int) -> str:
+    import os
+    import tempfile
+
+    import numpy as np
+
+    from stability.outputs.alerts import AlertSink, LoggingSink
+    from stability.outputs.events import EventLog
+
+    class Counting(AlertSink):
+        name = "counting"
+
+        def _send(self, alert: Alert) -> None:
+            pass
+
+    fams = ("act_mean", "act_std", "act_absmax", "act_kurtosis", "grad_norm")
+    names = [f"L{i}" for i in range(layers)]
+    rng = np.random.default_rng(0)
+    path = os.path.join(tempfile.mkdtemp(), "events.jsonl")
+    log = EventLog(path, fsync="critical")
+    counting, logging_sink = Counting(), LoggingSink()
+    mon = Monitor("default", event_log=log, alert_sinks=[logging_sink, counting])
+    for f in fams:
+        mon.declare_family(f, names)
+    healthy = 300
+    times = []
+    nan = np.full(layers, math.nan)
+    for t in range(healthy + steps):
+        bad = t >= healthy
+        m = {"loss": math.nan if bad else 2.0 + 0.01 * rng.standard_normal(),
+             "grad_norm": math.nan if bad else 1.0 + 0.01 * rng.standard_normal(), "lr": 1e-3}
+        f = {k: nan if bad else np.exp(rng.normal(0.0, 0.03, layers)) for k in fams}
+        t0 = time.perf_counter()
+        mon.observe(t, m, f)
+        if bad:
+            times.append(time.perf_counter() - t0)
+    budget = mon.config.monitor.handler_budget_s
+    synced = log.wait_synced(30.0)
+    n_fsync = log.n_fsyncs
+    mon.close()
+    log.close()
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        records = sum(1 for _ in fh)
+    return (f"NaN storm: {layers} layers, {steps} all-NaN steps, event log on: worst observe() "
+            f"{max(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.2f} ms "
+            f"(handler_budget_s {budget:g} s: {'within' if max(times) <= budget else 'OVER'}); "
+            f"event log {records} records, {size / 2**20:.1f} MiB, {n_fsync} fsyncs "
+            f"(all synced: {synced}); alerts: {counting.stats['sent']} sent, "
+            f"{counting.stats['coalesced']} coalesced (logging sink: "
+            f"{logging_sink.stats['sent']} lines)")
+
+
 def main() -> None:
     from detectors import dispatch
 
@@ -139,14 +199,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--webhook-timeout", type=float, default=1.0)
     ap.add_argument("--names", type=int, default=20000)
+    ap.add_argument("--layers", type=int, default=512)
+    ap.add_argument("--storm-steps", type=int, default=1000)
+    ap.add_argument("--only", choices=("handlers", "webhook", "names", "storm"), default=None)
     args = ap.parse_args()
     alerts = logging.getLogger("stability.alerts")
     level = alerts.level
     alerts.setLevel(logging.CRITICAL + 1)  # the storm's alert lines are not the point
-    print(handler_storm(args.budget, args.steps), flush=True)
+    if args.only in (None, "handlers"):
+        print(handler_storm(args.budget, args.steps), flush=True)
+    if args.only in (None, "storm"):
+        print(nan_storm(args.layers, args.storm_steps), flush=True)
     alerts.setLevel(level)
-    print(trickling_webhook(args.webhook_timeout), flush=True)
-    print(new_names(args.names), flush=True)
+    if args.only in (None, "webhook"):
+        print(trickling_webhook(args.webhook_timeout), flush=True)
+    if args.only in (None, "names"):
+        print(new_names(args.names), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Every detector is a bank of independent series updated by one kernel call per st
 
 Writing a detector takes :class:`BankDetector`, :class:`StateCheck` (its snapshot invariants),
 the kernel prologue (:func:`skip_value`, :func:`skip_pair`, :func:`learns`, :func:`indices`) and
-the parameter checks of :mod:`detectors.validation`.  A detector class in any public module of
+the parameter declarations (:class:`Int`, :class:`Float`, :class:`Bool`, :class:`Choice`,
+:class:`Flags` in ``parameter_constraints``; ``__init__`` is ``super().__init__(**arguments(
+locals()))``).  A detector class in any public module of
 this package is importable from here (``from detectors import MyDetector``) without editing this
 file: the names below are the built-in ones, spelled out for type checkers.
 """
@@ -18,6 +20,7 @@ import pkgutil
 
 from ._base import MAD_SCALE, BankDetector, BoolArray, FloatArray
 from ._kernel import indices, learns, skip_pair, skip_value
+from ._params import Bool, Choice, Constraint, Flags, Float, Int, arguments
 from ._state import StateCheck
 from .activation import ActivationShift, HistogramDrift
 from .adwin import ADWIN
@@ -42,6 +45,13 @@ __all__ = [
     "TrainValDivergence",
     "ValSpike",
     "BankDetector",
+    "Bool",
+    "Choice",
+    "Constraint",
+    "Flags",
+    "Float",
+    "Int",
+    "arguments",
     "MAD_SCALE",
     "BoolArray",
     "FloatArray",

@@ -33,6 +33,7 @@ The missing / non-finite / freeze rules are shared inline helpers
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -40,6 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ._params import Bool, Constraint, Float, Int
 from ._state import STATE_VERSION, CheckedState, StateCheck, check_snapshot
 from .dispatch import call
 from .validation import check_bool, check_float, check_int
@@ -48,8 +50,9 @@ from .validation import check_bool, check_float, check_int
 #: not compiled yet (a short replay need not wait for LLVM); larger ones compile at once
 TWIN_MAX_VALUES = 50_000
 
-__all__ = ["BankDetector", "BoolArray", "CheckedState", "FloatArray", "LOG_FLOOR", "MAD_SCALE",
-           "MEAN_AD_SCALE", "STATE_VERSION", "check_bool", "check_float", "check_int"]
+__all__ = ["COMMON_PARAMETERS", "BankDetector", "BoolArray", "CheckedState", "FloatArray",
+           "LOG_FLOOR", "MAD_SCALE", "MEAN_AD_SCALE", "STATE_VERSION", "check_bool", "check_float",
+           "check_int"]
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
@@ -64,11 +67,18 @@ MEAN_AD_SCALE = 1.2533141373155001  # math.sqrt(math.pi / 2.0)
 Kernel = Callable[..., None]
 
 
+#: the arguments every detector takes (declared on :class:`BankDetector`)
+COMMON_PARAMETERS = ("n_series", "threshold", "freeze_on_alarm")
+
+
 class BankDetector:
     """Base class: a bank of ``n_series`` independent online detectors sharing hyperparameters.
 
-    Subclasses define :attr:`kernel`, :attr:`n_inputs`, :meth:`_params`, :meth:`_init_state`
-    and :meth:`_init_buf`, and store their hyperparameters under their argument names.
+    Subclasses define :attr:`kernel`, :attr:`n_inputs`, :attr:`param_layout`,
+    :meth:`_init_state` (and :meth:`_init_buf`, :meth:`_check_state`) and declare their
+    hyperparameters in :attr:`parameter_constraints`; ``__init__`` is then the signature and
+    ``super().__init__(**arguments(locals()))``.  The registry's entry (default alarm
+    :attr:`kind`, :attr:`tuning_grid`, docs :attr:`summary`) is declared on the class too.
 
     Parameters
     ----------
@@ -79,6 +89,8 @@ class BankDetector:
         ``alarm = score > threshold``.
     freeze_on_alarm
         If ``True`` a series in alarm does not update its running statistics.
+    **hyperparameters
+        A declared detector's own arguments, checked against :attr:`parameter_constraints`.
     """
 
     #: the Numba kernel (see module docstring)
@@ -87,17 +99,61 @@ class BankDetector:
     n_inputs: ClassVar[int] = 1
     #: names of the inputs, used in error messages and by the monitor
     input_names: ClassVar[tuple[str, ...]] = ("x",)
-    #: default alarm kind for the monitor
-    kind: ClassVar[str] = "spike"
-    #: names of the hyperparameters (besides n_series / threshold / freeze_on_alarm)
+    #: argument name -> :class:`~detectors._params.Constraint`, in the order they are checked
+    #: (a bound may name a parameter declared before it).  A subclass declares its own
+    #: arguments (and may re-declare ``threshold`` / ``freeze_on_alarm``); they are merged
+    #: after its parent's.  ``__init__``'s checks, :attr:`hyperparameters`, the kernel values
+    #: of choices, :meth:`set_threshold` and the docs' parameter tables come from here.
+    parameter_constraints: ClassVar[Mapping[str, Constraint]] = {
+        "n_series": Int(0), "threshold": Float(), "freeze_on_alarm": Bool()}
+    #: names of the hyperparameters (besides n_series / threshold / freeze_on_alarm); derived
+    #: from :attr:`parameter_constraints` for a class that declares them
     hyperparameters: ClassVar[tuple[str, ...]] = ()
     #: the hyperparameters whose value shapes the state (a snapshot taken with other values is
     #: incompatible); the others (threshold, alpha, ...) may differ and this detector's win
     state_hyperparameters: ClassVar[tuple[str, ...]] = ()
+    #: version of this class's ``state`` rows; bumped when rows are appended (a snapshot
+    #: records it as ``"state_version"``, absent = 1)
+    state_version: ClassVar[int] = 1
+    #: older state versions -> their number of state rows: a snapshot of such a version loads
+    #: with the rows added since set to their fresh values (:meth:`_init_state`), which each
+    #: detector documents as its "uncalibrated" fallback
+    legacy_state_rows: ClassVar[Mapping[int, int]] = {}
     #: the ``params`` layout: a ``NamedTuple`` class whose fields, in order, name the entries of
     #: the kernel's float64 ``params`` array, ``threshold`` and ``freeze_on_alarm`` first (see
     #: ``detectors/_kernel.py``); ``None``: the subclass overrides :meth:`_extra_params`
     param_layout: ClassVar[type[tuple[float, ...]] | None] = None
+    #: the registry's default alarm kind (``None``: inferred from the bound signals, see
+    #: ``stability.config.config.infer_kind``)
+    kind: ClassVar[str | None] = None
+    #: offline tuning grid (``replay.tuning``): parameter -> values tried besides the threshold
+    tuning_grid: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
+    #: one paragraph, how it works: the detector's row in the docs' tables
+    summary: ClassVar[str] = ""
+    n_series: int
+    threshold: float
+    freeze_on_alarm: bool
+    #: whether this class (or a parent) declares its own :attr:`parameter_constraints`;
+    #: ``__init__`` then checks every argument and allocates the state itself
+    _declared: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("parameter_constraints")
+        if own is None:
+            return
+        inherited = next(b.__dict__["parameter_constraints"] for b in cls.__mro__[1:]
+                         if "parameter_constraints" in b.__dict__)
+        merged = {**inherited, **own}
+        cls.parameter_constraints = merged
+        cls.hyperparameters = tuple(k for k in merged if k not in COMMON_PARAMETERS)
+        cls._declared = True
+        args = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        if sorted(args) != sorted(merged):
+            raise TypeError(
+                f"{cls.__name__}: __init__ takes {args} but parameter_constraints declares "
+                f"{list(merged)}; declare every argument once."
+            )
 
     def uses_log_row(self) -> bool:
         """Whether the kernel reads ``log x`` from a *log row* when the caller appends one.
@@ -110,11 +166,21 @@ class BankDetector:
         """
         return False
 
-    def __init__(self, n_series: int = 1, threshold: float = 6.0, freeze_on_alarm: bool = False):
+    def __init__(self, n_series: int = 1, threshold: float = 6.0, freeze_on_alarm: bool = False,
+                 **hyperparameters: Any):
+        given = {"n_series": n_series, "threshold": threshold,
+                 "freeze_on_alarm": freeze_on_alarm, **hyperparameters}
         name = type(self).__name__
-        self.n_series = check_int(name, "n_series", n_series, 0)
-        self.threshold = check_float(name, "threshold", threshold)
-        self.freeze_on_alarm = check_bool(name, "freeze_on_alarm", freeze_on_alarm)
+        rules = type(self).parameter_constraints
+        unknown = [k for k in given if k not in rules]
+        if unknown:
+            raise TypeError(f"{name}() got unexpected keyword argument(s) {unknown}.")
+        for key, rule in rules.items():
+            if key not in given:
+                raise TypeError(f"{name}() is missing its declared argument {key!r}.")
+            setattr(self, key, rule.check(name, key, given[key], self))
+        if type(self)._declared:
+            self._setup()
 
     # ------------------------------------------------------------------ subclass hooks
     def _extra_params(self) -> list[float]:
@@ -122,7 +188,8 @@ class BankDetector:
 
         By default the fields of :attr:`param_layout` after ``threshold, freeze_on_alarm``:
         the value of :meth:`_param_values` where it has the field, else the attribute of the
-        same name, as a float.
+        same name as its declared constraint gives it to the kernel (a :class:`Choice`'s
+        mapped number), else as a float.
         """
         layout = self.param_layout
         if layout is None:
@@ -132,7 +199,10 @@ class BankDetector:
         unknown = set(given) - set(fields)
         if unknown:
             raise TypeError(f"{type(self).__name__}: no params field(s) {sorted(unknown)}.")
-        return [float(given[f] if f in given else getattr(self, f)) for f in fields[2:]]
+        rules = self.parameter_constraints
+        return [float(given[f]) if f in given
+                else rules[f].kernel_value(getattr(self, f)) if f in rules
+                else float(getattr(self, f)) for f in fields[2:]]
 
     def _param_values(self) -> dict[str, float]:
         """Values of :attr:`param_layout` fields that are not plain attributes (e.g. an enum
@@ -390,6 +460,7 @@ class BankDetector:
         return {
             "version": STATE_VERSION,
             "class": type(self).__name__,
+            "state_version": type(self).state_version,
             "params": self.get_params(),
             "state": self._state.copy(),
             "buf": self._buf.copy(),
@@ -488,8 +559,9 @@ class BankDetector:
         return det
 
     def set_threshold(self, threshold: float) -> None:
-        """Change the alarm threshold without touching the statistics."""
-        self.threshold = check_float(type(self).__name__, "threshold", threshold)
+        """Change the alarm threshold (checked as declared) without touching the statistics."""
+        rule = self.parameter_constraints["threshold"]
+        self.threshold = rule.check(type(self).__name__, "threshold", threshold, self)
         self._params_arr[0] = self.threshold
 
     def __repr__(self) -> str:

@@ -30,6 +30,7 @@ from numba import njit
 
 from ._base import LOG_FLOOR, MEAN_AD_SCALE, BankDetector, FloatArray
 from ._kernel import learns
+from ._params import Choice, Flags, Float, Int, arguments
 from ._shift_narrow import (
     _AS_LOG0,
     _COUNT,
@@ -43,7 +44,6 @@ from ._shift_narrow import (
 )
 from ._state import StateCheck
 from .histogram import HistogramDrift as HistogramDrift
-from .validation import check_bool, check_choice, check_float, check_int, param_error
 
 AGGREGATES = {"rms": 0.0, "max": 1.0}
 
@@ -246,16 +246,21 @@ class ActivationShift(BankDetector):
     (150, False)
     """
 
+    parameter_constraints = {
+        "n_features": Int(1),
+        "log_space": Flags("n_features"),
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "warmup": Int(0),
+        "min_scale": Float(0.0),
+        "clip": Float(0.0, low_open=True),
+        "aggregate": Choice(AGGREGATES),
+    }
+    n_features: int
+    log_space: tuple[bool, ...]
     kind = "activation_shift"
-    hyperparameters = (
-        "n_features",
-        "log_space",
-        "alpha",
-        "warmup",
-        "min_scale",
-        "clip",
-        "aggregate",
-    )
+    summary = (
+        "Per layer: robust z of each activation statistic (scale statistics in log space) "
+        "aggregated by RMS into one shift score per layer and step.")
 
     def __init__(
         self,
@@ -270,32 +275,13 @@ class ActivationShift(BankDetector):
         aggregate: str = "rms",
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.n_features = check_int(name, "n_features", n_features, 1)
-        if isinstance(log_space, (bool, np.bool_)):
-            flags = (bool(log_space),) * self.n_features
-        else:
-            try:
-                flags = tuple(check_bool(name, "log_space", b) for b in log_space)
-            except (TypeError, ValueError):
-                flags = ()
-            if len(flags) != self.n_features:
-                raise param_error(name, "log_space", f"a bool or a sequence of "
-                                  f"{self.n_features} bools (one per feature)", log_space)
-        self.log_space = flags
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
-        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
-        self.aggregate = check_choice(name, "aggregate", aggregate, AGGREGATES)
+        super().__init__(**arguments(locals()))
+
+    def _setup(self) -> None:
         # instance-level override of the class default (one input per feature)
         setattr(self, "n_inputs", self.n_features)  # noqa: B010
         setattr(self, "input_names", tuple(f"x{j}" for j in range(self.n_features)))  # noqa: B010
-        self._setup()
-
-    def _param_values(self) -> dict[str, float]:
-        return {"aggregate": AGGREGATES[self.aggregate]}
+        super()._setup()
 
     def _extra_params(self) -> list[float]:
         return [*super()._extra_params(), *(float(bool(b)) for b in self.log_space)]

@@ -49,8 +49,8 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, skip_value
+from ._params import Bool, Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_bool, check_float, check_int, param_error
 
 #: relative safety margin of the division-free cut screen (>> the few ulps it must cover)
 SCREEN_MARGIN = 1e-12
@@ -378,16 +378,25 @@ class ADWIN(BankDetector):
     [1055]
     """
 
+    parameter_constraints = {
+        "threshold": Float(0.0),
+        "freeze_on_alarm": Bool(only=False,
+                                why="the detector drops old data after a drift instead"),
+        "delta": Float(0.0, 1.0, low_open=True, high_open=True),
+        "clock": Int(1),
+        "max_buckets": Int(1),
+        "min_window_length": Int(1),
+        "grace_period": Int(0),
+        "reset_on_drift": Bool(),
+        "max_rows": Int(1, 62),
+    }
+    clock: int
+    max_buckets: int
+    max_rows: int
     kind = "level_shift"
-    hyperparameters = (
-        "delta",
-        "clock",
-        "max_buckets",
-        "min_window_length",
-        "grace_period",
-        "reset_on_drift",
-        "max_rows",
-    )
+    summary = (
+        "Adaptive windowing with an exponential histogram (a port of river's implementation); "
+        "drift indices identical to `river.drift.ADWIN`.")
 
     def __init__(
         self,
@@ -402,20 +411,7 @@ class ADWIN(BankDetector):
         max_rows: int = 48,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.threshold = check_float(name, "threshold", threshold, 0.0)
-        if self.freeze_on_alarm:
-            raise param_error(name, "freeze_on_alarm",
-                              "False: the detector drops old data after a drift instead", True)
-        self.delta = check_float(name, "delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-        self.clock = check_int(name, "clock", clock, 1)
-        self.max_buckets = check_int(name, "max_buckets", max_buckets, 1)
-        self.min_window_length = check_int(name, "min_window_length", min_window_length, 1)
-        self.grace_period = check_int(name, "grace_period", grace_period, 0)
-        self.reset_on_drift = check_bool(name, "reset_on_drift", reset_on_drift)
-        self.max_rows = check_int(name, "max_rows", max_rows, 1, 62)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))
@@ -452,10 +448,6 @@ class ADWIN(BankDetector):
         c.not_nan("variance", st[_VARIANCE])
         c.finite("bucket totals", b[: rows * cap])
         c.not_nan("bucket variances", b[rows * cap : 2 * rows * cap])
-
-    def set_threshold(self, threshold: float) -> None:
-        """Change the alarm threshold (``>= 0``) without touching the window."""
-        super().set_threshold(check_float(type(self).__name__, "threshold", threshold, 0.0))
 
     @property
     def width(self) -> FloatArray:

@@ -32,9 +32,9 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, skip_value
+from ._params import Bool, Choice, Float, Int, arguments
 from ._state import StateCheck
 from .ewma import LOG_FLOOR, ew_update
-from .validation import check_bool, check_choice, check_float, check_int
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -192,16 +192,19 @@ class CUSUM(BankDetector):
     [504]
     """
 
+    parameter_constraints = {
+        "k": Float(0.0),
+        "warmup": Int(2),
+        "alpha": Float(0.0, 1.0),
+        "min_std": Float(0.0),
+        "direction": Choice(DIRECTIONS),
+        "log_space": Bool(),
+        "reset_on_alarm": Bool(),
+    }
     kind = "level_shift"
-    hyperparameters = (
-        "k",
-        "warmup",
-        "alpha",
-        "min_std",
-        "direction",
-        "log_space",
-        "reset_on_alarm",
-    )
+    summary = (
+        "Two-sided tabular CUSUM on values standardised against a warm-up reference; catches "
+        "small sustained level shifts.")
 
     def __init__(
         self,
@@ -216,19 +219,7 @@ class CUSUM(BankDetector):
         reset_on_alarm: bool = True,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.k = check_float(name, "k", k, 0.0)
-        self.warmup = check_int(name, "warmup", warmup, 2)
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0)
-        self.min_std = check_float(name, "min_std", min_std, 0.0)
-        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
-        self.log_space = check_bool(name, "log_space", log_space)
-        self.reset_on_alarm = check_bool(name, "reset_on_alarm", reset_on_alarm)
-        self._setup()
-
-    def _param_values(self) -> dict[str, float]:
-        return {"direction": DIRECTIONS[self.direction]}
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))

@@ -37,8 +37,8 @@ from numba import njit
 
 from ._base import LOG_FLOOR, MAD_SCALE, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 # TrainValDivergence state rows
 _TM, _TCOUNT, _PREV_V, _PREV_M, _NVAL, _POS, _NINC, _HAS_M = 0, 1, 2, 3, 4, 5, 6, 7
@@ -190,10 +190,20 @@ class TrainValDivergence(BankDetector):
     (False, True)
     """
 
-    kind = "train_val_divergence"
     n_inputs = 2
     input_names = ("loss", "val_loss")
-    hyperparameters = ("alpha", "n_points", "warmup", "min_scale")
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "n_points": Int(2),
+        "warmup": Int(2),
+        "min_scale": Float(0.0),
+    }
+    n_points: int
+    kind = "train_val_divergence"
+    summary = (
+        "At each validation point, the rise of log val loss not shared by the smoothed train "
+        "loss; scores the t-statistic of its recent mean (a growing generalisation gap).")
 
     def __init__(
         self,
@@ -205,13 +215,7 @@ class TrainValDivergence(BankDetector):
         min_scale: float = 0.005,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.n_points = check_int(name, "n_points", n_points, 2)
-        self.warmup = check_int(name, "warmup", warmup, 2)
-        self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_TV_FIELDS, n))
@@ -332,9 +336,17 @@ class ValSpike(BankDetector):
     [20]
     """
 
-    kind = "train_val_divergence"
     input_names = ("val_loss",)
-    hyperparameters = ("window", "warmup", "min_scale")
+
+    parameter_constraints = {
+        "window": Int(1),
+        "warmup": Int(1),
+        "min_scale": Float(0.0),
+    }
+    window: int
+    kind = "train_val_divergence"
+    summary = (
+        "A validation point far above previous ones (robust scale of recent changes).")
 
     def __init__(
         self,
@@ -345,12 +357,7 @@ class ValSpike(BankDetector):
         min_scale: float = 0.01,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.window = check_int(name, "window", window, 1)
-        self.warmup = check_int(name, "warmup", warmup, 1)
-        self.min_scale = check_float(name, "min_scale", min_scale, 0.0)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_VS_FIELDS, n))

@@ -21,8 +21,8 @@ from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, skip_value
+from ._params import Bool, Choice, Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_bool, check_choice, check_float, check_int
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -322,17 +322,24 @@ class EWMAZScore(BankDetector):
     [40]
     """
 
-    kind = "spike"
     param_layout = EWMAParams
-    hyperparameters = (
-        "alpha",
-        "warmup",
-        "log_space",
-        "min_std",
-        "direction",
-        "clip",
-        "debias",
-    )
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "warmup": Int(0),
+        "log_space": Bool(),
+        "min_std": Float(0.0),
+        "direction": Choice(DIRECTIONS),
+        "clip": Float(0.0, low_open=True),
+        "debias": Bool(),
+    }
+    log_space: bool
+    tuning_grid = {"alpha": (0.02, 0.05), "min_std": (0.01, 0.05, 0.1)}
+    summary = (
+        "z-score of `log(x)` against an exponentially weighted mean/variance (river's "
+        "recurrence), with debiased warm-up and winsorised updates so one outlier cannot drag the "
+        'statistics. "z > 2.5, EMA 0.97, 25 warm-up" is `alpha=0.03, warmup=25, threshold=2.5, '
+        "log_space=False, debias=False, clip=inf`.")
 
     def __init__(
         self,
@@ -347,19 +354,7 @@ class EWMAZScore(BankDetector):
         debias: bool = True,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self.log_space = check_bool(name, "log_space", log_space)
-        self.min_std = check_float(name, "min_std", min_std, 0.0)
-        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
-        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
-        self.debias = check_bool(name, "debias", debias)
-        self._setup()
-
-    def _param_values(self) -> dict[str, float]:
-        return {"direction": DIRECTIONS[self.direction]}
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))

@@ -19,8 +19,8 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 # state rows
 _H_COUNT, _H_NREF, _H_POS, _H_NCUR, _H_SCORE, _H_SINCE = 0, 1, 2, 3, 4, 5
@@ -233,8 +233,21 @@ class HistogramDrift(BankDetector):
     (False, True)
     """
 
+    parameter_constraints = {
+        "window": Int(2),
+        "n_bins": Int(2, "window"),
+        "warmup": Int(0),
+        "stride": Int(1),
+        "refresh": Int(0),
+        "smoothing": Float(0.0, low_open=True),
+    }
+    window: int
+    n_bins: int
     kind = "activation_shift"
-    hyperparameters = ("window", "n_bins", "warmup", "stride", "refresh", "smoothing")
+    summary = (
+        "PSI between a reference window and the current window on reference-quantile bins, for "
+        "drifts too slow for z-scores. Not bound by default: activation statistics trend during "
+        "healthy training.")
 
     def __init__(
         self,
@@ -248,15 +261,7 @@ class HistogramDrift(BankDetector):
         smoothing: float = 0.5,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.window = check_int(name, "window", window, 2)
-        self.n_bins = check_int(name, "n_bins", n_bins, 2, self.window)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self.stride = check_int(name, "stride", stride, 1)
-        self.refresh = check_int(name, "refresh", refresh, 0)
-        self.smoothing = check_float(name, "smoothing", smoothing, 0.0, low_open=True)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_H_FIELDS, n))

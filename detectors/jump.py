@@ -31,8 +31,8 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns
+from ._params import Choice, Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -389,10 +389,23 @@ class CoherentJump(BankDetector):
     [200, 300]
     """
 
-    kind = "grad_explosion"
     input_names = ("x",)
-    hyperparameters = ("alpha", "warmup", "min_delta", "clip", "direction", "min_series",
-                       "level_alpha", "level_alpha_down")
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "warmup": Int(0),
+        "min_delta": Float(0.0),
+        "clip": Float(0.0, low_open=True),
+        "direction": Choice(DIRECTIONS),
+        "min_series": Int(1),
+        "level_alpha": Float(0.0, 1.0),
+        "level_alpha_down": Float(0.0, 1.0),
+    }
+    summary = (
+        "A one-step rise of log x far beyond each series' typical step-to-step change in at least "
+        "`min_series` series of the bank at once (several layers' gradients bursting together: an "
+        "activation spike inside the network); a rise counts from the series' usual level when "
+        "that is higher, so coming back after a collapse is not a jump.")
 
     def __init__(
         self,
@@ -408,26 +421,7 @@ class CoherentJump(BankDetector):
         level_alpha_down: float = 0.005,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self.min_delta = check_float(name, "min_delta", min_delta, 0.0)
-        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
-        if direction not in DIRECTIONS:
-            raise ValueError(
-                f"The 'direction' parameter of {name} must be one of {sorted(DIRECTIONS)}. "
-                f"Got {direction!r} instead."
-            )
-        self.direction = direction
-        self.min_series = check_int(name, "min_series", min_series, 1)
-        self.level_alpha = check_float(name, "level_alpha", level_alpha, 0.0, 1.0)
-        self.level_alpha_down = check_float(name, "level_alpha_down", level_alpha_down, 0.0,
-                                            1.0)
-        self._setup()
-
-    def _param_values(self) -> dict[str, float]:
-        return {"direction": DIRECTIONS[self.direction]}
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))

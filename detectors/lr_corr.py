@@ -21,8 +21,8 @@ from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_pair
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 # LRLossCorrelation state rows
 _C_Y, _C_COUNT, _C_LR1, _C_LR2, _C_POS, _C_N = 0, 1, 2, 3, 4, 5
@@ -216,10 +216,20 @@ class LRLossCorrelation(BankDetector):
     (False, 301)
     """
 
-    kind = "lr_loss_anomaly"
     n_inputs = 2
     input_names = ("loss", "lr")
-    hyperparameters = ("window", "alpha", "min_lr_ratio", "min_lr_std", "min_loss_std")
+
+    parameter_constraints = {
+        "window": Int(2),
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "min_lr_ratio": Float(1.0),
+        "min_lr_std": Float(0.0),
+        "min_loss_std": Float(0.0),
+    }
+    window: int
+    kind = "lr_loss_anomaly"
+    summary = (
+        "Rolling correlation of loss increases with LR increases, gated on the LR really rising.")
 
     def __init__(
         self,
@@ -232,14 +242,7 @@ class LRLossCorrelation(BankDetector):
         threshold: float = 0.5,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.window = check_int(name, "window", window, 2)
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.min_lr_ratio = check_float(name, "min_lr_ratio", min_lr_ratio, 1.0)
-        self.min_lr_std = check_float(name, "min_lr_std", min_lr_std, 0.0)
-        self.min_loss_std = check_float(name, "min_loss_std", min_loss_std, 0.0)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_C_FIELDS, n))

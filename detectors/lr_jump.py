@@ -21,8 +21,8 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Choice, Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_choice, check_float, check_int
 
 DIRECTIONS = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -153,9 +153,19 @@ class LRJump(BankDetector):
     [600]
     """
 
-    kind = "lr_loss_anomaly"
     input_names = ("lr",)
-    hyperparameters = ("alpha", "warmup", "min_delta", "clip", "direction")
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "warmup": Int(0),
+        "min_delta": Float(0.0),
+        "clip": Float(0.0, low_open=True),
+        "direction": Choice(DIRECTIONS),
+    }
+    kind = "lr_loss_anomaly"
+    summary = (
+        "A change of log LR far beyond the schedule's typical step-to-step change (schedule bugs; "
+        "increases by default, so step decays are benign).")
 
     def __init__(
         self,
@@ -168,17 +178,7 @@ class LRJump(BankDetector):
         direction: str = "up",
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self.min_delta = check_float(name, "min_delta", min_delta, 0.0)
-        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
-        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
-        self._setup()
-
-    def _param_values(self) -> dict[str, float]:
-        return {"direction": DIRECTIONS[self.direction]}
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_J_FIELDS, n))

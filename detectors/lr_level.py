@@ -17,8 +17,8 @@ from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_pair
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 # LRLevelInstability state rows
 _L_PREV, _L_MEAN, _L_VAR, _L_BASE, _L_MAXLR, _L_COUNT, _L_LR, _L_PEAKED = 0, 1, 2, 3, 4, 5, 6, 7
@@ -178,10 +178,21 @@ class LRLevelInstability(BankDetector):
     (False, True)
     """
 
-    kind = "lr_loss_anomaly"
     n_inputs = 2
     input_names = ("loss", "lr")
-    hyperparameters = ("alpha", "base_alpha", "warmup", "margin", "stable_ratio", "min_var")
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "base_alpha": Float(0.0, 1.0, low_open=True),
+        "warmup": Int(1),
+        "margin": Float(1.0),
+        "stable_ratio": Float(0.0, low_open=True),
+        "min_var": Float(0.0),
+    }
+    kind = "lr_loss_anomaly"
+    summary = (
+        "Loss volatility relative to its baseline, once the LR exceeds the highest LR seen while "
+        "the loss was calm (LR too high).")
 
     def __init__(
         self,
@@ -195,15 +206,7 @@ class LRLevelInstability(BankDetector):
         min_var: float = 1e-8,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.base_alpha = check_float(name, "base_alpha", base_alpha, 0.0, 1.0, low_open=True)
-        self.warmup = check_int(name, "warmup", warmup, 1)
-        self.margin = check_float(name, "margin", margin, 1.0)
-        self.stable_ratio = check_float(name, "stable_ratio", stable_ratio, 0.0, low_open=True)
-        self.min_var = check_float(name, "min_var", min_var, 0.0)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_L_FIELDS, n))

@@ -14,8 +14,8 @@ from numba import njit
 
 from ._base import BankDetector, BoolArray, FloatArray
 from ._kernel import indices
+from ._params import Bool, Float, arguments
 from ._state import StateCheck
-from .validation import check_bool, check_float, param_error
 
 # state rows: total non-finite count, current streak, last kind (1 nan, 2 +inf, 3 -inf)
 _TOTAL, _STREAK, _LAST = 0, 1, 2
@@ -112,23 +112,19 @@ class NonFiniteGuard(BankDetector):
     True
     """
 
-    kind = "nonfinite"
     #: the threshold is not a tuning knob (any value in [0, 1) gives the same alarms)
     fixed_threshold: ClassVar[bool] = True
 
-    def __init__(self, n_series: int = 1, threshold: float = 0.5, freeze_on_alarm: bool = False):
-        name = type(self).__name__
-        threshold = check_float(name, "threshold", threshold, 0.0, 1.0, high_open=True)
-        if check_bool(name, "freeze_on_alarm", freeze_on_alarm):
-            raise param_error(name, "freeze_on_alarm",
-                              "False: the guard has no statistics to freeze", True)
-        super().__init__(n_series, threshold=threshold, freeze_on_alarm=False)
-        self._setup()
+    parameter_constraints = {
+        "threshold": Float(0.0, 1.0, high_open=True),
+        "freeze_on_alarm": Bool(only=False, why="the guard has no statistics to freeze"),
+    }
+    kind = "nonfinite"
+    summary = (
+        "Alarms on every NaN/±inf element. Keeps the count and the current streak.")
 
-    def set_threshold(self, threshold: float) -> None:
-        """Change the alarm threshold (in ``[0, 1)``: every non-finite value alarms)."""
-        name = type(self).__name__
-        super().set_threshold(check_float(name, "threshold", threshold, 0.0, 1.0, high_open=True))
+    def __init__(self, n_series: int = 1, threshold: float = 0.5, freeze_on_alarm: bool = False):
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))

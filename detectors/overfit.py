@@ -8,19 +8,30 @@ previous validation point::
     d_k = g_k - g_{k-1} = (log val_k - log val_{k-1}) - (m_k - m_{k-1})
 
 The score is the *smallest* increment over the last ``n_points - 1`` intervals (a paired sign
-test on the last ``n_points`` validation points, with a margin)::
+test on the last ``n_points`` validation points) in units of the run's own noise of those
+increments::
 
-    score = min(d_{k-n_points+2}, ..., d_k)          # log units per validation interval
+    score = min(d_{k-n_points+2}, ..., d_k) / max(sigma_d, min_scale)
 
-so ``score > threshold`` means the gap grew by more than ``threshold`` (0.02 ~ 2 %) in *every*
-one of the last ``n_points - 1`` intervals.  That is the signature of a model that memorises:
-the train loss falls (the data loader stuck on a small subset, repeated data) while the
-validation loss rises or stalls.  Train and validation rising together (an instability) leave
-the gap unchanged and do not score; a single bump does not either.  Compared with
-:class:`~detectors.divergence.TrainValDivergence` (a t-statistic of validation rises, capped
-by the train change) it also catches a validation loss that merely stops improving while the
-train loss keeps falling fast, and it decides after ``n_points`` validation points (4 by
-default) instead of needing a long stretch of increments.
+so ``score > threshold`` means the gap grew by more than ``threshold`` noise units in *every*
+one of the last ``n_points - 1`` intervals.  ``sigma_d`` is measured on the run itself, from
+the second differences of the gap (``d_k - d_{k-1}``), which a steady trend does not move: for
+independent noise of scale ``s`` on each gap value the increments have scale ``sqrt(2) s`` and
+the second differences ``sqrt(6) s``, so ``sigma_d = 1.2533 * mean|d_k - d_{k-1}| / sqrt(3)``
+(an EW mean with weight ``noise_alpha``, debiased).  A run whose validation set is small (or
+whose train loss is noisy) has a large ``sigma_d`` and needs a proportionally larger, still
+persistent, growth; a steadily over-fitting run does not raise its own bar.  ``min_scale``
+(log units) is the floor for quiet runs: with ``threshold = 2`` and ``min_scale = 0.02`` a run
+whose noise is below 2 % per interval alarms on a growth of more than 4 % per interval, as the
+first version of this detector did on every run.
+
+The statistic is the signature of a model that memorises: the train loss falls (the data loader
+stuck on a small subset, repeated data) while the validation loss rises or stalls.  Train and
+validation rising together (an instability) leave the gap unchanged and do not score; a single
+bump does not either.  Compared with :class:`~detectors.divergence.TrainValDivergence` (a
+t-statistic of validation rises, capped by the train change) it also catches a validation loss
+that merely stops improving while the train loss keeps falling fast, and it decides after
+``n_points`` validation points (4 by default) instead of needing a long stretch of increments.
 
 Only validation steps are scored (``nan`` elsewhere).  The first validation points (fewer than
 ``max(warmup, n_points)`` seen) score ``0.0``; so does a validation point that arrives before
@@ -36,15 +47,17 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ._base import LOG_FLOOR, BankDetector, FloatArray
+from ._base import LOG_FLOOR, MEAN_AD_SCALE, BankDetector, FloatArray
 from ._kernel import indices, learns
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 # state rows: train EW mean/count, previous gap, validation points seen, ring position, stored
-# increments
-_TM, _TCOUNT, _PREV_G, _NVAL, _POS, _NINC = 0, 1, 2, 3, 4, 5
-_N_FIELDS = 6
+# increments; (state version 2) EW mean |second difference of the gap| and its count
+_TM, _TCOUNT, _PREV_G, _NVAL, _POS, _NINC, _NOISE, _NNOISE = 0, 1, 2, 3, 4, 5, 6, 7
+_N_FIELDS = 8
+#: Gaussian scale of the increments per mean |second difference| (see the module docstring)
+NOISE_SCALE = MEAN_AD_SCALE / math.sqrt(3.0)
 
 
 class OverfitParams(NamedTuple):
@@ -55,6 +68,8 @@ class OverfitParams(NamedTuple):
     alpha: float
     n_points: float
     warmup: float
+    min_scale: float
+    noise_alpha: float
 
 
 _P = indices(OverfitParams)
@@ -67,6 +82,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     alpha = params[_P.alpha]
     n_inc = int(params[_P.n_points]) - 1  # increments in the window (= rows of buf)
     warmup = params[_P.warmup]
+    min_scale = params[_P.min_scale]
+    noise_alpha = params[_P.noise_alpha]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             has_l = not miss[t, 0, i]
@@ -109,6 +126,8 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 score = d
                 for r in range(1, n_inc):
                     score = min(score, buf[(pos - r) % n_inc, i])
+                sigma = NOISE_SCALE * state[_NOISE, i]
+                score = score / max(sigma, min_scale, 1e-300)
             alarm = score > threshold
             scores[t, i] = score
             alarms[t, i] = alarm
@@ -118,6 +137,11 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             state[_TCOUNT, i] = tc
             state[_PREV_G, i] = g
             state[_NVAL, i] = nval + 1.0
+            if ninc > 0.0:  # a second difference of the gap: the noise, free of any trend
+                nn = state[_NNOISE, i]
+                a = max(noise_alpha, 1.0 / (nn + 1.0))
+                state[_NOISE, i] += a * (abs(d - buf[(pos - 1) % n_inc, i]) - state[_NOISE, i])
+                state[_NNOISE, i] = nn + 1.0
             buf[pos, i] = d
             state[_POS, i] = (pos + 1) % n_inc
             state[_NINC, i] = min(ninc + 1.0, float(n_inc))
@@ -142,8 +166,14 @@ class OverfitGap(BankDetector):
     warmup
         Validation points seen before the first score (at least ``n_points`` are needed anyway).
     threshold
-        Alarm when the gap grew by more than this (log units, 0.02 ~ 2 %) in every interval of
-        the window.
+        Alarm when the gap grew by more than this many noise units (``max(sigma_d,
+        min_scale)``) in every interval of the window.
+    min_scale
+        Floor of the increments' noise scale, in log units (0.02 ~ 2 %): on a quiet run the
+        rule is a growth of more than ``threshold * min_scale`` per interval.
+    noise_alpha
+        Weight of the newest second difference in the EW mean that measures the run's noise
+        (debiased: a plain average while ``count < 1/noise_alpha``).
     freeze_on_alarm
         Do not update the statistics on a validation step in alarm.
 
@@ -163,10 +193,23 @@ class OverfitGap(BankDetector):
     (False, True)
     """
 
-    kind = "train_val_divergence"
     n_inputs = 2
     input_names = ("loss", "val_loss")
-    hyperparameters = ("alpha", "n_points", "warmup")
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "n_points": Int(2),
+        "warmup": Int(0),
+        "min_scale": Float(0.0),
+        "noise_alpha": Float(0.0, 1.0, low_open=True),
+    }
+    n_points: int
+    kind = "train_val_divergence"
+    tuning_grid = {"alpha": (0.1, 0.2, 0.3), "n_points": (3, 4)}
+    summary = (
+        "The train/validation gap grew at each of the last 4 validation points (train falling, "
+        "val rising or stalled: memorisation), each time by more than `threshold` times the "
+        "run's own noise of that growth (measured from its second differences).")
 
     def __init__(
         self,
@@ -174,15 +217,12 @@ class OverfitGap(BankDetector):
         alpha: float = 0.2,
         n_points: int = 4,
         warmup: int = 5,
-        threshold: float = 0.02,
+        threshold: float = 2.0,
+        min_scale: float = 0.02,
+        noise_alpha: float = 0.1,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.n_points = check_int(name, "n_points", n_points, 2)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))
@@ -193,6 +233,10 @@ class OverfitGap(BankDetector):
     kernel = staticmethod(_kernel)
     param_layout = OverfitParams
     state_hyperparameters = ("n_points",)
+    #: version 2 added the noise rows; a version 1 snapshot loads with no noise measured yet
+    #: (the scale is ``min_scale`` until the run's own noise is learnt)
+    state_version = 2
+    legacy_state_rows = {1: 6}
 
     def _check_state(self, c: StateCheck) -> None:
         k = self.n_points - 1
@@ -202,4 +246,6 @@ class OverfitGap(BankDetector):
         c.integers("n_val", c.state[_NVAL], 0)
         c.integers("position", c.state[_POS], 0, k - 1)
         c.integers("n_increments", c.state[_NINC], 0, k)
+        c.finite("noise", c.state[_NOISE], 0.0)
+        c.integers("noise_count", c.state[_NNOISE], 0)
         c.finite("increments", c.buf)

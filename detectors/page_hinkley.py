@@ -29,8 +29,8 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, skip_value
+from ._params import Bool, Choice, Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_bool, check_choice, check_float, check_int, param_error
 
 MODES = {"up": 1.0, "down": -1.0, "both": 0.0}
 
@@ -154,8 +154,19 @@ class PageHinkley(BankDetector):
     [514]
     """
 
+    parameter_constraints = {
+        "freeze_on_alarm": Bool(only=False, why="the detector restarts after a drift instead"),
+        "min_instances": Int(0),
+        "delta": Float(0.0),
+        "alpha": Float(0.0, 1.0),
+        "mode": Choice(MODES),
+        "reset_on_drift": Bool(),
+    }
     kind = "level_shift"
-    hyperparameters = ("min_instances", "delta", "alpha", "mode", "reset_on_drift")
+    tuning_grid = {"delta": (0.02, 0.05)}
+    summary = (
+        "Page-Hinkley cumulative deviation test; drift indices identical to "
+        "`river.drift.PageHinkley`.")
 
     def __init__(
         self,
@@ -168,20 +179,7 @@ class PageHinkley(BankDetector):
         reset_on_drift: bool = True,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        if self.freeze_on_alarm:
-            raise param_error(name, "freeze_on_alarm",
-                              "False: the detector restarts after a drift instead", True)
-        self.min_instances = check_int(name, "min_instances", min_instances, 0)
-        self.delta = check_float(name, "delta", delta, 0.0)
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0)
-        self.mode = check_choice(name, "mode", mode, MODES)
-        self.reset_on_drift = check_bool(name, "reset_on_drift", reset_on_drift)
-        self._setup()
-
-    def _param_values(self) -> dict[str, float]:
-        return {"mode": MODES[self.mode]}
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))

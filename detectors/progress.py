@@ -13,6 +13,11 @@ The rule is about the *start* of training: a monitor attached to a run already a
 (a resume without state, a log replayed from the middle) would see a healthy flat loss, which
 is why the ``default`` preset does not bind it (``docs/detectors.md``).  Before ``horizon``
 values the score is ``0``.
+
+**Overflow.**  A finite value whose update would leave the float64 range (e.g. ``+-1e308``)
+never enters the statistics: it scores ``+inf`` and alarms, as a non-finite value does.  A
+ratio beyond the float64 range (a huge level over a tiny initial one) saturates at the largest
+float, so ordinary values always score finite.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 # state rows
 _COUNT, _REF_SUM, _EWM = 0, 1, 2
 #: a non-positive initial mean is replaced by this (the detector is meant for a positive loss)
 TINY = 1e-300
+#: a ratio beyond the float64 range (a huge level over a tiny initial one) scores this, finite
+SATURATED = float(np.finfo(np.float64).max)
 
 
 class NoProgressParams(NamedTuple):
@@ -60,15 +67,22 @@ def _progress_kernel(X, miss, state, buf, params, scores, alarms):  # type: igno
             s = 0.0
             if count >= horizon and count > 0.0:
                 s = state[_EWM, i] / max(state[_REF_SUM, i] / min(count, window), TINY)
+                s = max(-SATURATED, min(s, SATURATED))  # a ratio past the float64 range
             alarm = s > threshold
             scores[t, i] = s
             alarms[t, i] = alarm
-            if learns(alarm, freeze):
-                if count < window:
-                    state[_REF_SUM, i] += x
-                a = max(alpha, 1.0 / (count + 1.0))
-                state[_EWM, i] += a * (x - state[_EWM, i])
-                state[_COUNT, i] = count + 1.0
+            if not learns(alarm, freeze):
+                continue
+            ref1 = state[_REF_SUM, i] + x if count < window else state[_REF_SUM, i]
+            a = max(alpha, 1.0 / (count + 1.0))
+            ewm1 = state[_EWM, i] + a * (x - state[_EWM, i])
+            if not (np.isfinite(ref1) and np.isfinite(ewm1)):
+                scores[t, i] = np.inf  # overflow: alarm, the value stays out (module docstring)
+                alarms[t, i] = True
+                continue
+            state[_REF_SUM, i] = ref1
+            state[_EWM, i] = ewm1
+            state[_COUNT, i] = count + 1.0
 
 
 class NoProgress(BankDetector):
@@ -101,19 +115,23 @@ class NoProgress(BankDetector):
     300
     """
 
-    kind = "stall"
     param_layout = NoProgressParams
     kernel = staticmethod(_progress_kernel)
-    hyperparameters = ("window", "horizon", "alpha")
+
+    parameter_constraints = {
+        "window": Int(1),
+        "horizon": Int(1),
+        "alpha": Float(0.0, 1.0, low_open=True),
+    }
+    kind = "stall"
+    summary = (
+        "Loss not decreasing: an EW mean of the values over the mean of the first `window`, "
+        "scored once `horizon` values are seen (a run that never starts learning). Not bound by "
+        "default: a run watched from its plateau is healthy.")
 
     def __init__(self, n_series: int = 1, threshold: float = 0.97, window: int = 50,
                  horizon: int = 300, alpha: float = 0.02, freeze_on_alarm: bool = False):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.window = check_int(name, "window", window, 1)
-        self.horizon = check_int(name, "horizon", horizon, 1)
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((3, n))

@@ -25,6 +25,7 @@ sooner than 5 while still ignoring one- and two-step blips of heavy-tailed gradi
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -32,9 +33,9 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Choice, Int, arguments
 from ._state import StateCheck
 from .robust import sorted_median, sorted_push
-from .validation import check_choice, check_int
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
 #: hostile config must fail validation, not exhaust memory).
@@ -140,6 +141,16 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             buf[window:2 * window, i] = srt
 
 
+def _default_warmup(det: RatioToMean) -> int:
+    """The window (at most 30 values for the EW mean, which needs no full window)."""
+    return min(det.window, 30) if det.reference == "ewm" else det.window
+
+
+def _max_warmup(det: RatioToMean) -> float:
+    """A window reference needs its window filled at the latest; the EW mean has none."""
+    return math.inf if det.reference == "ewm" else det.window
+
+
 class RatioToMean(BankDetector):
     """Ratio of each value to a reference level of the same series, with patience.
 
@@ -202,8 +213,20 @@ class RatioToMean(BankDetector):
     [152, 153, 154, 155, 156, 157, 158, 159]
     """
 
-    kind = "spike"
-    hyperparameters = ("window", "patience", "reference", "warmup")
+    parameter_constraints = {
+        "window": Int(1, MAX_WINDOW),
+        "patience": Int(1),
+        "reference": Choice(REFERENCES),
+        "warmup": Int(1, _max_warmup, derive=_default_warmup),
+    }
+    window: int
+    patience: int
+    reference: str
+    tuning_grid = {"window": (20, 100)}
+    summary = (
+        "x / reference (window median or mean, EW mean, or max of the first N values) that must "
+        'exceed the threshold for `patience` steps. Covers "2× window mean for 5 steps", "3× the '
+        '10-step mean", "10× the max of the first 100".')
 
     def __init__(
         self,
@@ -215,19 +238,7 @@ class RatioToMean(BankDetector):
         warmup: int | None = None,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.window = check_int(name, "window", window, 1, MAX_WINDOW)
-        self.patience = check_int(name, "patience", patience, 1)
-        self.reference = check_choice(name, "reference", reference, REFERENCES)
-        if warmup is None:
-            warmup = min(self.window, 30) if reference == "ewm" else self.window
-        high = np.inf if reference == "ewm" else self.window
-        self.warmup = check_int(name, "warmup", warmup, 1, high)
-        self._setup()
-
-    def _param_values(self) -> dict[str, float]:
-        return {"reference": REFERENCES[self.reference]}
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))

@@ -28,9 +28,9 @@ from numba import njit
 
 from ._base import MAD_SCALE, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Bool, Choice, Float, Int, arguments
 from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
-from .validation import check_bool, check_choice, check_float, check_int
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
 #: hostile config must fail validation, not exhaust memory).
@@ -319,6 +319,11 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             buf[window:, i] = srt
 
 
+def _default_warmup(det: RobustZScore) -> int:
+    """A quarter of the window (at least 2; 1 for a window of 1)."""
+    return max(2, det.window // 4) if det.window >= 2 else 1
+
+
 class RobustZScore(BankDetector):
     """Z-score of each new value against the last ``window`` values (median/MAD or mean/std).
 
@@ -373,8 +378,21 @@ class RobustZScore(BankDetector):
     [120]
     """
 
-    kind = "spike"
-    hyperparameters = ("window", "warmup", "robust", "log_space", "min_std", "direction")
+    parameter_constraints = {
+        "window": Int(1, MAX_WINDOW),
+        "warmup": Int(1, "window", derive=_default_warmup),
+        "robust": Bool(),
+        "log_space": Bool(),
+        "min_std": Float(0.0),
+        "direction": Choice(DIRECTIONS),
+    }
+    window: int
+    robust: bool
+    tuning_grid = {"window": (32, 128), "min_std": (0.01, 0.05, 0.1)}
+    summary = (
+        "median/MAD z-score over a ring buffer; a spike does not inflate the MAD, so repeated "
+        'spikes keep alarming. "6σ over 128" is `window=128, robust=False, threshold=6, '
+        "log_space=False`.")
 
     def __init__(
         self,
@@ -388,20 +406,7 @@ class RobustZScore(BankDetector):
         direction: str = "up",
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.window = check_int(name, "window", window, 1, MAX_WINDOW)
-        if warmup is None:
-            warmup = max(2, self.window // 4) if self.window >= 2 else 1
-        self.warmup = check_int(name, "warmup", warmup, 1, self.window)
-        self.robust = check_bool(name, "robust", robust)
-        self.log_space = check_bool(name, "log_space", log_space)
-        self.min_std = check_float(name, "min_std", min_std, 0.0)
-        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
-        self._setup()
-
-    def _param_values(self) -> dict[str, float]:
-        return {"direction": DIRECTIONS[self.direction]}
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((_N_FIELDS, n))

@@ -26,8 +26,8 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Float, arguments
 from ._state import StateCheck
-from .validation import check_float
 
 # state rows
 _RUN, _MOVED = 0, 1
@@ -93,16 +93,19 @@ class UpdateStall(BankDetector):
     np.False_
     """
 
-    kind = "stall"
     param_layout = StallParams
     kernel = staticmethod(_stall_kernel)
-    hyperparameters = ("eps",)
+
+    parameter_constraints = {"eps": Float(0.0)}
+    kind = "stall"
+    summary = (
+        "Consecutive zero updates (`update_ratio` at or below `eps`) of a series that was "
+        "updating before: an optimizer silently skipping its steps, a parameter group frozen by a "
+        "bug. Never-moving series (unused parameters) score 0.")
 
     def __init__(self, n_series: int = 1, threshold: float = 2.0, eps: float = 0.0,
                  freeze_on_alarm: bool = False):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        self.eps = check_float(type(self).__name__, "eps", eps, 0.0)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((2, n))

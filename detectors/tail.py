@@ -43,9 +43,9 @@ from numba import njit
 
 from ._base import LOG_FLOOR, BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Bool, Choice, Float, Int, arguments
 from ._state import StateCheck
 from .ewma import DIRECTIONS, ew_update
-from .validation import check_bool, check_choice, check_float, check_int
 
 # state rows
 _MEAN, _VAR, _COUNT, _Q, _ABOVE = 0, 1, 2, 3, 4
@@ -190,12 +190,32 @@ class TailZScore(BankDetector):
     True
     """
 
-    kind = "spike"
     param_layout = TailZParams
     kernel = staticmethod(_tail_kernel)
-    hyperparameters = ("alpha", "warmup", "log_space", "min_std", "direction", "clip", "tail_q",
-                       "tail_rate", "tail_max", "prior_std", "prior_n")
     state_hyperparameters = ("log_space",)
+
+    parameter_constraints = {
+        "alpha": Float(0.0, 1.0, low_open=True),
+        "warmup": Int(0),
+        "log_space": Bool(),
+        "min_std": Float(0.0),
+        "direction": Choice(DIRECTIONS),
+        "clip": Float(0.0, low_open=True),
+        "tail_q": Float(0.5, 1.0, low_open=True, high_open=True),
+        "tail_rate": Float(0.0),
+        "tail_max": Float(1.0),
+        "prior_std": Float(0.0),
+        "prior_n": Float(0.0, low_open=True),
+    }
+    direction: str
+    tail_q: float
+    tail_max: float
+    tuning_grid = {"tail_q": (0.99, 0.999)}
+    summary = (
+        "EWMA z-score of `log(x)` divided by the run's own tail factor: a high quantile of the "
+        "series' healthy scores against a Gaussian's (a z of 7 on a spiky small-batch SGD run "
+        "counts for less than on a smooth LLM run); with `prior_std` it scores from the third "
+        "value, its variance blended with the prior while warming up (no blind start).")
 
     def __init__(
         self,
@@ -214,28 +234,12 @@ class TailZScore(BankDetector):
         prior_n: float = 20.0,
         freeze_on_alarm: bool = False,
     ):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.alpha = check_float(name, "alpha", alpha, 0.0, 1.0, low_open=True)
-        self.warmup = check_int(name, "warmup", warmup, 0)
-        self.log_space = check_bool(name, "log_space", log_space)
-        self.min_std = check_float(name, "min_std", min_std, 0.0)
-        self.direction = check_choice(name, "direction", direction, DIRECTIONS)
-        self.clip = check_float(name, "clip", clip, 0.0, low_open=True)
-        self.tail_q = check_float(name, "tail_q", tail_q, 0.5, 1.0, low_open=True, high_open=True)
-        self.tail_rate = check_float(name, "tail_rate", tail_rate, 0.0)
-        self.tail_max = check_float(name, "tail_max", tail_max, 1.0)
-        self.prior_std = check_float(name, "prior_std", prior_std, 0.0)
-        self.prior_n = check_float(name, "prior_n", prior_n, 0.0, low_open=True)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     @property
     def tail_ref(self) -> float:
         """The ``tail_q`` quantile of a standard normal score (the calibration's reference)."""
         return NormalDist().inv_cdf(self.tail_q)
-
-    def _param_values(self) -> dict[str, float]:
-        return {"direction": DIRECTIONS[self.direction], "tail_ref": self.tail_ref}
 
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))

@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("jsonl", "csv", "megatron", "tensorboard", "parquet"))
     p.add_argument("--prometheus-port", type=int, default=None, metavar="N",
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
+    p.add_argument("--prometheus-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics server binds (default 127.0.0.1: this machine "
+                        "only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--backlog", choices=("act", "quiet"), default="act",
                    help="what a fresh watcher (no state) finds at start: act on it, or only "
                         "warm the monitor on it (default %(default)s)")
@@ -320,10 +323,14 @@ def _cmd_watch(a: argparse.Namespace) -> int:
     if a.prometheus_port is not None:
         from stability.outputs.prometheus import PrometheusExporter
 
-        w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port)
+        w.exporter = PrometheusExporter(w.monitor, port=a.prometheus_port,
+                                        addr=a.prometheus_addr)
+
+    got: list[int] = []
 
     def _stop(signum: int, frame: Any) -> None:
-        w.stop()  # finish the poll under way, save the state, exit 0
+        got.append(signum)
+        w.stop()  # finish the poll under way, kill the hooks, save the state, exit 0
 
     main_thread = threading.current_thread() is threading.main_thread()
     old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)
@@ -335,7 +342,21 @@ def _cmd_watch(a: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         w.close()
     print(w.summary() + (f"; state saved to {a.state}" if a.state else ""), file=sys.stderr)
+    if signal.SIGTERM in got:  # a supervisor wants us gone: everything is saved and closed,
+        _exit_now(w)           # skip the interpreter's slow teardown (numba, GC)
     return 0
+
+
+def _exit_now(w: Any) -> None:
+    """Close the monitor's outputs (sinks, event log), flush stdio and leave at once (0)."""
+    import os
+
+    try:
+        w.monitor.close()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 

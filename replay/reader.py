@@ -419,6 +419,39 @@ def _select(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
     return table.select(keep)
 
 
+#: a Parquet file of more rows than this is read in batches of this many rows, duplicate steps
+#: merged as it goes: memory follows the run's distinct steps, not its row count (a small file
+#: of millions of repeated rows -- a decompression bomb -- cannot take the reader's memory)
+MERGE_ROWS = 1 << 20
+
+
+def _read_merged(pf: pq.ParquetFile, raw: list[str] | None, display: str) -> pa.Table:
+    """One file's rows as a normalized table (duplicate steps merged, last wins, for files
+    over :data:`MERGE_ROWS` rows; smaller files are read whole, as they are)."""
+    if pf.metadata.num_rows <= MERGE_ROWS:
+        return normalize_table(_first_step_only(pf.read(columns=raw)), display, sort=False)
+    held: list[pa.Table] = []
+    rows = 0
+    for batch in pf.iter_batches(batch_size=MERGE_ROWS, columns=raw):
+        t = normalize_table(_first_step_only(pa.Table.from_batches([batch])), display)
+        held.append(t)
+        rows += t.num_rows
+        if rows > 2 * MERGE_ROWS:  # merge what is held: duplicates across batches collapse
+            held = [_merge_tables(held, display)]
+            rows = held[0].num_rows
+    return _merge_tables(held, display)
+
+
+def _merge_tables(tables: list[pa.Table], display: str) -> pa.Table:
+    """Tables of one file in read order -> one table sorted by step, duplicates merged."""
+    if len(tables) == 1:
+        return tables[0]
+    md = tables[0].schema.metadata
+    t = pa.concat_tables([x.replace_schema_metadata(None) for x in tables],
+                         promote_options="default")
+    return normalize_table(t.replace_schema_metadata(md), display)
+
+
 def read_run(
     path: str | os.PathLike[str],
     columns: Sequence[str] | None = None,
@@ -467,14 +500,13 @@ def read_run(
     for src, raw, _ in plan:
         pf = _open(src)
         try:
-            t = pf.read(columns=raw)
+            t = _read_merged(pf, raw, src.display)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise RunFormatError(
                 src.display, f"cannot read Parquet data (truncated or corrupted?): {exc}"
             ) from None
         finally:
             pf.close()
-        t = normalize_table(_first_step_only(t), src.display, sort=False)
         tables.append(_select(apply_aliases(t, amap), columns))
     if len(tables) == 1:
         merged = tables[0]

@@ -369,6 +369,7 @@ class _TensorBoardSource:
         self.path = path
         self.tails: dict[str, _Tail] = {}
         self._rows: list[Row] = []
+        self.bad_records = 0
 
     @property
     def more(self) -> bool:
@@ -414,14 +415,23 @@ class _TensorBoardSource:
                 break
             if pos + 12 + length + 4 > n:
                 break
+            self._record(fname, prefix, data[pos:pos + 12 + length + 4])
             pos += 12 + length + 4
-        if pos:
-            try:
-                for step, tag, value in iter_scalars(data[:pos], fname):
-                    self._rows.append((fname, step, {prefix + tag: value}))
-            except RunFormatError as exc:
-                logger.warning("%s; skipped", exc)
         return pos
+
+    def _record(self, fname: str, prefix: str, framed: bytes) -> None:
+        """One complete TFRecord: its scalars, or (a payload CRC mismatch, an undecodable
+        Event) skipped alone -- the records after it are still read."""
+        try:
+            rows = [(fname, step, {prefix + tag: value})
+                    for step, tag, value in iter_scalars(framed, fname)]
+        except RunFormatError as exc:
+            self.bad_records += 1
+            if self.bad_records == 1:
+                logger.warning("%s; that record is skipped (further bad records are counted)",
+                               exc)
+            return
+        self._rows.extend(rows)
 
 
 class _PartsSource:

@@ -130,7 +130,8 @@ def test_bloom_first_spike_alarms_after_calibration() -> None:
     pq = pytest.importorskip("pyarrow.parquet")
     table = pq.read_table(BLOOM)
     fresh = Monitor("llm_pretrain", alert_sinks=[])
-    assert _alarm_steps(fresh.replay(table)) == []
+    # the preset's priors alone: the 2.3x loss at 31219, three rows into the event
+    assert _alarm_steps(fresh.replay(table)) == [31219]
     mon = Monitor("llm_pretrain", alert_sinks=[])
     mon.calibrate(_history(n=300, start=30914, level=2.2, gn=0.24, lr=5.279e-05))
     decisions = mon.replay(table)

@@ -1,9 +1,10 @@
 """Every ``stability ...`` command of the shell blocks of README.md and docs/**/*.md runs as written
 on the bundled data.
 
-Commands on placeholder paths (``/jobs/...``, ``RUN``) and multi-line ones are skipped; the rest
-run in order (the README first, then the pages) in one temporary directory (``data/`` linked
-in), so a command may use a file an earlier one wrote (``tuned.toml``).
+Commands on placeholder paths (``/jobs/...``, ``RUN``), multi-line ones and the blocks right
+after ``<!-- sketch: not run -->`` (placeholders such as a bucket or a Ray cluster) are
+skipped; the rest run in order (the README first, then the pages) in one temporary directory
+(``data/`` linked in), so a command may use a file an earlier one wrote (``tuned.toml``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SKETCH_MARK = "<!-- sketch: not run -->"
 _FENCE = re.compile(r"^```(?:bash|sh|console)[^\n]*\n(.*?)^```", re.S | re.M)
 
 
 def _commands() -> list[str]:
     out: list[str] = []
-    blocks = [b for page in PAGES for b in _FENCE.findall(page.read_text(encoding="utf-8"))]
+    blocks = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        blocks += [m.group(1) for m in _FENCE.finditer(text)
+                   if not text[:m.start()].rstrip().endswith(SKETCH_MARK)]
     for block in blocks:
         for line in block.splitlines():
             line = line.strip()

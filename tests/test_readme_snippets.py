@@ -32,7 +32,8 @@ prelude, its own process, stdout and stderr together) and must print those lines
 match exactly, decimals within 5 % (float32 arithmetic differs a little between CPUs).
 
 **Sketches.** A python block right after ``<!-- sketch: not run -->`` is an API outline with
-placeholders (``docs/CONTRACTS.md``), not a snippet: it is not run.
+placeholders (``docs/CONTRACTS.md``; a bucket and a Ray cluster in ``docs/fleet.md``), not a
+snippet: it is not run.
 """
 
 from __future__ import annotations

@@ -254,3 +254,21 @@ def test_for_monitor_reports_through_its_sinks_and_event_log(tmp_path: Path) -> 
         wd.beat(nxt)
     assert [a.severity for a in sink.alerts] == ["critical", "info"]
     assert [r["type"] for r in read_events(tmp_path / "ev.jsonl")] == ["stall", "stall_recovered"]
+
+
+def test_a_clock_stepping_back_gives_no_negative_step_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A wall clock set back between two beats: that interval is left out (warned once), the
+    step time is never negative."""
+    c = FakeClock()
+    wd, _ = make(c)
+    beats(wd, c, 5, 0.5)
+    with caplog.at_level("WARNING", logger="stability.watchdog"):
+        c.t -= 30.0
+        wd.beat(5)
+        c.t -= 30.0
+        wd.beat(6)
+    assert wd.metrics()["step_time"] == 0.5 and wd.median_step_s == 0.5
+    assert sum("stepped back" in r.getMessage() for r in caplog.records) == 1
+    beats(wd, c, 1, 0.25, first=7)
+    assert wd.metrics()["step_time"] == 0.25

@@ -296,7 +296,8 @@ def _grads(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
 
 
 def clip_gradients(
-    params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float | None = None
+    params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float | None = None,
+    grads: list[torch.Tensor] | None = None,
 ) -> float:
     """Clip the global L2 norm of the gradients at ``max_norm``, in place.
 
@@ -309,6 +310,10 @@ def clip_gradients(
     total_norm : float, optional
         The global norm if already measured (it is then not recomputed); otherwise
         :func:`torch.nn.utils.clip_grad_norm_` measures it.
+    grads : list of Tensor, optional
+        The gradients to scale when ``total_norm`` is given (default: the ``.grad`` of
+        ``params``); sharded parameters pass their local shards
+        (``SignalCollector.local_grads``), scaled by the global norm.
 
     Returns
     -------
@@ -333,7 +338,7 @@ def clip_gradients(
     if not math.isfinite(total_norm) or total_norm <= max_norm:
         return 1.0
     coef = max_norm / (total_norm + 1e-6)
-    grads = _grads(params)
+    grads = _grads(params) if grads is None else grads
     if grads:
         torch._foreach_mul_(grads, coef)
     return coef

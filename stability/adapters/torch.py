@@ -62,7 +62,13 @@ import torch
 
 from stability._state_check import Fields
 from stability.adapters.distributed import ControlSync
-from stability.adapters.guard.checkpoints import GuardCheckpoints, find_ledger, note_goodput
+from stability.adapters.guard.canary import CANARY_KEY, CanarySet, LossFn
+from stability.adapters.guard.checkpoints import (
+    GuardCheckpoints,
+    find_ledger,
+    note_goodput,
+    policy_anchors,
+)
 from stability.adapters.guard.deferred import DeferredSteps
 from stability.adapters.guard.feedback import GuardFeedback
 from stability.adapters.guard.misuse import MisuseChecks, check_scheduler_arg
@@ -168,6 +174,15 @@ class TorchGuard:
         clipping and non-finite protection (:mod:`stability.adapters.guard.deferred`).  ``"auto"``
         (default): ``"deferred"`` on CUDA with a fused optimizer, else ``"step"``, resolved at
         the first step (:mod:`stability.adapters.guard.sync_mode`; :attr:`sync_mode` tells which).
+    canary : int or CanarySet, optional
+        A canary set (:mod:`stability.adapters.guard.canary`): keep this many early healthy
+        batches (handed in with :meth:`offer_batch`) and report their loss as ``canary_loss``
+        every ``canary_every`` steps, so that memorisation of bad data is seen without a
+        validation set.  An int needs ``canary_loss``.  Off by default (``None`` / 0).
+    canary_loss : callable, optional
+        ``canary_loss(model, batch)``: the loop's loss of a batch (for ``canary=int``).
+    canary_every : int, optional
+        Steps between canary evaluations (default ``checkpoint_every``, else 100).
     """
 
     def __init__(
@@ -198,6 +213,9 @@ class TorchGuard:
         cadence: CadenceAdvisor | None = None,
         sync: str = "auto",
         param_norm_every: int = 2,
+        canary: int | CanarySet | None = None,
+        canary_loss: LossFn | None = None,
+        canary_every: int | None = None,
     ) -> None:
         check_sync("TorchGuard", sync)
         if checkpoint_every < 0:
@@ -245,6 +263,7 @@ class TorchGuard:
         self.watchdog: StallWatchdog | None = (
             watchdog if isinstance(watchdog, StallWatchdog)
             else StallWatchdog.for_monitor(self.monitor) if watchdog else None)
+        self.canary = make_canary(canary, canary_loss, canary_every, checkpoint_every)
 
     def _init_goodput(self, monitor: Any) -> None:
         """The goodput ledger: the monitor's, else the guard's own.
@@ -401,6 +420,14 @@ class TorchGuard:
         """Whether the batch at ``position`` is one a rollback asked to skip."""
         return position in self.skip_positions
 
+    def offer_batch(self, batch: Any) -> bool:
+        """Hand in this step's training batch for the canary set (``attach(..., canary=K)``):
+        kept (a detached copy) while the set fills during the healthy start; a no-op
+        otherwise.  Call before :meth:`step`.  Returns whether it was kept."""
+        if self.canary is None or not self.healthy:
+            return False
+        return self.canary.offer(batch, self.step_count)
+
     def validation(self, val_loss: float, **metrics: float) -> None:
         """Hand in a validation result; it joins the next step's metrics."""
         self._pending["val_loss"] = float(val_loss)
@@ -450,6 +477,8 @@ class TorchGuard:
             extra.update(self._amp_extra())
         extra.update(self._pending)
         self._pending = {}
+        if self.canary is not None and self.canary.due(self.step_count):
+            extra[CANARY_KEY] = self.canary.evaluate(self.model)  # evaluation steps only
         if self.watchdog is not None:
             extra.update(self.watchdog.metrics())
         if metrics:
@@ -513,7 +542,8 @@ class TorchGuard:
         elif self.should_step:
             norm = tightest_clip(self.clip_norm, control.clip_norm)
             if norm is not None:
-                clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"))
+                clip_gradients(self.collector.params, norm, sig.scalars.get("grad_norm"),
+                               self.collector.local_grads())
             self.collector.before_step(step)
             self.multiplier.apply()  # idempotent; also done by the optimizer pre-hook
         else:
@@ -530,13 +560,16 @@ class TorchGuard:
         if self.sync is not None:
             control, alarmed = self.sync.reduce(control, step, alarmed,
                                                 loss=sig.scalars.get("loss"),
-                                                grad_norm=sig.scalars.get("grad_norm"))
+                                                grad_norm=sig.scalars.get("grad_norm"),
+                                                anchors=policy_anchors(self.monitor))
             ranked = self.sync.rank_alarms
             if ranked and self.sync.rank == 0:  # identical everywhere: rank 0 records them
                 report = getattr(self.monitor, "report_alarms", None)  # scripted monitors lack it
                 if report is not None:
                     report(step, ranked)
         self.decision, self.control, self.healthy = decision, control, not alarmed
+        if alarmed and self.canary is not None and not self.canary.closed:
+            self.canary.close(step)  # the healthy start is over
         self.interventions.extend(decision.interventions)
         if decision.interventions:
             self.tally.add(decision)
@@ -662,6 +695,7 @@ class TorchGuard:
             "monitor": self._monitor_state(),
             "counters": {"amp_overflows": self.amp_overflows},
             "goodput": self.goodput.state_dict() if self._own_goodput else None,
+            "canary": None if self.canary is None else self.canary.state_dict(),
             **self.sync_path.state_dict(self.control),
         }
 
@@ -682,7 +716,12 @@ class TorchGuard:
             GoodputTracker().load_state_dict(state.goodput)  # checked before anything changes
         if state.interventions is not None:
             InterventionTally().load_state_dict(state.interventions)  # checked, changes nothing
+        canary = sd.get("canary")
+        if canary is not None and self.canary is not None:
+            CanarySet(self.canary.loss_fn).load_state_dict(canary)  # checked, changes nothing
         self._load_monitor(state.monitor, strict)  # the last part that can refuse
+        if canary is not None and self.canary is not None:
+            self.canary.load_state_dict(canary)
         if state.interventions is not None:
             self.tally.load_state_dict(state.interventions)
         self.step_count, self.data_position = state.step, state.position
@@ -860,6 +899,24 @@ def _activation_names(model: torch.nn.Module, activations: Any) -> Any:
                                  "is not a module of the model (see model.named_modules()).")
             out[str(a) or "model"] = mods[str(a)]
     return out
+
+
+def make_canary(canary: int | CanarySet | None, loss_fn: LossFn | None, every: int | None,
+                checkpoint_every: int) -> CanarySet | None:
+    """The guard's canary set from its ``canary`` / ``canary_loss`` / ``canary_every``
+    arguments (``None``: off)."""
+    if canary is None or isinstance(canary, CanarySet):
+        return canary
+    if isinstance(canary, bool) or not isinstance(canary, int) or canary < 0:
+        raise ValueError("The 'canary' parameter of TorchGuard must be an int in the range "
+                         f"[0, inf) or a CanarySet. Got {canary!r} instead.")
+    if canary == 0:
+        return None
+    if loss_fn is None:
+        raise ValueError("TorchGuard(canary=K) needs canary_loss=fn(model, batch) -> loss (the "
+                         "loop's own loss of a batch).")
+    return CanarySet(loss_fn, size=canary,
+                     every=every if every is not None else (checkpoint_every or 100))
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,

@@ -27,6 +27,7 @@ from stability.adapters.torch_ops.checkpoint_store import (
     load_checkpoint,
     save_checkpoint,
 )
+from stability.adapters.torch_ops.sharded import all_finite
 from stability.run.checkpoints import CheckpointLedger, CheckpointRecord
 
 __all__ = ["TrainerCheckpointStore", "params_finite", "state_bytes"]
@@ -52,12 +53,10 @@ def state_bytes(obj: Any) -> int:
 
 
 def params_finite(params: Iterable[torch.Tensor]) -> bool:
-    """``True`` when no parameter holds a NaN or an infinity (one fused reduction, one sync)."""
-    ps = [p.detach() for p in params]
-    if not ps:
-        return True
-    norms = torch._foreach_norm(ps)
-    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+    """``True`` when no parameter holds a NaN or an infinity (one fused reduction, one sync;
+    sharded ``DTensor`` parameters: every rank's shards, all-reduced -- call it on every rank;
+    :func:`~stability.adapters.torch_ops.sharded.all_finite`)."""
+    return all_finite(params)
 
 
 class TrainerCheckpointStore(LedgerStore):

@@ -1,9 +1,11 @@
 """Detector registry: config names -> ``"module:Class"`` with lazy import and param validation.
 
 Configs name detectors by short registry names (``ewma_z``, ``nonfinite``, ...; the table in
-``docs/CONTRACTS.md``).  The class is imported only when first needed, so a config can be
-parsed without importing every detector module.  Hyperparameters are validated by the detector
-class's own ``__init__``; its ``ValueError`` is re-raised with the config key path in front.
+``docs/CONTRACTS.md``).  The registry holds one line per detector, its name and class; what
+else it says about it (default alarm kind, tuning grid, docs row) is declared on the class and
+read from there.  The class is imported only when first needed.  Hyperparameters are validated
+by the detector class's own ``__init__`` (from its declared ``parameter_constraints``); its
+``ValueError`` is re-raised with the config key path in front.
 
 Examples
 --------
@@ -34,6 +36,7 @@ from typing import Any
 from detectors import BankDetector
 
 __all__ = [
+    "BUILTIN",
     "REGISTRY",
     "RegistryEntry",
     "default_kind",
@@ -50,129 +53,85 @@ __all__ = [
     "did_you_mean",
 ]
 
+#: an argument of :func:`register_detector` that was not given (the class's declaration holds)
+_FROM_CLASS: Any = object()
+
+
 @dataclass(frozen=True)
 class RegistryEntry:
-    """Everything the project knows about one registered detector, in one place.
+    """One registered detector: its class, and what the project knows of it from the class.
+
+    The default alarm kind, the tuning grid and the docs row are declared on the detector class
+    (:attr:`~detectors.BankDetector.kind`, :attr:`~detectors.BankDetector.tuning_grid`,
+    :attr:`~detectors.BankDetector.summary`) and read from it when first asked for (the class
+    is imported then); :func:`register_detector` may give other values for one name.
 
     Parameters
     ----------
     target
         ``"module:Class"`` of the :class:`~detectors.BankDetector` subclass.
-    kind
-        Default alarm kind (``None`` = inferred from the bound signals, see
-        :func:`stability.config.config.infer_kind`).
-    grid
-        Offline tuning grid (:func:`replay.tuning.tune`): parameter -> values tried besides the
-        threshold; empty = only the threshold is tuned.
-    doc
-        One paragraph: how it works.  The detector tables of ``docs/concepts/detectors.md`` and
-        ``docs/CONTRACTS.md`` are generated from the entries
-        (``python -m stability.config.registry_docs``).
+    given
+        Values given at registration instead of the class's: ``kind`` (``None`` = inferred from
+        the bound signals, see :func:`stability.config.config.infer_kind`), ``grid`` (offline
+        tuning grid of :func:`replay.tuning.tune`: parameter -> values tried besides the
+        threshold) and ``doc`` (one paragraph, how it works: the row in the detector tables of
+        ``docs/concepts/detectors.md`` and ``docs/CONTRACTS.md``, ``python -m
+        stability.config.registry_docs``).
 
     >>> REGISTRY["page_hinkley"].kind, REGISTRY["ewma_z"].grid["alpha"]
     ('level_shift', (0.02, 0.05))
     """
 
     target: str
-    kind: str | None = None
-    grid: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
-    doc: str = ""
+    given: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def cls(self) -> type[BankDetector]:
+        """The detector class (imported once; :class:`DetectorUnavailableError` if it cannot)."""
+        return _load(self.target, self.target)
+
+    @property
+    def kind(self) -> str | None:
+        """Default alarm kind (``None``: inferred from the bound signals)."""
+        return self.given["kind"] if "kind" in self.given else self.cls.kind
+
+    @property
+    def grid(self) -> Mapping[str, tuple[Any, ...]]:
+        """Offline tuning grid: parameter -> values tried besides the threshold."""
+        return self.given["grid"] if "grid" in self.given else self.cls.tuning_grid
+
+    @property
+    def doc(self) -> str:
+        """One paragraph: how it works (its row in the docs' tables)."""
+        return self.given["doc"] if "doc" in self.given else self.cls.summary
 
 
-#: registry name -> spec (the only table to edit when a detector is added; the docs' tables are
-#: generated from it)
-REGISTRY: dict[str, RegistryEntry] = {
-    "nonfinite": RegistryEntry(
-        "detectors.nonfinite:NonFiniteGuard", "nonfinite",
-        doc="Alarms on every NaN/±inf element. Keeps the count and the current streak."),
-    "ewma_z": RegistryEntry(
-        "detectors.ewma:EWMAZScore", None, {"alpha": (0.02, 0.05), "min_std": (0.01, 0.05, 0.1)},
-        doc="z-score of `log(x)` against an exponentially weighted mean/variance (river's "
-            "recurrence), with debiased warm-up and winsorised updates so one outlier cannot "
-            'drag the statistics. "z > 2.5, EMA 0.97, 25 warm-up" is `alpha=0.03, warmup=25, '
-            "threshold=2.5, log_space=False, debias=False, clip=inf`."),
-    "robust_z": RegistryEntry(
-        "detectors.robust:RobustZScore", None,
-        {"window": (32, 128), "min_std": (0.01, 0.05, 0.1)},
-        doc="median/MAD z-score over a ring buffer; a spike does not inflate the MAD, so "
-            'repeated spikes keep alarming. "6σ over 128" is `window=128, robust=False, '
-            "threshold=6, log_space=False`."),
-    "ratio": RegistryEntry(
-        "detectors.ratio:RatioToMean", None, {"window": (20, 100)},
-        doc="x / reference (window median or mean, EW mean, or max of the first N values) that "
-            'must exceed the threshold for `patience` steps. Covers "2× window mean for 5 '
-            'steps", "3× the 10-step mean", "10× the max of the first 100".'),
-    "page_hinkley": RegistryEntry(
-        "detectors.page_hinkley:PageHinkley", "level_shift", {"delta": (0.02, 0.05)},
-        doc="Page-Hinkley cumulative deviation test; drift indices identical to "
-            "`river.drift.PageHinkley`."),
-    "adwin": RegistryEntry(
-        "detectors.adwin:ADWIN", "level_shift",
-        doc="Adaptive windowing with an exponential histogram (a port of river's "
-            "implementation); drift indices identical to `river.drift.ADWIN`."),
-    "cusum": RegistryEntry(
-        "detectors.cusum:CUSUM", "level_shift",
-        doc="Two-sided tabular CUSUM on values standardised against a warm-up reference; "
-            "catches small sustained level shifts."),
-    "activation_shift": RegistryEntry(
-        "detectors.activation:ActivationShift", "activation_shift",
-        doc="Per layer: robust z of each activation statistic (scale statistics in log space) "
-            "aggregated by RMS into one shift score per layer and step."),
-    "histogram_drift": RegistryEntry(
-        "detectors.activation:HistogramDrift", "activation_shift",
-        doc="PSI between a reference window and the current window on reference-quantile "
-            "bins, for drifts too slow for z-scores. Not bound by default: activation "
-            "statistics trend during healthy training."),
-    "train_val": RegistryEntry(
-        "detectors.divergence:TrainValDivergence", "train_val_divergence",
-        doc="At each validation point, the rise of log val loss not shared by the smoothed "
-            "train loss; scores the t-statistic of its recent mean (a growing generalisation "
-            "gap)."),
-    "val_spike": RegistryEntry(
-        "detectors.divergence:ValSpike", "train_val_divergence",
-        doc="A validation point far above previous ones (robust scale of recent changes)."),
-    "overfit_gap": RegistryEntry(
-        "detectors.overfit:OverfitGap", "train_val_divergence",
-        {"alpha": (0.1, 0.2, 0.3), "n_points": (3, 4)},
-        doc="The train/validation gap grew at each of the last 4 validation points (train "
-            "falling, val rising or stalled: memorisation)."),
-    "lr_jump": RegistryEntry(
-        "detectors.lr_loss:LRJump", "lr_loss_anomaly",
-        doc="A change of log LR far beyond the schedule's typical step-to-step change "
-            "(schedule bugs; increases by default, so step decays are benign)."),
-    "lr_loss_corr": RegistryEntry(
-        "detectors.lr_loss:LRLossCorrelation", "lr_loss_anomaly",
-        doc="Rolling correlation of loss increases with LR increases, gated on the LR really "
-            "rising."),
-    "lr_level": RegistryEntry(
-        "detectors.lr_loss:LRLevelInstability", "lr_loss_anomaly",
-        doc="Loss volatility relative to its baseline, once the LR exceeds the highest LR seen "
-            "while the loss was calm (LR too high)."),
-    "tail_z": RegistryEntry(
-        "detectors.tail:TailZScore", None, {"tail_q": (0.99, 0.999)},
-        doc="EWMA z-score of `log(x)` divided by the run's own tail factor: a high quantile "
-            "of the series' healthy scores against a Gaussian's (a z of 7 on a spiky "
-            "small-batch SGD run counts for less than on a smooth LLM run); with `prior_std` "
-            "it scores from the third value, its variance blended with the prior while "
-            "warming up (no blind start)."),
-    "no_update": RegistryEntry(
-        "detectors.stall:UpdateStall", "stall",
-        doc="Consecutive zero updates (`update_ratio` at or below `eps`) of a series that was "
-            "updating before: an optimizer silently skipping its steps, a parameter group "
-            "frozen by a bug. Never-moving series (unused parameters) score 0."),
-    "no_progress": RegistryEntry(
-        "detectors.progress:NoProgress", "stall",
-        doc="Loss not decreasing: an EW mean of the values over the mean of the first "
-            "`window`, scored once `horizon` values are seen (a run that never starts "
-            "learning). Not bound by default: a run watched from its plateau is healthy."),
-    "coherent_jump": RegistryEntry(
-        "detectors.jump:CoherentJump", None,
-        doc="A one-step rise of log x far beyond each series' typical step-to-step change in "
-            "at least `min_series` series of the bank at once (several layers' gradients "
-            "bursting together: an activation spike inside the network); a rise counts from "
-            "the series' usual level when that is higher, so coming back after a collapse is "
-            "not a jump."),
+#: registry name -> the class (the one line to add for a built-in detector; its kind, tuning
+#: grid and docs row are declared on the class, and the docs' tables are generated from both)
+BUILTIN: dict[str, str] = {
+    "nonfinite": "detectors.nonfinite:NonFiniteGuard",
+    "ewma_z": "detectors.ewma:EWMAZScore",
+    "robust_z": "detectors.robust:RobustZScore",
+    "ratio": "detectors.ratio:RatioToMean",
+    "page_hinkley": "detectors.page_hinkley:PageHinkley",
+    "adwin": "detectors.adwin:ADWIN",
+    "cusum": "detectors.cusum:CUSUM",
+    "activation_shift": "detectors.activation:ActivationShift",
+    "histogram_drift": "detectors.activation:HistogramDrift",
+    "train_val": "detectors.divergence:TrainValDivergence",
+    "val_spike": "detectors.divergence:ValSpike",
+    "overfit_gap": "detectors.overfit:OverfitGap",
+    "lr_jump": "detectors.lr_loss:LRJump",
+    "lr_loss_corr": "detectors.lr_loss:LRLossCorrelation",
+    "lr_level": "detectors.lr_loss:LRLevelInstability",
+    "tail_z": "detectors.tail:TailZScore",
+    "no_update": "detectors.stall:UpdateStall",
+    "no_progress": "detectors.progress:NoProgress",
+    "coherent_jump": "detectors.jump:CoherentJump",
 }
+
+#: registry name -> entry: the built-in ones, then those of :func:`register_detector`
+REGISTRY: dict[str, RegistryEntry] = {name: RegistryEntry(t) for name, t in BUILTIN.items()}
 
 
 def default_kind(name: str) -> str | None:
@@ -227,19 +186,21 @@ def did_you_mean(word: str, options: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def register_detector(name: str, target: str | type[BankDetector], kind: str | None = None,
-                      grid: Mapping[str, Any] | None = None, doc: str = "") -> None:
+def register_detector(name: str, target: str | type[BankDetector], kind: Any = _FROM_CLASS,
+                      grid: Mapping[str, Any] | None = None, doc: Any = _FROM_CLASS) -> None:
     """Register a detector under ``name``: the one step that makes it usable by name.
 
-    ``target`` is ``"module:Class"`` (imported when first used) or the class itself; ``kind``
-    is its default alarm kind, ``grid`` its offline tuning grid and ``doc`` its row in the
-    docs' tables (see :class:`RegistryEntry`).  Python-side only: configs can name registered
-    detectors but never import arbitrary code.
+    ``target`` is ``"module:Class"`` (imported when first used) or the class itself.  Its
+    default alarm kind, offline tuning grid and docs row are the class's declarations
+    (``kind``, ``tuning_grid``, ``summary``; see :class:`RegistryEntry`) unless given here.
+    Python-side only: configs can name registered detectors but never import arbitrary code.
 
     >>> from detectors import EWMAZScore
     >>> register_detector("my_z", EWMAZScore, kind="loss_spike", grid={"alpha": [0.1, 0.3]})
     >>> make_detector("my_z", {"alpha": 0.1}).alpha, tune_grids()["my_z"]
     (0.1, {'alpha': [0.1, 0.3]})
+    >>> REGISTRY["my_z"].doc == EWMAZScore.summary
+    True
     >>> _ = REGISTRY.pop("my_z")
     """
     cls: type[BankDetector] | None = None
@@ -251,9 +212,14 @@ def register_detector(name: str, target: str | type[BankDetector], kind: str | N
         raise ValueError(
             f"register_detector: target must look like 'module:Class'; got {target!r}."
         )
-    REGISTRY[name] = RegistryEntry(target, kind,
-                                  {str(k): tuple(v) for k, v in dict(grid or {}).items()},
-                                  str(doc))
+    given: dict[str, Any] = {}
+    if kind is not _FROM_CLASS:
+        given["kind"] = kind
+    if grid is not None:
+        given["grid"] = {str(k): tuple(v) for k, v in dict(grid).items()}
+    if doc is not _FROM_CLASS:
+        given["doc"] = str(doc)
+    REGISTRY[name] = RegistryEntry(target, given)
     if cls is not None:
         _cache[target] = cls
 
@@ -274,9 +240,8 @@ def detector_target(name: str) -> str:
         ) from None
 
 
-def detector_class(name: str) -> type[BankDetector]:
-    """Import (once) and return the detector class registered under ``name``."""
-    target = detector_target(name)
+def _load(target: str, label: str) -> type[BankDetector]:
+    """Import (once) the class ``"module:Class"`` (errors start with ``label``)."""
     cls = _cache.get(target)
     if cls is not None:
         return cls
@@ -284,13 +249,17 @@ def detector_class(name: str) -> type[BankDetector]:
     try:
         obj = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise DetectorUnavailableError(
-            f"detector {name!r} ({target}) is not available: {exc}"
-        ) from exc
+        raise DetectorUnavailableError(f"{label} is not available: {exc}") from exc
     if not (isinstance(obj, type) and issubclass(obj, BankDetector)):
-        raise DetectorUnavailableError(f"detector {name!r} ({target}) is not a BankDetector.")
+        raise DetectorUnavailableError(f"{label} is not a BankDetector.")
     _cache[target] = obj
     return obj
+
+
+def detector_class(name: str) -> type[BankDetector]:
+    """Import (once) and return the detector class registered under ``name``."""
+    target = detector_target(name)
+    return _load(target, f"detector {name!r} ({target})")
 
 
 def is_available(name: str) -> bool:

@@ -1,4 +1,5 @@
-"""The detector tables of ``docs/concepts/detectors.md`` and ``docs/CONTRACTS.md``, from the registry.
+"""The detector tables of the docs (``docs/concepts/detectors.md``, ``docs/CONTRACTS.md``, the
+parameter reference ``docs/reference/detector-parameters.md``), from the registry.
 
 Each table sits between two markers; ``python -m stability.config.registry_docs`` rewrites what is
 between them from :data:`stability.config.registry.REGISTRY` (the ``doc`` row, class, inputs, default
@@ -20,10 +21,11 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from detectors import BankDetector, Constraint
 from stability.config.registry import _N_INPUT_ARGS, REGISTRY, RegistryEntry, detector_class
 
-__all__ = ["BEGIN", "END", "TABLES", "contracts_table", "detectors_table", "main", "render",
-           "stale_files"]
+__all__ = ["BEGIN", "END", "TABLES", "contracts_table", "detectors_table", "main",
+           "parameter_docs", "parameters_table", "render", "stale_files"]
 
 BEGIN = "<!-- detector-table: generated from stability/config/registry.py by " \
         "`python -m stability.config.registry_docs`; do not edit -->"
@@ -34,6 +36,34 @@ Registry = Mapping[str, RegistryEntry]
 
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
+
+
+def parameter_docs(cls: type) -> dict[str, str]:
+    """Each argument's description in ``cls``'s numpy-style ``Parameters`` section.
+
+    Names listed together (``alpha, warmup``) share one description.
+
+    >>> from detectors import NonFiniteGuard
+    >>> parameter_docs(NonFiniteGuard)["freeze_on_alarm"]
+    'Must be ``False``: the guard has no statistics to freeze.'
+    """
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    out: dict[str, list[str]] = {}
+    names: list[str] = []
+    inside = False
+    for i, line in enumerate(lines):
+        header = i + 1 < len(lines) and lines[i + 1].strip() and set(lines[i + 1]) == {"-"}
+        if header:
+            inside = line.strip() == "Parameters"
+            names = []
+        elif inside and line and not line.startswith(" ") and set(line) != {"-"}:
+            names = [n.strip() for n in line.split(":")[0].split(",")]
+            for n in names:
+                out[n] = []
+        elif inside and line.strip():
+            for n in names:
+                out[n].append(line.strip())
+    return {k: " ".join(v) for k, v in out.items()}
 
 
 def detectors_table(registry: Registry | None = None) -> str:
@@ -74,9 +104,49 @@ def contracts_table(registry: Registry | None = None) -> str:
     return "\n".join(rows)
 
 
+def _accepts(rule: Constraint, det: BankDetector) -> str:
+    """The rule with the defaults, and what a bound that depends on other arguments follows."""
+    text = rule.rule(det)
+    bounds = [getattr(rule, "lo", None), getattr(rule, "hi", None), getattr(rule, "count", None)]
+    for b in bounds:
+        if isinstance(b, str):
+            text += f" (with the defaults: the bound is `{b}`)"
+        elif callable(b):
+            why = (inspect.getdoc(b) or b.__name__).rstrip(".")
+            text += f" (with the defaults: {why[:1].lower()}{why[1:]})"
+    return text
+
+
+def _default(arg: str, default: object, rule: Constraint | None) -> str:
+    derive = getattr(rule, "derive", None)
+    if default is None and derive is not None:
+        return f"`None`: {(inspect.getdoc(derive) or 'derived').rstrip('.')}"
+    return f"`{default!r}`"
+
+
+def parameters_table(registry: Registry | None = None) -> str:
+    """``docs/reference/detector-parameters.md``'s table: every argument of every registered
+    detector, its default, what it accepts (its declared constraint) and what it means (the
+    class's ``Parameters`` docs)."""
+    reg = REGISTRY if registry is None else registry
+    rows = ["| detector | parameter | default | accepts | meaning |", "|---|---|---|---|---|"]
+    for name in reg:
+        cls = detector_class(name)
+        det, docs = cls(), parameter_docs(cls)
+        for arg, p in inspect.signature(cls).parameters.items():
+            rule = cls.parameter_constraints.get(arg)
+            accepts = _accepts(rule, det) if rule is not None else "checked by the class"
+            rows.append(f"| `{name}` | `{arg}` | {_cell(_default(arg, p.default, rule))} | "
+                        f"{_cell(accepts)} | {_cell(docs.get(arg, ''))} |")
+    return "\n".join(rows)
+
+
 #: file (relative to the repository root) -> its table
-TABLES: dict[str, Callable[[], str]] = {"docs/concepts/detectors.md": detectors_table,
-                                        "docs/CONTRACTS.md": contracts_table}
+TABLES: dict[str, Callable[[], str]] = {
+    "docs/concepts/detectors.md": detectors_table,
+    "docs/CONTRACTS.md": contracts_table,
+    "docs/reference/detector-parameters.md": parameters_table,
+}
 
 
 def render(text: str, table: str, where: str = "file") -> str:

@@ -11,6 +11,12 @@ training loop one ``os.write`` each and never waits for the disk (:meth:`EventLo
 waits for durability; :meth:`EventLog.close` always ends with an ``fsync``).
 ``fsync="always"`` fsyncs every record in the caller's thread (the user asked for it).
 
+Alarm storms cost bounded bytes and time (:class:`AlarmStormBound`): a step writes at most
+``max_alarms_per_step`` alarm records and an episode (alarm steps within ``episode_gap`` steps of
+each other) at most ``max_alarms_per_episode``; the alarms past either bound are written as one
+``alarms_coalesced`` record per step (their count, per kind and severity, and the first few
+signals).  A 1,000-step all-NaN storm at 512 layers is a few thousand records, not millions.
+
 Only event logs are ever appended to: an existing non-empty regular file that does not start
 like a record this module writes (``{"type":"``) -- a checkpoint, a config, the job's metrics
 file -- is refused with ``ValueError`` and left untouched.
@@ -115,6 +121,40 @@ def is_critical(record: Mapping[str, Any]) -> bool:
     return t == "intervention" and record.get("intervention") in CRITICAL_TYPES
 
 
+class AlarmStormBound:
+    """How many alarm records a step and an episode may write; the rest is counted per step.
+
+    >>> b = AlarmStormBound(max_alarms_per_step=2, max_alarms_per_episode=3, episode_gap=10)
+    >>> [b.admit(s) for s in (1, 1, 1, 2, 2, 50)]
+    [True, True, False, True, False, True]
+    """
+
+    def __init__(self, max_alarms_per_step: int = 64, max_alarms_per_episode: int = 2048,
+                 episode_gap: int = 100) -> None:
+        if max_alarms_per_step < 1 or max_alarms_per_episode < 1 or episode_gap < 0:
+            raise ValueError("AlarmStormBound needs max_alarms_per_step >= 1, "
+                             "max_alarms_per_episode >= 1 and episode_gap >= 0.")
+        self.max_step = int(max_alarms_per_step)
+        self.max_episode = int(max_alarms_per_episode)
+        self.gap = int(episode_gap)
+        self._step: int | None = None
+        self._in_step = 0
+        self._in_episode = 0
+
+    def admit(self, step: int) -> bool:
+        """Whether an alarm of ``step`` gets its own record (else it is coalesced)."""
+        if self._step is None or abs(step - self._step) > self.gap:
+            self._in_episode = 0  # a new episode
+        if step != self._step:
+            self._in_step = 0
+        self._step = step
+        if self._in_step >= self.max_step or self._in_episode >= self.max_episode:
+            return False
+        self._in_step += 1
+        self._in_episode += 1
+        return True
+
+
 class EventLog:
     """Append-only JSONL event log.
 
@@ -128,10 +168,13 @@ class EventLog:
         Raise ``OSError`` on write failures instead of reporting them once through logging.
     clock : callable, optional
         Time source for the ``time`` field (default :func:`time.time`).
+    storm : AlarmStormBound, optional
+        The bounds on alarm records per step and per episode (default: 64 and 2048).
     """
 
     def __init__(self, path: str | os.PathLike[str], fsync: str = "critical",
-                 strict: bool = False, clock: Any = None) -> None:
+                 strict: bool = False, clock: Any = None,
+                 storm: AlarmStormBound | None = None) -> None:
         self.fsync = check_choice("EventLog", "fsync", fsync, FSYNC_MODES)
         self.strict = check_bool("EventLog", "strict", strict)
         self.path = os.fspath(path)
@@ -148,6 +191,9 @@ class EventLog:
         self._synced = 0  # ... of which fsynced
         self._syncer: threading.Thread | None = None
         self.n_fsyncs = 0
+        self.storm = storm if storm is not None else AlarmStormBound()
+        self.n_coalesced = 0  # alarms written only as a count
+        self._held: dict[str, Any] | None = None  # the current step's coalesced alarms
         self._open()
 
     def _open(self) -> None:
@@ -270,20 +316,50 @@ class EventLog:
             return True
 
     def alarm(self, alarm: Alarm, **extra: Any) -> bool:
-        """Append an ``alarm`` record."""
-        return self.append(alarm_record(alarm.to_dict(), **extra))
+        """Append an ``alarm`` record -- or, past the storm bounds, count it in the step's
+        ``alarms_coalesced`` record (written before the next record of another kind or step).
+        """
+        step = int(alarm.step)
+        if self._held is not None and self._held["step"] != step:
+            self._write_held()
+        if self.storm.admit(step):
+            return self.append(alarm_record(alarm.to_dict(), **extra))
+        self._hold(alarm)
+        return True
+
+    def _hold(self, alarm: Alarm) -> None:
+        h = self._held
+        if h is None:
+            h = self._held = {"type": "alarms_coalesced", "step": int(alarm.step), "count": 0,
+                              "kinds": {}, "severity": {}, "signals": []}
+        h["count"] += 1
+        h["kinds"][alarm.kind] = h["kinds"].get(alarm.kind, 0) + 1
+        h["severity"][alarm.severity] = h["severity"].get(alarm.severity, 0) + 1
+        if len(h["signals"]) < 8:
+            h["signals"].append(alarm.signal)
+        self.n_coalesced += 1
+
+    def _write_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self.append(held, critical="critical" in held["severity"])
+
+    def append_unheld(self, record: Mapping[str, Any], critical: bool | None = None) -> bool:
+        """:meth:`append` after writing the coalesced alarms held for the current step."""
+        self._write_held()
+        return self.append(record, critical)
 
     def intervention(self, iv: Intervention, **extra: Any) -> bool:
         """Append an ``intervention`` record (``intervention`` holds the intervention type)."""
-        return self.append(intervention_record(iv.to_dict(), **extra))
+        return self.append_unheld(intervention_record(iv.to_dict(), **extra))
 
     def goodput(self, step: int, stats: Mapping[str, Any]) -> bool:
         """Append a ``goodput`` record."""
-        return self.append({"type": "goodput", "step": step, **stats})
+        return self.append_unheld({"type": "goodput", "step": step, **stats})
 
     def info(self, step: int | None, message: str, **extra: Any) -> bool:
         """Append an ``info`` record."""
-        return self.append({"type": "info", "step": step, "message": message, **extra})
+        return self.append_unheld({"type": "info", "step": step, "message": message, **extra})
 
     # ------------------------------------------------------------------ the syncer
     def _request_sync(self) -> None:
@@ -334,6 +410,7 @@ class EventLog:
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """``fsync`` the file now (every append is already written through to the kernel)."""
+        self._write_held()
         with self._sync:
             target = self._dirty
         self._fsync_now()

@@ -11,6 +11,7 @@ import http.client
 import io
 import socket
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -103,4 +104,15 @@ def deadline_opener(deadline: float) -> urllib.request.OpenerDirector:
             ctx = getattr(self, "_context", None)
             return self.do_open(https_conn, req, context=ctx)
 
-    return urllib.request.build_opener(Http, Https)
+    return urllib.request.build_opener(Http, Https, _NoRedirect)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are not followed: a webhook answering 3xx is a failed delivery (following it
+    would send the alert to another host, as a GET, and count it as sent)."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> None:
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl[:200]} not "
+                                     "followed (webhooks are POSTed to the configured URL only)",
+                                     headers, fp)

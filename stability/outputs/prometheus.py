@@ -75,7 +75,9 @@ class PrometheusExporter:
         A ``prometheus_client.CollectorRegistry`` (default: a new private one; pass
         ``prometheus_client.REGISTRY`` to join the process-wide one).
     addr
-        Address the server binds (default all interfaces; ``"127.0.0.1"`` for local only).
+        Address the server binds (default ``"127.0.0.1"``: this machine only; ``"0.0.0.0"``
+        exposes the metrics to the network -- a deliberate choice, e.g. for a scraper on
+        another host).
     attach
         Register as the monitor's alarm / intervention handler (for monitors you do not
         drive through :meth:`update`).
@@ -84,7 +86,7 @@ class PrometheusExporter:
     """
 
     def __init__(self, monitor: Any, port: int | None = None, registry: Any = None, *,
-                 addr: str = "0.0.0.0", attach: bool = False, clock: Any = None) -> None:
+                 addr: str = "127.0.0.1", attach: bool = False, clock: Any = None) -> None:
         pc = _client()
         self.monitor = monitor
         self.registry = registry if registry is not None else pc.CollectorRegistry()

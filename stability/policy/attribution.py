@@ -19,6 +19,9 @@ or
 ``divergence``  slow trends without spikes (level shift, train/val divergence)
 ``overfit``     (set by the policy) a train/validation divergence while validation stays
                 measurably above its best: early stop with the best checkpoint restored
+``data``        a divergence of the guard's canary loss (``canary_loss``: a few early healthy
+                batches it evaluates itself): the model is learning bad data -- roll back past
+                it, skipping every batch since the restored checkpoint
 ==============  =============================================================================
 
 Examples
@@ -40,12 +43,12 @@ from collections.abc import Iterable
 
 from stability.types import Alarm
 
-CAUSES = ("lr", "corruption", "overflow", "outlier", "shift", "divergence", "overfit")
+CAUSES = ("lr", "corruption", "overflow", "outlier", "shift", "divergence", "overfit", "data")
 
 #: kinds that are spikes in the data path (loss, gradients, activations)
 SPIKE_KINDS = frozenset({"loss_spike", "grad_explosion", "activation_shift"})
 #: causes whose episode may skip the offending batches on a rollback
-DATA_CAUSES = frozenset({"outlier", "shift"})
+DATA_CAUSES = frozenset({"outlier", "shift", "data"})
 
 
 def is_loss_signal(signal: str) -> bool:
@@ -57,6 +60,17 @@ def is_loss_signal(signal: str) -> bool:
     s = signal.lower()
     return s == "loss" or s.startswith("loss/") or s.endswith("/loss") or s in (
         "train_loss", "lm_loss", "lm loss")
+
+
+def is_canary_signal(signal: str) -> bool:
+    """Whether ``signal`` is the guard's canary loss (``canary_loss``, ``canary_loss/...``).
+
+    >>> is_canary_signal("canary_loss"), is_canary_signal("loss,canary_loss")
+    (True, True)
+    >>> is_canary_signal("val_loss")
+    False
+    """
+    return any(s.startswith("canary_loss") for s in signal.lower().split(","))
 
 
 def is_weight_signal(signal: str) -> bool:
@@ -88,15 +102,20 @@ def attribute(alarms: Iterable[Alarm], *, lr_fault: bool, nonfinite_loss_run: in
     """
     kinds = set()
     nonfinite_signals = []
+    canary = False
     for a in alarms:
         kinds.add(a.kind)
         if a.kind == "nonfinite":
             nonfinite_signals.append(a.signal)
+        elif a.kind == "train_val_divergence" and is_canary_signal(a.signal):
+            canary = True
     if lr_fault or "lr_loss_anomaly" in kinds:
         return "lr"
     if ("weight_corruption" in kinds or nonfinite_loss_run >= 2
             or any(is_weight_signal(s) for s in nonfinite_signals)):
         return "corruption"
+    if canary:
+        return "data"
     loss_bad = nonfinite_loss_run >= 1 or any(is_loss_signal(s) for s in nonfinite_signals)
     if nonfinite_signals and not loss_bad:
         return "overflow"

@@ -154,6 +154,8 @@ class Policy(ResponseMixin, RecoveryMixin):
             Empty on quiet and merged steps.
         """
         step = int(step)
+        if control.stop and not self.log_only:
+            return []  # track() stopped the run at this step: nothing else applies
         acts = [a for a in alarms if SEV.get(a.severity, 1) >= self._min_sev] if alarms else []
         if not acts:
             if not self.log_only:
@@ -188,6 +190,8 @@ class Policy(ResponseMixin, RecoveryMixin):
         stop = self._overfit_stop(step, acts, cause, ctx, control)
         if stop is not None:
             return stop
+        if cause == "data" and self._probation is not None:
+            return self._data_keeps_failing(step, control)
         replayed = self._replayed_cause(step)
         if replayed:
             cause = replayed  # a rollback replayed a step fault: the same cause
@@ -296,6 +300,10 @@ class Policy(ResponseMixin, RecoveryMixin):
             actions.update(("alert", "checkpoint", "rollback"))
             skip = True
             responded = True
+        if cause == "data":
+            # the canary (held-out early batches) diverged: the model is learning bad data
+            actions.update(("alert", "rollback"))
+            responded = True
         worse = self.worse()
         if "stop" in actions and not self._exhausted(step, ctx):
             # stop only when nothing is left to try: a rollback comes first
@@ -332,6 +340,8 @@ class Policy(ResponseMixin, RecoveryMixin):
             self._hist = {}
             self._kind_last = {}
             self._onset = None
+            if cause == "data":
+                self._lr = self._clip = None  # the undone episode's responses go with it
             self._reset_episode()
             self.guard.rewind()
             self.val.rewind(self._rewound_to if self._rewound_to is not None else step)
@@ -341,6 +351,16 @@ class Policy(ResponseMixin, RecoveryMixin):
             self._apply_persistent(step if self._rewound_to is None else self._rewound_to,
                                    control)
         return ivs
+
+    def _data_keeps_failing(self, step: int, control: Control) -> list[Intervention]:
+        """The canary diverged again during the probation of a rollback that skipped bad data:
+        the data source keeps failing -- stop with the probation's healthy target restored."""
+        pb = self._probation
+        assert pb is not None
+        self._probation = None
+        reason = (f"the canary loss diverged again {step - pb.resume} steps after the rollback "
+                  f"at step {pb.resume} skipped the bad data: the data source keeps failing")
+        return self._stop_restoring(step, pb.target, reason, "data", control)
 
     def _skip_storm(self, step: int, ctx: PolicyContext) -> bool:
         """Count this skipped step; ``True`` when the run has been skipping for

@@ -75,7 +75,7 @@ class ResponseMixin(PolicyState):
                     actions = actions | {"stop"}
         if "stop" in actions:
             worse = self.worse()
-            if worse is False and not self._storm:
+            if worse is False and not self._storm and self.cause != "data":
                 actions = actions - {"stop"}
                 notes.append("would stop, but the run is not measurably worse than before the "
                              "episode: continuing")
@@ -131,6 +131,10 @@ class ResponseMixin(PolicyState):
             if target is None:
                 notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
             else:
+                if self.cause == "data" and self._onset is None:
+                    # no alarm marks where the bad data began: skip every batch since the
+                    # restored checkpoint (the canary vouched for none after it)
+                    onset = target.covers + 1
                 out.append(Rollback(step, reason, to_step=target.step, skip_from=onset,
                                     skip_to=step if skip_data else onset - 1))
                 self.n_rollbacks += 1

@@ -201,6 +201,7 @@ class StallWatchdog:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._failed: set[int] = set()
+        self._clock_warned = False
 
     @classmethod
     def for_monitor(cls, monitor: Any, **kwargs: Any) -> StallWatchdog:
@@ -224,9 +225,20 @@ class StallWatchdog:
         if self._stalled:
             self._recover(now)
         elif last is not None:
-            self._times.append(now - last)
+            self._note_interval(now - last)
         if self._thread is None and self.autostart and not self._closed:
             self.start()
+
+    def _note_interval(self, dt: float) -> None:
+        """Keep one step time; a clock that stepped back gives no step time (warned once),
+        never a negative one."""
+        if dt >= 0.0:
+            self._times.append(dt)
+            return
+        if not self._clock_warned:
+            self._clock_warned = True
+            logger.warning("stall watchdog: the clock stepped back by %.3g s between two beats; "
+                           "that interval is left out of the step times (reported once)", -dt)
 
     # ------------------------------------------------------------------ signals
     @property

@@ -826,8 +826,10 @@ def ref_nonfinite(x, miss=None):  # type: ignore[no-untyped-def]
 
 #: registry name -> naive reference (checked complete by tests/detectors/test_conformance.py)
 def ref_overfit(loss, val, lmiss=None, vmiss=None, alpha=0.2, n_points=4, warmup=5,
-                threshold=0.02, freeze_on_alarm=False):
-    """OverfitGap: min gap increment over the last n_points - 1 validation intervals."""
+                threshold=2.0, min_scale=0.02, noise_alpha=0.1, freeze_on_alarm=False):
+    """OverfitGap: min gap increment over the last n_points - 1 validation intervals, over
+    max(run's noise of the increments, min_scale); the noise from the mean |second
+    difference| of the gap (Gaussian scale 1.2533 / sqrt(3) of it)."""
     n = len(loss)
     lmiss = np.zeros(n, bool) if lmiss is None else lmiss
     vmiss = np.zeros(n, bool) if vmiss is None else vmiss
@@ -835,6 +837,7 @@ def ref_overfit(loss, val, lmiss=None, vmiss=None, alpha=0.2, n_points=4, warmup
     prev_g = None
     incs: list[float] = []
     nval = 0
+    noise, n_noise = 0.0, 0
     out = []
     for k in range(n):
         hl, hv = not lmiss[k], not vmiss[k]
@@ -860,10 +863,16 @@ def ref_overfit(loss, val, lmiss=None, vmiss=None, alpha=0.2, n_points=4, warmup
             score = 0.0
         else:
             score = min([d, *incs[len(incs) - (n_points - 2):]] if n_points > 2 else [d])
+            sigma = 1.2533141373155001 / math.sqrt(3.0) * noise
+            score = score / max(sigma, min_scale, 1e-300)
         out.append(score)
         if score > threshold and freeze_on_alarm:
             continue
         tm, tc, prev_g, nval = tm2, tc2, g, nval + 1
+        if incs:
+            a = max(noise_alpha, 1.0 / (n_noise + 1))
+            noise += a * (abs(d - incs[-1]) - noise)
+            n_noise += 1
         incs.append(d)
     return np.array(out)
 

@@ -1,15 +1,21 @@
-"""Adding a detector touches three files: its module, its registry entry, its reference test.
+"""Adding a detector touches three files: its module, its registry line, its reference test.
 
 This test plays a contributor adding ``mean_z`` (a z-score against the running mean/variance of
 all past values): it writes the detector module into the ``detectors`` package and the reference
-test next to it (both in a temporary directory), makes the registry entry with the registry API,
-and then shows, without touching any other file, that the detector
+test next to it (both in a temporary directory), registers the name with the registry API (the
+one line of ``BUILTIN`` in ``stability/config/registry.py``), and then shows, without touching
+any other file, that the detector
 
 * is importable from the package root (``detectors.MeanZ``),
 * works by name in a monitor config and alarms on a spike,
 * is tuned (its registry grid reaches :func:`replay.tuning.make_candidates`),
 * has its rows in the generated detectors-page / CONTRACTS tables,
 * passes every check of the conformance suite and its own reference test.
+
+The module declares its parameters (``parameter_constraints``) and its registry metadata
+(``kind``, ``tuning_grid``, ``summary``) on the class.  A detector written the older way (a
+``check_*`` call per parameter in ``__init__``, the metadata given to ``register_detector``)
+keeps working: every test runs on both.
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ from numba import njit
 
 from ._base import BankDetector, FloatArray
 from ._kernel import indices, learns, skip_value
+from ._params import Float, Int, arguments
 from ._state import StateCheck
-from .validation import check_float, check_int
 
 
 class MeanZParams(NamedTuple):
@@ -82,19 +88,32 @@ def _mean_z_kernel(X, miss, state, buf, params, scores, alarms):
 
 
 class MeanZ(BankDetector):
-    """``|x - mean| / std`` over every past value of each series."""
+    """``|x - mean| / std`` over every past value of each series.
+
+    Parameters
+    ----------
+    n_series
+        Number of series in the bank.
+    threshold
+        Alarm when the score exceeds this.
+    warmup
+        Values seen before the first score.
+    min_std
+        Floor of the standard deviation.
+    freeze_on_alarm
+        Do not learn a value that alarms.
+    """
 
     kernel = _mean_z_kernel
-    hyperparameters = ("warmup", "min_std")
     param_layout = MeanZParams
+    parameter_constraints = {"warmup": Int(2), "min_std": Float(0.0, low_open=True)}
+    kind = "loss_spike"
+    tuning_grid = {"warmup": (10, 30)}
+    summary = "z-score against all past values."
 
     def __init__(self, n_series=1, threshold=6.0, warmup=10, min_std=1e-3,
                  freeze_on_alarm=True):
-        super().__init__(n_series, threshold, freeze_on_alarm)
-        name = type(self).__name__
-        self.warmup = check_int(name, "warmup", warmup, 2)
-        self.min_std = check_float(name, "min_std", min_std, 0.0, low_open=True)
-        self._setup()
+        super().__init__(**arguments(locals()))
 
     def _init_state(self, n: int) -> FloatArray:
         return np.zeros((3, n))
@@ -104,6 +123,26 @@ class MeanZ(BankDetector):
         c.finite("mean", c.state[MEAN])
         c.finite("m2", c.state[M2], 0.0)
 '''
+
+#: the same detector written the older way: a check per parameter, the metadata registered
+HAND_CHECKED = DETECTOR.replace(
+    "from ._params import Float, Int, arguments\n",
+    "from .validation import check_float, check_int\n",
+).replace(
+    """    parameter_constraints = {"warmup": Int(2), "min_std": Float(0.0, low_open=True)}
+    kind = "loss_spike"
+    tuning_grid = {"warmup": (10, 30)}
+    summary = "z-score against all past values."
+""", """    hyperparameters = ("warmup", "min_std")
+""").replace(
+    """        super().__init__(**arguments(locals()))
+""", """        super().__init__(n_series, threshold, freeze_on_alarm)
+        name = type(self).__name__
+        self.warmup = check_int(name, "warmup", warmup, 2)
+        self.min_std = check_float(name, "min_std", min_std, 0.0, low_open=True)
+        self._setup()
+""")
+assert HAND_CHECKED.count("check_int") == 2 and "arguments" not in HAND_CHECKED
 
 #: file 3: tests/detectors/test_mean_z.py -- the naive reference and the test against it
 REFERENCE_TEST = '''
@@ -140,19 +179,23 @@ def test_kernel_matches_the_reference():
 '''
 
 
-@pytest.fixture
-def mean_z(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+@pytest.fixture(params=["declared", "hand_checked"])
+def mean_z(request: pytest.FixtureRequest, tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """Files 1 and 3 written, entry 2 registered; everything undone afterwards."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    (pkg / "mean_z.py").write_text(textwrap.dedent(DETECTOR), encoding="utf-8")
+    source = DETECTOR if request.param == "declared" else HAND_CHECKED
+    (pkg / "mean_z.py").write_text(textwrap.dedent(source), encoding="utf-8")
     (tmp_path / "test_mean_z.py").write_text(textwrap.dedent(REFERENCE_TEST), encoding="utf-8")
     monkeypatch.setattr(detectors, "__path__", [*detectors.__path__, str(pkg)])
     monkeypatch.setitem(REGISTRY, "mean_z", REGISTRY["ewma_z"])  # restored after the test
-    # file 2: the registry entry, as one line of stability/config/registry.py's REGISTRY would say
-    # it
-    register_detector("mean_z", "detectors.mean_z:MeanZ", kind="loss_spike",
-                      grid={"warmup": (10, 30)}, doc="z-score against all past values.")
+    # file 2: the registry line, as one line of stability/config/registry.py's BUILTIN says it
+    if request.param == "declared":
+        register_detector("mean_z", "detectors.mean_z:MeanZ")
+    else:  # the metadata of a hand-checked class is given here
+        register_detector("mean_z", "detectors.mean_z:MeanZ", kind="loss_spike",
+                          grid={"warmup": (10, 30)}, doc="z-score against all past values.")
     spec = importlib.util.spec_from_file_location("test_mean_z", tmp_path / "test_mean_z.py")
     assert spec is not None and spec.loader is not None
     ref_test = importlib.util.module_from_spec(spec)

@@ -4,8 +4,11 @@ Parametrised over :data:`stability.config.registry.REGISTRY` (river's ``utils.es
 pattern), so a newly registered detector is checked without writing these tests again: stream ==
 batch bit for bit (with missing values), chunked batches == one batch, state round trips (also
 through JSON) continue identically, a missing step is invisible, a non-finite value alarms and
-never enters the state, zero steps change nothing, bad parameters raise naming the parameter, and
-a lower threshold never gives fewer alarms.  Each entry must also have a reference test module
+never enters the state, zero steps change nothing, a lower threshold never gives fewer alarms,
+bad inputs raise saying what was expected, and -- from the class's declared
+``parameter_constraints`` -- every argument refuses what its rule excludes with the scikit-learn
+message and accepts its range's ends, and the declaration is the signature, ``hyperparameters``
+and ``get_params``.  Each entry must also have a reference test module
 with a naive reference (:func:`check_reference`).
 
 Every check is a plain function of the registry name (:data:`CHECKS`), so
@@ -22,7 +25,10 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from detectors._base import COMMON_PARAMETERS
+from detectors.validation import short_repr
 from stability.config.registry import REGISTRY, detector_class, make_detector
+from stability.config.registry_docs import parameter_docs
 from tests.detectors.generic import (
     assert_same,
     check_split_batches,
@@ -124,16 +130,63 @@ def check_zero_steps_change_nothing(name: str) -> None:
 
 
 def check_bad_parameters_name_the_parameter(name: str) -> None:
+    """Driven by the class's declaration (``parameter_constraints``): every argument refuses
+    the values its constraint puts outside it (just past each end, the wrong type) with the
+    scikit-learn message naming the class, the argument, its rule and the value, and accepts
+    the closed ends of its range (another argument's rule may then object, never its own)."""
     cls = detector_class(name)
-    args = inspect.signature(cls).parameters
-    with pytest.raises(ValueError, match=f"'n_series' parameter of {cls.__name__}"):
-        cls(n_series=-1)
-    if "threshold" in args:
-        with pytest.raises(ValueError, match=f"'threshold' parameter of {cls.__name__}"):
-            cls(threshold=float("nan"))
-    if "freeze_on_alarm" in args:
-        with pytest.raises(ValueError, match=f"'freeze_on_alarm' parameter of {cls.__name__}"):
-            cls(freeze_on_alarm="yes")
+    base = cls()
+    for arg, rule in cls.parameter_constraints.items():
+        for bad, says in rule.invalid(base):
+            with pytest.raises(ValueError) as info:
+                cls(**{arg: bad})
+            assert str(info.value) == (f"The '{arg}' parameter of {cls.__name__} must be "
+                                       f"{says}. Got {short_repr(bad)} instead.")
+        for edge in rule.edges(base):
+            try:
+                cls(**{arg: edge})
+            except ValueError as exc:
+                assert f"'{arg}' parameter" not in str(exc), (arg, edge, exc)
+
+
+def check_declaration_is_the_interface(name: str) -> None:
+    """The signature is ``n_series, threshold, freeze_on_alarm`` and ``hyperparameters`` (the
+    declared arguments, for a class that declares them); ``get_params`` gives them in that
+    order and a detector rebuilt from it is the same; every argument is documented."""
+    cls = detector_class(name)
+    names = [*COMMON_PARAMETERS, *cls.hyperparameters]
+    assert sorted(inspect.signature(cls).parameters) == sorted(names)
+    assert set(cls.parameter_constraints) <= set(names)
+    det = cls()
+    assert list(det.get_params()) == names
+    again = cls(**det.get_params())
+    assert again.get_params() == det.get_params()
+    np.testing.assert_array_equal(again.params, det.params)
+    undocumented = [a for a in names if not parameter_docs(cls).get(a)]
+    assert not undocumented, f"{cls.__name__}: document {undocumented} under Parameters"
+
+
+def check_bad_inputs_have_clear_errors(name: str) -> None:
+    """Wrong shapes, counts and types of inputs raise a ``ValueError`` saying what was
+    expected (the contract of ``BankDetector.update`` / ``update_many``)."""
+    det = make_detector(name, {}, n_series=N)
+    k = det.n_inputs
+    ones = (np.ones(N),) * k
+    with pytest.raises(ValueError, match=rf"shape \(2,\); expected \({N},\)"):
+        det.update(*((np.ones(2),) * k))
+    with pytest.raises(ValueError, match="must be numeric"):
+        det.update(*((["a"] * N,) * k))
+    with pytest.raises(ValueError, match="scalar"):
+        det.update(*((1.0,) * k))
+    with pytest.raises(ValueError, match=rf"takes {k} input\(s\)"):
+        det.update(*ones, np.ones(N))
+    with pytest.raises(ValueError, match=rf"expected \(steps, {N}\)"):
+        det.update_many(*((np.ones((5, 2)),) * k))
+    with pytest.raises(ValueError, match="'missing' has shape"):
+        det.update_many(*((np.ones((5, N)),) * k), missing=np.zeros((4, N), dtype=bool))
+    if k > 1:
+        with pytest.raises(ValueError, match="different numbers of steps"):
+            det.update_many(np.ones((5, N)), *((np.ones((4, N)),) * (k - 1)))
 
 
 def check_lower_threshold_never_fewer_alarms(name: str) -> None:
@@ -178,6 +231,8 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "non_finite_alarms_and_stays_out": check_non_finite_alarms_and_stays_out,
     "zero_steps_change_nothing": check_zero_steps_change_nothing,
     "bad_parameters_name_the_parameter": check_bad_parameters_name_the_parameter,
+    "declaration_is_the_interface": check_declaration_is_the_interface,
+    "bad_inputs_have_clear_errors": check_bad_inputs_have_clear_errors,
     "lower_threshold_never_fewer_alarms": check_lower_threshold_never_fewer_alarms,
 }
 

@@ -193,24 +193,6 @@ def test_vs_threshold_monotone():
 # ----------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize(
-    "cls, kwargs, match",
-    [
-        (TrainValDivergence, {"alpha": 0.0}, "'alpha' parameter of TrainValDivergence"),
-        (TrainValDivergence, {"n_points": 1}, "'n_points'"),
-        (TrainValDivergence, {"warmup": 1}, "'warmup'"),
-        (TrainValDivergence, {"min_scale": -0.1}, "'min_scale'"),
-        (TrainValDivergence, {"threshold": None}, "'threshold'"),
-        (ValSpike, {"window": 0}, "'window' parameter of ValSpike"),
-        (ValSpike, {"warmup": 0}, "'warmup'"),
-        (ValSpike, {"freeze_on_alarm": 1}, "'freeze_on_alarm'"),
-    ],
-)
-def test_bad_hyperparameters(cls, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        cls(**kwargs)
-
-
 def test_bad_inputs_and_short_input():
     det = TrainValDivergence(n_series=2)
     with pytest.raises(ValueError, match=r"takes 2 input\(s\) \(loss, val_loss\)"):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 import pytest
 
+from detectors import Choice
 from detectors._kernel import COMMON_FIELDS, indices
 from stability.config.registry import REGISTRY, make_detector
 
@@ -26,8 +28,16 @@ def test_params_follow_the_declared_layout(name: str) -> None:
     assert params[0] == det.threshold
     assert params[1] == float(det.freeze_on_alarm)
     given = det._param_values()
+    rules = type(det).parameter_constraints
     for k, f in enumerate(fields[2:], start=2):
-        want = given[f] if f in given else float(getattr(det, f))
+        value = getattr(det, f)
+        rule = rules.get(f)
+        if f in given:
+            want = given[f]
+        elif isinstance(rule, Choice) and isinstance(rule.options, Mapping):
+            want = rule.options[value]  # a declared choice: the kernel reads its number
+        else:
+            want = float(value)
         assert params[k] == want, f"{name}: params[{k}] is not {f}"
 
 

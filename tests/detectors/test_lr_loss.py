@@ -331,41 +331,6 @@ def test_level_threshold_monotone():
 # ----------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize(
-    "cls, kwargs, match",
-    [
-        (LRJump, {"alpha": 0.0}, "'alpha' parameter of LRJump"),
-        (LRJump, {"warmup": -1}, "'warmup'"),
-        (LRJump, {"direction": "left"}, "'direction'"),
-        (LRJump, {"clip": 0.0}, "'clip'"),
-        (LRJump, {"min_delta": -1.0}, "'min_delta'"),
-        (LRLossCorrelation, {"window": 1}, "'window' parameter of LRLossCorrelation"),
-        (LRLossCorrelation, {"min_lr_ratio": 0.5}, "'min_lr_ratio'"),
-        (LRLossCorrelation, {"alpha": 2.0}, "'alpha'"),
-        (LRLevelInstability, {"margin": 0.9}, "'margin' parameter of LRLevelInstability"),
-        (LRLevelInstability, {"warmup": 0}, "'warmup'"),
-        (LRLevelInstability, {"stable_ratio": 0.0}, "'stable_ratio'"),
-        (LRLevelInstability, {"base_alpha": 0.0}, "'base_alpha'"),
-        (LRLevelInstability, {"n_series": -1}, "'n_series'"),
-    ],
-)
-def test_bad_hyperparameters(cls, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        cls(**kwargs)
-
-
-def test_bad_inputs_have_clear_errors():
-    det = LRLossCorrelation(n_series=2)
-    with pytest.raises(ValueError, match=r"takes 2 input\(s\) \(loss, lr\); got 1"):
-        det.update(np.ones(2))
-    with pytest.raises(ValueError, match=r"input 'lr' has shape \(3,\); expected \(2,\)"):
-        det.update(np.ones(2), np.ones(3))
-    with pytest.raises(ValueError, match="different numbers of steps"):
-        det.update_many(np.ones((5, 2)), np.ones((4, 2)))
-    with pytest.raises(ValueError, match="must be numeric"):
-        LRJump().update("fast")
-
-
 def test_zero_and_one_length():
     for det, k in ((LRJump(n_series=2), 1), (LRLevelInstability(n_series=2), 2)):
         s, a = det.update_many(*[np.zeros((0, 2))] * k)

@@ -10,30 +10,6 @@ from detectors.nonfinite import NonFiniteGuard
 from .naive import ref_nonfinite
 
 
-def test_get_params_rebuilds_the_guard() -> None:
-    g = NonFiniteGuard(n_series=2, threshold=0.25)
-    h = NonFiniteGuard(**g.get_params())
-    assert h.get_params() == g.get_params() == {
-        "n_series": 2, "threshold": 0.25, "freeze_on_alarm": False}
-    x = np.array([[1.0, np.nan], [np.inf, 0.0]])
-    np.testing.assert_array_equal(g.update_many(x)[1], h.update_many(x)[1])
-    np.testing.assert_array_equal(h.update_many(x)[1], ~np.isfinite(x))
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"threshold": 1.0}, r"'threshold' parameter of NonFiniteGuard must be a float in the range "
-                         r"\[0.0, 1.0\)"),
-    ({"threshold": -0.1}, "'threshold'"),
-    ({"threshold": float("nan")}, "'threshold'"),
-    ({"threshold": "0.5"}, "'threshold'"),
-    ({"freeze_on_alarm": True}, "'freeze_on_alarm' parameter of NonFiniteGuard must be False"),
-    ({"freeze_on_alarm": 1}, "'freeze_on_alarm'"),
-])
-def test_bad_parameters(kwargs, match) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ValueError, match=match):
-        NonFiniteGuard(**kwargs)
-
-
 def test_set_threshold_is_validated() -> None:
     g = NonFiniteGuard()
     g.set_threshold(0.0)

@@ -43,7 +43,8 @@ def _miss(lmiss, vmiss):
 
 
 CFGS = [{}, {"n_points": 3, "warmup": 0, "alpha": 0.05, "threshold": 0.0},
-        {"freeze_on_alarm": True, "threshold": 0.005}, {"n_points": 2, "threshold": 0.01}]
+        {"freeze_on_alarm": True, "threshold": 0.25, "noise_alpha": 0.3},
+        {"n_points": 2, "threshold": 0.5, "min_scale": 0.0}]
 
 
 @pytest.mark.parametrize("cfg", CFGS)
@@ -54,7 +55,7 @@ def test_matches_reference_on_every_prefix(cfg, seed):
     for i in range(3):
         r = ref_overfit(loss[:, i], val[:, i], lmiss[:, i], vmiss[:, i], **cfg)
         np.testing.assert_allclose(s[:, i], r, rtol=1e-9, atol=1e-12)
-        thr = cfg.get("threshold", 0.02)
+        thr = cfg.get("threshold", 2.0)
         np.testing.assert_array_equal(a[:, i], np.nan_to_num(r, nan=-np.inf) > thr)
 
 
@@ -114,7 +115,7 @@ def test_a_single_bump_does_not_alarm():
 
 
 def test_warmup_and_val_before_any_train_loss():
-    det = OverfitGap(n_points=2, warmup=3, threshold=-1.0)
+    det = OverfitGap(n_points=2, warmup=3, threshold=-1.0, min_scale=1.0)
     miss = np.array([[[True], [False]], [[False], [False]], [[False], [False]],
                      [[False], [False]], [[False], [False]]])
     x = np.ones((5, 1))
@@ -173,7 +174,7 @@ def test_empty_input_and_bad_arguments():
 def test_threshold_monotone():
     loss, val, _, _ = of_stream(5, t=800, every=1)
     check_threshold_monotone(lambda t: OverfitGap(n_series=3, threshold=t), loss, val,
-                             thresholds=[-1, -0.01, 0, 0.01, 0.02, 0.1])
+                             thresholds=[-50, -1, 0, 0.5, 2, 5])
 
 
 @settings(deadline=None, max_examples=40)
@@ -189,3 +190,74 @@ def test_property_matches_reference(rows, n_points, warmup):
     s, _ = det.update_many(loss, val, missing=miss)
     r = ref_overfit(loss, val, None, vmiss, n_points=n_points, warmup=warmup)
     np.testing.assert_allclose(s[:, 0], r, rtol=1e-9, atol=1e-12)
+
+
+def _noisy_val_run(seed, t=4000, every=20, val_noise=0.06):
+    """A healthy run whose small validation set makes each validation point noisy."""
+    rng = np.random.default_rng(seed)
+    s_ = np.arange(t)
+    base = np.exp(-s_ / 2000) + 0.5
+    loss = base * np.exp(rng.normal(0, 0.03, t))
+    val = 1.05 * base * np.exp(rng.normal(0, val_noise, t))
+    miss = _miss(np.zeros((t, 1), bool), (s_ % every != 0)[:, None])
+    return loss, val, miss
+
+
+def test_score_is_relative_to_the_runs_own_validation_noise():
+    # noisy validation: an absolute 4 %-per-interval rule fires by chance, the noise-relative
+    # one (same persistence) does not
+    fired_abs = fired_rel = 0
+    for seed in range(6):
+        loss, val, miss = _noisy_val_run(seed)
+        fired_abs += OverfitGap(threshold=0.04, min_scale=1.0).update_many(
+            loss, val, missing=miss)[1].any()
+        fired_rel += OverfitGap().update_many(loss, val, missing=miss)[1].any()
+    assert fired_abs >= 3 and fired_rel == 0
+    # the same noisy run, over-fitting hard from step 2000 (val rises 2 %/step-20 while train
+    # falls): the growth is persistent and far above the noise, so it is caught
+    loss, val, miss = _noisy_val_run(0)
+    s_ = np.arange(loss.size)
+    after = s_ >= 2000
+    loss[after] *= np.exp(-(s_[after] - 2000) / 150)
+    val[after] *= np.exp((s_[after] - 2000) / 300)
+    a = OverfitGap().update_many(loss, val, missing=miss)[1][:, 0]
+    first = np.flatnonzero(a)
+    assert first.size and 2000 < first[0] <= 2000 + 10 * 20 and not a[:2000].any()
+
+
+def test_a_steady_overfit_does_not_raise_its_own_noise_estimate():
+    t = 1200
+    s_ = np.arange(t)
+    loss = np.exp(-s_ / 300)  # a clean linear trend in log space: second differences are 0
+    val = np.full(t, 1.0)
+    miss = _miss(np.zeros((t, 1), bool), (s_ % 20 != 0)[:, None])
+    det = OverfitGap()
+    _, a = det.update_many(loss, val, missing=miss)
+    assert a.sum() > 40
+    assert det.state_dict()["state"][6, 0] < 1e-3  # the noise row
+
+
+def test_version_1_snapshot_loads_uncalibrated_and_round_trips():
+    loss, val, lmiss, vmiss = of_stream(6, t=600)
+    miss = _miss(lmiss, vmiss)
+    det = OverfitGap(n_series=3)
+    det.update_many(loss[:300], val[:300], missing=miss[:300])
+    sd = det.state_dict()
+    assert sd["state_version"] == 2
+    old = dict(sd, state=sd["state"][:6].copy())  # what version 1 wrote
+    del old["state_version"]
+    loaded = OverfitGap(n_series=3)
+    loaded.load_state_dict(old)
+    st = loaded.state_dict()["state"]
+    np.testing.assert_array_equal(st[:6], sd["state"][:6])
+    assert (st[6:] == 0.0).all()  # no noise measured yet: the scale is min_scale
+    s_old, _ = loaded.update_many(loss[300:], val[300:], missing=miss[300:])
+    # from there it is a detector that had learnt no noise: min_scale until it measures it
+    fresh_noise = OverfitGap(n_series=3)
+    fresh_noise.load_state_dict(dict(sd, state=np.vstack([sd["state"][:6], np.zeros((2, 3))])))
+    s_ref, _ = fresh_noise.update_many(loss[300:], val[300:], missing=miss[300:])
+    np.testing.assert_array_equal(s_old, s_ref)
+    with pytest.raises(ValueError, match="state_version 1 snapshot must have 6 state rows"):
+        OverfitGap(n_series=3).load_state_dict(dict(old, state=sd["state"]))
+    with pytest.raises(ValueError, match="newer"):
+        OverfitGap(n_series=3).load_state_dict(dict(sd, state_version=3))

@@ -191,37 +191,6 @@ def test_zero_and_one_length():
     assert det.n_observations.tolist() == [1.0, 1.0] and det.mean.tolist() == [1.0, 1.0]
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        ({"min_instances": -1}, "'min_instances' parameter of PageHinkley"),
-        ({"min_instances": 2.5}, "'min_instances'"),
-        ({"delta": -0.1}, "'delta'"),
-        ({"alpha": 1.5}, "'alpha'"),
-        ({"alpha": math.nan}, "'alpha'"),
-        ({"mode": "sideways"}, "'mode'"),
-        ({"threshold": "high"}, "'threshold'"),
-        ({"freeze_on_alarm": True}, "'freeze_on_alarm'"),
-        ({"reset_on_drift": "yes"}, "'reset_on_drift'"),
-    ],
-)
-def test_bad_hyperparameters(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        PageHinkley(**kwargs)
-
-
-def test_bad_inputs_have_clear_errors():
-    det = PageHinkley(n_series=3)
-    with pytest.raises(ValueError, match=r"shape \(2,\); expected \(3,\)"):
-        det.update(np.ones(2))
-    with pytest.raises(ValueError, match="scalar"):
-        det.update(1.0)
-    with pytest.raises(ValueError, match=r"expected \(steps, 3\)"):
-        det.update_many(np.ones((5, 2)))
-    with pytest.raises(ValueError, match="'missing' has shape"):
-        det.update_many(np.ones((5, 3)), missing=np.zeros((4, 3), bool))
-
-
 @settings(deadline=None, max_examples=60)
 @given(
     st.lists(

@@ -135,8 +135,3 @@ def test_a_prior_scores_from_the_third_value() -> None:
     assert primed[:2, 0].tolist() == [0.0, 0.0] and alarms[:, 0].tolist() == [0, 0, 0, 0, 1]
 
 
-def test_bad_parameters_are_named() -> None:
-    with pytest.raises(ValueError, match="'tail_q' parameter of TailZScore"):
-        TailZScore(tail_q=1.0)
-    with pytest.raises(ValueError, match="'tail_max' parameter of TailZScore"):
-        TailZScore(tail_max=0.5)

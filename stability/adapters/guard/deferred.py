@@ -315,7 +315,7 @@ class DeferredSteps:
         """Clip on the device; keep non-finite gradients, and a gated step's update, from the
         weights (no host sync)."""
         g = self.g
-        grads = [p.grad for p in g.collector.params if p.grad is not None]
+        grads = g.collector.local_grads()  # (local shards of sharded parameters)
         if not grads:
             return
         fused = g.scaler is None and device_skips(g.optimizer)

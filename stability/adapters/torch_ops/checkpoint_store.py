@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from stability.adapters.torch_ops.sharded import agree, is_sharded, local_state, shard_like
 from stability.run.checkpoints import (
     MEMORY_PREFIX,
     CheckpointLedger,
@@ -449,6 +450,9 @@ def save_checkpoint(
         "extra": dict(extra or {}),
         "rng": torch.get_rng_state(),
     }
+    if is_sharded(model.parameters()):  # this rank's shards, as plain tensors
+        snap["model"], snap["optimizer"] = local_state(snap["model"]), local_state(
+            snap["optimizer"])
     if path is None:
         return _cpu_copy(snap)
     path = Path(path)
@@ -471,11 +475,12 @@ class RestoreRefused(ValueError):
     """A checkpoint cannot be restored into these objects; nothing was changed."""
 
 
-def _check_weights(model: torch.nn.Module, sd: Any, where: str) -> None:
-    """The checkpoint's weights fit ``model`` exactly (keys, shapes) and are all finite."""
+def _check_weights(model: torch.nn.Module, sd: Any, where: str, sharded: bool = False) -> None:
+    """The checkpoint's weights fit ``model`` exactly (keys, shapes) and are all finite
+    (``sharded``: this rank's shards, against the model's local shards)."""
     if not isinstance(sd, Mapping):
         raise RestoreRefused(f"{where}: the model state is a {type(sd).__name__}, not a mapping")
-    own = model.state_dict()
+    own = local_state(model.state_dict()) if sharded else model.state_dict()
     missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
     if missing or extra:
         raise RestoreRefused(f"{where} does not match the model: missing {missing[:5]}, "
@@ -516,20 +521,45 @@ def restore_state(model: torch.nn.Module, model_sd: Any, optimizer: Any = None,
     optimizer state matches its parameter groups, scheduler and scaler states are mappings --
     and :class:`RestoreRefused` is raised before anything changes.  Parts whose state or
     object is ``None`` are left as they are.
+
+    A sharded model (``DTensor`` parameters, FSDP2): the states hold this rank's local shards
+    (as :func:`save_checkpoint` writes them); the checks run on every rank and their verdict
+    is all-reduced, so every rank restores or every rank refuses (call it on every rank).
     """
-    _check_weights(model, model_sd, where)
+    sharded = is_sharded(model.parameters())
+    try:
+        _check_parts(model, model_sd, optimizer, optimizer_sd, scheduler, scheduler_sd,
+                     scaler, scaler_sd, where, sharded)
+    except RestoreRefused:
+        if sharded:
+            agree(False)
+        raise
+    if sharded and not agree(True):
+        raise RestoreRefused(f"{where}: another rank refused its shard of this checkpoint")
+    params = [] if optimizer is None else [p for g in optimizer.param_groups
+                                           for p in g["params"]]
+    if sharded:
+        model_sd = shard_like(model_sd, model.state_dict())[0]
+    model.load_state_dict(model_sd)
+    if optimizer is not None and optimizer_sd is not None:
+        osd = _cpu_copy(optimizer_sd)
+        optimizer.load_state_dict(shard_like({}, {}, osd, params)[1] if sharded else osd)
+    if scheduler is not None and scheduler_sd is not None:
+        scheduler.load_state_dict(copy.deepcopy(scheduler_sd))
+    if scaler is not None and scaler_sd:
+        scaler.load_state_dict(dict(scaler_sd))
+
+
+def _check_parts(model: torch.nn.Module, model_sd: Any, optimizer: Any, optimizer_sd: Any,
+                 scheduler: Any, scheduler_sd: Any, scaler: Any, scaler_sd: Any, where: str,
+                 sharded: bool) -> None:
+    """Every check of :func:`restore_state` (:class:`RestoreRefused`); changes nothing."""
+    _check_weights(model, model_sd, where, sharded)
     if optimizer is not None and optimizer_sd is not None:
         _check_optimizer(optimizer, optimizer_sd, where)
     for name, obj, sd in (("scheduler", scheduler, scheduler_sd), ("scaler", scaler, scaler_sd)):
         if obj is not None and sd is not None and not isinstance(sd, Mapping):
             raise RestoreRefused(f"{where}: the {name} state is a {type(sd).__name__}")
-    model.load_state_dict(model_sd)
-    if optimizer is not None and optimizer_sd is not None:
-        optimizer.load_state_dict(_cpu_copy(optimizer_sd))
-    if scheduler is not None and scheduler_sd is not None:
-        scheduler.load_state_dict(copy.deepcopy(scheduler_sd))
-    if scaler is not None and scaler_sd:
-        scaler.load_state_dict(dict(scaler_sd))
 
 
 def load_checkpoint(
@@ -544,17 +574,29 @@ def load_checkpoint(
 
     Returns the snapshot so the caller can restore the monitor state and data position.
     """
+    try:
+        snap, where = _read_snapshot(source)
+    except Exception:
+        if is_sharded(model.parameters()):
+            agree(False)  # the other ranks refuse with this one (restore_state's verdict)
+        raise
+    restore_state(model, snap["model"], optimizer, snap.get("optimizer"), scheduler,
+                  snap.get("scheduler"), scaler, snap.get("scaler"), where=where)
+    return dict(snap)
+
+
+def _read_snapshot(source: str | os.PathLike[str] | Mapping[str, Any]
+                   ) -> tuple[dict[str, Any], str]:
+    """The snapshot of a file or an in-memory checkpoint, and how to name it in messages."""
     if isinstance(source, Mapping):
-        snap = dict(source)
+        snap: Any = dict(source)
         where = "in-memory checkpoint"
     else:
         snap = safe_torch_load(source)
         where = os.fspath(source)
     if not isinstance(snap, Mapping) or "model" not in snap:
         raise RestoreRefused(f"{where}: not a stability checkpoint (no 'model' state)")
-    restore_state(model, snap["model"], optimizer, snap.get("optimizer"), scheduler,
-                  snap.get("scheduler"), scaler, snap.get("scaler"), where=where)
-    return dict(snap)
+    return dict(snap), where
 
 
 #: The records of :class:`CheckpointStore` are the ledger's (the old name, kept for imports).

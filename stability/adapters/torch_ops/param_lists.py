@@ -22,6 +22,12 @@ grow with the number of parameter tensors:
 Everything device-bound is built on the first use and rebuilt when the parameters move to
 another device; the strided views when a parameter's storage changes (``p.data = ...``).  The
 parameter list itself is fixed (as the collector's is).
+
+Sharded parameters (FSDP2 ``DTensor`` s, :mod:`stability.adapters.torch_ops.sharded`): decided
+once, when the lists are built.  Then every list holds the *local* shards (:attr:`ParamLists.local`,
+:meth:`ParamLists.grads`), the per-layer sums count each element once (:meth:`ParamLists.layer_sum`)
+and :meth:`ParamLists.reduce` sums a step's per-layer vectors over the ranks in one
+``all_reduce``.  Without a DTensor :attr:`ParamLists.shards` is ``None`` and nothing changes.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from stability.adapters.torch_ops.sharded import ShardLayout
 
 __all__ = ["SAMPLE_BLOCK", "ParamLists", "sample_index", "stack_f32", "strided_pieces"]
 
@@ -67,11 +75,15 @@ class ParamLists:
     def __init__(self, params: Sequence[torch.nn.Parameter], group: Sequence[int],
                  n_layers: int, samples: int) -> None:
         self.params: list[torch.Tensor] = list(params)
+        #: how the parameters are sharded (``None``: no DTensor, the plain path)
+        self.shards = ShardLayout.of(self.params)
+        #: what is measured: the local shards of sharded parameters, else the parameters
+        self.local = self.params if self.shards is None else self.shards.local
         self.group = list(group)
         self.n_layers = int(n_layers)
-        idx = [sample_index(p.shape, samples) for p in self.params]
+        idx = [sample_index(p.shape, samples) for p in self.local]
         pieces = [None if t is None else strided_pieces(t, _block(p.shape))
-                  for p, t in zip(self.params, idx, strict=True)]
+                  for p, t in zip(self.local, idx, strict=True)]
         self.large_pos = [i for i, t in enumerate(idx) if t is not None]
         self.small_pos = [i for i, t in enumerate(idx) if t is None]
         # the large tensors whose sample is one or two strided views first (copied with one
@@ -79,13 +91,13 @@ class ParamLists:
         strided = [i for i in self.large_pos if pieces[i] is not None]
         order = strided + [i for i in self.large_pos if pieces[i] is None]
         self.n_strided = len(strided)
-        self.large: list[torch.Tensor] = [self.params[i] for i in order]
-        self.small: list[torch.Tensor] = [self.params[i] for i in self.small_pos]
+        self.large: list[torch.Tensor] = [self.local[i] for i in order]
+        self.small: list[torch.Tensor] = [self.local[i] for i in self.small_pos]
         self._idx_cpu: list[torch.Tensor] = [t for t in (idx[i] for i in order) if t is not None]
         self._pieces: list[Pieces] = [p for p in (pieces[i] for i in strided) if p is not None]
         # n / m of each tensor, in the parameters' order (1 for a tensor taken whole)
         self._scale_list = [1.0 if t is None else p.numel() / t.numel()
-                            for p, t in zip(self.params, idx, strict=True)]
+                            for p, t in zip(self.local, idx, strict=True)]
         order += self.small_pos  # the order of the sampled lists
         self._reorder = order != list(range(len(order)))
         self._perm_list = sorted(range(len(order)), key=order.__getitem__)
@@ -94,6 +106,10 @@ class ParamLists:
         self._partial: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._perm: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
+        # sharded: 1 / copies of each tensor's elements, by kind: (scale, vector, device)
+        self._copies_cache: dict[str, tuple[tuple[float, ...], torch.Tensor | None, Any]] = {}
+        #: ``1 / copies`` of the gradients of the last :meth:`grads` (``None``: all 1)
+        self.grad_copies: torch.Tensor | None = None
         self._large_idx: list[torch.Tensor] = []
         self._views_key: Any = None  # (device, data pointers) the views below were made for
         self._views: tuple[list[torch.Tensor], list[list[torch.Tensor]],
@@ -103,7 +119,7 @@ class ParamLists:
     @property
     def device(self) -> torch.device:
         """The device of the signals (the first parameter's)."""
-        return self.params[0].device if self.params else torch.device("cpu")
+        return self.local[0].device if self.local else torch.device("cpu")
 
     def _ensure(self, device: torch.device) -> None:
         if self._dev == device:
@@ -128,22 +144,69 @@ class ParamLists:
 
     # ------------------------------------------------------------------ reductions
     def grads(self) -> tuple[list[torch.Tensor], tuple[bool, ...] | None]:
-        """The present gradients and which parameters have one (``None``: all of them)."""
-        grads_all = [p.grad for p in self.params]
+        """The present gradients (local shards when sharded) and which parameters have one
+        (``None``: all of them)."""
+        if self.shards is None:
+            grads_all = [p.grad for p in self.params]
+        else:
+            grads_all, scale = self.shards.measured_grads(self.params)
+            self.grad_copies = self._copies_of(tuple(scale), "grad")
         grads = [g for g in grads_all if g is not None]
         if len(grads) == len(grads_all):
             return grads, None
         return grads, tuple(g is not None for g in grads_all)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The present gradients, local shards when sharded (what a clip scales in place)."""
+        if self.shards is None:
+            return [p.grad for p in self.params if p.grad is not None]
+        return self.shards.local_grads(self.params)
+
+    def _copies_of(self, scale: tuple[float, ...], key: str) -> torch.Tensor | None:
+        """``scale`` as a cached device vector (``None`` when every element counts once)."""
+        cached = self._copies_cache.get(key)
+        if cached is not None and cached[0] == scale and cached[2] == self.device:
+            return cached[1]
+        t = None if all(v == 1.0 for v in scale) else torch.tensor(
+            scale, dtype=torch.float32, device=self.device)
+        self._copies_cache[key] = (scale, t, self.device)
+        return t
 
     def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per-tensor L2 norms as one float32 vector on :attr:`device` (one foreach op)."""
         with torch.no_grad():
             return stack_f32(torch._foreach_norm(list(tensors)), self.device)
 
-    def layer_sq(self, norms: torch.Tensor, mask: tuple[bool, ...] | None) -> torch.Tensor:
-        """Per-layer sums of squares of per-tensor ``norms`` (of the tensors ``mask`` selects)."""
-        sq = torch.zeros(self.n_layers, device=self.device, dtype=torch.float32)
-        return sq.index_add_(0, self.index(mask), norms * norms)
+    def layer_sq(self, norms: torch.Tensor, mask: tuple[bool, ...] | None,
+                 copies: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-layer sums of squares of per-tensor ``norms`` (of the tensors ``mask`` selects).
+
+        Sharded: this rank's part, each tensor's squares times ``copies`` (:attr:`grad_copies`
+        for the gradients of :meth:`grads`, :attr:`param_copies` for the weights: each element
+        counted once); :meth:`reduce` sums the parts.
+        """
+        return self.layer_sum(norms * norms, mask, copies)
+
+    def layer_sum(self, sq: torch.Tensor, mask: tuple[bool, ...] | None,
+                  copies: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-layer sums of per-tensor squares ``sq`` (of the tensors ``mask`` selects),
+        each times ``copies`` (see :meth:`layer_sq`)."""
+        out = torch.zeros(self.n_layers, device=self.device, dtype=torch.float32)
+        return out.index_add_(0, self.index(mask), sq if copies is None else sq * copies)
+
+    @property
+    def param_copies(self) -> torch.Tensor | None:
+        """``1 / copies`` of each weight's local elements (``None``: every one counts once)."""
+        if self.shards is None:
+            return None
+        return self._copies_of(tuple(self.shards.scale), "param")
+
+    def reduce(self, vectors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-layer sums of this rank summed over the ranks (sharded: one ``all_reduce`` of
+        all of ``vectors`` together; else ``vectors`` as they are)."""
+        if self.shards is None:
+            return vectors
+        return self.shards.reduce(vectors)
 
     # ------------------------------------------------------------------ update-ratio sample
     def sample(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

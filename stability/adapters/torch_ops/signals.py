@@ -265,29 +265,51 @@ class SignalCollector:
             self._act.clear()
 
     # ------------------------------------------------------------------ gradients
-    def _group_norms(self, tensors: list[torch.Tensor], mask: tuple[bool, ...] | None
-                     ) -> torch.Tensor:
-        """Per-layer L2 norms of ``tensors`` (the params selected by ``mask``, ``None``: all)."""
+    def _norms(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """This step's per-layer gradient norms, the weight norm when due (else ``None``) and
+        the pending update ratios (else ``None``).
+
+        Sharded parameters: every per-layer sum of squares of the step (gradients, weights,
+        the pending ratio's two) is summed over the ranks in one ``all_reduce``.
+        """
         lists = self._lists
-        if not tensors:
-            return torch.zeros(len(self.layer_names), device=lists.device)
-        return lists.layer_sq(lists.norms(tensors), mask).sqrt()
+        grads, mask = lists.grads()
+        gsq = (lists.layer_sq(lists.norms(grads), mask, lists.grad_copies) if grads
+               else torch.zeros(len(self.layer_names), device=lists.device))
+        every, self._pn = self.param_norm_every, None
+        due = bool(self.params) and every > 0 and self._step % every == 0
+        if due:
+            # global weight norm (weight-corruption evidence: an abrupt jump between two
+            # steps); the per-tensor norms are kept for the update ratio's denominator
+            self._pn = lists.norms(lists.local)
+        ratio, self._pending_ratio = self._pending_ratio, None
+        if lists.shards is None:
+            return gsq.sqrt(), None if self._pn is None else self._pn.square().sum().sqrt(), ratio
+        psq = None if self._pn is None else lists.layer_sq(self._pn, None, lists.param_copies)
+        out = lists.reduce([v for v in (gsq, psq, ratio) if v is not None])
+        gsq, rest = out[0], out[1:]
+        if psq is not None:
+            psq, rest = rest[0], rest[1:]
+        if ratio is not None:  # (the pending squares: ||dw||^2 then ||w||^2 per layer)
+            dsq, wsq = rest[0].chunk(2)
+            ratio = dsq.sqrt() / wsq.sqrt().clamp_min(1e-12)
+        return gsq.sqrt(), None if psq is None else psq.sum().sqrt(), ratio
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The present gradients, as their local shards when the parameters are sharded (what
+        a clip scales in place)."""
+        return self._lists.local_grads()
 
     def measure(self, loss: Any = None, extra: Mapping[str, Any] | None = None
                 ) -> tuple[torch.Tensor, SignalLayout]:
         """This step's signals as one device vector and its :class:`SignalLayout` (:meth:`collect`
         without the host copy; ``vec[0]`` is the global gradient norm)."""
         device = self._lists.device
-        grads, mask = self._lists.grads()
-        layer = self._group_norms(grads, mask)
+        layer, pnorm, ratio = self._norms()
         parts: list[torch.Tensor] = [layer.square().sum().sqrt().reshape(1)]
         names: list[str] = ["grad_norm"]
-        every, self._pn = self.param_norm_every, None
-        if self.params and every > 0 and self._step % every == 0:
-            # global weight norm (weight-corruption evidence: an abrupt jump between two steps);
-            # the per-tensor norms are kept for the update ratio's denominator
-            pn = self._pn = self._lists.norms(self.params)
-            parts.append(pn.square().sum().sqrt().reshape(1))
+        if pnorm is not None:
+            parts.append(pnorm.reshape(1))
             names.append("param_norm")
         scalars_in = dict(extra or {})
         if loss is not None:
@@ -303,10 +325,9 @@ class SignalCollector:
         if self.per_layer:
             parts.append(layer)
             fams.append(("grad_norm", layer.numel()))
-        if self._pending_ratio is not None:
-            parts.append(self._pending_ratio.to(device))
-            fams.append(("update_ratio", self._pending_ratio.numel()))
-            self._pending_ratio = None
+        if ratio is not None:
+            parts.append(ratio.to(device))
+            fams.append(("update_ratio", ratio.numel()))
         if self._act_on and len(self._act) == len(self.act_names):
             # (a step where a hooked module did not run reports no activation family at all)
             stats = _finish_stats(  # (layers, 4), finished for all layers at once
@@ -348,11 +369,11 @@ class SignalCollector:
             return
         with torch.no_grad():
             if self.update_ratio == "exact":
-                self._snapshot = [p.clone() for p in self.params]
+                self._snapshot = [p.clone() for p in self._lists.local]
                 return
             self._snapshot = self._lists.sample()
             if self._pn is None:  # not measured by collect() this step
-                self._pn = self._lists.norms(self.params)
+                self._pn = self._lists.norms(self._lists.local)
 
     def after_step(self, stepped: bool = True) -> None:
         """Call right after ``optimizer.step()`` (or a skipped step, ``stepped=False``)."""
@@ -364,17 +385,24 @@ class SignalCollector:
         lists = self._lists
         with torch.no_grad():
             if self.update_ratio == "exact":
-                diffs = list(torch._foreach_sub(lists.params, snap))
-                dn = self._group_norms(diffs, None)
-                wn = self._group_norms(snap, None)
-                self._pending_ratio = dn / wn.clamp_min(1e-12)
+                diffs = list(torch._foreach_sub(lists.local, snap))
+                copies = lists.param_copies
+                self._set_ratio(lists.layer_sq(lists.norms(diffs), None, copies),
+                                lists.layer_sq(lists.norms(snap), None, copies))
                 return
             sq = lists.sample_sq(snap)
             if wnorms is None:  # (set with the snapshot; None only after a state_reset)
                 return
-            g, idx, device = len(self.layer_names), lists.index(None), lists.device
-            dsq = torch.zeros(g, device=device).index_add_(0, idx, sq)
-            wsq = torch.zeros(g, device=device).index_add_(0, idx, wnorms.square())
+            copies = lists.param_copies
+            self._set_ratio(lists.layer_sum(sq, None, copies),
+                            lists.layer_sum(wnorms.square(), None, copies))
+
+    def _set_ratio(self, dsq: torch.Tensor, wsq: torch.Tensor) -> None:
+        """The pending update ratios from per-layer ``||dw||^2`` and ``||w||^2``; sharded, the
+        two sums themselves, summed over the ranks with the next step's norms."""
+        if self._lists.shards is not None:
+            self._pending_ratio = torch.cat([dsq, wsq])
+        else:
             self._pending_ratio = dsq.sqrt() / wsq.sqrt().clamp_min(1e-12)
 
     def state_reset(self) -> None:
