@@ -16,13 +16,14 @@ tolerance`` after warm-up (or above ``max(ref, peak) * tolerance`` when ``allow_
 for cyclic / warm-restart schedules), or above ``ref * warmup_jump`` during warm-up.  While the
 fault lasts, the LR factor is
 
-    ``min(1, ref / lr, 1 / r0)``  with ``r0 = lr_onset / ref``,
+    ``min(1, 1 / r)``  with ``r`` the largest ``lr / ref`` seen since the onset,
 
 so a constant-ratio fault (x30 for ever) is divided out exactly -- the effective LR follows the
-healthy schedule -- and a gradual ramp is capped at the last healthy LR.  The fault ends (factor
-1) as soon as the requested LR is back in the healthy band, however long it took.  A rewind
-(rollback) re-primes the reference from the next requested LR, so the scheduler's own rewind is
-never mistaken for a jump.
+healthy schedule -- a gradual ramp is capped at the last healthy LR, and once a ramp has peaked
+the effective LR follows the requested LR's own decay (divided by the peak ratio).  The fault
+ends (factor 1) as soon as the requested LR is back in the healthy band, however long it
+took.  A rewind (rollback) re-primes the reference from the next requested LR, so the
+scheduler's own rewind is never mistaken for a jump.
 
 Examples
 --------
@@ -147,7 +148,10 @@ class LRGuard:
                 self.active, self.factor = False, 1.0
                 self._healthy(lr)
             else:
-                self.factor = min(1.0, self.ref / lr, self.inv_r0)
+                # the largest fault ratio seen so far: after a ramp's peak the effective LR
+                # follows the requested LR's own decay instead of staying at the reference
+                self.inv_r0 = min(self.inv_r0, self.ref / lr)
+                self.factor = min(1.0, self.inv_r0)
             return self.factor
         if lr > up:
             self.active = True

@@ -89,3 +89,20 @@ def test_bulk_equals_the_loop_on_a_ramp() -> None:
         a.observe(s, lrs[s])
     assert 1000 <= k < 1300
     assert a.state_dict() == b.state_dict()
+
+
+def test_after_the_ramp_peaks_the_effective_lr_follows_the_schedule() -> None:
+    """A re-warm-up to 10x that then decays along the cosine: once the requested LR has
+    peaked, the effective LR is the requested one divided by the largest ratio seen -- it keeps
+    annealing with the schedule instead of staying at the reference."""
+    g = LRGuard()
+    eff, active = {}, {}
+    for s in range(2000):
+        lr = schedule("cosine", s) * rewarmup(s)
+        eff[s] = lr * g.observe(s, lr)
+        active[s] = g.active
+    assert eff[1800] < 0.6 * eff[1300]  # it anneals (the healthy cosine falls ~4x here)
+    held = [s for s in range(1300, 1999) if active[s + 1]]
+    assert len(held) > 400
+    for s in held:  # never rises while the schedule decays (the release: the policy's ramp)
+        assert eff[s + 1] <= eff[s] * (1 + 1e-9)
