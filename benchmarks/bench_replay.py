@@ -147,7 +147,7 @@ def kernel_share(table: pa.Table, config: Any) -> float:
 def bank_times(table: pa.Table, config: Any) -> None:
     """Print the CPU time of each bank's batch kernel during one replay (largest first), the
     input fill, the non-finite guard's finite chunks and the per-step tail."""
-    import stability.monitor.replay_run as mr
+    import stability.monitor.monitor as mr
     from detectors._base import BankDetector
     from detectors.nonfinite import NonFiniteGuard
     from stability.monitor.replay_fill import Block

@@ -22,21 +22,37 @@ ValueError: R.load_state_dict(): 'pos' must be integers in the range [0, 3]; got
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .validation import Fields, field_error
 
-if TYPE_CHECKING:
-    from ._base import BankDetector
-
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 
 #: version of the detectors' snapshot format
 STATE_VERSION = 1
+
+
+class SnapshotOwner(Protocol):
+    """What :func:`check_snapshot` reads of a detector (a :class:`~detectors._base.BankDetector`).
+
+    Its state rows' version and layout history, the hyperparameters that shape the state, the
+    fresh arrays its snapshot must match, and its own invariants.
+    """
+
+    state_version: ClassVar[int]
+    legacy_state_rows: ClassVar[Mapping[int, int]]
+    state_hyperparameters: ClassVar[tuple[str, ...]]
+
+    def _init_state(self, n: int) -> FloatArray: ...
+
+    def _init_buf(self, n: int) -> FloatArray: ...
+
+    def _check_state(self, c: StateCheck) -> None: ...
 
 
 class CheckedState(NamedTuple):
@@ -158,7 +174,7 @@ class StateCheck:
                 )
 
 
-def upgrade_state(det: BankDetector, f: Fields, st: FloatArray) -> FloatArray:
+def upgrade_state(det: SnapshotOwner, f: Fields, st: FloatArray) -> FloatArray:
     """``st`` in ``det``'s current row layout: a snapshot of an older ``state_version`` (rows
     appended since) gets the missing rows from a fresh state (the detector's uncalibrated
     values); the current version is returned as is.
@@ -181,7 +197,7 @@ def upgrade_state(det: BankDetector, f: Fields, st: FloatArray) -> FloatArray:
     return np.ascontiguousarray(np.concatenate([st, fresh[rows:]], axis=0))
 
 
-def check_snapshot(det: BankDetector, state: Any) -> CheckedState:
+def check_snapshot(det: SnapshotOwner, state: Any) -> CheckedState:
     """Check a snapshot against ``det``; return its arrays (copies) or raise ``ValueError``.
 
     The contract of :meth:`BankDetector.validate_state_dict`: a mapping of the same class and a

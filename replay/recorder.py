@@ -64,42 +64,67 @@ Examples
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import logging
 import os
+import re
 import secrets
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq  # noqa: F401  (kept: tests patch recorder.pq.write_table)
+import pyarrow.parquet as pq
 
 from detectors.validation import check_int, check_opt_float
-from replay.recorder_files import PART_PATTERN, PartFilesMixin, _cost, _max_part, part_name
-from replay.recorder_files import fcntl as fcntl  # re-exported: tests check recorder.fcntl
-from replay.recorder_input import (
-    _INT64_MAX,
-    _INT64_MIN,
-    RESERVED_NAMES,
-    InputChecksMixin,
-    _as_step,
-    _short,
-    _text,
-)
-from replay.schema import make_metadata, run_schema
+from replay.schema import STEP, make_metadata, run_schema
+
+fcntl: ModuleType | None
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, no stale-file reaping
+    fcntl = None
 
 __all__ = ["PART_PATTERN", "RESERVED_NAMES", "RunRecorder", "part_name"]
 
 _log = logging.getLogger(__name__)
 
+#: metric names the recorder refuses: they are columns of the run schema itself
+RESERVED_NAMES = frozenset({STEP})
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_MAX_SKIP_KEYS = 1000  # distinct (reason, subject) pairs kept in ``skipped``
 
 
-class RunRecorder(InputChecksMixin, PartFilesMixin):
+#: file names of closed parts
+PART_PATTERN = re.compile(r"^part-(\d+)\.parquet$")
+
+_WRITER_LOCK = re.compile(r"^\.writer-(\d+-[0-9a-f]+)\.lock(\.new)?$")
+_TMP = re.compile(r"^\.part-\d+\.(\d+-[0-9a-f]+)\.tmp$")
+_LEGACY_TMP = re.compile(r"^\.part-\d+\.parquet\.(\d+)\.tmp$")  # written by older versions
+_RETRY_MIN_S, _RETRY_MAX_S = 1.0, 60.0
+_LINK_UNSUPPORTED = frozenset(
+    {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
+)
+
+def part_name(index: int) -> str:
+    """File name of part ``index``.
+
+    Examples
+    --------
+    >>> part_name(3)
+    'part-000003.parquet'
+    """
+    return f"part-{index:06d}.parquet"
+
+
+class RunRecorder:
     """Append-only recorder of ``(step, metrics)`` rows into a directory of Parquet parts.
 
     Parameters
@@ -412,6 +437,301 @@ class RunRecorder(InputChecksMixin, PartFilesMixin):
         self._pending_rows += table.num_rows
         self._enforce_cap()
 
+    # ------------------------------------------------------------------ input validation
+
+    def _skip(self, reason: str, subject: str, message: Callable[[], str], stacklevel: int = 3
+              ) -> None:
+        """Count a skipped input; warn the first time a (reason, subject) pair is seen."""
+        key = (reason, subject)
+        n = self._skipped.get(key)
+        if n is not None:
+            self._skipped[key] = n + 1
+            return
+        if len(self._skipped) >= _MAX_SKIP_KEYS:
+            other = ("other", "")
+            first = other not in self._skipped
+            self._skipped[other] = self._skipped.get(other, 0) + 1
+            if first:
+                warnings.warn(
+                    f"RunRecorder: {_MAX_SKIP_KEYS} kinds of bad input skipped; further ones are "
+                    "counted under ('other', '') without a warning",
+                    UserWarning,
+                    stacklevel=stacklevel,
+                )
+            return
+        self._skipped[key] = 1
+        warnings.warn(f"RunRecorder: {message()}", UserWarning, stacklevel=stacklevel)
+
+    def _convert(self, name: Any, value: Any) -> float | None:
+        problem = ""
+        if isinstance(value, (str, bytes, complex)) or _is_complex(value):
+            pass
+        else:
+            try:
+                return float(value)
+            except Exception as exc:  # TypeError, OverflowError, a raising __float__, ...
+                problem = f" ({type(exc).__name__}: {_text(exc)})"
+        self._skip("bad_value", _subject(name), lambda: f"metric {_short(name)} has a "
+                   f"non-numeric value of type {type(value).__name__}{problem}; skipped (warned "
+                   "once per metric)", stacklevel=4)
+        return None
+
+    def _admit(self, name: Any) -> bool:
+        """Validate a metric name seen for the first time; True adds it to the schema."""
+        if not isinstance(name, str):
+            self._skip("bad_name", _subject(name), lambda: "metric names must be str, got "
+                       f"{_short(name)} ({type(name).__name__}); skipped", stacklevel=4)
+            return False
+        if name in RESERVED_NAMES:
+            self._skip("reserved_name", name, lambda: f"metric name {name!r} is reserved for "
+                       "the run schema; its values are skipped (log it under another name)",
+                       stacklevel=4)
+            return False
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            self._skip("bad_name", ascii(name)[:80], lambda: f"metric name {ascii(name)[:80]} "
+                       "is not valid Unicode (a lone surrogate?); its values are skipped",
+                       stacklevel=4)
+            return False
+        if len(self._names) >= self.max_metrics:
+            self._skip("too_many_metrics", "", lambda: f"more than max_metrics="
+                       f"{self.max_metrics} distinct metric names; new names are skipped "
+                       f"(first: {name!r})", stacklevel=4)
+            return False
+        self._names[name] = None
+        return True
+
+    # ------------------------------------------------------------------ spill queue and writing
+
+    def _enforce_cap(self) -> None:
+        dropped = 0
+        while self._pending_bytes > self.max_buffer_bytes and len(self._pending) > 1:
+            dropped += self._pop_pending().num_rows
+        if dropped:
+            self.rows_dropped += dropped
+            if not self._dropping:
+                self._dropping = True
+                _log.warning(
+                    "RunRecorder(%r): parts cannot be written and the queued rows reached "
+                    "max_buffer_bytes=%d; dropping the oldest queued rows (%d so far, counted in "
+                    "rows_dropped; reported once per outage)",
+                    str(self.directory), self.max_buffer_bytes, self.rows_dropped,
+                )
+
+    def _pop_pending(self) -> pa.Table:
+        table = self._pending.popleft()
+        self._pending_bytes -= _cost(table)
+        self._pending_rows -= table.num_rows
+        return table
+
+    def _clear_pending(self) -> None:
+        self._pending.clear()
+        self._pending_bytes = self._pending_rows = 0
+
+    def _drain_some(self) -> None:
+        """From ``log``: write up to two queued parts, unless a failed write is backing off."""
+        if self._failing and time.monotonic() < self._retry_at:
+            return
+        self._drain(2, raise_errors=False)
+
+    def _drain(self, limit: int | None, raise_errors: bool) -> None:
+        """Write queued parts oldest first; stop at the first failure (which stays queued)."""
+        written = 0
+        while self._pending and (limit is None or written < limit):
+            table = self._pending[0]
+            try:
+                final = self._write_part(table)
+            except OSError as exc:  # pyarrow's IO errors are OSErrors too
+                self._write_failed(exc)
+                if raise_errors:
+                    raise
+                return
+            except Exception as exc:  # not an IO problem: this part can never be written
+                self._pop_pending()
+                self.rows_dropped += table.num_rows
+                _log.error("RunRecorder(%r): could not write %d row(s) (%s: %s); they were "
+                           "dropped", str(self.directory), table.num_rows,
+                           type(exc).__name__, exc)
+                continue
+            self._pop_pending()
+            written += 1
+            self.parts_written += 1
+            if self._failing:
+                self._failing = self._dropping = False
+                self._failures = 0
+                self.write_error = None
+                _log.info("RunRecorder(%r): writing parts again (%s; %d row(s) still queued)",
+                          str(self.directory), final, self._pending_rows)
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.write_error = exc
+        self._failures += 1
+        delay = min(_RETRY_MAX_S, _RETRY_MIN_S * 2.0 ** min(self._failures - 1, 16))
+        self._retry_at = time.monotonic() + delay
+        if not self._failing:
+            self._failing = True
+            _log.warning(
+                "RunRecorder(%r): cannot write a part (%s); keeping up to %d bytes of rows in "
+                "memory and retrying with backoff, one part per retry (reported once)",
+                str(self.directory), exc, self.max_buffer_bytes,
+            )
+
+    def _write_part(self, table: pa.Table) -> str:
+        """Write ``table`` to a private temporary file and claim the next free part name."""
+        self._seq += 1
+        tmp = self.directory / f".part-{self._seq:06d}.{self.writer_id}.tmp"
+        try:
+            pq.write_table(table, tmp, compression=self.compression, write_page_checksum=True)
+            return self._claim(tmp)
+        except BaseException:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the write error is the one to report
+            raise
+
+    def _claim(self, tmp: Path) -> str:
+        """Publish ``tmp`` under the first free part name at or after ``_next_part``.
+
+        ``os.link`` fails when the name exists, so no writer ever replaces another's part; on a
+        filesystem without hard links, the existence check and ``os.replace`` run under the
+        directory's ``.lock``.
+        """
+        idx = self._next_part
+        misses = 0
+        while self._use_link:
+            final = self.directory / part_name(idx)
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                idx += 1
+                misses += 1
+                if misses % 64 == 0:  # far behind another writer: jump to the end
+                    idx = max(idx, self._max_part() + 1)
+                continue
+            except OSError as exc:
+                if exc.errno not in _LINK_UNSUPPORTED:
+                    raise
+                self._use_link = False
+                break
+            self._next_part = idx + 1
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # if this fails the part is published; the name is reaped later
+            return final.name
+        with self._directory_lock():
+            while (self.directory / part_name(idx)).exists():
+                idx += 1
+                misses += 1
+                if misses % 64 == 0:
+                    idx = max(idx, self._max_part() + 1)
+            final = self.directory / part_name(idx)
+            os.replace(tmp, final)
+        self._next_part = idx + 1
+        return final.name
+
+    def _max_part(self) -> int:
+        try:
+            return _max_part(os.listdir(self.directory))
+        except OSError:
+            return -1
+
+    # ------------------------------------------------------------------ locks and stale files
+
+    def _take_writer_lock(self) -> None:
+        """Create and lock ``.writer-<id>.lock`` (renamed into place already locked, so a reaper
+        never sees it unlocked while this writer lives). Failure only disables the lock."""
+        if fcntl is None:  # pragma: no cover - Windows
+            return
+        for attempt in range(3):
+            if attempt:  # another writer's reaper took our file before we locked it
+                self.writer_id = f"{self._pid}-{secrets.token_hex(4)}"
+            final = self.directory / f".writer-{self.writer_id}.lock"
+            new = final.with_name(final.name + ".new")
+            try:
+                fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except OSError as exc:
+                _log.warning("RunRecorder(%r): cannot create a writer lock file (%s); recording "
+                             "without one", str(self.directory), exc)
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.replace(new, final)
+            except OSError as exc:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    new.unlink()
+                if isinstance(exc, FileNotFoundError) and attempt < 2:
+                    continue
+                _log.warning("RunRecorder(%r): cannot take a writer lock (%s); recording "
+                             "without one", str(self.directory), exc)
+                return
+            self._lock_fd, self._lock_path = fd, final
+            return
+
+    def _release_writer_lock(self) -> None:
+        fd, path = self._lock_fd, self._lock_path
+        self._lock_fd = self._lock_path = None
+        if fd is None or path is None:
+            return
+        with contextlib.suppress(OSError):
+            path.unlink()  # while still holding the lock
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    def _reap_stale(self, names: list[str]) -> None:
+        """Remove lock and temporary files of writers that are gone; count the live ones.
+
+        ``names`` is one listing of the directory: a temporary file in it was created after its
+        writer's lock file, so that lock file is in the listing too.
+        """
+        live = {self.writer_id}
+        others = 0
+        for name in names:
+            m = _WRITER_LOCK.match(name)
+            if m is None or m.group(1) == self.writer_id:
+                continue
+            if _lock_is_live(self.directory / name) is not False:
+                live.add(m.group(1))
+                others += m.group(2) is None
+        removed = 0
+        for name in names:
+            m = _TMP.match(name)
+            if m is not None:
+                stale = m.group(1) not in live
+            else:
+                m = _LEGACY_TMP.match(name)
+                stale = m is not None and not _pid_alive(int(m.group(1)))
+            if stale:
+                try:
+                    (self.directory / name).unlink()
+                    removed += 1
+                except OSError:
+                    pass
+        if removed:
+            _log.info("RunRecorder(%r): removed %d stale temporary file(s) of writers that are "
+                      "gone", str(self.directory), removed)
+        self.other_writers = others
+        if others:
+            _log.warning(
+                "RunRecorder(%r): %d other live writer(s) on this directory; every part is "
+                "claimed under its own name, so no rows are lost, and readers merge all parts by "
+                "step (for the same step and metric the part written last wins)",
+                str(self.directory), others,
+            )
+
+    @contextlib.contextmanager
+    def _directory_lock(self) -> Iterator[None]:
+        """Exclusive advisory lock on the directory's ``.lock`` (filesystems without links)."""
+        if fcntl is None:  # pragma: no cover - Windows
+            yield
+            return
+        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def _atexit_close(self) -> None:
         if os.getpid() != self._pid:  # a forked child does not own the parent's rows
@@ -421,3 +741,91 @@ class RunRecorder(InputChecksMixin, PartFilesMixin):
         except Exception as exc:
             _log.error("%s", exc)
 
+
+def _as_step(step: Any) -> int | None:
+    """``step`` as an int in the int64 range, or None."""
+    if type(step) is int:
+        return step if _INT64_MIN <= step <= _INT64_MAX else None
+    if isinstance(step, bool):
+        return None
+    try:
+        i = int(step)
+        exact = bool(i == step)
+    except Exception:
+        return None
+    return i if exact and _INT64_MIN <= i <= _INT64_MAX else None
+
+
+def _is_complex(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return False
+    return getattr(dtype, "kind", "") == "c" or getattr(dtype, "is_complex", False) is True
+
+
+def _subject(name: Any) -> str:
+    return name if isinstance(name, str) and name.isprintable() else ascii(name)[:80]
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:
+        text = ""
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _short(obj: Any) -> str:
+    try:
+        text = ascii(obj)
+    except Exception:
+        text = f"<{type(obj).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _cost(table: pa.Table) -> int:
+    """Memory of a queued part: its Arrow buffers plus the Python/Arrow objects around them."""
+    return int(table.nbytes) + 1024 + 128 * table.num_columns
+
+
+def _max_part(names: list[str]) -> int:
+    return max(
+        (int(m.group(1)) for m in map(PART_PATTERN.match, names) if m is not None), default=-1
+    )
+
+
+def _lock_is_live(path: Path) -> bool | None:
+    """True if a writer holds ``path``'s lock, False if not (the file is then removed), None
+    when it cannot be told."""
+    if fcntl is None:  # pragma: no cover - Windows
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        with contextlib.suppress(OSError):
+            path.unlink()  # removed while we hold its lock: its writer is gone
+        return False
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process never writes the legacy names
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True

@@ -44,13 +44,14 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from replay import stream as run_stream
 from replay.fleet import fan_out
 from replay.runs import Progress as Progress
 from replay.runs import discover_many as discover_many
 from replay.runs import discover_runs as discover_runs
 from replay.runs import parallel_map as parallel_map
 from replay.runs import read_table as read_table
-from replay.stream import OutOfOrder, plan_replay, replay_stream
+from replay.stream import OutOfOrder, RunStream, plan_stream
 from stability.types import Alarm, Decision, Intervention
 
 
@@ -342,10 +343,19 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
             bar.close()
     else:
         decisions = mon.replay(table).events()  # the steps with alarms / interventions
-    note = unbound_warning(mon, table.column_names if names is None else names)
-    if note is not None:
-        warnings.warn(f"{run_id or path or 'run'}: {note}", UserWarning, stacklevel=2)
     steps = np.asarray(table.column("step").to_numpy(zero_copy_only=False), dtype=np.int64)
+    return _result(mon, decisions, steps, table.column_names if names is None else names,
+                   run_id, path, events, t0)
+
+
+def _result(mon: Any, decisions: list[Decision], steps: NDArray[np.int64], names: Sequence[str],
+            run_id: str, path: str, events: str | os.PathLike[str] | None,
+            t0: float) -> ReplayResult:
+    """The :class:`ReplayResult` of a replay's ``decisions`` (the steps with alarms or
+    interventions), its events written when asked, and the unbound-metrics warning."""
+    note = unbound_warning(mon, names)
+    if note is not None:
+        warnings.warn(f"{run_id or path or 'run'}: {note}", UserWarning, stacklevel=3)
     alarms = [a for d in decisions for a in d.alarms]
     ivs = [i for d in decisions for i in d.interventions]
     res = ReplayResult(run_id=run_id, path=path, n_steps=int(steps.size), steps=steps,
@@ -354,6 +364,57 @@ def replay_table(table: pa.Table, config: Any, run_id: str = "", path: str = "",
         write_events(events, decisions_to_records(decisions), run_id)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def plan_replay(p: str, cfg: Any) -> tuple[RunStream | None, list[str] | None]:
+    """The :class:`~replay.stream.RunStream` of a Parquet run in replay order for a monitor
+    built from the parsed config ``cfg`` (only the columns it binds, as :func:`read_bound`
+    reads them) and the run's column names when that is a projection; ``None``: read whole
+    (also when :data:`replay.stream.ENABLED` is off)."""
+    from .io import detect_format
+    from .reader import read_schema
+
+    if not run_stream.ENABLED:
+        return None, None
+    try:
+        if detect_format(p) != "parquet":
+            return None, None
+    except (OSError, ValueError):
+        return None, None
+    if any(i == "*" for d in cfg.detectors for i in d.inputs):
+        return plan_stream(p), None
+    try:
+        names = read_schema(p).names
+    except (OSError, ValueError):
+        return None, None
+    metrics = [c for c in names if c != "step"]
+    keep = _monitor(cfg).bound_names(metrics)  # a probe: asking binds the names
+    return plan_stream(p, None if len(keep) == len(metrics) else keep), names
+
+
+def replay_stream(stream: RunStream, config: Any, run_id: str = "", path: str = "",
+                  events: str | os.PathLike[str] | None = None,
+                  progress: bool | None = False, *,
+                  names: Sequence[str] | None = None) -> ReplayResult:
+    """:func:`replay_table` of a :class:`~replay.stream.RunStream`: the same
+    :class:`ReplayResult`, the run read batch after batch.  ``names``: the run's column names
+    when the stream reads only some of them (for the unbound-metrics warning)."""
+    t0 = time.perf_counter()
+    mon = _monitor(config)
+    n = int(stream.steps.size)
+    if progress is None:
+        progress = n > PROGRESS_ROWS and sys.stderr.isatty()
+    bar = Progress(n, f"replay {run_id}".strip(), bool(progress))
+    decisions: list[Decision] = []
+    try:
+        for d in mon.replay_stream(stream.batches()):
+            decisions += d.events()  # the steps with alarms / interventions
+            bar.update(len(d))
+            del d
+    finally:
+        bar.close()
+    return _result(mon, decisions, stream.steps, stream.names if names is None else names,
+                   run_id, path, events, t0)
 
 
 def read_bound(path: str | os.PathLike[str], config: Any) -> tuple[pa.Table, list[str]]:
@@ -386,7 +447,8 @@ def replay_run(path: str | os.PathLike[str], config: Any = None, *,
                calibrate: Any = None) -> ReplayResult:
     """Replay one recorded run (file or directory of parts) through the monitor.
 
-    A Parquet run in replay order is streamed (bounded memory, same result: :mod:`replay.stream`).
+    A Parquet run in replay order is streamed (bounded memory, same result: :func:`plan_replay`,
+    :mod:`replay.stream`).
 
     Parameters
     ----------

@@ -1,5 +1,6 @@
-"""Streamed replay of a Parquet run: :func:`replay.replay.replay_run`'s path when the run is
-already in replay order.
+"""A Parquet run read as a stream of record batches: :func:`replay.replay.replay_run`'s path when
+the run is already in replay order (:func:`replay.replay.plan_replay` /
+:func:`replay.replay.replay_stream` feed it to the monitor).
 
 A run whose columns are already in the recorded-run schema (``step`` int64, float64 metrics)
 and whose steps are strictly increasing (file after file) reads, under :func:`read_run`, to the
@@ -19,12 +20,9 @@ format, an old recorder's ``step`` metric, ...).
 from __future__ import annotations
 
 import os
-import sys
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,8 +30,7 @@ import pyarrow as pa
 from replay.reader import _alias_table, _open, _plan, _resolve, _Source
 from replay.schema import STEP, RunFormatError, alias_resolver, read_metadata
 
-__all__ = ["ENABLED", "STREAM_VALUES", "OutOfOrder", "RunStream", "batch_rows", "plan_replay",
-           "plan_stream", "replay_stream"]
+__all__ = ["ENABLED", "STREAM_VALUES", "OutOfOrder", "RunStream", "batch_rows", "plan_stream"]
 
 #: values (rows x columns read) per streamed batch, ~32 MiB of float64: a batch is read, replayed
 #: and freed while the next one reuses its pages (much larger batches are mapped afresh and
@@ -167,75 +164,3 @@ def plan_stream(path: str | os.PathLike[str], columns: Sequence[str] | None = No
     except (RunFormatError, pa.ArrowException, OSError, ValueError, KeyError):
         return None  # read_run gives the error
     return RunStream(files, schema, n_rows, rows or batch_rows(len(schema.names)))
-
-
-def plan_replay(p: str, cfg: Any) -> tuple[Any, list[str] | None]:
-    """The :class:`RunStream` of a Parquet run in replay order for a monitor built from the
-    parsed config ``cfg`` (only the columns it binds, as :func:`replay.replay.read_bound`
-    reads them) and the run's column names when that is a projection; ``None``: read whole."""
-    from .io import detect_format
-    from .reader import read_schema
-    from .replay import _monitor
-
-    if not ENABLED:
-        return None, None
-    try:
-        if detect_format(p) != "parquet":
-            return None, None
-    except (OSError, ValueError):
-        return None, None
-    if any(i == "*" for d in cfg.detectors for i in d.inputs):
-        return plan_stream(p), None
-    try:
-        names = read_schema(p).names
-    except (OSError, ValueError):
-        return None, None
-    metrics = [c for c in names if c != "step"]
-    keep = _monitor(cfg).bound_names(metrics)  # a probe: asking binds the names
-    return plan_stream(p, None if len(keep) == len(metrics) else keep), names
-
-
-def replay_stream(stream: RunStream, config: Any, run_id: str = "", path: str = "",
-                  events: str | os.PathLike[str] | None = None,
-                  progress: bool | None = False, *,
-                  names: Sequence[str] | None = None) -> Any:
-    """:func:`replay.replay.replay_table` of a :class:`RunStream`: the same
-    :class:`~replay.replay.ReplayResult`, the run read batch after batch.  ``names``: the
-    run's column names when the stream reads only some of them (for the unbound-metrics
-    warning)."""
-    from replay.replay import (
-        PROGRESS_ROWS,
-        Progress,
-        ReplayResult,
-        _monitor,
-        decisions_to_records,
-        goodput,
-        unbound_warning,
-        write_events,
-    )
-
-    t0 = time.perf_counter()
-    mon = _monitor(config)
-    n = int(stream.steps.size)
-    if progress is None:
-        progress = n > PROGRESS_ROWS and sys.stderr.isatty()
-    bar = Progress(n, f"replay {run_id}".strip(), bool(progress))
-    decisions = []
-    try:
-        for d in mon.replay_stream(stream.batches()):
-            decisions += d.events()  # the steps with alarms / interventions
-            bar.update(len(d))
-            del d
-    finally:
-        bar.close()
-    note = unbound_warning(mon, stream.names if names is None else names)
-    if note is not None:
-        warnings.warn(f"{run_id or path or 'run'}: {note}", UserWarning, stacklevel=2)
-    alarms = [a for d in decisions for a in d.alarms]
-    ivs = [i for d in decisions for i in d.interventions]
-    res = ReplayResult(run_id=run_id, path=path, n_steps=n, steps=stream.steps,
-                       alarms=alarms, interventions=ivs, goodput=goodput(stream.steps, ivs))
-    if events is not None:
-        write_events(events, decisions_to_records(decisions), run_id)
-    res.seconds = time.perf_counter() - t0
-    return res

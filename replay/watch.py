@@ -58,13 +58,13 @@ UI (``<run> - metric`` headers) keep their prefixes; a single ``.parquet`` file 
 is not watched (its part directory is).  Each file is read at most
 :data:`replay.watch_sources.POLL_BYTES` per poll, so a long backlog is judged over several polls.
 
-Actions (:mod:`replay.watch_actions`): ``hooks={"stop": "CMD", ...}`` runs ``CMD`` through the
-shell for every intervention of that type (``"alarm"``: every alarm step; ``"any"``: every
-intervention) with ``STABILITY_STEP``, ``STABILITY_KIND``, ``STABILITY_REASON``,
-``STABILITY_CAUSE`` and ``STABILITY_CONTROL`` (the control as JSON) in its environment; a failing
-or hanging command is reported and never stops the watcher.  ``control_file=`` gets the latest
-:class:`~stability.types.Control` as JSON (atomically) whenever the monitor requests something, for
-a trainer that polls it.
+Actions (the watcher's "acting" section; the hook runner is in :mod:`replay.watch_actions`):
+``hooks={"stop": "CMD", ...}`` runs ``CMD`` through the shell for every intervention of that type
+(``"alarm"``: every alarm step; ``"any"``: every intervention) with ``STABILITY_STEP``,
+``STABILITY_KIND``, ``STABILITY_REASON``, ``STABILITY_CAUSE`` and ``STABILITY_CONTROL`` (the control
+as JSON) in its environment; a failing or hanging command is reported and never stops the
+watcher.  ``control_file=`` gets the latest :class:`~stability.types.Control` as JSON (atomically)
+whenever the monitor requests something, for a trainer that polls it.
 
 Examples
 --------
@@ -96,7 +96,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from replay.watch_actions import HOOK_KINDS, HookRunner, WatchActions, _atomic_write, parse_hooks
+from replay.watch_actions import HOOK_KINDS, HookRunner, _atomic_write, parse_hooks
 from replay.watch_actions import format_decision as format_decision
 from replay.watch_sources import FORMATS, Row, detect_watch_format, make_source
 from stability.types import Decision
@@ -113,7 +113,7 @@ STATE_MEMORY_STEPS = 256
 
 
 # ---------------------------------------------------------------------------- the watcher
-class Watcher(WatchActions):
+class Watcher:
     """Follow ``sources`` and feed every new step to a monitor (see the module docstring).
 
     Parameters
@@ -152,6 +152,10 @@ class Watcher(WatchActions):
         saved state is acted on like new steps; ``"quiet"``: it only warms the monitor (and
         goes to the event log) -- no alert sinks, hooks or control file for history.
     """
+
+    #: step whose stop ran the stop hook (a stop stands: the monitor repeats it every later
+    #: step until the job is gone); ``None`` until then, again after a resume
+    stop_hooked: int | None = None
 
     def __init__(self, sources: Sequence[str], config: Any = None, *, state: str | None = None,
                  events: str | None = None, hooks: Mapping[str, str] | None = None,
@@ -411,6 +415,67 @@ class Watcher(WatchActions):
             self.steps_judged += 1
             out.append(d)
         return out
+
+    # ------------------------------------------------------------------ acting
+    # (echo, exporter, control file, hooks)
+    def _handle(self, d: Decision) -> None:
+        if self.exporter is not None:
+            try:
+                self.exporter.update(d)
+            except Exception as exc:  # metrics must not stop the watcher
+                logger.warning("exporter update failed: %s: %s", type(exc).__name__, exc)
+        if not (d.alarms or d.interventions):
+            return
+        if self.echo is not None:
+            self.echo(format_decision(d) + (" [backlog: no action]" if self._muted else ""))
+        if self._muted:
+            return
+        if self.control_file is not None:
+            ctrl = d.control.to_dict()
+            if d.interventions or ctrl != self._last_control:
+                self._write_control(d)
+        if self.hooks:
+            if d.alarms and "alarm" in self.hooks:
+                a = d.alarms[0]
+                self._run_hook("alarm", d, a.kind, a.message or f"{a.kind} on {a.signal}", "")
+            for iv in d.interventions:
+                cmd_kind = iv.type if iv.type in self.hooks else "any"
+                if cmd_kind not in self.hooks or self._repeated_stop(iv.type, d.step):
+                    continue
+                self._run_hook(cmd_kind, d, iv.type, iv.reason, getattr(iv, "cause", ""))
+
+    def _repeated_stop(self, kind: str, step: int) -> bool:
+        """Whether this is a stop after the one whose hook already ran (hooks fire once per
+        intervention: the stop the monitor keeps asking for on the steps the job still logs
+        is the same one)."""
+        if kind != "stop":
+            return False
+        if self.stop_hooked is not None and step > self.stop_hooked:
+            return True
+        self.stop_hooked = step
+        return False
+
+    def _write_control(self, d: Decision) -> None:
+        ctrl = d.control.to_dict()
+        doc = {"step": d.step, "time": time.time(), "control": ctrl,
+               "interventions": [i.to_dict() for i in d.interventions],
+               "alarms": sorted({a.kind for a in d.alarms})}
+        try:
+            _atomic_write(self.control_file, json.dumps(doc))  # type: ignore[arg-type]
+            self._last_control = ctrl
+        except (OSError, ValueError) as exc:  # a full disk; a foreign file put there since
+            logger.warning("cannot write the control file %s: %s", self.control_file, exc)
+
+    def _run_hook(self, hook: str, d: Decision, kind: str, reason: str, cause: str) -> None:
+        env = dict(os.environ, STABILITY_STEP=str(d.step), STABILITY_KIND=kind,
+                   STABILITY_REASON=reason, STABILITY_CAUSE=cause,
+                   STABILITY_CONTROL=json.dumps(d.control.to_dict()))
+        self.hook_runs += 1
+        self.hook_runner.start(f"hook {hook} (step {d.step})", self.hooks[hook], env)
+
+    def _hook_failed(self, label: str, message: str) -> None:
+        self.hook_failures += 1
+        logger.warning("%s %s", label, message)
 
     # ------------------------------------------------------------------ loop
     def run(self, once: bool = False, poll: float = 5.0, max_polls: int | None = None,

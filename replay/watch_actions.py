@@ -1,8 +1,10 @@
-"""What :class:`replay.watch.Watcher` does with a judged step: echo, control file, shell hooks.
+"""The tools :class:`replay.watch.Watcher` acts with on a judged step: shell hooks, the control
+file, the echoed line.
 
 Hook specs (``--on KIND=COMMAND``, :func:`parse_hooks`) name an intervention type, ``alarm``
-(every alarm step) or ``any`` (every intervention); :class:`WatchActions` runs them, writes the
-control file atomically and echoes one line per decision (:func:`format_decision`). A failing
+(every alarm step) or ``any`` (every intervention); the watcher (its "acting" section) runs them
+through a :class:`HookRunner`, writes the control file atomically and echoes one line per
+decision (:func:`format_decision`). A failing
 or hanging command, or an unwritable control file, is reported and never stops the watcher.
 
 Hooks never hold the watcher up (:class:`HookRunner`): each command starts in its own process
@@ -15,19 +17,17 @@ exits; at the end of ``--once`` it waits for them (up to ``hook_timeout``).
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 from stability.outputs.safe_files import atomic_write, json_object
 from stability.types import INTERVENTION_TYPES, Decision
 
-__all__ = ["HOOK_KINDS", "HookRunner", "WatchActions", "format_decision", "parse_hooks"]
+__all__ = ["HOOK_KINDS", "HookRunner", "format_decision", "parse_hooks"]
 
 logger = logging.getLogger("stability.watch")
 
@@ -164,88 +164,6 @@ class HookRunner:
         self.running = []
         while self.queued:
             self.on_failure(self.queued.popleft()[0], "not run: the watcher is stopping")
-
-
-class WatchActions:
-    """The acting half of :class:`~replay.watch.Watcher` (a mixin: the watcher holds the state).
-
-    Uses the watcher's ``exporter``, ``echo``, ``control_file``, ``hooks``, ``hook_timeout``,
-    ``hook_runs`` / ``hook_failures`` counters, ``_muted`` and ``_last_control``.
-    """
-
-    exporter: Any
-    echo: Callable[[str], None] | None
-    control_file: str | None
-    hooks: dict[str, str]
-    hook_timeout: float
-    hook_runner: HookRunner
-    hook_runs: int
-    hook_failures: int
-    _muted: bool
-    _last_control: dict[str, Any] | None
-    #: step whose stop ran the stop hook (a stop stands: the monitor repeats it every later
-    #: step until the job is gone); ``None`` until then, again after a resume
-    stop_hooked: int | None = None
-
-    def _handle(self, d: Decision) -> None:
-        if self.exporter is not None:
-            try:
-                self.exporter.update(d)
-            except Exception as exc:  # metrics must not stop the watcher
-                logger.warning("exporter update failed: %s: %s", type(exc).__name__, exc)
-        if not (d.alarms or d.interventions):
-            return
-        if self.echo is not None:
-            self.echo(format_decision(d) + (" [backlog: no action]" if self._muted else ""))
-        if self._muted:
-            return
-        if self.control_file is not None:
-            ctrl = d.control.to_dict()
-            if d.interventions or ctrl != self._last_control:
-                self._write_control(d)
-        if self.hooks:
-            if d.alarms and "alarm" in self.hooks:
-                a = d.alarms[0]
-                self._run_hook("alarm", d, a.kind, a.message or f"{a.kind} on {a.signal}", "")
-            for iv in d.interventions:
-                cmd_kind = iv.type if iv.type in self.hooks else "any"
-                if cmd_kind not in self.hooks or self._repeated_stop(iv.type, d.step):
-                    continue
-                self._run_hook(cmd_kind, d, iv.type, iv.reason, getattr(iv, "cause", ""))
-
-    def _repeated_stop(self, kind: str, step: int) -> bool:
-        """Whether this is a stop after the one whose hook already ran (hooks fire once per
-        intervention: the stop the monitor keeps asking for on the steps the job still logs
-        is the same one)."""
-        if kind != "stop":
-            return False
-        if self.stop_hooked is not None and step > self.stop_hooked:
-            return True
-        self.stop_hooked = step
-        return False
-
-    def _write_control(self, d: Decision) -> None:
-        ctrl = d.control.to_dict()
-        doc = {"step": d.step, "time": time.time(), "control": ctrl,
-               "interventions": [i.to_dict() for i in d.interventions],
-               "alarms": sorted({a.kind for a in d.alarms})}
-        try:
-            _atomic_write(self.control_file, json.dumps(doc))  # type: ignore[arg-type]
-            self._last_control = ctrl
-        except (OSError, ValueError) as exc:  # a full disk; a foreign file put there since
-            logger.warning("cannot write the control file %s: %s", self.control_file, exc)
-
-    def _run_hook(self, hook: str, d: Decision, kind: str, reason: str, cause: str) -> None:
-        env = dict(os.environ, STABILITY_STEP=str(d.step), STABILITY_KIND=kind,
-                   STABILITY_REASON=reason, STABILITY_CAUSE=cause,
-                   STABILITY_CONTROL=json.dumps(d.control.to_dict()))
-        self.hook_runs += 1
-        self.hook_runner.start(f"hook {hook} (step {d.step})", self.hooks[hook], env)
-
-    def _hook_failed(self, label: str, message: str) -> None:
-        self.hook_failures += 1
-        logger.warning("%s %s", label, message)
-
 
 
 def format_decision(d: Decision) -> str:

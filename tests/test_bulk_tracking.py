@@ -1,5 +1,5 @@
 """Bulk paths of the replay's per-step tail: the goodput history counted in bulk
-(:class:`stability.run.goodput_history.BulkTail`) and validation points followed in bulk
+(:class:`stability.run.goodput.BulkTail`) and validation points followed in bulk
 (``PolicyRecovery.track_many``) leave the state of the step-by-step loop, bit for bit."""
 
 from __future__ import annotations

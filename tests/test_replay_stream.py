@@ -20,7 +20,7 @@ import pytest
 
 from replay import stream as rs
 from replay.reader import read_run
-from replay.replay import replay_run, replay_table
+from replay.replay import plan_replay, replay_run, replay_table
 from stability import Monitor
 from stability.config.config import load_config
 from stability.monitor import replay as mr
@@ -240,7 +240,7 @@ def test_replay_run_stream_with_a_projection(tmp_path) -> None:  # type: ignore[
     p = tmp_path / "run.parquet"
     pq.write_table(table, p)
     cfg = {"detectors": [d for d in CFG["detectors"] if d["name"] != "nan"]}
-    stream, names = rs.plan_replay(p, load_config(cfg))
+    stream, names = plan_replay(p, load_config(cfg))
     assert stream is not None and names == read_run(p).column_names
     assert stream.names == ["step", "loss", "grad_norm/a", "grad_norm/b", "grad_norm/late",
                             "val_loss"]
@@ -284,9 +284,9 @@ def test_stream_can_be_turned_off(monkeypatch, tmp_path) -> None:  # type: ignor
     p = tmp_path / "run.parquet"
     pq.write_table(table, p)
     cfg = load_config("default")
-    assert rs.plan_replay(p, cfg)[0] is not None
+    assert plan_replay(p, cfg)[0] is not None
     monkeypatch.setattr(rs, "ENABLED", False)
-    assert rs.plan_replay(p, cfg) == (None, None)
+    assert plan_replay(p, cfg) == (None, None)
     assert replay_run(p).alarms == replay_table(table, "default").alarms
 
 

@@ -19,7 +19,13 @@ field               reduction
 ``clip_norm``       the tightest clip (min; ``None`` counts as +inf)
 alarm flag          any rank alarmed (the step is unhealthy everywhere)
 step                min and max compared: a mismatch raises (ranks out of step)
+retention anchors   the earliest and the latest of every rank's (``sync.anchors``)
 ==================  ===========================================================
+
+Retention anchors: the steps before which each rank's policy may still need a checkpoint (its
+episode onset, its best validation point) are per-rank monitor state; checkpoint retention
+protects the latest healthy checkpoint before the reduced ones, so every rank keeps the same
+checkpoints (identical ledgers: a rollback restores the same step everywhere).
 
 Only rank 0 should write records, event logs and alerts (:func:`is_rank_zero`); checkpoints are
 taken by every rank at the same steps (each rank writes its own ``-rank<r>`` file) and a rollback
@@ -30,7 +36,7 @@ of *local* signals (:data:`stability.ranks.ranks.RANK_SIGNALS`: its loss, its gr
 the
 all-reduce -- from :func:`register_local_grad_norm_hook` on a DDP model, else the value the caller
 passes -- its busy time, its data-wait time, a non-finite flag). The control fields and these
-signals travel together in **one** ``all_gather_into_tensor`` of a ``(world, 17)`` float64 tensor;
+signals travel together in **one** ``all_gather_into_tensor`` of a ``(world, 19)`` float64 tensor;
 every rank then reduces the control locally (the same column-wise minimum the ``all_reduce``
 computes) and runs the same :class:`~stability.ranks.ranks.RankMonitor` on the same matrix, so the
 rank-outlier alarms (``sync.rank_alarms``) and the health ledger are identical everywhere. Host
@@ -65,7 +71,7 @@ __all__ = ["ControlSync", "RankSignals", "is_rank_zero", "rank_and_world",
            "register_local_grad_norm_hook"]
 
 _N = 11
-_NC = 12  # control columns of the gathered row (the 11 fields and -step)
+_NC = 14  # control columns of the gathered row (the 11 fields, -step, the two anchors)
 _T = TypeVar("_T")
 
 
@@ -271,6 +277,8 @@ class ControlSync:
         self.signals = signals if signals is not None else RankSignals()
         self.skip_on = tuple(skip_on)
         self.rank_alarms: tuple[Alarm, ...] = ()  #: this step's rank-outlier alarms
+        #: the earliest and latest retention anchor of all ranks at the last step (or ``()``)
+        self.anchors: tuple[int, ...] = ()
         self.gathered: list[list[float]] = []  #: this step's per-rank signal rows
         self.hosts: list[str] = [socket.gethostname()]
         self.ranks: RankMonitor | None = None
@@ -291,7 +299,8 @@ class ControlSync:
     def reduce(self, control: Control, step: int, alarmed: bool, *, loss: Any = None,
                grad_norm: Any = None, step_time: float | None = None,
                data_wait: float | None = None,
-               nonfinite: bool | None = None) -> tuple[Control, bool]:
+               nonfinite: bool | None = None,
+               anchors: Sequence[int] = ()) -> tuple[Control, bool]:
         """Return the control every rank will act on, and whether any rank alarmed.
 
         Parameters
@@ -306,9 +315,13 @@ class ControlSync:
             This rank's local signals (with ``ranks``): floats or 0-d tensors. ``grad_norm`` is
             the *local* norm, used when no DDP hook measured it; ``step_time`` and
             ``data_wait`` default to what :class:`RankSignals` measured.
+        anchors : sequence of int
+            This rank's checkpoint-retention anchors (its policy's ``rollback_anchors()``);
+            the earliest and latest over the ranks are kept in :attr:`anchors`.
         """
         self.rank_alarms = ()
         if not self.active:
+            self.anchors = (min(anchors), max(anchors)) if anchors else ()
             return control, bool(alarmed)
         inf = math.inf
         has_rb = control.rollback_to is not None
@@ -326,13 +339,15 @@ class ControlSync:
             -float(bool(alarmed)),
             float(step),
         ]
+        head = v + [-float(step), float(min(anchors)) if anchors else inf,
+                    -float(max(anchors)) if anchors else inf]
         if self.ranks is None:
-            t = torch.tensor(v + [-float(step)], dtype=torch.float64, device=self.device)
+            t = torch.tensor(head, dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
             r = t.tolist()
         else:
-            r = self._gather_rows(v + [-float(step)], loss, grad_norm, step_time, data_wait,
-                                  nonfinite)
+            r = self._gather_rows(head, loss, grad_norm, step_time, data_wait, nonfinite)
+        self.anchors = () if math.isinf(r[12]) else (int(r[12]), int(-r[13]))
         if r[10] != -r[11]:
             raise RuntimeError(f"Ranks are out of step: steps {r[10]:.0f}..{-r[11]:.0f} at the "
                                f"same collective (rank {self.rank} is at step {step}).")

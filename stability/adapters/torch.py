@@ -63,7 +63,12 @@ import torch
 from stability._state_check import Fields
 from stability.adapters.distributed import ControlSync
 from stability.adapters.guard.canary import CANARY_KEY, CanarySet, LossFn
-from stability.adapters.guard.checkpoints import GuardCheckpoints, find_ledger, note_goodput
+from stability.adapters.guard.checkpoints import (
+    GuardCheckpoints,
+    find_ledger,
+    note_goodput,
+    policy_anchors,
+)
 from stability.adapters.guard.deferred import DeferredSteps
 from stability.adapters.guard.feedback import GuardFeedback
 from stability.adapters.guard.misuse import MisuseChecks, check_scheduler_arg
@@ -555,7 +560,8 @@ class TorchGuard:
         if self.sync is not None:
             control, alarmed = self.sync.reduce(control, step, alarmed,
                                                 loss=sig.scalars.get("loss"),
-                                                grad_norm=sig.scalars.get("grad_norm"))
+                                                grad_norm=sig.scalars.get("grad_norm"),
+                                                anchors=policy_anchors(self.monitor))
             ranked = self.sync.rank_alarms
             if ranked and self.sync.rank == 0:  # identical everywhere: rank 0 records them
                 report = getattr(self.monitor, "report_alarms", None)  # scripted monitors lack it

@@ -33,17 +33,42 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from detectors.validation import param_error
 from stability.monitor.io import table_columns
+from stability.policy.policy import Policy
 
-if TYPE_CHECKING:
-    from stability.monitor.monitor import Monitor
+__all__ = ["Calibrated", "calibrate"]
 
-__all__ = ["calibrate"]
+
+class Calibrated(Protocol):
+    """What :func:`calibrate` reads and sets of a monitor (a
+    :class:`~stability.monitor.monitor.Monitor`): its binder and detector banks, the slots of
+    the LR, loss and global grad norm, the policy, and the recent LRs and grad norm its
+    policy context reads."""
+
+    _lr_now: float | None
+    _lr_prev: float | None
+    _grad_last: float | None
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def _lr_slot(self) -> int: ...
+
+    @property
+    def _loss_slot(self) -> int: ...
+
+    def bind_table(self, data: Any) -> tuple[Any, dict[str, tuple[Any, Any]]]: ...
+
+    def detector(self, binding: str) -> Any: ...
+
+    def _table_slots(self, steps: Any, cols: list[tuple[str, Any, Any]]
+                     ) -> tuple[Any, Any, Any]: ...
 
 
 def _batches(data: Any) -> Iterable[Any]:
@@ -56,7 +81,7 @@ def _batches(data: Any) -> Iterable[Any]:
     return data
 
 
-def calibrate(monitor: Monitor, data: Any, *, resume: bool = True) -> int:
+def calibrate(monitor: Calibrated, data: Any, *, resume: bool = True) -> int:
     """Feed ``data`` through every detector bank of ``monitor`` without emitting anything.
 
     Parameters
@@ -104,7 +129,7 @@ def calibrate(monitor: Monitor, data: Any, *, resume: bool = True) -> int:
     return rows
 
 
-def _prime_policy(monitor: Monitor, batch: Any) -> None:
+def _prime_policy(monitor: Calibrated, batch: Any) -> None:
     """The LR guard's healthy trajectory, the requested LRs the policy's context reads and the
     loss tracker, as a replay of the same (healthy) rows would have left them."""
     ls, lo = int(monitor._lr_slot), int(monitor._loss_slot)
@@ -125,7 +150,7 @@ def _prime_policy(monitor: Monitor, batch: Any) -> None:
                 policy.loss.update(loss, quiet=True)
 
 
-def _prime_grad_history(monitor: Monitor, batch: Any) -> None:
+def _prime_grad_history(monitor: Calibrated, batch: Any) -> None:
     """The recent finite global grad norms the policy's context uses (e.g. to pick a clip
     norm), as a replay of the same rows would have left them."""
     hist = getattr(monitor, "_grad_hist", None)

@@ -12,7 +12,7 @@ with, so a replay gives the decisions of a step-by-step ``observe()`` loop bit f
 on which nothing happens -- no alarm, no policy in force, no LR/loss to follow -- skip that tail:
 they are counted in bulk (goodput ledger, counters, gradient history) and their decisions are
 built only when read (:class:`Decisions`).  The chunk loop and the tail are
-:mod:`stability.monitor.replay_run`'s; a stream of tables (:meth:`Monitor.replay_stream`)
+:class:`stability.monitor.monitor.Replay`'s; a stream of tables (:meth:`Monitor.replay_stream`)
 keeps its chunk blocks from table to table.
 """
 

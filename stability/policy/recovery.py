@@ -269,15 +269,19 @@ class RecoveryMixin(PolicyState):
         """One step of a gap watch: ``(n_worse, ref)`` after this step's loss level.
 
         ``n_worse`` counts the steps the run has been measurably worse than before the episode
-        *without closing the gap*: a fall of the recent level by more than
-        ``recovery.improve_margin`` below ``ref`` (the level when the count began, or at the
-        last such fall) means the run is returning to its trajectory -- the count restarts.
+        *without closing the gap*.  ``ref`` is the worst recent level since the count began
+        (or since the last fall): the recent level is an EW mean that lags, so while it still
+        climbs towards a new level a comparison with its value when the count began would see
+        no fall even when the loss itself is already coming down.  A fall below ``ref`` by more
+        than ``recovery.improve_margin`` means the run is returning to its trajectory: the
+        count restarts (in doubt, no stop: invariant 3).
         """
         fast = self.loss.fast
         if not self.worse():
             return 0, fast
         if math.isnan(ref) or n_worse == 0:
             return 1, fast
+        ref = max(ref, fast)
         if fast < ref - self.config.recovery.improve_margin:
             return 0, fast  # closing the gap: returning to the trajectory
         return n_worse + 1, ref
@@ -340,6 +344,9 @@ class RecoveryMixin(PolicyState):
             af.onset, self.config.checkpoint_margin)
         if target is None or self.n_rollbacks >= self.config.max_rollbacks:
             return []
+        if af.cause not in DATA_CAUSES and any(abs(af.onset - o) <= 3
+                                               for o, _ in self._rb_onsets):
+            return []  # a rollback already replayed this step fault: it would again (inv. 6)
         data = af.cause in DATA_CAUSES
         reason = (f"the loss stayed measurably above its level before the episode of step "
                   f"{af.onset} (cause: {af.cause or 'unknown'}) for "

@@ -25,6 +25,10 @@ time from its origin (:meth:`~GoodputTracker.start`, else the first update) to t
 (or :meth:`~GoodputTracker.sync`), plus time noted before the origin (a restart), accumulated
 over restarts through :meth:`~GoodputTracker.state_dict`.
 
+:func:`format_goodput` renders the ledger's last record of an event log as the badput
+breakdown ``stability goodput EVENTS`` prints; :class:`BulkTail` holds the steps a replay
+counts in bulk until the step history is read.
+
 Examples
 --------
 >>> g = GoodputTracker(clock=iter(range(0, 1000, 2)).__next__)
@@ -53,16 +57,16 @@ In time (a clock we move by hand; a 5 s checkpoint save between steps 2 and 3):
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from stability._state_check import Fields
-from stability.run.goodput_history import BulkTail
 from stability.types import Control
 
 STATE_VERSION = 1
@@ -73,6 +77,51 @@ TIME_BUCKETS = ("productive", "skipped", "rollback", "checkpoint", "restart", "s
 #: How many recent steps keep their cumulative time (for the recompute cost of a rollback; older
 #: targets are priced at the mean step time).
 HISTORY = 20_000
+
+
+# ====== the step history, with bulk runs of steps kept lazily
+# GoodputTracker keeps (step, cumulative productive time) for the last HISTORY counted steps (a
+# rollback's recompute cost). A replay counts its quiet steps in bulk (update_many), tens of
+# thousands at a time, and the history is read only when a rollback is counted or a step is
+# marked skipped: BulkTail holds those bulk runs (their last steps only) until then, so a replay
+# of quiet batches does not rebuild the 20,000 history tuples at every batch. Drained into the
+# history (in order, before anything reads or appends to it), they give the deque of the
+# step-by-step loop.
+class BulkTail:
+    """Runs of steps counted in bulk, not yet in the history deque: ``(steps, cum)`` each (the
+    run's last ``maxlen`` steps, copied; the cumulative time, the same for the whole run).
+    Runs wholly out of the last ``maxlen`` steps are dropped as new ones come."""
+
+    __slots__ = ("maxlen", "runs", "n")
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self.runs: collections.deque[tuple[Any, float]] = collections.deque()
+        self.n = 0  # steps held
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def add(self, steps: Any, cum: float) -> None:
+        """Hold ``steps`` (an array or list of the run's last steps, not referenced
+        elsewhere) counted at the cumulative time ``cum``."""
+        runs = self.runs
+        runs.append((steps, cum))
+        self.n += len(steps)
+        while len(runs) > 1 and self.n - len(runs[0][0]) >= self.maxlen:
+            self.n -= len(runs.popleft()[0])
+
+    def drain(self, hist: collections.deque[tuple[int, float]]) -> None:
+        """Append the runs held to ``hist`` (a deque of ``maxlen`` entries), oldest first,
+        and forget them."""
+        for steps, cum in self.runs:
+            ints = steps.tolist() if hasattr(steps, "tolist") else steps
+            hist.extend(zip(ints, itertools.repeat(cum, len(ints)), strict=True))
+        self.clear()
+
+    def clear(self) -> None:
+        self.runs.clear()
+        self.n = 0
 
 
 class GoodputTracker:
@@ -472,5 +521,65 @@ class GoodputTracker:
                 f"skipped={self.skipped}, lost={self.lost}, degraded={self.degraded_steps})")
 
 
+# ====== text rendering of the ledger (``stability goodput EVENTS``)
+def _hms(s: float) -> str:
+    s = float(s)
+    if 0 < s < 1:
+        return f"{1000 * s:.1f}ms"
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(round(s)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
 
-from stability.run.goodput_format import format_goodput as format_goodput  # noqa: E402  (re-exported)
+
+def format_goodput(records: Iterable[Mapping[str, Any]], width: int = 30) -> str:
+    """The badput breakdown of an event log, as text (``stability goodput EVENTS``).
+
+    Uses the last ``goodput`` record (the ledger is cumulative, across restarts too) and counts
+    ``stall`` records.
+
+    Examples
+    --------
+    >>> g = GoodputTracker(clock=iter([0.0, 10.0, 20.0, 35.0]).__next__)
+    >>> g.start(); g.update(1); g.note_checkpoint(5.0); g.update(2); g.update(3)
+    >>> print(format_goodput([g.record()]))  # doctest: +NORMALIZE_WHITESPACE
+    goodput at step 3: 100.0% of steps productive (3 of 3), 85.7% of wall time
+    wall time 35.0s (1 checkpoints, 0 restarts, 0 rollbacks, 0 stalls)
+      productive        30.0s   85.7%  ##########################
+      skipped            0.0s    0.0%
+      rollback           0.0s    0.0%
+      checkpoint         5.0s   14.3%  ####
+      restart            0.0s    0.0%
+      stall              0.0s    0.0%
+      other              0.0s    0.0%
+    """
+    last: Mapping[str, Any] | None = None
+    n_stalls = 0
+    for r in records:
+        if r.get("type") == "goodput":
+            last = r
+        elif r.get("type") == "stall":
+            n_stalls += 1
+    if last is None:
+        return "no goodput records (log GoodputTracker.record() to the event log)"
+    steps = int(last.get("steps", 0) or 0)
+    prod = int(last.get("productive", 0) or 0)
+    gp = last.get("goodput")
+    head = (f"goodput at step {last.get('step')}: "
+            + (f"{100 * float(gp):.1f}% of steps productive ({prod} of {steps})"
+               if gp is not None else "no steps"))
+    times = last.get("time_s")
+    wall = float(last.get("wall_time_s", 0.0) or 0.0)
+    if not isinstance(times, Mapping) or wall <= 0:
+        return head
+    lines = [head + f", {100 * times.get('productive', 0.0) / wall:.1f}% of wall time",
+             f"wall time {_hms(wall)} ({last.get('checkpoints', 0)} checkpoints, "
+             f"{last.get('restarts', 0)} restarts, {last.get('rollbacks', 0)} rollbacks, "
+             f"{max(int(last.get('stalls', 0) or 0), n_stalls)} stalls)"]
+    for name in TIME_BUCKETS:
+        v = float(times.get(name, 0.0) or 0.0)
+        frac = v / wall
+        bar = "#" * int(round(frac * width))
+        lines.append(f"  {name:<12} {_hms(v):>9} {100 * frac:6.1f}%  {bar}".rstrip())
+    return "\n".join(lines)

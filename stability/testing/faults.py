@@ -171,7 +171,7 @@ class FaultInjector:
 
     Examples
     --------
-    >>> from stability.testing.tasks import make_task
+    >>> from stability.testing.models import make_task
     >>> task = make_task("mlp", seed=0)
     >>> inj = FaultInjector(FaultSpec("input_shift", 10, magnitude=8.0), task, task.make_model())
     >>> float(inj.batch(10)[0].std() / task.batch(10)[0].std())

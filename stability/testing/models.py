@@ -1,6 +1,6 @@
 """More tiny architectures, optimizers, precisions and LR schedules for :mod:`.tinytrain`.
 
-Registered in :func:`.tinytrain.make_task` (``TASKS``) and selected by
+Registered in ``TASKS`` (built by name with :func:`make_task`) and selected by
 :func:`.tinytrain.train_run`'s ``optimizer`` / ``precision`` / ``schedule`` arguments; used by the
 detection benchmark (``benchmarks/make_benchmark.py``).
 
@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stability.testing.tasks import Task, TinyGPT, _gpt_task, warmup_cosine
+from stability.testing.tasks import Task, TinyGPT, _gpt_task, _mlp_task, warmup_cosine
 
 __all__ = ["CausalConvLM", "OPTIMIZERS", "PRECISIONS", "PostLNGPT", "SCHEDULES", "TASKS",
-           "make_optimizer", "make_schedule", "precision_context"]
+           "make_optimizer", "make_schedule", "make_task", "precision_context"]
 
 #: context length and width of the benchmark's small char models
 CTX = 32
@@ -102,6 +102,18 @@ TASKS: dict[str, Callable[[int, int | None], Task]] = {
 }
 
 #: optimizer name -> (factory(params, lr), factor on the task's AdamW learning rate)
+def make_task(model: str, seed: int = 0, batch_size: int | None = None) -> Task:
+    """The :class:`~.tasks.Task` for ``"gpt"``, ``"mlp"`` or a model of :data:`TASKS`."""
+    if model == "gpt":
+        return _gpt_task(seed, batch_size or 16)
+    if model == "mlp":
+        return _mlp_task(seed, batch_size or 64)
+    if model in TASKS:
+        return TASKS[model](seed, batch_size)
+    raise ValueError(f"The 'model' parameter of make_task must be one of "
+                     f"{('gpt', 'mlp', *TASKS)}. Got {model!r} instead.")
+
+
 OPTIMIZERS: dict[str, tuple[Callable[[Any, float], torch.optim.Optimizer], float]] = {
     "adamw": (lambda p, lr: torch.optim.AdamW(p, lr=lr, weight_decay=0.01), 1.0),
     "sgd": (lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True), 30.0),

@@ -6,8 +6,8 @@
 * ``"mlp"`` -- a 3-layer :class:`MLP` classifying synthetic data labelled by a random teacher
   network.
 
-More architectures are registered in :data:`.models.TASKS`. Batch ``i`` of a task is a pure
-function of ``(seed, i)``.
+More architectures are registered in :data:`.models.TASKS`; :func:`.models.make_task` builds
+any of them by name. Batch ``i`` of a task is a pure function of ``(seed, i)``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MLP", "Task", "TinyGPT", "make_task", "prose_text", "stdlib_text", "warmup_cosine"]
+__all__ = ["MLP", "Task", "TinyGPT", "prose_text", "stdlib_text", "warmup_cosine"]
 
 
 _STDLIB = ("json.decoder", "json.encoder", "textwrap", "argparse", "string", "functools",
@@ -219,20 +219,6 @@ def _mlp_task(seed: int, batch_size: int) -> Task:
 
     return Task("mlp", seed, batch_size, make_model, batch, val_batches, loss_fn, 3e-3, corrupt,
                 shift)
-
-
-def make_task(model: str, seed: int = 0, batch_size: int | None = None) -> Task:
-    """The :class:`Task` for ``"gpt"``, ``"mlp"`` or a model of :data:`.models.TASKS`."""
-    if model == "gpt":
-        return _gpt_task(seed, batch_size or 16)
-    if model == "mlp":
-        return _mlp_task(seed, batch_size or 64)
-    from stability.testing.models import TASKS
-
-    if model in TASKS:
-        return TASKS[model](seed, batch_size)
-    raise ValueError(f"The 'model' parameter of make_task must be one of "
-                     f"{('gpt', 'mlp', *TASKS)}. Got {model!r} instead.")
 
 
 def warmup_cosine(total: int, warmup: int, floor: float = 0.1) -> Callable[[int], float]:

@@ -48,7 +48,8 @@ from stability.testing.faults import (
     flip_bit,
     spike_module,
 )
-from stability.testing.tasks import MLP, Task, TinyGPT, make_task, prose_text, stdlib_text
+from stability.testing.models import make_optimizer, make_schedule, make_task, precision_context
+from stability.testing.tasks import MLP, Task, TinyGPT, prose_text, stdlib_text
 from stability.testing.tasks import _gpt_task as _gpt_task
 from stability.testing.tasks import _mlp_task as _mlp_task
 from stability.testing.tasks import warmup_cosine as warmup_cosine
@@ -182,7 +183,6 @@ def train_run(
     dev = torch.device(device)
     net = task.make_model().to(dev)
     net.train()
-    from stability.testing.models import make_optimizer, make_schedule, precision_context
 
     opt = make_optimizer(optimizer, net.parameters(), lr, task.lr)
     clock = {"it": 0, "lr_it": 0}  # lr_it: the iteration the scheduler computes the LR for

@@ -24,18 +24,21 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
+from stability.adapters.interventions import LRMultiplier
 from stability.adapters.torch_ops.sharded import all_finite
+from stability.adapters.torch_ops.signals import SignalCollector
 from stability.adapters.trainer_support import params_finite
 from stability.outputs.feedback import skipping
 from stability.run.checkpoints import CheckpointLedger, CheckpointRecord
 from stability.run.goodput import GoodputTracker
+from stability.types import Control, Decision
 
-if TYPE_CHECKING:
-    from stability.adapters.torch import TorchGuard
-
-__all__ = ["GuardCheckpoints", "find_ledger", "note_goodput"]
+__all__ = ["CheckpointedGuard", "GuardCheckpoints", "find_ledger", "note_goodput",
+           "policy_anchors"]
 
 log = logging.getLogger("stability.adapters")
 
@@ -49,6 +52,19 @@ def find_ledger(monitor: Any) -> CheckpointLedger | None:
     return None
 
 
+def policy_anchors(monitor: Any) -> list[int]:
+    """The steps before which the monitor's policy may still need a checkpoint (its
+    ``rollback_anchors()``; none without a policy); never raises."""
+    anchors = getattr(getattr(monitor, "policy", None), "rollback_anchors", None)
+    if anchors is None:
+        return []
+    try:
+        return [int(a) for a in anchors()]
+    except Exception:  # bookkeeping must never kill the run
+        log.debug("rollback_anchors failed", exc_info=True)
+        return []
+
+
 def note_goodput(goodput: GoodputTracker | None, method: str, *args: Any) -> None:
     """Call ``method`` of a goodput ledger (``None``: none); never raises."""
     if goodput is None:
@@ -59,13 +75,79 @@ def note_goodput(goodput: GoodputTracker | None, method: str, *args: Any) -> Non
         log.debug("goodput ledger %s failed", method, exc_info=True)
 
 
+class CheckpointedGuard(Protocol):
+    """What :class:`GuardCheckpoints` reads and sets of its guard (a
+    :class:`~stability.adapters.torch.TorchGuard`).
+
+    Read: the model, optimizer, scheduler and monitor it checkpoints, the decision in force and
+    the step's health, the goodput ledger, the data positions of recent steps.  Set by a
+    rollback: the step counter, the data position, the positions to skip and the rewound flags.
+    """
+
+    step_count: int
+    data_position: int
+    skip_positions: set[int]
+    rolled_back: bool
+    _rewound: bool
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def optimizer(self) -> Any: ...
+
+    @property
+    def scheduler(self) -> Any: ...
+
+    @property
+    def monitor(self) -> Any: ...
+
+    @property
+    def sync(self) -> Any: ...
+
+    @property
+    def recorder(self) -> Any: ...
+
+    @property
+    def collector(self) -> SignalCollector: ...
+
+    @property
+    def multiplier(self) -> LRMultiplier: ...
+
+    @property
+    def goodput(self) -> GoodputTracker: ...
+
+    @property
+    def _own_goodput(self) -> bool: ...
+
+    @property
+    def _pos_of_step(self) -> Mapping[int, int]: ...
+
+    @property
+    def control(self) -> Control: ...
+
+    @property
+    def decision(self) -> Decision | None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def checkpoint_failures(self) -> int: ...
+
+    def base_lr(self) -> AbstractContextManager[None]: ...
+
+    def _monitor_state(self) -> dict[str, Any] | None: ...
+
+
 class GuardCheckpoints:
     """The checkpoints of one :class:`~stability.adapters.torch.TorchGuard` (``guard.checkpoints``).
 
     Parameters
     ----------
-    guard : TorchGuard
-        The guard whose model, optimizer, scheduler, monitor and counters are checkpointed.
+    guard : CheckpointedGuard
+        The guard (a ``TorchGuard``) whose model, optimizer, scheduler, monitor and counters
+        are checkpointed.
     store : LedgerStore
         The file IO of the one checkpoint ledger.
     every : int
@@ -76,7 +158,7 @@ class GuardCheckpoints:
         The installed SIGTERM handler (:func:`stability.run.preemption.install_sigterm_checkpoint`).
     """
 
-    def __init__(self, guard: TorchGuard, store: Any, *, every: int, cadence: Any = None,
+    def __init__(self, guard: CheckpointedGuard, store: Any, *, every: int, cadence: Any = None,
                  sigterm: Any = None) -> None:
         self.guard = guard
         self._store = store
@@ -248,10 +330,11 @@ class GuardCheckpoints:
         open episode's onset, the best validation point) and before now.
         """
         led = self.ledger
-        anchors = getattr(getattr(self.guard.monitor, "policy", None), "rollback_anchors", None)
+        sync = self.guard.sync  # several ranks: the anchors of all of them (same everywhere)
+        anchors = policy_anchors(self.guard.monitor) if sync is None else list(sync.anchors)
         out = set()
         margin = self._margin()
-        for at in [*(anchors() if anchors is not None else ()), self.guard.step_count]:
+        for at in [*anchors, self.guard.step_count]:
             try:
                 rec = led.latest_healthy_before(int(at), margin)
             except Exception:  # bookkeeping must never kill the run

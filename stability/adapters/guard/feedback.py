@@ -10,22 +10,52 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from stability.outputs.feedback import feedback_metrics
+from stability.adapters.interventions import LRMultiplier
+from stability.outputs.feedback import InterventionTally, feedback_metrics
+from stability.run.goodput import GoodputTracker
+from stability.types import Decision
 
-if TYPE_CHECKING:
-    from stability.adapters.torch import TorchGuard
-
-__all__ = ["GuardFeedback"]
+__all__ = ["FeedbackSource", "GuardFeedback"]
 
 log = logging.getLogger("stability.adapters")
+
+
+class FeedbackSource(Protocol):
+    """What :class:`GuardFeedback` reads of its guard (a
+    :class:`~stability.adapters.torch.TorchGuard`): the latest decision, the LR, the goodput
+    ledger, the intervention counts and the AMP scaler's state."""
+
+    @property
+    def monitor(self) -> Any: ...
+
+    @property
+    def decision(self) -> Decision | None: ...
+
+    @property
+    def multiplier(self) -> LRMultiplier: ...
+
+    @property
+    def goodput(self) -> GoodputTracker: ...
+
+    @property
+    def tally(self) -> InterventionTally: ...
+
+    @property
+    def scaler(self) -> Any: ...
+
+    @property
+    def amp_overflow(self) -> bool: ...
+
+    @property
+    def amp_overflows(self) -> int: ...
 
 
 class GuardFeedback:
     """The feedback metrics of one :class:`~stability.adapters.torch.TorchGuard`."""
 
-    def __init__(self, guard: TorchGuard) -> None:
+    def __init__(self, guard: FeedbackSource) -> None:
         self.guard = guard
 
     def metrics(self, scores: bool = True) -> dict[str, float]:
