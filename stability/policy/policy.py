@@ -366,17 +366,17 @@ class Policy(ResponseMixin, RecoveryMixin):
         cooldown of a response -- and never a skip, clip, LR cut, checkpoint, rollback or stop.
 
         The escalation state is left alone: the level does not climb (and decays by the
-        hysteresis, since a recovering alarm is not an alarm to it), no onset, cause or
-        persistence count is recorded.  The episode stays open (its aftermath is judged, and
-        the loss baseline learns again, only once it is over), the alarm step is noted in the
-        checkpoint ledger, and its consecutive-alarm run is broken: a recovering excursion is
-        not a persistent one.
+        hysteresis, since a recovering alarm is not an alarm to it), no onset or cause is
+        recorded.  The episode stays open -- the step counts in its run of consecutive alarm
+        steps (what makes a shift persistent), its aftermath is judged and the loss baseline
+        learns again only once it is over -- and the alarm step is noted in the checkpoint
+        ledger.
         """
         ledger = ctx.healthy_checkpoints
         if ledger is not None:
             ledger.note_alarm(step)
         ep = self._ep
-        ep.consec = 0
+        ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
         ep.last_seen = step
         if not self.log_only:
             self._apply_persistent(step, control)
@@ -393,7 +393,7 @@ class Policy(ResponseMixin, RecoveryMixin):
             f"{k}({', '.join(sorted({a.signal for a in acts if a.kind == k}))})" for k in fresh)
         msg = (f"step {step}: {reason} -> none (the excursion is returning to trend: "
                f"reported, not acted on)")
-        return [Alert(step, reason, severity="warning", message=msg)]
+        return [Alert(step, reason, cause=self.cause, severity="warning", message=msg)]
 
     def _data_keeps_failing(self, step: int, control: Control) -> list[Intervention]:
         """The canary diverged again during the probation of a rollback that skipped bad data:
