@@ -88,6 +88,7 @@ from stability.policy.context import CheckpointRef, Ledger, PolicyContext
 from stability.policy.recovery import RecoveryMixin
 from stability.policy.response import SEV, ResponseMixin
 from stability.policy.state import (
+    INF_STEP,
     STATE_VERSION,
     ClipHold,
     Episode,
@@ -97,7 +98,7 @@ from stability.policy.state import (
     PolicyState,
     Probation,
 )
-from stability.types import Alarm, Control, Intervention
+from stability.types import Alarm, Alert, Control, Intervention
 
 __all__ = [
     "STATE_VERSION", "CheckpointRef", "ClipHold", "Episode", "JumpHold", "LRCut", "Ledger",
@@ -178,6 +179,8 @@ class Policy(ResponseMixin, RecoveryMixin):
                 if not self.log_only:
                     self._apply_persistent(step, control)
                 return []
+        if all(a.recovering for a in acts):
+            return self._recovering_only(step, acts, ctx, control)
         ep = self._ep
         ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
         ep.last_seen = step
@@ -351,6 +354,46 @@ class Policy(ResponseMixin, RecoveryMixin):
             self._apply_persistent(step if self._rewound_to is None else self._rewound_to,
                                    control)
         return ivs
+
+    def _recovering_only(self, step: int, acts: Sequence[Alarm], ctx: PolicyContext,
+                         control: Control) -> list[Intervention]:
+        """Rule: an excursion already returning to trend is reported, never acted on.
+
+        Every acting alarm of the step is ``recovering`` (its score has given back half of its
+        episode's peak excess over the threshold, :mod:`stability.monitor.recovery`): the run is
+        on its way back to its trajectory without help (invariants 1 and 3).  The response is
+        at most a warning ``alert`` -- once per ``cooldown`` steps per kind, none inside the
+        cooldown of a response -- and never a skip, clip, LR cut, checkpoint, rollback or stop.
+
+        The escalation state is left alone: the level does not climb (and decays by the
+        hysteresis, since a recovering alarm is not an alarm to it), no onset or cause is
+        recorded.  The episode stays open -- the step counts in its run of consecutive alarm
+        steps (what makes a shift persistent), its aftermath is judged and the loss baseline
+        learns again only once it is over -- and the alarm step is noted in the checkpoint
+        ledger.
+        """
+        ledger = ctx.healthy_checkpoints
+        if ledger is not None:
+            ledger.note_alarm(step)
+        ep = self._ep
+        ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
+        ep.last_seen = step
+        if not self.log_only:
+            self._apply_persistent(step, control)
+        cd = self.config.cooldown
+        last = self._last_response
+        fresh = sorted({a.kind for a in acts if not 0 <= step - self._kind_last.get(
+            a.kind, -INF_STEP) < cd})
+        if not fresh or (last is not None and 0 <= step - last < cd):
+            self.n_merged += 1
+            return []
+        for k in fresh:
+            self._kind_last[k] = step
+        reason = "recovering: " + "; ".join(
+            f"{k}({', '.join(sorted({a.signal for a in acts if a.kind == k}))})" for k in fresh)
+        msg = (f"step {step}: {reason} -> none (the excursion is returning to trend: "
+               f"reported, not acted on)")
+        return [Alert(step, reason, cause=self.cause, severity="warning", message=msg)]
 
     def _data_keeps_failing(self, step: int, control: Control) -> list[Intervention]:
         """The canary diverged again during the probation of a rollback that skipped bad data:
