@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stability.policy.loss_tracker import ValTracker
-from stability.policy.recovery import _val_many
+from stability.policy.policy import _val_many
 from stability.run import goodput
 from stability.run.goodput import GoodputTracker
 

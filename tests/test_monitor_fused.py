@@ -27,6 +27,14 @@ EXTRA = [  # the kernels the default preset does not bind
     {"name": "gn_cusum", "detector": "cusum", "inputs": ["grad_norm"]},
     {"name": "act_hist", "detector": "histogram_drift", "inputs": ["act_std/*"],
      "params": {"window": 32}},
+    {"name": "loss_no_progress", "detector": "no_progress", "inputs": ["loss"],
+     "params": {"horizon": 30, "window": 10}},
+    # log-space EWMAs beside the grad-norm banks that read logs (the preset's grad_explosion*
+    # are tail_z, which computes its own logs): two log groups, so the shared log row is used
+    {"name": "gn_layers_ewma", "detector": "ewma_z", "inputs": ["grad_norm/*"],
+     "params": {"log_space": True}},
+    {"name": "gn_ewma", "detector": "ewma_z", "inputs": ["grad_norm"],
+     "params": {"log_space": True}},
 ]
 pytestmark = pytest.mark.skipif(numba_config.DISABLE_JIT,
                                 reason="JIT disabled: the monitor takes the plain path")
@@ -266,7 +274,8 @@ def test_gather_runs_equals_gather_step(seed: int) -> None:
 
 def test_log_groups_share_one_log_row() -> None:
     """Banks reading the same values and their logs get one shared log row: the per-layer grad
-    norms (EWMA + coherent jump) and the global one (two EWMAs); no other bank."""
+    norms (EWMA + coherent jump) and the global one (two EWMAs); no other bank (tail_z's
+    grad_explosion banks compute their own logs)."""
     mon = Monitor(CONFIG)
     _declare(mon, 3)
     mon.observe(0, {k: 1.0 for k in (*SCALARS, "val_loss")}, {f: np.ones(3) for f in FAMS})
@@ -274,8 +283,8 @@ def test_log_groups_share_one_log_row() -> None:
     names = [b.name for b in mon._bindings]
     groups = [sorted(names[b] for b in np.flatnonzero(bufs.table[:, 10] == row[1]))
               for row in bufs.groups[:bufs.ints[3]]]
-    assert sorted(groups) == [["grad_burst_layers", "grad_explosion_layers"],
-                              ["grad_explosion", "grad_vanishing"]]
+    assert sorted(groups) == [["gn_ewma", "grad_vanishing"],
+                              ["gn_layers_ewma", "grad_burst_layers"]]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

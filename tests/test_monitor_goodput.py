@@ -159,16 +159,19 @@ def test_ledger_agrees_with_replay_goodput_on_runs_without_a_stop() -> None:
     from replay.replay import goodput, read_table
 
     checked = 0
-    for run in ("public_0000", "public_0018", "public_0021"):
-        table = read_table(str(PUBLIC_RUNS / f"{run}.parquet"))
+    for path in sorted(PUBLIC_RUNS.glob("*.parquet")):  # the first three that skip, no stop
+        table = read_table(str(path))
         mon = Monitor("default", alert_sinks=[])
         ivs = [i for d in mon.replay(table) for i in d.interventions]
         want = goodput(table.column("step").to_numpy().astype(np.int64), ivs)
-        assert want["stop_step"] is None
+        if want["stop_step"] is not None:
+            continue  # the premise: runs the policy does not stop
         led = mon.goodput
         assert (led.steps, led.skipped, led.lost) == (
-            want["executed_steps"], want["skipped_steps"], want["rollback_steps"])
+            want["executed_steps"], want["skipped_steps"], want["rollback_steps"]), path.stem
         checked += led.skipped > 0
+        if checked == 3:
+            break
     assert checked == 3
 
 

@@ -137,7 +137,8 @@ def _prelude(code: str) -> dict[str, Any]:
         return 2.0 / rec_state["i"], 1e-3, 0.5
 
     ns: dict[str, Any] = {
-        "__name__": "__readme__", "torch": torch, "Monitor": Monitor, "model": model,
+        "__name__": "__readme__", "torch": torch, "stability": stability,
+        "Monitor": Monitor, "model": model,
         "optimizer": optimizer,
         "scheduler": scheduler, "n_batches": 40, "get_batch": _get_batch,
         "loss_fn": torch.nn.functional.mse_loss,

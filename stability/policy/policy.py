@@ -52,11 +52,11 @@ On a step without (actionable) alarms :meth:`Policy.step` changes nothing but th
 ``Control`` fields, which are a pure function of (state, step) -- see :meth:`Policy.control_at`.
 The batch replay may therefore call :meth:`Policy.step` only on alarm steps.
 
-The class is assembled from: :mod:`stability.policy.state` (state records, snapshot format and
-the pure queries), :mod:`stability.policy.recovery` (every-step tracking, probation, recovery
-gates), :mod:`stability.policy.response` (actions -> interventions, LR-jump sizing) and
-:mod:`stability.policy.context` (the :class:`PolicyContext` the monitor passes, the
-:class:`Ledger` protocol); the escalation ladder itself is :meth:`Policy.step` here.
+One class, in sections: the state and its pure queries (the records and the snapshot format
+live in :mod:`stability.policy.state`), the escalation ladder (:meth:`Policy.step`), every-step
+tracking with the recovery gates (probation, aftermath, the overfitting stop), and building a
+response (actions -> interventions, LR-jump sizing); :mod:`stability.policy.context` holds the
+:class:`PolicyContext` the monitor passes and the :class:`Ledger` protocol.
 
 Examples
 --------
@@ -79,33 +79,77 @@ Examples
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from stability.policy.attribution import attribute
-from stability.policy.config import PolicyConfig
-from stability.policy.context import CheckpointRef, Ledger, PolicyContext
-from stability.policy.recovery import RecoveryMixin
-from stability.policy.response import SEV, ResponseMixin
+import numpy as np
+
+from stability.policy.attribution import DATA_CAUSES, attribute
+from stability.policy.config import ACTIONS, PolicyConfig
+from stability.policy.context import CheckpointRef, Ledger, PolicyContext, finite_or_none
+from stability.policy.loss_tracker import LossTracker, ValTracker
+from stability.policy.lr_guard import LRGuard
+from stability.policy.lr_schedule import adaptive_clip, compound_factor, lr_cut_end, lr_factor_at
 from stability.policy.state import (
+    INF_STEP,
     STATE_VERSION,
+    Aftermath,
     ClipHold,
     Episode,
     JumpHold,
     LRCut,
     PolicySnapshot,
-    PolicyState,
     Probation,
+    read_state,
+    write_state,
 )
-from stability.types import Alarm, Control, Intervention
+from stability.types import (
+    SEVERITIES,
+    Alarm,
+    Alert,
+    Checkpoint,
+    Control,
+    Intervention,
+    ReduceLR,
+    Rollback,
+    SetClip,
+    SkipStep,
+    Stop,
+)
 
 __all__ = [
     "STATE_VERSION", "CheckpointRef", "ClipHold", "Episode", "JumpHold", "LRCut", "Ledger",
-    "Policy", "PolicyContext", "PolicySnapshot", "PolicyState", "Probation",
+    "Policy", "PolicyContext", "PolicySnapshot", "Probation",
 ]
 
+#: severity name -> rank
+SEV = {s: i for i, s in enumerate(SEVERITIES)}
 
-class Policy(ResponseMixin, RecoveryMixin):
+def _signals(alarms: Iterable[Alarm], limit: int = 3) -> str:
+    sig = sorted({a.signal for a in alarms})
+    more = f", +{len(sig) - limit}" if len(sig) > limit else ""
+    return ", ".join(sig[:limit]) + more
+
+def _val_many(vt: Any, steps: np.ndarray, vals: np.ndarray, levels: np.ndarray) -> None:
+    """``vt.update(steps[i], vals[i], levels[i])`` for each point in order (a
+    :class:`~stability.policy.loss_tracker.ValTracker`), in bulk: the same comparisons and product,
+    so the same state bit for bit."""
+    v = np.asarray(vals, dtype=np.float64)
+    fin = np.isfinite(v)
+    x = np.where(fin, v, np.inf)  # a non-finite point never becomes the best
+    best = np.minimum.accumulate(np.concatenate(([float(vt.best)], x)))  # best before point i
+    new = np.flatnonzero(x < best[:-1])
+    if new.size:
+        j = int(new[-1])
+        vt.best, vt.best_step, vt.train_at_best = float(v[j]), int(steps[j]), float(levels[j])
+    worse = ~fin | (x > best[1:] * (1.0 + vt.margin))
+    ok = np.flatnonzero(~worse)
+    vt.worse_points = (vt.worse_points + v.size if ok.size == 0
+                       else v.size - 1 - int(ok[-1]))
+
+
+class Policy:
     """Escalation-ladder policy; see the module docstring for the semantics.
 
     Parameters
@@ -113,6 +157,180 @@ class Policy(ResponseMixin, RecoveryMixin):
     config : dict, PolicyConfig or None
         The ``[policy]`` table (validated by :meth:`PolicyConfig.from_dict`).
     """
+
+    # ================================================================== state and queries
+
+    config: PolicyConfig
+    log_only: bool
+    #: the checkpoint ledger (set by the monitor; also taken from each step's context)
+    ledger: Ledger | None = None
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every incident (fresh state)."""
+        self._level = 0
+        self._last_alarm: int | None = None
+        self._last_response: int | None = None
+        self._kind_last: dict[str, int] = {}
+        self._onset: int | None = None
+        self._hist: dict[str, list[int]] = {}
+        self._lr: LRCut | None = None
+        self._clip: ClipHold | None = None
+        self._neutral_from = -INF_STEP
+        self._rewound_to: int | None = None
+        self._jump: JumpHold | None = None
+        self._damage_last: int | None = None
+        self._rolled_back = False
+        self._probation: Probation | None = None
+        self._after: Aftermath | None = None
+        self._judged_onset: int | None = None  # the episode whose aftermath was judged
+        self.n_undo = 0
+        #: (onset, cause) of step-fault episodes undone by a rollback
+        self._rb_onsets: list[tuple[int, str]] = []
+        self._storm = False  # this step's response is a skip storm's escalation
+        self.n_rollbacks = 0
+        self.n_responses = 0
+        self.n_merged = 0
+        self.guard = LRGuard(self.config.lr_guard)
+        self._ep = Episode()
+        rc = self.config.recovery
+        self.loss = LossTracker(rc.fast_alpha, rc.base_alpha)
+        self.val = ValTracker(rc.val_margin)
+
+    def _reset_episode(self) -> None:
+        """Forget the open episode (after a rollback, or when it is over)."""
+        self._ep = Episode()
+
+    @property
+    def cause(self) -> str:
+        """Attributed cause of the open (or latest) episode (``""``: none)."""
+        return self._ep.cause
+
+    @cause.setter
+    def cause(self, value: str) -> None:
+        self._ep.cause = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible state (``"version"`` key); config is not included."""
+        return write_state(PolicySnapshot(
+            level=self._level, last_alarm=self._last_alarm, last_response=self._last_response,
+            kind_last=self._kind_last, onset=self._onset, hist=self._hist, lr=self._lr,
+            clip=self._clip, jump=self._jump, damage_last=self._damage_last,
+            n_rollbacks=self.n_rollbacks, n_responses=self.n_responses, n_merged=self.n_merged,
+            guard=self.guard, episode=self._ep, probation=self._probation, loss=self.loss,
+            val=self.val, aftermath=self._after, judged_onset=self._judged_onset,
+            n_undo=self.n_undo, rb_onsets=self._rb_onsets))
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; later decisions are identical.
+
+        This policy's configuration wins (it is not part of the snapshot).  Every field is
+        checked before anything changes: a malformed one (a NaN or negative LR factor, a
+        negative hold, a tuple of the wrong length, ...) raises ``ValueError`` naming it and
+        leaves the policy as it was.
+        """
+        s = read_state(sd, self.config)
+        self.reset()
+        self._level, self._last_alarm, self._last_response = (
+            s.level, s.last_alarm, s.last_response)
+        self._kind_last, self._onset, self._hist = s.kind_last, s.onset, s.hist
+        self._lr, self._clip, self._jump, self._damage_last = s.lr, s.clip, s.jump, s.damage_last
+        self.n_rollbacks, self.n_responses, self.n_merged = (
+            s.n_rollbacks, s.n_responses, s.n_merged)
+        self.guard, self.loss, self.val = s.guard, s.loss, s.val
+        self._ep, self._probation = s.episode, s.probation
+        self._after, self._judged_onset, self.n_undo = s.aftermath, s.judged_onset, s.n_undo
+        self._rb_onsets = list(s.rb_onsets)
+        self._update_neutral()
+
+    # ------------------------------------------------------------------ pure queries
+    def level_at(self, step: int) -> int:
+        """Escalation level at ``step`` after hysteresis decay (0 = no incident).
+
+        >>> from stability.policy.policy import Policy
+        >>> Policy({"quiet_steps": 10}).level_at(5)
+        0
+        """
+        if self._last_alarm is None or self._level == 0:
+            return 0
+        quiet = max(step - self._last_alarm, 0)
+        return max(0, self._level - quiet // self.config.quiet_steps)
+
+    def lr_factor_at(self, step: int) -> float:
+        """LR multiplier the policy wants at ``step`` (ignores ``log_only``)."""
+        g = self.guard.factor if self.guard.active else 1.0
+        return min(g, self._ladder_lr_factor_at(step))
+
+    def _ladder_lr_factor_at(self, step: int) -> float:
+        """The ladder's own LR cut at ``step`` (without the LR guard's)."""
+        if self._lr is None:
+            return 1.0
+        s, f, d, r = self._lr
+        return lr_factor_at(step, s, f, d, r, self.config.lr.shape)
+
+    def clip_norm_at(self, step: int) -> float | None:
+        """Clip norm the policy wants at ``step`` (``None``: trainer default; ignores log_only)."""
+        if self._clip is None:
+            return None
+        norm, start, duration = self._clip
+        if step < start or (duration > 0 and step >= start + duration):
+            return None
+        return norm
+
+    def planned_control_at(self, step: int) -> Control:
+        """Persistent fields the policy wants at ``step``, whatever the mode."""
+        return Control(lr_factor=self.lr_factor_at(step), clip_norm=self.clip_norm_at(step))
+
+    def control_at(self, step: int) -> Control:
+        """Persistent ``Control`` fields (``lr_factor``, ``clip_norm``) at ``step``.
+
+        A pure function of (state, step): exactly what ``step()`` writes on a step without
+        alarms.  Neutral in ``log_only`` mode.
+        """
+        return Control() if self.log_only else self.planned_control_at(step)
+
+    def worse(self) -> bool | None:
+        """Is the run measurably worse than before the episode?  ``None``: cannot tell."""
+        return self.loss.worse(self.config.recovery.worse_margin)
+
+    def _apply_persistent(self, step: int, control: Control) -> None:
+        if step >= self._neutral_from and not self.guard.active:
+            control.lr_factor, control.clip_norm = 1.0, None
+        else:
+            control.lr_factor = self.lr_factor_at(step)
+            control.clip_norm = self.clip_norm_at(step)
+
+    def _update_neutral(self) -> None:
+        ends = [-INF_STEP]
+        if self._lr is not None:
+            ends.append(lr_cut_end(self._lr.start, self._lr.duration, self._lr.restore))
+        if self._clip is not None:
+            c = self._clip
+            ends.append(INF_STEP if c.duration == 0 else c.start + c.duration)
+        self._neutral_from = max(ends)
+
+    def _rewind(self, step: int, to: int, ledger: Ledger | None) -> None:
+        """The trainer restarts counting at ``to + 1``: shift every timestamp by ``to - step``."""
+        d = to - step
+
+        def sh(x: int | None) -> int | None:
+            return None if x is None else x + d
+
+        self._last_alarm = sh(self._last_alarm)
+        self._last_response = sh(self._last_response)
+        self._kind_last = {k: v + d for k, v in self._kind_last.items()}
+        self._hist = {k: [x + d for x in v] for k, v in self._hist.items()}
+        if self._lr is not None:
+            self._lr = self._lr._replace(start=self._lr.start + d)
+        if self._clip is not None:
+            self._clip = self._clip._replace(start=self._clip.start + d)
+        if self._jump is not None:
+            self._jump = self._jump._replace(last=self._jump.last + d)
+        self._damage_last = sh(self._damage_last)
+        if ledger is not None:
+            ledger.rewind(to)
+
+    # ================================================================== the escalation ladder
 
     def __init__(self, config: Mapping[str, Any] | PolicyConfig | None = None) -> None:
         self.config = config if isinstance(config, PolicyConfig) else PolicyConfig.from_dict(config)
@@ -178,6 +396,8 @@ class Policy(ResponseMixin, RecoveryMixin):
                 if not self.log_only:
                     self._apply_persistent(step, control)
                 return []
+        if all(a.recovering for a in acts):
+            return self._recovering_only(step, acts, ctx, control)
         ep = self._ep
         ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
         ep.last_seen = step
@@ -352,6 +572,46 @@ class Policy(ResponseMixin, RecoveryMixin):
                                    control)
         return ivs
 
+    def _recovering_only(self, step: int, acts: Sequence[Alarm], ctx: PolicyContext,
+                         control: Control) -> list[Intervention]:
+        """Rule: an excursion already returning to trend is reported, never acted on.
+
+        Every acting alarm of the step is ``recovering`` (its score has given back half of its
+        episode's peak excess over the threshold, :mod:`stability.monitor.recovery`): the run is
+        on its way back to its trajectory without help (invariants 1 and 3).  The response is
+        at most a warning ``alert`` -- once per ``cooldown`` steps per kind, none inside the
+        cooldown of a response -- and never a skip, clip, LR cut, checkpoint, rollback or stop.
+
+        The escalation state is left alone: the level does not climb (and decays by the
+        hysteresis, since a recovering alarm is not an alarm to it), no onset or cause is
+        recorded.  The episode stays open -- the step counts in its run of consecutive alarm
+        steps (what makes a shift persistent), its aftermath is judged and the loss baseline
+        learns again only once it is over -- and the alarm step is noted in the checkpoint
+        ledger.
+        """
+        ledger = ctx.healthy_checkpoints
+        if ledger is not None:
+            ledger.note_alarm(step)
+        ep = self._ep
+        ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
+        ep.last_seen = step
+        if not self.log_only:
+            self._apply_persistent(step, control)
+        cd = self.config.cooldown
+        last = self._last_response
+        fresh = sorted({a.kind for a in acts if not 0 <= step - self._kind_last.get(
+            a.kind, -INF_STEP) < cd})
+        if not fresh or (last is not None and 0 <= step - last < cd):
+            self.n_merged += 1
+            return []
+        for k in fresh:
+            self._kind_last[k] = step
+        reason = "recovering: " + "; ".join(
+            f"{k}({', '.join(sorted({a.signal for a in acts if a.kind == k}))})" for k in fresh)
+        msg = (f"step {step}: {reason} -> none (the excursion is returning to trend: "
+               f"reported, not acted on)")
+        return [Alert(step, reason, cause=self.cause, severity="warning", message=msg)]
+
     def _data_keeps_failing(self, step: int, control: Control) -> list[Intervention]:
         """The canary diverged again during the probation of a rollback that skipped bad data:
         the data source keeps failing -- stop with the probation's healthy target restored."""
@@ -375,3 +635,625 @@ class Policy(ResponseMixin, RecoveryMixin):
 
     def __repr__(self) -> str:
         return f"Policy(mode={self.config.mode!r}, level={self._level})"
+
+    # ================================================================ tracking and recovery gates
+
+    # ------------------------------------------------------------------ every step
+    def track(self, step: int, lr: float | None = None, loss: float | None = None,
+              control: Control | None = None, val: float | None = None) -> list[Intervention]:
+        """Follow the requested LR and the training loss of every step, quiet ones included.
+
+        Call before ``step()`` for the same step (the monitor does).  The LR goes to the
+        :class:`~stability.policy.lr_guard.LRGuard`: when it leaves its healthy band the LR factor
+        divides the fault out for as long as the scheduler keeps asking for it (an ``alert`` and
+        a ``reduce_lr`` with ``duration = 0`` mark the start, an ``alert`` the release).  The
+        loss feeds the "measurably worse" test that gates rollbacks of data-caused episodes and
+        every stop.
+
+        Returns
+        -------
+        list of Intervention
+            Non-empty only when an LR fault starts or ends.
+        """
+        if type(step) is not int:
+            step = int(step)
+        out: list[Intervention] = []
+        if val is not None:
+            self.val.update(step, val, self.loss.fast)
+        if loss is not None:
+            # _track_loss, inlined (every step)
+            self.loss.update(loss, step - self._ep.last_seen > self.config.cooldown
+                             and not self.guard.active and self._probation is None
+                             and self._after is None)
+            if self._probation is not None:
+                out = self._check_probation(step, control)
+            elif self._aftermath_due(step):
+                out = self._check_aftermath(step, control)
+        if lr is None or not self.config.lr_guard.enabled or (
+                out and any(isinstance(iv, Rollback) for iv in out)):
+            return out  # (after a rollback the guard re-primes from the restored LR)
+        g = self.guard
+        was = g.active
+        eff_prev = g.last_lr * g.factor  # the effective LR of the last step
+        f = g.observe(step, lr)
+        if g.active and not was:
+            reason = (f"LR {g.last_lr:.3g} left its healthy band (last healthy LR {g.ref:.3g}, "
+                      f"x{g.last_lr / g.ref:.3g})")
+            msg = (f"step {step}: {reason} -> LR factor {f:.3g} for as long as the scheduler "
+                   f"asks for it (cause: lr)")
+            out += [Alert(step, reason, cause="lr", severity="critical", message=msg),
+                    ReduceLR(step, reason, cause="lr", factor=f, duration=0, restore_steps=0)]
+            self.n_responses += 1
+            self.cause = "lr"
+        elif was and not g.active:
+            reason = f"LR {g.last_lr:.3g} back in its healthy band"
+            ramp = self._release_ramp(step, eff_prev, g.last_lr)
+            note = "" if ramp is None else (
+                f"; LR factor {ramp.factor:.3g} ramped back to 1 over "
+                f"{ramp.restore_steps} steps (the effective LR does not jump)")
+            out += [Alert(step, reason, cause="lr", severity="warning",
+                          message=f"step {step}: {reason}; LR guard released{note}")]
+            if ramp is not None:
+                out.append(ramp)
+            if self._after is None and self._probation is None and g.onset >= 0:
+                # the LR fault is over: does its damage outlive it?
+                self._after = Aftermath(g.onset, step, "lr", step, 0, self.loss.fast)
+        if control is not None and not self.log_only and (g.active or was):
+            self._apply_persistent(step, control)
+        return out
+
+    def _release_ramp(self, step: int, eff_prev: float, lr: float) -> ReduceLR | None:
+        """The LR guard releases at ``step``: the effective LR rises gradually, never at once.
+
+        A fault that fades out (a multiplied LR decaying along a cosine schedule until it is
+        back inside the band of the frozen reference) ends with the requested LR far above the
+        effective LR the guard let through: releasing at once would multiply the effective LR
+        by ``lr / eff_prev`` in one step.  The release starts from the effective LR of the last
+        step instead (``eff_prev / lr``) and ramps back to 1 over ``lr.restore_steps`` steps
+        (a ladder LR cut, so it is state, snapshot and replay like any other).  A fault that
+        ends abruptly (the requested LR falls back to the healthy one) needs no ramp.
+        """
+        tol = self.config.lr_guard.tolerance
+        if not (math.isfinite(eff_prev) and eff_prev > 0.0 and lr > eff_prev * tol):
+            return None
+        f0 = eff_prev / lr
+        if self._lr is not None and self._ladder_lr_factor_at(step) <= f0:
+            return None  # a deeper ladder cut is already in force
+        restore = max(1, self.config.lr.restore_steps)
+        self._lr = LRCut(step, f0, 0, restore)
+        self._update_neutral()
+        return ReduceLR(step, "the LR guard releases: ramp back to the requested LR", cause="lr",
+                        factor=f0, duration=0, restore_steps=restore)
+
+    def track_quiet(self, step: int, lr: float, loss: float, val: float | None = None) -> bool:
+        """:meth:`track` ``(step, lr, loss, control, val)`` (``int`` step, ``float`` LR and
+        losses) if it can request nothing: no probation, the LR guard enabled, primed and
+        inactive, and ``lr`` inside its healthy band.  Returns ``False`` (and does nothing)
+        otherwise.  The state afterwards is :meth:`track`'s, bit for bit: the same operations,
+        inlined (the monitor's quiet step; ``control`` is not touched when nothing is asked).
+        """
+        g = self.guard
+        if g.active or not g.primed or self._probation is not None or self._watching():
+            return False
+        c = g.config
+        if not (0.0 < lr < math.inf and self.config.lr_guard.enabled):
+            return False  # (NaN fails too); observe() ignores such an LR: general path
+        # LRGuard.upper(), inlined
+        ref = g.ref
+        if g.n < c.min_steps or not math.isfinite(ref):
+            up = math.inf
+        elif not g.warm:
+            up = ref * c.warmup_jump
+        else:
+            hi = ref
+            if c.allow_restarts and math.isfinite(g.peak):
+                hi = max(hi, g.peak)
+            up = hi * c.tolerance
+        if lr > up:
+            return False  # an LR fault starts: general path
+        if val is not None:
+            self.val.update(step, val, self.loss.fast)
+        # LossTracker.update(loss, quiet), inlined (the guard is and stays inactive)
+        lt = self.loss
+        if math.isnan(loss) or math.isinf(loss):
+            lt.nonfinite_run += 1
+        else:
+            lt.nonfinite_run = 0
+            if loss > 0.0:
+                x = math.log(loss)
+                fast = lt.fast
+                lt.fast = x if math.isnan(fast) else fast + lt.fast_alpha * (x - fast)
+                if step - self._ep.last_seen > self.config.cooldown:
+                    base = lt.base
+                    lt.base = x if math.isnan(base) else base + lt.base_alpha * (x - base)
+        # LRGuard.observe(step, lr) -> _healthy(lr), inlined
+        g.last_lr = lr
+        g.n += 1
+        if not (g.warm and not c.allow_restarts and ref <= lr):  # lr_guard.healthy_ref
+            g.ref = lr
+        peak = g.peak
+        if not math.isfinite(peak) or lr > peak:
+            g.peak = lr
+            g.since_peak = 0
+        else:
+            g.since_peak += 1
+            if g.since_peak >= c.settle:
+                g.warm = True
+        g.factor = 1.0
+        return True
+
+    def track_many(self, steps: Any, lr: Any = None, loss: Any = None, val: Any = None) -> int:
+        """:meth:`track` over consecutive steps, in bulk, for as long as it requests nothing.
+
+        ``lr`` / ``loss`` / ``val``: ``(values, present)`` float64 / bool arrays aligned with
+        ``steps`` (``None``: not given on any of them).  Returns how many leading steps were
+        taken: none while an LR fault or a probation is open, and never the step at which the
+        LR leaves its healthy band (call :meth:`track` from there).  The state afterwards is
+        that of a :meth:`track` loop over the steps taken (the replay's fast path).
+        """
+        n = len(steps)
+        if self._probation is not None or n == 0 or self._watching():
+            return 0
+        if lr is not None and self.config.lr_guard.enabled and lr[1].any():
+            g = self.guard
+            if g.active or not g.primed:
+                return 0
+            pos = np.flatnonzero(lr[1])
+            k = g.observe_healthy(lr[0][pos])
+            if k < pos.size:
+                n = int(pos[k])  # the LR at pos[k] starts a fault: track() takes it
+        if loss is None and val is None:
+            return n
+        # the loss baseline learns from steps outside the cooldown after the last episode
+        # (the guard stays inactive and no probation opens within the steps taken)
+        rows = np.zeros(0, dtype=np.int64) if loss is None else np.flatnonzero(loss[1][:n])
+        quiet = np.asarray(steps)[rows] - self._ep.last_seen > self.config.cooldown
+        lv = np.zeros(0) if loss is None else loss[0][rows]
+        vrows = np.zeros(0, dtype=np.int64) if val is None else np.flatnonzero(val[1][:n])
+        # a validation point sees the loss level before its own step's loss
+        levels = self.loss.update_many(lv, quiet, probe=np.searchsorted(rows, vrows))
+        if vrows.size > 8:
+            _val_many(self.val, np.asarray(steps)[vrows], val[0][vrows], levels)
+            return n
+        for i, level in zip(vrows.tolist(), levels.tolist(), strict=True):
+            self.val.update(int(steps[i]), float(val[0][i]), level)
+        return n
+
+    def _track_loss(self, step: int, loss: float) -> None:
+        quiet = (step - self._ep.last_seen > self.config.cooldown and not self.guard.active
+                 and self._probation is None)
+        self.loss.update(loss, quiet)
+
+    # ------------------------------------------------------------------ rollback anchors
+    @property
+    def episode_onset(self) -> int | None:
+        """First alarm step of the open episode (``None`` when none is open)."""
+        return self._onset
+
+    def rollback_anchors(self) -> list[int]:
+        """Steps before which a rollback or restore may still be needed.
+
+        The open episode's onset and the step after the best validation point: the latest
+        healthy checkpoint before each must survive checkpoint retention.
+        """
+        out = [] if self._onset is None else [self._onset]
+        if self._after is not None:
+            out.append(self._after.onset)
+        if self.guard.active and self.guard.onset >= 0:
+            out.append(self.guard.onset)
+        if self.val.best_step >= 0:
+            out.append(self.val.best_step + 1)
+        return out
+
+    def rollback_failed(self, step: int) -> None:
+        """The trainer could not carry out the rollback requested at ``step``: not counted."""
+        self.n_rollbacks = max(0, self.n_rollbacks - 1)
+
+    # ------------------------------------------------------------------ stops that restore
+    def _check_probation(self, step: int, control: Control | None) -> list[Intervention]:
+        """After a rollback that skipped bad data: does the data source keep failing?
+
+        If the loss stays measurably worse than before the episode for ``adapt_steps`` steps
+        within ``recur_steps`` of the rollback, the source is broken (a stuck loader, bad shards
+        to the end): nothing left to try, so stop with the healthy checkpoint restored.
+        """
+        assert self._probation is not None
+        pb = self._probation
+        rc = self.config.recovery
+        if step - pb.resume > rc.recur_steps:
+            self._probation = None
+            return []
+        n_worse, ref = self._gap(pb.n_worse, pb.ref)
+        self._probation = pb._replace(n_worse=n_worse, ref=ref)
+        if n_worse < max(1, rc.adapt_steps):
+            return []
+        self._probation = None
+        reason = (f"the loss stayed measurably worse without closing the gap for {n_worse} "
+                  f"steps after the rollback at step {pb.resume} skipped the bad data: the "
+                  f"data source keeps failing")
+        return self._stop_restoring(step, pb.target, reason, pb.cause, control)
+
+    def _gap(self, n_worse: int, ref: float) -> tuple[int, float]:
+        """One step of a gap watch: ``(n_worse, ref)`` after this step's loss level.
+
+        ``n_worse`` counts the steps the run has been measurably worse than before the episode
+        *without closing the gap*.  ``ref`` is the worst recent level since the count began
+        (or since the last fall): the recent level is an EW mean that lags, so while it still
+        climbs towards a new level a comparison with its value when the count began would see
+        no fall even when the loss itself is already coming down.  A fall below ``ref`` by more
+        than ``recovery.improve_margin`` means the run is returning to its trajectory: the
+        count restarts (in doubt, no stop: invariant 3).
+        """
+        fast = self.loss.fast
+        if not self.worse():
+            return 0, fast
+        if math.isnan(ref) or n_worse == 0:
+            return 1, fast
+        ref = max(ref, fast)
+        if fast < ref - self.config.recovery.improve_margin:
+            return 0, fast  # closing the gap: returning to the trajectory
+        return n_worse + 1, ref
+
+    # ------------------------------------------------------------------ damage outliving its cause
+    def _watching(self) -> bool:
+        """An aftermath is being watched, or an episode's aftermath is still to be judged."""
+        return self._after is not None or (
+            self._onset is not None and self._judged_onset != self._onset
+            and self.n_undo < self.config.recovery.max_undo)
+
+    def _aftermath_due(self, step: int) -> bool:
+        """Watch (or start watching) the aftermath of the open episode now?"""
+        if self._after is not None:
+            return True
+        if (self._onset is None or self._judged_onset == self._onset or self.guard.active
+                or self.n_undo >= self.config.recovery.max_undo):
+            return False
+        ep = self._ep
+        if step - ep.last_seen <= self.config.cooldown:
+            return False  # the episode is not over
+        self._judged_onset = self._onset
+        self._after = Aftermath(self._onset, ep.last_seen, ep.cause, step, 0, math.nan)
+        return True
+
+    def _check_aftermath(self, step: int, control: Control | None) -> list[Intervention]:
+        """The episode is over: undo damage that outlives it (one rollback to before it).
+
+        While the loss stays measurably worse than before the episode without closing the gap
+        for ``adapt_steps`` steps (within ``recur_steps`` of the watch's start), the cause is
+        gone but its damage is not: roll back to the latest healthy checkpoint before the
+        onset (skipping the episode's batches when its cause was the data).  A run back to its
+        level, or still closing the gap when the watch ends, is left alone.
+        """
+        af = self._after
+        assert af is not None
+        rc = self.config.recovery
+        if self.guard.active or self.n_undo >= rc.max_undo or step - af.start > rc.recur_steps:
+            self._after = None
+            return []
+        if not self.worse():
+            self._after = None  # back to its pre-episode level: nothing to undo
+            return []
+        n_worse, ref = self._gap(af.n_worse, af.ref)
+        self._after = af._replace(n_worse=n_worse, ref=ref)
+        # the updates of a data episode came from batches that alarmed: with the data back to
+        # normal and the loss still measurably worse, their damage is undone at once; any other
+        # cause waits for adapt_steps steps without closing the gap
+        wait = 1 if af.cause in DATA_CAUSES else max(1, rc.adapt_steps)
+        if n_worse < wait:
+            return []
+        self._after = None
+        return self._undo(step, af, control)
+
+    def _undo(self, step: int, af: Aftermath, control: Control | None) -> list[Intervention]:
+        """Roll back to the latest healthy checkpoint before ``af.onset`` (see
+        :meth:`_check_aftermath`); nothing when there is none."""
+        ledger = self.ledger
+        target = None if ledger is None else ledger.latest_healthy_before(
+            af.onset, self.config.checkpoint_margin)
+        if target is None or self.n_rollbacks >= self.config.max_rollbacks:
+            return []
+        if af.cause not in DATA_CAUSES and any(abs(af.onset - o) <= 3
+                                               for o, _ in self._rb_onsets):
+            return []  # a rollback already replayed this step fault: it would again (inv. 6)
+        data = af.cause in DATA_CAUSES
+        reason = (f"the loss stayed measurably above its level before the episode of step "
+                  f"{af.onset} (cause: {af.cause or 'unknown'}) for "
+                  f"{self.config.recovery.adapt_steps} steps after it ended, without closing "
+                  f"the gap: its damage outlives it")
+        what = f"roll back to step {target.step}" + (
+            f", skipping the batches of steps {af.onset}-{af.last}" if data else "")
+        msg = f"step {step}: {reason} -> {what} (undo {self.n_undo + 1})"
+        out: list[Intervention] = [
+            Alert(step, reason, cause=af.cause, severity="critical", message=msg),
+            Rollback(step, reason, cause=af.cause, to_step=target.step, skip_from=af.onset,
+                     skip_to=af.last if data else af.onset - 1)]
+        self.n_undo += 1
+        self.n_rollbacks += 1
+        if not data:
+            self._rb_onsets = [*self._rb_onsets[-7:], (int(af.onset), af.cause)]
+        self.n_responses += 1
+        act = control is not None and not self.log_only
+        resume = target.covers if act and self.config.rewind_on_rollback else step
+        self._probation = (Probation(resume, target.step, 0, af.cause)
+                           if data and af.cause else None)
+        if act:
+            assert control is not None
+            control.rollback_to = target.step
+            control.skip_batches = (af.onset, af.last) if data else None
+            if self.config.rewind_on_rollback:
+                self._rewind(step, target.covers, ledger)
+        self._onset = None
+        self._lr = self._clip = None  # the responses to the undone episode go with it
+        self._update_neutral()
+        self._reset_episode()
+        self.guard.rewind()
+        self.val.rewind(target.covers)
+        return out
+
+    def _overfit_stop(self, step: int, acts: Sequence[Alarm], cause: str, ctx: PolicyContext,
+                      control: Control) -> list[Intervention] | None:
+        """Overfitting: validation keeps getting worse while training does not -- an early stop
+        with the checkpoint of the best validation point restored (``None``: not overfitting).
+        """
+        rc, val = self.config.recovery, self.val
+        if not ("train_val_divergence" in {a.kind for a in acts}
+                and val.worse_points >= rc.val_patience and cause == "divergence"
+                and self.loss.fast < val.train_at_best + math.log1p(-rc.val_train_drop)):
+            return None
+        ledger = ctx.healthy_checkpoints
+        rec = None if ledger is None else ledger.latest_healthy_before(
+            val.best_step + 1, self.config.checkpoint_margin)
+        reason = (f"validation loss {val.worse_points} points above its best "
+                  f"({val.best:.4g} at step {val.best_step}) by more than "
+                  f"{rc.val_margin:.0%} while the training loss fell "
+                  f"{1 - math.exp(self.loss.fast - val.train_at_best):.0%} below its level "
+                  f"then: overfitting")
+        return self._stop_restoring(step, None if rec is None else rec.step, reason,
+                                    "overfit", control)
+
+    def _stop_restoring(self, step: int, target: int | None, reason: str, cause: str,
+                        control: Control | None) -> list[Intervention]:
+        """Stop with the checkpoint of ``target`` restored (``None``: nothing to restore)."""
+        kept = "" if target is None else f" with the weights of step {target} restored"
+        msg = (f"step {step}: {reason} -> stop{kept} (cause: {cause}; tried: "
+               f"{self.n_rollbacks} rollback(s))")
+        out: list[Intervention] = [
+            Alert(step, reason, cause=cause, severity="critical", message=msg)]
+        if target is not None:
+            out.append(Rollback(step, reason, cause=cause, to_step=target, skip_from=step,
+                                skip_to=step - 1))
+        out.append(Stop(step, msg, cause=cause))
+        self.n_responses += 1
+        self.cause = cause
+        if control is not None and not self.log_only:
+            if target is not None:
+                control.rollback_to = target
+            control.stop = True
+            control.stop_reason = msg
+        return out
+
+    # ------------------------------------------------------------------ gates
+    def _improving(self) -> bool:
+        fast, ref = self.loss.fast, self._ep.adapt_fast
+        return not math.isnan(ref) and not math.isnan(fast) and fast < ref - 0.02
+
+    def _start_adapting(self, step: int) -> None:
+        """Start adapting (clip + LR cut) at ``step``: remember the loss level then."""
+        self._ep.adapt_start = step
+        self._ep.adapt_fast = self.loss.fast
+
+    def _exhausted(self, step: int, ctx: PolicyContext) -> bool:
+        """No rollback left to try: the limit is reached or no healthy checkpoint exists."""
+        if self.n_rollbacks >= self.config.max_rollbacks:
+            return True
+        ledger = ctx.healthy_checkpoints
+        onset = step if self._onset is None else self._onset
+        return ledger is None or ledger.latest_healthy_before(
+            onset, self.config.checkpoint_margin) is None
+
+    # ================================================================== building a response
+
+    def _build(self, step: int, actions: set[str], by_kind: Mapping[str, list[Alarm]],
+               level: int, ctx: PolicyContext, control: Control,
+               jump: float | None = None) -> list[Intervention]:
+        cfg = self.config
+        act = not self.log_only
+        reason = f"L{level}: " + "; ".join(
+            f"{k}({_signals(v)})" for k, v in sorted(by_kind.items()))
+        notes: list[str] = []
+        out: list[Intervention] = []
+        ledger = ctx.healthy_checkpoints
+        self._rolled_back = False
+        if "rollback" in actions and self._recurs(step):
+            # rerun verdict: the same fault at the same step after a rollback to before it is
+            # deterministic -- another rollback would replay it (invariant 6: not repeated)
+            onset = step if self._onset is None else self._onset
+            actions = actions - {"rollback", "checkpoint"}
+            if self._storm:
+                actions |= {"stop"}
+            notes.append(f"the fault recurred at step {onset} after a rollback to before it: "
+                         f"deterministic, a rollback does not help -- "
+                         + ("stopping" if self._storm else "training through it"))
+        if "rollback" in actions and self.n_rollbacks >= cfg.max_rollbacks:
+            actions = (actions - {"rollback"}) | {"stop"}
+            notes.append(f"rollback limit ({cfg.max_rollbacks}) reached")
+        if "rollback" in actions:
+            onset = step if self._onset is None else self._onset
+            if ledger is None or ledger.latest_healthy_before(onset, cfg.checkpoint_margin) is None:
+                actions = actions - {"rollback"}
+                notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
+                if self.cause == "corruption":  # a broken state with nothing to restore
+                    actions = actions | {"stop"}
+        if "stop" in actions:
+            worse = self.worse()
+            if worse is False and not self._storm and self.cause != "data":
+                actions = actions - {"stop"}
+                notes.append("would stop, but the run is not measurably worse than before the "
+                             "episode: continuing")
+            else:
+                tried = f"{self.n_rollbacks} rollback(s)"
+                if self._ep.adapt_start is not None:
+                    tried += f", adapting since step {self._ep.adapt_start}"
+                notes.append(f"cause: {self.cause or 'unknown'}; tried: {tried}")
+        if "skip" in actions:
+            out.append(SkipStep(step, reason))
+            if act:
+                control.skip_step = True
+        if "clip" in actions:
+            current = self.clip_norm_at(step)
+            if current is None:
+                current = finite_or_none(ctx.clip_norm)
+            med = finite_or_none(ctx.grad_norm_recent_median)
+            norm = adaptive_clip(med, cfg.clip.factor, current, tighten=cfg.clip.tighten,
+                                 min_norm=cfg.clip.min_norm, max_norm=cfg.clip.max_norm)
+            if norm is None:
+                notes.append("no gradient statistics to derive a clip from")
+            else:
+                self._clip = ClipHold(norm, step, cfg.clip.duration)
+                out.append(SetClip(step, reason, max_norm=norm, duration=cfg.clip.duration))
+        if "reduce_lr" in actions and jump is not None:
+            j = cfg.lr_jump
+            cur = self.lr_factor_at(step)
+            held = self._jump_active(step)
+            total = jump * (held.ratio if held is not None else 1.0)
+            f = max(cfg.lr.min_factor, min(1.0, cur) * min(1.0 / jump, cfg.lr.factor))
+            self._jump = JumpHold(total, step, f)
+            self._lr = LRCut(step, f, j.hold, j.restore_steps)
+            out.append(ReduceLR(step, reason, factor=f, duration=j.hold,
+                                restore_steps=j.restore_steps))
+            notes.append(f"LR jumped x{jump:.3g}: LR factor {f:.3g}, held until {j.hold} steps "
+                         f"after the last jump alarm")
+        elif "reduce_lr" in actions:
+            f = compound_factor(self._ladder_lr_factor_at(step), cfg.lr.factor,
+                                cfg.lr.min_factor)
+            self._lr = LRCut(step, f, cfg.lr.duration, cfg.lr.restore_steps)
+            out.append(ReduceLR(step, reason, factor=f, duration=cfg.lr.duration,
+                                restore_steps=cfg.lr.restore_steps))
+        if "checkpoint" in actions:
+            out.append(Checkpoint(step, reason, healthy=False))
+            if act:
+                control.save_checkpoint = True
+                control.checkpoint_reason = reason
+        if "rollback" in actions:
+            onset = step if self._onset is None else self._onset
+            target = None if ledger is None else ledger.latest_healthy_before(
+                onset, cfg.checkpoint_margin)
+            skip_data = self.cause in DATA_CAUSES or not self.cause
+            if target is None:
+                notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
+            else:
+                if self.cause == "data" and self._onset is None:
+                    # no alarm marks where the bad data began: skip every batch since the
+                    # restored checkpoint (the canary vouched for none after it)
+                    onset = target.covers + 1
+                out.append(Rollback(step, reason, to_step=target.step, skip_from=onset,
+                                    skip_to=step if skip_data else onset - 1))
+                self.n_rollbacks += 1
+                if not skip_data:
+                    self._note_rolled_back(onset)
+                self._onset = None
+                self._rolled_back = True  # log_only decides as if it had acted
+                resume = target.covers if act and cfg.rewind_on_rollback else step
+                self._probation = (Probation(resume, target.step, 0, self.cause)
+                                   if skip_data and self.cause else None)
+                if act:
+                    control.rollback_to = target.step
+                    control.skip_batches = (onset, step) if skip_data else None
+                    if cfg.rewind_on_rollback:
+                        self._rewind(step, target.covers, ledger)
+                        self._rewound_to = target.covers
+        if "stop" in actions:
+            out += self._stop_restore(step, ledger, notes, control)
+            out.append(Stop(step, reason + ("; " + "; ".join(notes) if notes else "")))
+            if act:
+                control.stop = True
+                control.stop_reason = out[-1].reason
+        if "alert" in actions or notes:
+            sev = "critical" if (level >= 3 or actions & {"rollback", "stop"}
+                                 or any(a.severity == "critical"
+                                        for v in by_kind.values() for a in v)) else "warning"
+            done = ", ".join(a for a in ACTIONS if a in actions and a != "alert") or "none"
+            msg = f"step {step}: {reason} -> {done}" + ("; " + "; ".join(notes) if notes else "")
+            out.insert(0, Alert(step, reason, severity=sev, message=msg))
+        return out
+
+    def _note_rolled_back(self, onset: int) -> None:
+        """Remember the onset and cause of an episode undone by a rollback (a step fault
+        replays there)."""
+        self._rb_onsets = [*self._rb_onsets[-7:], (int(onset), self.cause)]
+
+    def _replayed_cause(self, step: int) -> str | None:
+        """The cause of the step-fault episode undone by a rollback that began where the open
+        episode begins (``None``: none) -- the rollback replayed the fault, which is therefore
+        deterministic (Megatron's rerun verdict), whatever the alarms look like this time."""
+        onset = step if self._onset is None else self._onset
+        for o, cause in self._rb_onsets:
+            if abs(onset - o) <= 3:
+                return cause
+        return None
+
+    def _recurs(self, step: int) -> bool:
+        """Whether the open episode replays a step fault a rollback already undid."""
+        return self.cause not in DATA_CAUSES and self._replayed_cause(step) is not None
+
+    def _stop_restore(self, step: int, ledger: Ledger | None, notes: list[str],
+                      control: Control) -> list[Intervention]:
+        """A stop restores the latest healthy checkpoint before the episode (invariant 2):
+        the :class:`Rollback` that goes with the :class:`Stop`, its note, and the control."""
+        if self._rolled_back:
+            return []  # this response's own rollback restores the healthy weights
+        onset = step if self._onset is None else self._onset
+        target = None if ledger is None else ledger.latest_healthy_before(
+            onset, self.config.checkpoint_margin)
+        if target is None:
+            notes.append(f"no healthy checkpoint before step {onset}: the weights of step "
+                         f"{step} are kept")
+            return []
+        notes.append(f"the weights of step {target.step} (the latest healthy checkpoint "
+                     f"before the episode of step {onset}) restored")
+        if not self.log_only:
+            control.rollback_to = target.step
+            control.skip_batches = None
+        return [Rollback(step, "stop: restore the healthy weights", to_step=target.step,
+                         skip_from=step, skip_to=step - 1)]
+
+    # ------------------------------------------------------------------ LR jumps
+    def _is_jump(self, a: Alarm) -> bool:
+        j = self.config.lr_jump
+        return a.detector in j.detectors and SEV.get(a.severity, 1) >= SEV[j.min_severity]
+
+    def _jump_ratio(self, alarms: Sequence[Alarm], ctx: PolicyContext) -> float | None:
+        """Ratio of the LR jump behind this step's LR-jump alarms (``None``: no such alarm).
+
+        ``context.lr / context.lr_prev`` when both are known, else the lower bound
+        ``exp(score * log_unit)`` from the largest alarm score.
+        """
+        scores = [a.score for a in alarms if self._is_jump(a)]
+        if not scores:
+            return None
+        lr, prev = finite_or_none(ctx.lr), finite_or_none(ctx.lr_prev)
+        if lr is not None and prev is not None and lr > 0.0 and prev > 0.0 and lr > prev:
+            return lr / prev
+        x = max(scores) * self.config.lr_jump.log_unit
+        return math.exp(min(x, 700.0)) if not math.isnan(x) else math.inf
+
+    def _jump_active(self, step: int) -> JumpHold | None:
+        """The jump hold in force at ``step`` (still held or ramping back), else ``None``."""
+        j = self.config.lr_jump
+        if self._jump is None or not 0 <= step - self._jump.last < j.hold + j.restore_steps:
+            return None
+        return self._jump
+
+    def _rearm(self, step: int, ratio: float) -> bool:
+        """Extend the hold when ``ratio`` is the jump already held (e.g. a frozen detector)."""
+        held = self._jump_active(step)
+        j = self.config.lr_jump
+        if held is None or ratio > j.rearm_tolerance * held.ratio:
+            return False
+        f = min(held.factor, self.lr_factor_at(step))
+        self._jump = held._replace(last=step)
+        self._lr = LRCut(step, f, j.hold, j.restore_steps)
+        return True
+
+
+

@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from stability.adapters.interventions import LRMultiplier
-from stability.adapters.torch_ops.sharded import all_finite
+from stability.adapters.torch_ops.sharded import agree, all_finite
 from stability.adapters.torch_ops.signals import SignalCollector
 from stability.adapters.trainer_support import params_finite
 from stability.outputs.feedback import skipping
@@ -251,9 +251,12 @@ class GuardCheckpoints:
                 or self._healthy_through != step - 1 or c.rollback_to is not None or c.stop
                 or not self._can_save_now()):
             return
-        if loss is None or not math.isfinite(loss) or self._blames_weights():
+        if self.ledger.get(step - 1) is not None:
             return
-        if self.ledger.get(step - 1) is not None or not params_finite(g.model.parameters()):
+        ok = loss is not None and math.isfinite(loss) and not self._blames_weights()
+        if g.sync is not None:  # every rank's loss and alarms: all save or none (same ledgers)
+            ok = agree(ok)
+        if not ok or not params_finite(g.model.parameters()):
             return
         self.auto(healthy=True, reason="periodic (before the alarmed update)", step=step - 1)
 
