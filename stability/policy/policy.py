@@ -833,10 +833,14 @@ class Policy:
     def rollback_anchors(self) -> list[int]:
         """Steps before which a rollback or restore may still be needed.
 
-        The open episode's onset and the step after the best validation point: the latest
-        healthy checkpoint before each must survive checkpoint retention.
+        The open episode's onset, the checkpoint an open probation would restore on its stop
+        (invariant 2: a stop restores it, so retention must keep it) and the step after the
+        best validation point: the latest healthy checkpoint before each must survive
+        checkpoint retention.
         """
         out = [] if self._onset is None else [self._onset]
+        if self._probation is not None:
+            out.append(self._probation.target + 1)
         if self._after is not None:
             out.append(self._after.onset)
         if self.guard.active and self.guard.onset >= 0:
