@@ -184,9 +184,9 @@ def _spied(sync: str, steps: int, seed: int, fault: FaultSpec | None,
 
 
 @pytest.mark.xfail(strict=True, reason="regression found at the end of session 7: "
-                   "persistent "
-                   "data corruption in sync='deferred' is no longer stopped after the issue-24 policy "
-                   "changes (recovering alarms / probation); open in the closing note")
+                   "persistent data corruption in sync='deferred' is no longer stopped after "
+                   "the issue-24 policy changes (recovering alarms / probation); open in the "
+                   "closing note")
 def test_persistent_data_corruption_is_rescued_like_step_mode() -> None:
     """The benchmark's ``data_corrupt_perm`` run of the MLP (seed 0): garbage from step 161."""
     clean = train_run("mlp", 300, seed=0)
