@@ -37,9 +37,10 @@ CHILD = textwrap.dedent("""
             raise RuntimeError("disk full")
 
     install_sigterm_checkpoint(checkpoint)
-    print("ready", flush=True)
     while True:                      # a tiny training loop
         step += 1
+        if step == 1:                # ready once inside it: the signal cannot come before
+            print("ready", flush=True)
         time.sleep(0.001)
 """)
 
