@@ -19,20 +19,13 @@ from stability.adapters.interventions import CheckpointStore  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
 from stability.policy.policy import Policy  # noqa: E402
 from stability.run.checkpoints import CheckpointLedger  # noqa: E402
+from stability.testing.tasks import warmup_cosine  # noqa: E402
 from stability.types import Alarm, Control  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 300
 ONSET = 150
 
-
-def cosine(total: int, warmup: int = 20):
-    def f(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        p = (s - warmup) / max(1, total - warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(p, 1.0)))
-    return f
 
 
 def make_problem(seed: int = 0):
@@ -49,7 +42,7 @@ def run(lr_fault=None, input_scale=None, monitor=True, steps=STEPS, seed=0, **gu
     """Train with an optional LR fault ``lr_fault(step) -> multiplier`` on the schedule."""
     model, xs, ys = make_problem(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    base = cosine(steps)
+    base = warmup_cosine(steps, 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: base(s) * (lr_fault(s) if lr_fault else 1.0))
     guard = TorchGuard(model, opt, sched, Monitor("small") if monitor else None,
@@ -176,7 +169,7 @@ def test_refused_rollback_is_not_counted() -> None:
 
 def test_scheduler_rewind_is_not_an_lr_jump() -> None:
     mon = Monitor("small")
-    f = cosine(400)
+    f = warmup_cosine(400, 20)
     def metrics(s: int) -> dict[str, float]:
         # the weight norm grows slowly: restoring step 199 moves it back by ~25 %
         return {"loss": 1.0 / (1 + s / 100), "lr": 3e-3 * f(s), "param_norm": 1.0 + s / 100}

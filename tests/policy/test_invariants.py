@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from stability import Monitor  # noqa: E402
 from stability.adapters.interventions import TrainingStopped  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
+from stability.testing.tasks import warmup_cosine  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 600
@@ -26,14 +27,6 @@ WINDOW = (350, 370)  # 20 bad batches
 Batch = tuple["torch.Tensor", "torch.Tensor"]
 Fault = Callable[[int, "torch.Tensor", "torch.Tensor"], Batch]
 
-
-def cosine(total: int, warmup: int = 20) -> Callable[[int], float]:
-    def f(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        p = (s - warmup) / max(1, total - warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(p, 1.0)))
-    return f
 
 
 def problem(seed: int = 0):
@@ -64,7 +57,7 @@ def train(fault: Fault = clean, monitor: bool = True, grad_fault: Callable[[int]
     """Train; returns (guard, held-out loss, stop or None, weights per step)."""
     model, xs, ys = problem()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine(steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, 20))
     guard = TorchGuard(model, opt, sched, Monitor("small") if monitor else None,
                        checkpoint_every=25, clip_norm=1.0)
     weights: dict[int, list[torch.Tensor]] = {}
