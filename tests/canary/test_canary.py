@@ -22,8 +22,9 @@ from stability.adapters.guard.canary import CanarySet, isolated_eval  # noqa: E4
 from stability.adapters.interventions import TrainingStopped  # noqa: E402
 from stability.adapters.torch import TorchGuard  # noqa: E402
 from stability.policy.attribution import attribute  # noqa: E402
+from stability.testing.tasks import warmup_cosine  # noqa: E402
 from stability.types import Alarm  # noqa: E402
-from tests.policy.test_invariants import STEPS, WINDOW, cosine, problem  # noqa: E402
+from tests.policy.test_invariants import STEPS, WINDOW, problem  # noqa: E402
 
 torch.set_num_threads(1)
 F = torch.nn.functional
@@ -63,7 +64,7 @@ def train(fault: Callable[[int, torch.Tensor, torch.Tensor], Batch] = clean,
         torch.manual_seed(0)
         model = model_fn()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine(STEPS))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(STEPS, 20))
     kw = {"canary": canary, "canary_loss": mse} if canary else {}
     guard = TorchGuard(model, opt, sched, Monitor("small") if monitor else None,
                        checkpoint_every=25, clip_norm=1.0, **kw)
