@@ -66,7 +66,7 @@ def read_control(f: Fields, key: str) -> Control:
         "clip_norm": g.opt_number("clip_norm", lo=0.0, low_open=True),
         "rollback_to": g.opt_integer("rollback_to", lo=0),
     }
-    for k in ("skip_step", "save_checkpoint", "stop"):
+    for k in ("skip_step", "save_checkpoint", "stop", "keep_position"):
         d[k] = g.flag(k, False)
     for k in ("checkpoint_reason", "stop_reason"):
         d[k] = g.text(k, "")

@@ -187,6 +187,8 @@ class Policy:
         self.n_undo = 0
         #: (onset, cause) of step-fault episodes undone by a rollback
         self._rb_onsets: list[tuple[int, str]] = []
+        #: onsets of replayed faults answered by a restore that kept the position
+        self._kept_onsets: list[int] = []
         self._storm = False  # this step's response is a skip storm's escalation
         self.n_rollbacks = 0
         self.n_responses = 0
@@ -219,7 +221,7 @@ class Policy:
             n_rollbacks=self.n_rollbacks, n_responses=self.n_responses, n_merged=self.n_merged,
             guard=self.guard, episode=self._ep, probation=self._probation, loss=self.loss,
             val=self.val, aftermath=self._after, judged_onset=self._judged_onset,
-            n_undo=self.n_undo, rb_onsets=self._rb_onsets))
+            n_undo=self.n_undo, rb_onsets=self._rb_onsets, kept_onsets=self._kept_onsets))
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; later decisions are identical.
@@ -241,6 +243,7 @@ class Policy:
         self._ep, self._probation = s.episode, s.probation
         self._after, self._judged_onset, self.n_undo = s.aftermath, s.judged_onset, s.n_undo
         self._rb_onsets = list(s.rb_onsets)
+        self._kept_onsets = list(s.kept_onsets)
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
@@ -516,7 +519,8 @@ class Policy:
             self._start_adapting(step)
             actions.update(("alert", "clip", "reduce_lr"))
             responded = True
-        if cause == "corruption" and not replayed:
+        if cause == "corruption" and (not replayed or self._may_keep_position(step)):
+            # broken model state: roll back at once (a replayed one: without replaying its step)
             actions.update(("alert", "checkpoint", "rollback"))
             skip = True
             responded = True
@@ -1068,16 +1072,9 @@ class Policy:
         out: list[Intervention] = []
         ledger = ctx.healthy_checkpoints
         self._rolled_back = False
+        keep = False
         if "rollback" in actions and self._recurs(step):
-            # rerun verdict: the same fault at the same step after a rollback to before it is
-            # deterministic -- another rollback would replay it (invariant 6: not repeated)
-            onset = step if self._onset is None else self._onset
-            actions = actions - {"rollback", "checkpoint"}
-            if self._storm:
-                actions |= {"stop"}
-            notes.append(f"the fault recurred at step {onset} after a rollback to before it: "
-                         f"deterministic, a rollback does not help -- "
-                         + ("stopping" if self._storm else "training through it"))
+            actions, keep = self._recurrence_response(step, actions, notes)
         if "rollback" in actions and self.n_rollbacks >= cfg.max_rollbacks:
             actions = (actions - {"rollback"}) | {"stop"}
             notes.append(f"rollback limit ({cfg.max_rollbacks}) reached")
@@ -1138,7 +1135,9 @@ class Policy:
             if act:
                 control.save_checkpoint = True
                 control.checkpoint_reason = reason
-        if "rollback" in actions:
+        if "rollback" in actions and keep:
+            out += self._restore_keeping_position(step, reason, ledger, control)
+        elif "rollback" in actions:
             onset = step if self._onset is None else self._onset
             target = None if ledger is None else ledger.latest_healthy_before(
                 onset, cfg.checkpoint_margin)
@@ -1180,6 +1179,57 @@ class Policy:
             msg = f"step {step}: {reason} -> {done}" + ("; " + "; ".join(notes) if notes else "")
             out.insert(0, Alert(step, reason, severity=sev, message=msg))
         return out
+
+    def _may_keep_position(self, step: int) -> bool:
+        """Whether a replayed fault that broke the model state (cause ``corruption``) may be
+        answered by restoring the healthy weights without replaying its step: not yet tried
+        for this onset (invariant 6) and a rollback left (invariant 5)."""
+        onset = step if self._onset is None else self._onset
+        return (self.cause == "corruption" or self._replayed_cause(step) == "corruption") \
+            and not any(abs(onset - o) <= 3 for o in self._kept_onsets) \
+            and self.n_rollbacks < self.config.max_rollbacks
+
+    def _recurrence_response(self, step: int, actions: set[str],
+                             notes: list[str]) -> tuple[set[str], bool]:
+        """Rerun verdict: the same fault at the same step after a rollback to before it is
+        deterministic -- another rollback would replay it (invariant 6: not repeated).  A fault
+        in the model state is undone by restoring the healthy weights *without* replaying its
+        step (``keep`` is ``True``); any other is trained through, or stopped in a skip storm."""
+        onset = step if self._onset is None else self._onset
+        head = (f"the fault recurred at step {onset} after a rollback to before it: "
+                f"deterministic")
+        if self._may_keep_position(step):
+            # the healthy state is back and the fault's step is behind: nothing to adapt to
+            notes.append(head + " -- restoring the healthy weights without replaying the step")
+            return actions - {"clip", "reduce_lr"}, True
+        actions = actions - {"rollback", "checkpoint"}
+        if self._storm:
+            actions |= {"stop"}
+        notes.append(head + ", a rollback does not help -- "
+                     + ("stopping" if self._storm else "training through it"))
+        return actions, False
+
+    def _restore_keeping_position(self, step: int, reason: str, ledger: Ledger | None,
+                                  control: Control) -> list[Intervention]:
+        """Restore the latest healthy checkpoint before the episode's onset, keeping the step
+        counter, scheduler and data position: the deterministic fault's step is not replayed.
+        Counted as a rollback (its steps are lost); the policy's clock does not rewind."""
+        onset = step if self._onset is None else self._onset
+        target = None if ledger is None else ledger.latest_healthy_before(
+            onset, self.config.checkpoint_margin)
+        if target is None:
+            return []
+        self.n_rollbacks += 1
+        self._kept_onsets = [*self._kept_onsets[-7:], int(onset)]
+        self._onset = None
+        self._rolled_back = True
+        self._probation = None
+        if not self.log_only:
+            control.rollback_to = target.step
+            control.skip_batches = None
+            control.keep_position = True
+        return [Rollback(step, reason, to_step=target.step, skip_from=step, skip_to=step - 1,
+                         keep_position=True)]
 
     def _note_rolled_back(self, onset: int) -> None:
         """Remember the onset and cause of an episode undone by a rollback (a step fault
