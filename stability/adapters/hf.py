@@ -37,9 +37,10 @@ How it hooks in (transformers 4.4x / 5.x):
 * **Steps after a rollback.** ``state.global_step`` counts optimizer iterations (HF's budget:
   ``max_steps``, logging, eval and save cadence, checkpoint names) and never goes back. The
   guard's step (the monitor's step, and the position of the restored LR scheduler) goes back to
-  the checkpoint's step + 1. Always ``state.global_step == guard.step_count + guard.steps_lost``
-  (:attr:`StabilityTrainerCallback.guard`); the steps lost to a rollback come out of
-  ``max_steps``, so the schedule does not reach its end.
+  the checkpoint's step + 1. Always ``state.global_step == guard.step_count + guard.steps_lost
+  - guard.steps_lost_in_place`` (:attr:`StabilityTrainerCallback.guard`; a restore that keeps
+  the position, for a fault that recurs at its step, does not move the guard's step back); the
+  steps lost to a rollback come out of ``max_steps``, so the schedule does not reach its end.
 * **Feedback.** ``on_log`` adds ``stability/*`` keys to HF's training logs (they reach
   ``log_history``, TensorBoard and W&B: the callback moves itself before the reporting callbacks)
   and rewrites ``learning_rate`` to the *effective* LR (scheduler LR x the monitor's factor) while

@@ -51,7 +51,8 @@ fused optimizer (:mod:`stability.adapters.guard.sync_mode`).
 Steps after a rollback: ``trainer.global_step`` counts optimizer iterations (Lightning's budget:
 ``max_steps``, logging and checkpoint cadence) and never goes back; the guard's step (the monitor's
 step, and the position of the restored LR scheduler) goes back to the checkpoint's step + 1.
-Always ``trainer.global_step == guard.step_count + guard.steps_lost``; the steps lost to a
+Always ``trainer.global_step == guard.step_count + guard.steps_lost - guard.steps_lost_in_place``
+(a restore that keeps the position does not move the guard's step back); the steps lost to a
 rollback come out of ``max_steps``. The scheduler is stepped by Lightning even on skipped steps.
 """
 
