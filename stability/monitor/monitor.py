@@ -245,6 +245,8 @@ class Monitor:
         self._grad_hist: collections.deque[float] = collections.deque(maxlen=GRAD_HISTORY)
         self._grad_last: float | None = None
         self.last_step = -1
+        #: step of the stop the policy decided (``None``: running); a stop is decided once
+        self.stopped_at: int | None = None
         self.counters = {"steps": 0, "skipped_steps": 0, "skipped_values": 0, "alarm_steps": 0,
                          "alarms": 0, "interventions": 0, "sink_errors": 0}
         self._recovery = RecoveryTracker()  # peak score per alarming (binding, signal)
@@ -266,6 +268,8 @@ class Monitor:
         restore legitimately moves the LR, the weights and their gradients back.
         """
         self.last_step = int(step)
+        if self.stopped_at is not None and self.stopped_at > step:
+            self.stopped_at = None  # the job re-ran from before its stop: a new stop is news
         self.policy.guard.rewind()  # the scheduler went back too: not an LR jump
         for b in self._bindings:
             if b.spec.detector in ("lr_jump", "coherent_jump"):
@@ -467,7 +471,8 @@ class Monitor:
         if alarms:
             if pc is not self.control:
                 pc.reset_step()
-            ivs = tuple(self.policy.step(s, alarms, pc, self._context(gnow)))
+            ivs = self._stop_once(s, tuple(self.policy.step(s, alarms, pc,
+                                                            self._context(gnow))))
             self._policy_dirty = True
             self._ctrl_dirty = True
             if not self.log_only:
@@ -496,13 +501,34 @@ class Monitor:
             return ()
         guard = self.policy.guard
         was = guard.active
-        ivs = tuple(self.policy.track(s, lr, loss, self._policy_control, val))
+        ivs = self._stop_once(s, tuple(self.policy.track(s, lr, loss, self._policy_control,
+                                                         val)))
         if ivs or was or guard.active:
             self._snap = None
             self._policy_dirty = True
         if ivs:
             self._ctrl_dirty = True  # e.g. a stop: per-step requests end with this step
         return ivs
+
+    def _stop_once(self, s: int, ivs: tuple[Intervention, ...]) -> tuple[Intervention, ...]:
+        """A stop is decided once.
+
+        The first response holding a ``Stop`` marks the run stopped (:attr:`stopped_at`).  When
+        steps go on after it (a log that continues past the stop in ``replay`` / ``watch``, a
+        loop that ignores it), the policy's state still says stop and it answers the same stop
+        again: that response is the standing stop, not a new decision -- nothing is requested
+        (no ``Stop``, no second restore, no alert), and the control says only ``stop``.
+        """
+        if not any(iv.type == "stop" for iv in ivs):
+            return ivs
+        if self.stopped_at is None or s <= self.stopped_at:
+            self.stopped_at = s
+            return ivs
+        pc = self._policy_control
+        reason = pc.stop_reason
+        pc.reset_step()
+        pc.stop, pc.stop_reason = True, reason
+        return ()
 
     def rollback_failed(self, step: int, reason: str = "") -> None:
         """The trainer could not carry out the rollback requested at ``step``.
@@ -1171,6 +1197,7 @@ class Monitor:
             "checkpoints": self.checkpoints.state_dict(),
             "goodput": self.goodput.state_dict(),
             "last_step": self.last_step,
+            "stopped_at": self.stopped_at,
             "grad_history": list(self._grad_hist),
             "grad_last": self._grad_last,
             "lr_now": self._lr_now,
@@ -1293,6 +1320,7 @@ class Monitor:
         self.last_step, grad_hist, self._grad_last, self._lr_now, self._lr_prev, counters = hist
         self._grad_hist.extend(grad_hist)
         self.counters.update(counters)
+        self.stopped_at = part("the stop", lambda: f.opt_integer("stopped_at", lo=0), None)
         rec = f.get("recovery", None)
         if rec is not None:
             part("the recovery episodes", lambda: self._recovery.load_state_dict(rec))
