@@ -9,8 +9,10 @@ one selector loop in one daemon thread instead:
   so a slow client costs a few bytes of buffer, never a thread and never a wait;
 * every client has a *deadline* (``client_timeout`` seconds from its connection to the last byte
   of its answer); a client still connected at its deadline is closed;
-* at most ``max_clients`` connections are open at once; one more is answered ``503`` (best
-  effort, without waiting) and closed;
+* at most ``max_clients`` connections are open at once.  When they are all taken, a new one
+  takes the place of the oldest connection that has not finished sending its request (a client
+  that connects and idles cannot keep a scraper out); when every slot is busy answering, the new
+  one is answered ``503`` (best effort, without waiting) and closed;
 * a request is read up to ``MAX_REQUEST_BYTES``; a longer head is answered ``431`` and closed.
 
 The body of ``GET /metrics`` (or ``/``) is produced by a callable (the exporter passes
@@ -80,7 +82,8 @@ class ScrapeServer:
     addr
         Address to bind (default ``"127.0.0.1"``: this machine only).
     max_clients
-        Connections served at once (default 16); more are answered ``503`` and closed.
+        Connections open at once (default 16); beyond it a new connection replaces the oldest
+        one still sending its request, or is answered ``503`` and closed.
     client_timeout
         Seconds a connection may stay open, request and answer together (default 5).
     clock
@@ -102,6 +105,7 @@ class ScrapeServer:
         self.clock = clock
         self.served = 0
         self.refused = 0
+        self.evicted = 0
         self.timed_out = 0
         self._clients: dict[int, _Client] = {}
         self._closing = False
@@ -195,11 +199,21 @@ class ScrapeServer:
                 log.debug("accept failed", exc_info=True)
                 return
             sock.setblocking(False)
-            if len(self._clients) >= self.max_clients:
+            if len(self._clients) >= self.max_clients and not self._evict_idlest():
                 self._refuse(sock)
                 continue
             self._clients[sock.fileno()] = _Client(sock, self.clock() + self.client_timeout)
             self._sel.register(sock, selectors.EVENT_READ, "client")
+
+    def _evict_idlest(self) -> bool:
+        """Close the oldest connection still sending its request; ``False`` when every open
+        connection is being answered."""
+        reading = [(c.deadline, fd) for fd, c in self._clients.items() if c.answer is None]
+        if not reading:
+            return False
+        self.evicted += 1
+        self._drop(min(reading)[1])
+        return True
 
     def _refuse(self, sock: socket.socket) -> None:
         """One non-blocking ``503`` attempt, then close: a full server never waits."""

@@ -72,7 +72,7 @@ def test_a_client_past_its_deadline_is_closed() -> None:
 
 
 def test_a_client_that_never_reads_its_answer_is_closed_at_its_deadline() -> None:
-    big = b"x" * (8 << 20)  # more than the socket buffers hold
+    big = b"x" * (32 << 20)  # more than the socket buffers hold
     srv = ScrapeServer(lambda: big, port=0, client_timeout=0.5)
     try:
         s = socket.socket()
@@ -87,21 +87,40 @@ def test_a_client_that_never_reads_its_answer_is_closed_at_its_deadline() -> Non
         srv.close()
 
 
-def test_clients_beyond_the_cap_are_refused_at_once() -> None:
+def test_idle_clients_at_the_cap_cannot_keep_a_scraper_out() -> None:
+    """More idle clients than slots: each new connection replaces the oldest idle one, so a
+    scraper is served at once (no wait for the idle clients' deadlines)."""
     srv = ScrapeServer(lambda: b"up 1.0\n", port=0, max_clients=2, client_timeout=30.0)
-    held = [_connect(srv.server_port) for _ in range(2)]
+    held = [_connect(srv.server_port) for _ in range(5)]
     try:
-        assert _wait_until(lambda: srv.open_clients == 2)
-        with pytest.raises(urllib.error.HTTPError) as e:
-            _scrape(srv.server_port)
-        assert e.value.code == 503
-        assert srv.refused == 1 and srv.open_clients == 2
-        held.pop().close()  # a slot frees up: scrapes are served again
-        assert _wait_until(lambda: srv.open_clients == 1)
+        assert _wait_until(lambda: srv.evicted == 3)
+        assert srv.open_clients == 2
+        t0 = time.monotonic()
         assert _scrape(srv.server_port) == b"up 1.0\n"
+        assert time.monotonic() - t0 < 5.0 and srv.refused == 0
+        held[0].settimeout(5)
+        assert held[0].recv(16) == b""  # the oldest idle one was closed
     finally:
         for s in held:
             s.close()
+        srv.close()
+
+
+def test_clients_beyond_the_cap_are_refused_when_every_slot_is_answering() -> None:
+    big = b"x" * (32 << 20)  # more than the socket buffers hold: its answer stays pending
+    srv = ScrapeServer(lambda: big, port=0, max_clients=1, client_timeout=30.0)
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.server_port))
+        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # then does not read
+        assert _wait_until(lambda: srv.served == 1)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _scrape(srv.server_port)
+        assert e.value.code == 503  # answered at once, not queued behind the slow reader
+        assert srv.refused == 1 and srv.open_clients == 1
+    finally:
+        s.close()
         srv.close()
 
 
@@ -146,17 +165,11 @@ def test_the_exporter_serves_through_the_bounded_server() -> None:
 
     mon = Monitor("default", alert_sinks=[])
     exp = PrometheusExporter(mon, port=0, max_clients=3, client_timeout=30.0)
-    held = [_connect(exp.port) for _ in range(3)]  # type: ignore[arg-type]
+    held = [_connect(exp.port) for _ in range(10)]  # type: ignore[arg-type]
     try:
         assert isinstance(exp.server, ScrapeServer)
-        assert _wait_until(lambda: exp.server is not None and exp.server.open_clients == 3)
-        with pytest.raises(urllib.error.HTTPError):
-            _scrape(exp.port)  # type: ignore[arg-type]
-        for s in held:
-            s.close()
-        held.clear()
+        assert _wait_until(lambda: exp.server is not None and exp.server.evicted == 7)
         exp.update(mon.observe(0, {"loss": 2.0}))
-        assert _wait_until(lambda: exp.server is not None and exp.server.open_clients == 0)
         assert b"stability_last_step 0.0" in _scrape(exp.port)  # type: ignore[arg-type]
     finally:
         for s in held:
