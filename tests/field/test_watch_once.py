@@ -31,6 +31,7 @@ def test_stop_hook_fires_once_per_stop(tmp_path: Path) -> None:
     w = Watcher([str(log)], "default", echo=None,
                 hooks={"stop": f"echo $STABILITY_STEP >> {out}"})
     decisions = w.poll() + w.flush()
+    w.hook_runner.finish(30.0)  # hooks run in the background: wait for them (as --once does)
     stops = [d.step for d in decisions for i in d.interventions if i.type == "stop"]
     assert len(stops) == 1  # a stop is decided once, also when the log goes on past it
     assert any(d.step > stops[0] for d in decisions)
