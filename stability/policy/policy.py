@@ -986,6 +986,7 @@ class Policy:
             control.skip_batches = (af.onset, af.last) if data else None
             if self.config.rewind_on_rollback:
                 self._rewind(step, target.covers, ledger)
+            self.loss.rewind()
         self._onset = None
         self._lr = self._clip = None  # the responses to the undone episode go with it
         self._update_neutral()
@@ -1163,6 +1164,7 @@ class Policy:
                 if act:
                     control.rollback_to = target.step
                     control.skip_batches = (onset, step) if skip_data else None
+                    self.loss.rewind()
                     if cfg.rewind_on_rollback:
                         self._rewind(step, target.covers, ledger)
                         self._rewound_to = target.covers
