@@ -51,6 +51,7 @@ step 21: not after the last observed step 21 (duplicate or out of order; ...) ..
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import logging
 import math
@@ -104,6 +105,7 @@ from stability.monitor.replay_fill import fill_bank as _fill_bank
 from stability.monitor.state import (
     GRAD_HISTORY,
     STATE_VERSION,
+    PartLoader,
     checked_goodput,
     read_control,
     read_history,
@@ -1215,6 +1217,32 @@ class Monitor:
                              f"({type(exc).__name__}: {exc}).") from exc
 
     def _load_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        """Install a snapshot (:meth:`load_state_dict` puts the backup back if this raises).
+
+        The envelope, the layout and the goodput ledger are checked before anything changes;
+        then the runtime is reset and each part installed in turn, a bad part re-warming on
+        its own when not ``strict`` (:class:`~stability.monitor.state.PartLoader`).
+        """
+        f, snap = self._read_snapshot(state, strict)
+        part = PartLoader(strict)
+        layout = part("the signal layout", lambda: read_layout(f), ([], [], {}))
+        # the goodput ledger is checked (into a scratch tracker) before anything changes
+        gp = f.get("goodput", None)
+        if gp is not None:
+            gp = part("the goodput ledger", lambda: checked_goodput(gp), {})
+        self._reset_runtime()
+        self._install_layout(layout, part)
+        self._install_banks(snap, layout[0], part, strict)
+        self._install_policy(f, part)
+        self._install_ledgers(f, gp, part)
+        self._install_history(f, part)
+        self._dirty = True
+
+    def _read_snapshot(self, state: Mapping[str, Any],
+                       strict: bool) -> tuple[Fields, dict[str, Fields]]:
+        """Decode the snapshot and check its envelope: the version, and bindings that must be
+        this monitor's (not strict: missing ones start fresh).  Returns the fields and each
+        binding's snapshot by name."""
         try:
             sd = decode_state(state)
         except Exception as exc:
@@ -1232,26 +1260,17 @@ class Monitor:
                    f"this monitor's {live}.")
             if strict:
                 raise ValueError(msg)
-            rewarm(msg + " Bindings missing from the snapshot start fresh.")
+            # stacklevel 5: the warning names the caller of load_state_dict
+            rewarm(msg + " Bindings missing from the snapshot start fresh.", stacklevel=5)
         if sd.get("config") is not None and sd.get("config") != self.config.to_dict():
             logger.info("Monitor.load_state_dict(): the snapshot was taken with another config; "
                         "this monitor's config (hyperparameters) wins.")
+        return f, snap
 
-        def part(name: str, fn: Any, fresh: Any = None) -> Any:
-            try:
-                return fn()
-            except ValueError as exc:
-                if strict:
-                    raise ValueError(f"{exc} (in {name})") from None
-                rewarm(f"{exc} (in {name}) Re-warming it.")
-                return fresh() if callable(fresh) else fresh
-
-        layout = part("the signal layout", lambda: read_layout(f), ([], [], {}))
-        # the goodput ledger is checked (into a scratch tracker) before anything changes
-        gp = f.get("goodput", None)
-        if gp is not None:
-            gp = part("the goodput ledger", lambda: checked_goodput(gp), {})
-        self._reset_runtime()
+    def _install_layout(self, layout: tuple[list[str], list[str], dict[str, list[str]]],
+                        part: PartLoader) -> None:
+        """Re-bind the snapshot's signal layout (names in slot order, unbound names,
+        families) on fresh banks."""
         for b in self._bindings:
             b.keys, b.key_index, b.slots = [], {}, [[] for _ in b.patterns]
             b.det.n_series = 0
@@ -1262,13 +1281,20 @@ class Monitor:
                 self._bind(name)
         self.unbound |= set(unbound[: max(self.max_series - len(self.unbound), 0)])
         for fam, layers in families.items():
-            part(f"family {fam!r}", lambda fam=fam, layers=layers: self.declare_family(fam, layers))
+            part(f"family {fam!r}", functools.partial(self.declare_family, fam, layers))
+
+    def _install_banks(self, snap: Mapping[str, Fields], names: list[str], part: PartLoader,
+                       strict: bool) -> None:
+        """Each bank's statistics (:meth:`_load_bank`); a bank that fails stays fresh."""
         same_names = self._slot_names[2:] == names
         for b in self._bindings:  # re-binding left every bank fresh: that is the fallback
             bd = snap.get(b.name)
             if bd is not None:
                 part(f"bank {b.name!r}",
-                     lambda b=b, bd=bd: self._load_bank(b, bd, same_names, strict))
+                     functools.partial(self._load_bank, b, bd, same_names, strict))
+
+    def _install_policy(self, f: Fields, part: PartLoader) -> None:
+        """The policy's incident state and the control (the policy's own in ``log_only``)."""
         pol = f.get("policy", None)
         if pol is not None:
             part("the policy", lambda: self.policy.load_state_dict(pol),
@@ -1281,12 +1307,19 @@ class Monitor:
         self._ctrl_dirty = True  # per-step requests of the snapshot's step end with it
         self._snap = None
         self._policy_control = ctl[1] if self.log_only else self.control
+
+    def _install_ledgers(self, f: Fields, gp: Any, part: PartLoader) -> None:
+        """The checkpoint ledger, and the goodput ledger checked before anything changed."""
         led = f.get("checkpoints", None)
         if led is not None:
             part("the checkpoint ledger", lambda: self.checkpoints.load_state_dict(led),
                  lambda: self.checkpoints.load_state_dict({"records": [], "alarms": []}))
         if gp is not None:
             self.goodput.load_state_dict(gp)  # checked above ({} re-warms it)
+
+    def _install_history(self, f: Fields, part: PartLoader) -> None:
+        """The run history (last step, gradient norms, LRs, counters) and the recovery
+        episodes."""
         keys = set(self.counters)
         hist = part("the run history", lambda: read_history(f, keys),
                     lambda: read_history(Fields("Monitor", {}), keys))
@@ -1296,7 +1329,6 @@ class Monitor:
         rec = f.get("recovery", None)
         if rec is not None:
             part("the recovery episodes", lambda: self._recovery.load_state_dict(rec))
-        self._dirty = True
 
     def _load_bank(self, b: Binding, g: Fields, same_names: bool, strict: bool) -> None:
         """Install one bank's snapshot: its series must be this layout's, else (not strict)
