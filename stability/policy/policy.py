@@ -1183,6 +1183,7 @@ class Policy:
             control.skip_batches = (af.onset, af.last) if data else None
             if self.config.rewind_on_rollback:
                 self._rewind(step, target.covers, ledger)
+            self.loss.rewind()
         self._onset = None
         self._lr = self._clip = None  # the responses to the undone episode go with it
         self._update_neutral()
@@ -1428,9 +1429,10 @@ class Policy:
     def _restore(self, d: _Draft, target: CheckpointRef,
                  skip_batches: tuple[int, int] | None) -> None:
         """Ask the trainer to restore ``target`` (and skip the batches); rewind the clocks when
-        ``rewind_on_rollback``."""
+        ``rewind_on_rollback``; the recent loss level restarts at the restored weights'."""
         d.control.rollback_to = target.step
         d.control.skip_batches = skip_batches
+        self.loss.rewind()
         if self.config.rewind_on_rollback:
             self._rewind(d.step, target.covers, d.ctx.healthy_checkpoints)
             self._rewound_to = target.covers
