@@ -79,6 +79,7 @@ from stability.adapters.interventions import (
     TrainingStopped,
     clip_gradients,
     drop_gradients,
+    restore_outcome,
     tightest_clip,
 )
 from stability.adapters.torch_ops.amp import (
@@ -611,9 +612,12 @@ class TorchGuard:
             if control.rollback_to is not None and self.rollback(control.rollback_to, None):
                 # stop with the last good weights in place (the run cannot be brought back)
                 restored = self.step_count - 1
+            reason = restore_outcome(control.stop_reason or "stop requested",
+                                     control.rollback_to, restored, step)
+            if reason != (control.stop_reason or "stop requested"):
+                log.warning("stop at step %d: %s", step, reason)  # the logged stop said otherwise
             self.stopped = TrainingStopped(
-                control.stop_reason or "stop requested", step,
-                self.decision.alarms if self.decision else (), self.decision,
+                reason, step, self.decision.alarms if self.decision else (), self.decision,
                 restored_step=restored)
             self.step_count += 1
             self.data_position += 1
