@@ -78,6 +78,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
+from stability.adapters.guard.canary import CanarySet, LossFn
 from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.torch_ops.amp import AMP_OVERFLOW, LOSS_SCALE, drop_grad_norms
@@ -94,7 +95,7 @@ from stability.adapters.trainer_support import (
 )
 from stability.outputs.feedback import key_selector
 
-__all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
+__all__ = ["StabilityTrainerCallback", "hf_model_loss", "load_hf_checkpoint"]
 
 log = logging.getLogger("stability.adapters")
 
@@ -111,6 +112,21 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss.detach()
     return None
+
+
+#: forward keyword arguments the Trainer adds per step, not part of the batch
+_NOT_BATCH = ("num_items_in_batch",)
+
+
+def hf_model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The canary loss of a captured HF batch: the model's own ``.loss`` of ``model(**batch)``
+    (HF models compute it from ``labels``).  Raises when the model returns no loss (the canary
+    set then turns itself off with a warning)."""
+    loss = _loss_of(model(**batch))
+    if loss is None:
+        raise ValueError("the model returned no scalar .loss for a captured batch (no labels?"
+                         " pass canary_loss=fn(model, batch) or canary=0)")
+    return loss
 
 
 def _logged_inputs(scalars: Mapping[str, Any]) -> dict[str, float]:
@@ -205,6 +221,21 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         deferred on CUDA with a fused optimizer (``optim="adamw_torch_fused"``), else step,
         resolved at ``on_train_begin`` (``guard.sync_mode``;
         :mod:`stability.adapters.guard.sync_mode`).
+    canary : int or CanarySet, optional
+        The canary set (:mod:`stability.adapters.guard.canary`): keep this many early healthy
+        training batches and report the model's loss on them as ``canary_loss`` every
+        ``canary_every`` steps, so that bad data the model memorises is seen without an
+        ``eval_dataset``.  **On by default (4 batches)**: the batches are captured by a forward
+        pre-hook (a detached copy of the keyword arguments of the first forward of each of the
+        first healthy steps, kept on the model's device, at most 8 MiB) -- no extra dataloader
+        iterator, the data order and the RNG are the Trainer's -- and evaluated under
+        ``no_grad`` in ``eval()`` mode with the RNG forked, so a healthy run trains
+        bit-identically with and without it.  ``0`` / ``None``: off.
+    canary_loss : callable, optional
+        ``canary_loss(model, batch)``; default :func:`hf_model_loss`, the model's own ``.loss``
+        (computed from the captured ``labels``).
+    canary_every : int, optional
+        Steps between canary evaluations (default ``checkpoint_every``, else 100).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ``recorder``, ...).
@@ -233,7 +264,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
                  checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
                  memory_limit_mb: float = 256.0, restored_by_trainer: bool = False,
                  sync: str = "auto", log_keys: str | list[str] | tuple[str, ...] = "core",
-                 **guard_kwargs: Any) -> None:
+                 canary: int | CanarySet | None = 4, canary_loss: LossFn | None = None,
+                 canary_every: int | None = None, **guard_kwargs: Any) -> None:
         if restored_by_trainer and getattr(self, "_initialised", False):
             return  # the live instance handed back by __new__
         if checkpoint_every < 0 or memory_checkpoint_every < 0:
@@ -248,6 +280,11 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self.checkpoint_every = int(checkpoint_every)
         self.memory_checkpoint_every = int(memory_checkpoint_every)
         self.guard_kwargs = guard_kwargs
+        self.canary_kwargs: dict[str, Any] = {
+            "canary": canary, "canary_loss": canary_loss or hf_model_loss,
+            "canary_every": canary_every or self.checkpoint_every or 100}
+        self._canary_hook: Any = None
+        self._canary_offered = -1  # the guard step whose batch was last offered
         self.store = TrainerCheckpointStore(
             load_hf_checkpoint, memory_limit_bytes=int(memory_limit_mb * 2**20))
         self.guard: TrainerGuard | None = None
@@ -298,9 +335,10 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         kwargs: dict[str, Any] = {"raise_on_stop": False, "clip_norm": clip,
                                   "checkpoint_every": self.memory_checkpoint_every,
                                   "scaler": getattr(opt, "scaler", None),  # fp16 GradScaler
-                                  "sync": self.sync}
+                                  "sync": self.sync, **self.canary_kwargs}
         kwargs.update(self.guard_kwargs)
         self.guard = TrainerGuard(model, inner, sched, self.monitor, **kwargs)
+        self._capture_canary(model)
         self.guard.store = self.store  # HF's own checkpoints, recorded in the monitor's ledger
         if saved is not None:
             self._load(saved, state.global_step)
@@ -314,6 +352,32 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
                     self._losses.append(loss)
 
         self._hook = model.register_forward_hook(hook)
+
+    def _capture_canary(self, model: torch.nn.Module) -> None:
+        """Install the forward pre-hook that offers the first training forward of each step to
+        the canary set while it fills (removed once it is full or closed)."""
+        self._remove_canary_hook()
+        canary = self.guard.canary if self.guard is not None else None
+        if canary is None or canary.closed or canary.full:
+            return
+
+        def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+            guard = self.guard
+            if guard is None or guard.canary is None or guard.canary.closed or guard.canary.full:
+                self._remove_canary_hook()
+                return
+            if (not module.training or not torch.is_grad_enabled() or args
+                    or self._canary_offered == guard.step_count):
+                return  # evaluation, positional inputs, or a later micro-batch of this step
+            self._canary_offered = guard.step_count
+            guard.offer_batch({k: v for k, v in kwargs.items() if k not in _NOT_BATCH})
+
+        self._canary_hook = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def _remove_canary_hook(self) -> None:
+        if self._canary_hook is not None:
+            self._canary_hook.remove()
+            self._canary_hook = None
 
     def _place_before_loggers(self) -> None:
         """Run right after HF's flow callback, so ``on_log`` edits reach TensorBoard / W&B."""
@@ -332,6 +396,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._remove_canary_hook()
         if self.guard is not None:
             self.guard.detach()  # sync="deferred": observes the last step
             self._note_stop(None)

@@ -72,6 +72,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from stability.adapters.guard.canary import CanarySet, LossFn
 from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.torch_ops.checkpoint_store import (
@@ -223,6 +224,19 @@ class StabilityCallback(pl.Callback):
         original ``max_steps`` in all: a 41-step rollback near the end of a cosine schedule
         otherwise ends the run 41 updates short of the schedule's end.  ``False``: they come
         out of ``max_steps``.
+    canary : int or CanarySet, optional
+        The canary set (:mod:`stability.adapters.guard.canary`): keep this many early healthy
+        training batches (a detached copy of the ``batch`` of ``on_train_batch_start``, kept on
+        its device, at most 8 MiB) and report ``canary_loss(module, batch)`` on them every
+        ``canary_every`` steps, so that bad data the model memorises is seen without a
+        validation set.  Needs ``canary_loss``: Lightning's ``training_step`` has side effects
+        (``self.log``, counters), so it is never called implicitly.  Off by default.
+    canary_loss : callable, optional
+        ``canary_loss(module, batch)``: the loss of a batch, for example
+        ``lambda m, b: F.cross_entropy(m(b[0]), b[1])``.  Evaluated under ``no_grad`` in
+        ``eval()`` mode with the RNG forked (a healthy run trains bit-identically).
+    canary_every : int, optional
+        Steps between canary evaluations (default ``checkpoint_every``, else 100).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ...).
@@ -242,7 +256,9 @@ class StabilityCallback(pl.Callback):
                  in_memory: bool = False, memory_limit_mb: float = 256.0,
                  log_metrics: bool | str = True, sync: str = "auto",
                  log_keys: str | list[str] | tuple[str, ...] = "core",
-                 extend_max_steps: bool = True, **guard_kwargs: Any) -> None:
+                 extend_max_steps: bool = True, canary: int | CanarySet | None = None,
+                 canary_loss: LossFn | None = None, canary_every: int | None = None,
+                 **guard_kwargs: Any) -> None:
         super().__init__()
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of StabilityCallback must be an "
@@ -259,6 +275,12 @@ class StabilityCallback(pl.Callback):
         self.log_keys = log_keys
         self._keep = key_selector(log_keys, "log_keys")
         self.guard_kwargs = guard_kwargs
+        if canary and not isinstance(canary, CanarySet) and canary_loss is None:
+            raise ValueError("StabilityCallback(canary=K) needs canary_loss=fn(module, batch) -> "
+                             "loss (Lightning's training_step is never called implicitly).")
+        self.canary_kwargs: dict[str, Any] = {
+            "canary": canary, "canary_loss": canary_loss,
+            "canary_every": canary_every or self.checkpoint_every or 100}
         self.store = TrainerCheckpointStore(
             load_lightning_checkpoint, keep=keep_checkpoints,
             memory_limit_bytes=int(memory_limit_mb * 2**20) if in_memory else 0)
@@ -311,7 +333,8 @@ class StabilityCallback(pl.Callback):
         kw: dict[str, Any] = {
             "raise_on_stop": False,
             "checkpoint_every": self.checkpoint_every if self.in_memory else 0,
-            "scaler": getattr(trainer.precision_plugin, "scaler", None), "sync": self.sync}
+            "scaler": getattr(trainer.precision_plugin, "scaler", None), "sync": self.sync,
+            **self.canary_kwargs}
         kw.update(self.guard_kwargs)
         self.guard = TrainerGuard(pl_module, trainer.optimizers[0], sched, self.monitor, **kw)
         self.guard.store = self.store  # the same interface, recorded in the monitor's ledger
@@ -341,6 +364,15 @@ class StabilityCallback(pl.Callback):
         self._loss_sum, self._loss_n, self._checked = None, 0, False
 
     # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        """Offer the first micro-batch of each step to the canary set while it fills."""
+        guard = self.guard
+        if guard is None or guard.canary is None or guard.canary.closed or guard.canary.full:
+            return
+        if batch_idx % max(1, trainer.accumulate_grad_batches) == 0:
+            guard.offer_batch(batch)
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
         d = loss.detach()
