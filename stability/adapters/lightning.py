@@ -467,7 +467,8 @@ class StabilityCallback(pl.Callback):
             guard.multiplier.show()
         note_goodput(guard.goodput, "note_checkpoint", time.monotonic() - t0)
         if self._verified(path):
-            self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
+            self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency,
+                           protect=guard.checkpoints.rollback_targets())
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

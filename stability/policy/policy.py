@@ -1053,6 +1053,8 @@ class Policy:
             out.append(self.guard.onset)
         if self.val.best_step >= 0:
             out.append(self.val.best_step + 1)
+        if self.canary.low_step >= 0:  # a data rollback's bound (the canary last vouched)
+            out.append(self.canary.low_step)
         return out
 
     def rollback_failed(self, step: int) -> None:
