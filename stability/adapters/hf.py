@@ -100,6 +100,8 @@ __all__ = ["StabilityTrainerCallback", "hf_model_loss", "load_hf_checkpoint"]
 log = logging.getLogger("stability.adapters")
 
 STATE_VERSION = 1
+#: the canary set's batches, written by the callback into each HF checkpoint directory
+CANARY_FILE = "stability_canary.pt"
 _LIVE: weakref.WeakSet[StabilityTrainerCallback] = weakref.WeakSet()
 
 
@@ -341,6 +343,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._capture_canary(model)
         self.guard.store = self.store  # HF's own checkpoints, recorded in the monitor's ledger
         if saved is not None:
+            self._load_canary_batches(args, state)
             self._load(saved, state.global_step)
         elif carried is not None:
             self.guard.load_state_dict(carried)
@@ -373,6 +376,32 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             guard.offer_batch({k: v for k, v in kwargs.items() if k not in _NOT_BATCH})
 
         self._canary_hook = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def _load_canary_batches(self, args: Any, state: Any) -> None:
+        """Resume: the canary batches saved with the checkpoint being resumed (if any)."""
+        canary = self.guard.canary if self.guard is not None else None
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", CANARY_FILE)
+        if canary is None or not os.path.isfile(path) or os.path.islink(path):
+            return  # (none: the set refills and rebases, CanarySet.load_state_dict)
+        try:
+            canary.load_batches(safe_torch_load(path))
+        except Exception as exc:  # a bad file must not stop the resume
+            log.warning("stability: canary batches in %s not loaded (%s: %s); the set refills",
+                        path, type(exc).__name__, exc)
+
+    def _save_canary_batches(self, args: Any, state: Any) -> None:
+        """Write the canary batches into the checkpoint HF just wrote (a file of our own)."""
+        canary = self.guard.canary if self.guard is not None else None
+        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if canary is None or not canary.batches or not os.path.isdir(ckpt) or os.path.islink(ckpt):
+            return
+        path = os.path.join(ckpt, CANARY_FILE)
+        if os.path.lexists(path):
+            return  # not ours to overwrite
+        try:
+            torch.save(canary.batches_state(), path)
+        except OSError as exc:  # a full disk must not kill the run
+            log.warning("stability: canary batches not written to %s (%s)", path, exc)
 
     def _remove_canary_hook(self) -> None:
         if self._canary_hook is not None:
@@ -502,6 +531,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             if not rolled:  # (a rollback just now: these weights are no rollback target)
                 self._register(state, self.guard.healthy and not emergency, "trainer")
             self._note_stop(control)
+        self._save_canary_batches(args, state)
         self.store.forget_rotated()  # save_total_limit deleted older checkpoint-N directories
         if self.guard is not None:
             self.guard.multiplier.show()  # between steps the groups show the LR applied

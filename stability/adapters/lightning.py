@@ -543,8 +543,12 @@ class StabilityCallback(pl.Callback):
             mon = self.monitor
             guard_sd = {"version": 1, "monitor": (mon.state_dict()
                                                   if hasattr(mon, "state_dict") else None)}
-        return {"version": STATE_VERSION, "guard": guard_sd, "store": self.store.state_dict(),
-                "pending_val": self._pending_val}
+        out = {"version": STATE_VERSION, "guard": guard_sd, "store": self.store.state_dict(),
+               "pending_val": self._pending_val}
+        canary = self.guard.canary if self.guard is not None else None
+        if canary is not None and canary.batches:  # tensors: a Lightning checkpoint holds them
+            out["canary_batches"] = canary.batches_state()
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.guard is not None:
@@ -556,6 +560,9 @@ class StabilityCallback(pl.Callback):
         assert self.guard is not None
         if "guard" not in sd:  # version 1: the guard's own state dict
             sd = {"guard": sd}
+        batches = sd.get("canary_batches")
+        if batches is not None and self.guard.canary is not None:
+            self.guard.canary.load_batches(batches)  # before its state: no rebase
         self.guard.load_state_dict(dict(sd["guard"]))
         self.store.load_state_dict(sd.get("store", {}))
         pv = sd.get("pending_val")

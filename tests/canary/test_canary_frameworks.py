@@ -150,21 +150,42 @@ def test_hf_a_clean_run_is_bit_identical_with_and_without_the_canary() -> None:
     assert _equal(list(on["model"].parameters()), list(off["model"].parameters()))
 
 
-def test_hf_the_canary_state_travels_in_the_trainer_checkpoint() -> None:
-    """``trainer_state.json`` carries the canary's state; resuming restores it."""
-    transformers = pytest.importorskip("transformers")
-    from stability.adapters.hf import StabilityTrainerCallback
+def _same_batches(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(
+        a_i.keys() == b_i.keys() and all(torch.equal(a_i[k], b_i[k]) for k in a_i
+                                         if isinstance(a_i[k], torch.Tensor))
+        if isinstance(a_i, dict) else all(torch.equal(x, y) for x, y in zip(a_i, b_i, strict=True))
+        for a_i, b_i in zip(a, b, strict=True))
 
+
+def test_hf_a_resumed_run_goes_on_with_the_same_canary() -> None:
+    """``train(resume_from_checkpoint=...)``: the canary's batches (``stability_canary.pt`` in
+    the checkpoint) and state (``trainer_state.json``) come back, so the resumed run evaluates
+    the same batches and ends with the canary value and decisions of the uninterrupted run."""
     with tempfile.TemporaryDirectory() as d:
-        r = _hf_run(d, False, True, save_steps=100)
-        state = transformers.TrainerState.load_from_json(
-            os.path.join(d, "checkpoint-300", "trainer_state.json"))
-        fresh = StabilityTrainerCallback(Monitor("small"))
-        saved = fresh._saved_state(state)
-        assert saved is not None
-        canary_sd = saved["guard"]["canary"]
-        assert canary_sd["evaluations"] == 300 // 25 - 1 or canary_sd["evaluations"] > 0
-        assert r["cb"].guard.canary.state_dict()["evaluations"] >= canary_sd["evaluations"]
+        full = _hf_run(d, False, True, save_steps=100)
+        ck = os.path.join(d, "checkpoint-200")
+        assert os.path.isfile(os.path.join(ck, "stability_canary.pt"))
+        transformers = pytest.importorskip("transformers")
+        from stability.adapters.hf import StabilityTrainerCallback
+
+        model = Net(0)
+        args = full["trainer"].args
+        opt, sched = _opt_sched(model.parameters())
+        cb = StabilityTrainerCallback(Monitor("small"), checkpoint_every=25)
+        tr = transformers.Trainer(model=model, args=args, train_dataset=_dataset(),
+                                  data_collator=Collate(False, as_dict=True),
+                                  optimizers=(opt, sched), callbacks=[cb])
+        tr.remove_callback(transformers.trainer_callback.PrinterCallback)
+        tr.train(resume_from_checkpoint=ck)
+    a, b = full["cb"].guard, cb.guard
+    assert a.canary is not None and b.canary is not None
+    assert _same_batches(a.canary.batches, b.canary.batches)
+    assert b.canary.scale == 1.0  # its own batches: no rebase
+    assert b.canary.evaluations == a.canary.evaluations
+    assert b.canary.last == a.canary.last
+    assert [(i.step, i.type) for i in b.interventions] == [
+        (i.step, i.type) for i in a.interventions if i.step >= 200]
 
 
 # ------------------------------------------------------------------ Lightning
@@ -251,3 +272,16 @@ def test_lightning_canary_needs_a_loss_function() -> None:
 
     with pytest.raises(ValueError, match="canary_loss"):
         StabilityCallback(Monitor("small"), canary=4)
+
+
+def test_lightning_the_canary_travels_in_the_checkpoint() -> None:
+    """``fit(ckpt_path=...)``: the callback state in a Lightning checkpoint carries the canary's
+    batches and state; the resumed guard evaluates the same batches (no rebase)."""
+    with tempfile.TemporaryDirectory() as d:
+        full = _pl_run(d, False, True, max_steps=200)
+        again = _pl_run(d, False, True, ckpt=os.path.join(d, "final.ckpt"), max_steps=250)
+    a, b = full["cb"].guard.canary, again["cb"].guard.canary
+    assert a is not None and b is not None and a.full
+    assert _same_batches(a.batches, b.batches)
+    assert b.steps == a.steps and b.scale == 1.0
+    assert b.evaluations == a.evaluations + 2  # steps 225 and 250 of the resumed run
