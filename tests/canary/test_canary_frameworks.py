@@ -24,21 +24,27 @@ from tests.policy.test_field_frameworks import BATCH, Net, field_task, held_out 
 
 STEPS = 400
 BAD_FROM = 150  # batches collated from here on have shuffled labels
+WINDOW = (200, 220)  # a stuck loader: one corrupt batch 20 times
 torch.set_num_threads(1)
 F = torch.nn.functional
 
 
 class Collate:
-    """Stacks a batch; from the ``BAD_FROM``-th batch on the labels are shuffled (a broken
-    data source: to the end of the run)."""
+    """Stacks a batch; with ``fault`` the labels are shuffled from the ``BAD_FROM``-th batch on
+    (a broken data source: to the end of the run); with ``fault="stuck"`` batches ``WINDOW``
+    are one corrupt batch (inputs x10, random labels) repeated: a stuck loader, memorised."""
 
-    def __init__(self, fault: bool, as_dict: bool) -> None:
+    def __init__(self, fault: bool | str, as_dict: bool) -> None:
         self.fault, self.as_dict, self.n = fault, as_dict, 0
 
     def __call__(self, items: list[Any]) -> Any:
         x = torch.stack([it[0] for it in items])
         y = torch.stack([it[1] for it in items])
-        if self.fault and self.n >= BAD_FROM:
+        if self.fault == "stuck" and WINDOW[0] <= self.n < WINDOW[1]:
+            g = torch.Generator().manual_seed(5)
+            x = torch.randn(x.shape, generator=g) * 10
+            y = torch.randint(0, field_task.CLASSES, y.shape, generator=g)
+        elif self.fault is True and self.n >= BAD_FROM:
             y = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(self.n))]
         self.n += 1
         return {"x": x, "labels": y} if self.as_dict else (x, y)
@@ -64,7 +70,7 @@ def _opt_sched(params: Any) -> tuple[Any, Any]:
 
 
 # ------------------------------------------------------------------ HF Trainer
-def _hf_run(d: str, fault: bool, guarded: bool, canary: int = 4, model: Any = None,
+def _hf_run(d: str, fault: bool | str, guarded: bool, canary: int = 4, model: Any = None,
             save_steps: int = 50) -> dict[str, Any]:
     transformers = pytest.importorskip("transformers")
     from stability.adapters.hf import StabilityTrainerCallback
@@ -189,7 +195,7 @@ def test_hf_a_resumed_run_goes_on_with_the_same_canary() -> None:
 
 
 # ------------------------------------------------------------------ Lightning
-def _pl_run(d: str, fault: bool, guarded: bool, canary: int = 4, model: Any = None,
+def _pl_run(d: str, fault: bool | str, guarded: bool, canary: int = 4, model: Any = None,
             ckpt: str | None = None, max_steps: int = STEPS) -> dict[str, Any]:
     L = pytest.importorskip("lightning")
     from stability.adapters.lightning import StabilityCallback
@@ -285,3 +291,19 @@ def test_lightning_the_canary_travels_in_the_checkpoint() -> None:
     assert _same_batches(a.batches, b.batches)
     assert b.steps == a.steps and b.scale == 1.0
     assert b.evaluations == a.evaluations + 2  # steps 225 and 250 of the resumed run
+
+
+@pytest.mark.parametrize("runner", [_hf_run, _pl_run], ids=["hf", "lightning"])
+def test_a_memorised_20_batch_window_ends_no_worse_than_unguarded(runner: Any) -> None:
+    """A stuck loader feeds one corrupt batch 20 times (the model memorises it); with the canary
+    the guarded run ends no worse than the unguarded one, and does not stop."""
+    out = {}
+    for name, fault, guarded in (("clean", False, False), ("unguarded", "stuck", False),
+                                 ("guarded", "stuck", True)):
+        with tempfile.TemporaryDirectory() as d:
+            out[name] = runner(d, fault, guarded)
+    cb = out["guarded"]["cb"]
+    held = {k: v["held"] for k, v in out.items()}
+    assert cb.stopped is None, cb.stopped
+    assert held["unguarded"] > 1.02 * held["clean"], held  # (the fault does matter)
+    assert held["guarded"] <= held["unguarded"], held
