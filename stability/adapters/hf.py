@@ -58,6 +58,11 @@ How it hooks in (transformers 4.4x / 5.x):
   (a save step observes its step first; ``state.global_step == guard.step_count +
   guard.steps_lost + guard.voided_steps``; ``train()`` ends by observing the last step).
   The default, ``sync="auto"``, takes it on CUDA with a fused optimizer.
+* **Canary set** (on by default, ``canary=4``): a forward pre-hook copies the keyword inputs of
+  the first training forward of each of the first healthy steps (no extra dataloader iterator);
+  every ``canary_every`` steps the model's own ``.loss`` on them is reported as ``canary_loss``
+  (:mod:`stability.adapters.guard.canary`: isolated evaluation, a healthy run is bit-identical
+  with and without it).  The batches are saved as ``stability_canary.pt`` in each checkpoint.
 * The loss of each micro-batch is captured by a forward hook on the model (``outputs.loss``) and
   averaged over gradient accumulation; ``metrics["eval_loss"]`` from ``on_evaluate`` joins the
   next step's signals. A skipped step drops the gradients (the optimizer changes nothing; the
