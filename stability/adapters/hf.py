@@ -59,6 +59,11 @@ How it hooks in (transformers 4.4x / 5.x):
   (a save step observes its step first; ``state.global_step == guard.step_count +
   guard.steps_lost + guard.voided_steps``; ``train()`` ends by observing the last step).
   The default, ``sync="auto"``, takes it on CUDA with a fused optimizer.
+* **Canary set** (on by default, ``canary=4``): a forward pre-hook copies the keyword inputs of
+  the first training forward of each of the first healthy steps (no extra dataloader iterator);
+  every ``canary_every`` steps the model's own ``.loss`` on them is reported as ``canary_loss``
+  (:mod:`stability.adapters.guard.canary`: isolated evaluation, a healthy run is bit-identical
+  with and without it).  The batches are saved as ``stability_canary.pt`` in each checkpoint.
 * The loss of each micro-batch is captured by a forward hook on the model (``outputs.loss``) and
   averaged over gradient accumulation; ``metrics["eval_loss"]`` from ``on_evaluate`` joins the
   next step's signals. A skipped step drops the gradients (the optimizer changes nothing; the
@@ -79,6 +84,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 
+from stability.adapters.guard.canary import CanarySet, LossFn
 from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.torch_ops.amp import AMP_OVERFLOW, LOSS_SCALE, drop_grad_norms
@@ -95,11 +101,13 @@ from stability.adapters.trainer_support import (
 )
 from stability.outputs.feedback import key_selector
 
-__all__ = ["StabilityTrainerCallback", "load_hf_checkpoint"]
+__all__ = ["StabilityTrainerCallback", "hf_model_loss", "load_hf_checkpoint"]
 
 log = logging.getLogger("stability.adapters")
 
 STATE_VERSION = 1
+#: the canary set's batches, written by the callback into each HF checkpoint directory
+CANARY_FILE = "stability_canary.pt"
 _LIVE: weakref.WeakSet[StabilityTrainerCallback] = weakref.WeakSet()
 
 
@@ -112,6 +120,21 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss.detach()
     return None
+
+
+#: forward keyword arguments the Trainer adds per step, not part of the batch
+_NOT_BATCH = ("num_items_in_batch",)
+
+
+def hf_model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The canary loss of a captured HF batch: the model's own ``.loss`` of ``model(**batch)``
+    (HF models compute it from ``labels``).  Raises when the model returns no loss (the canary
+    set then turns itself off with a warning)."""
+    loss = _loss_of(model(**batch))
+    if loss is None:
+        raise ValueError("the model returned no scalar .loss for a captured batch (no labels?"
+                         " pass canary_loss=fn(model, batch) or canary=0)")
+    return loss
 
 
 def _logged_inputs(scalars: Mapping[str, Any]) -> dict[str, float]:
@@ -206,6 +229,21 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         deferred on CUDA with a fused optimizer (``optim="adamw_torch_fused"``), else step,
         resolved at ``on_train_begin`` (``guard.sync_mode``;
         :mod:`stability.adapters.guard.sync_mode`).
+    canary : int or CanarySet, optional
+        The canary set (:mod:`stability.adapters.guard.canary`): keep this many early healthy
+        training batches and report the model's loss on them as ``canary_loss`` every
+        ``canary_every`` steps, so that bad data the model memorises is seen without an
+        ``eval_dataset``.  **On by default (4 batches)**: the batches are captured by a forward
+        pre-hook (a detached copy of the keyword arguments of the first forward of each of the
+        first healthy steps, kept on the model's device, at most 8 MiB) -- no extra dataloader
+        iterator, the data order and the RNG are the Trainer's -- and evaluated under
+        ``no_grad`` in ``eval()`` mode with the RNG forked, so a healthy run trains
+        bit-identically with and without it.  ``0`` / ``None``: off.
+    canary_loss : callable, optional
+        ``canary_loss(model, batch)``; default :func:`hf_model_loss`, the model's own ``.loss``
+        (computed from the captured ``labels``).
+    canary_every : int, optional
+        Steps between canary evaluations (default ``checkpoint_every``, else 100).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ``recorder``, ...).
@@ -234,7 +272,8 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
                  checkpoint_every: int = 0, memory_checkpoint_every: int = 0,
                  memory_limit_mb: float = 256.0, restored_by_trainer: bool = False,
                  sync: str = "auto", log_keys: str | list[str] | tuple[str, ...] = "core",
-                 **guard_kwargs: Any) -> None:
+                 canary: int | CanarySet | None = 4, canary_loss: LossFn | None = None,
+                 canary_every: int | None = None, **guard_kwargs: Any) -> None:
         if restored_by_trainer and getattr(self, "_initialised", False):
             return  # the live instance handed back by __new__
         if checkpoint_every < 0 or memory_checkpoint_every < 0:
@@ -249,6 +288,11 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self.checkpoint_every = int(checkpoint_every)
         self.memory_checkpoint_every = int(memory_checkpoint_every)
         self.guard_kwargs = guard_kwargs
+        self.canary_kwargs: dict[str, Any] = {
+            "canary": canary, "canary_loss": canary_loss or hf_model_loss,
+            "canary_every": canary_every or self.checkpoint_every or 100}
+        self._canary_hook: Any = None
+        self._canary_offered = -1  # the guard step whose batch was last offered
         self.store = TrainerCheckpointStore(
             load_hf_checkpoint, memory_limit_bytes=int(memory_limit_mb * 2**20))
         self.guard: TrainerGuard | None = None
@@ -299,11 +343,13 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         kwargs: dict[str, Any] = {"raise_on_stop": False, "clip_norm": clip,
                                   "checkpoint_every": self.memory_checkpoint_every,
                                   "scaler": getattr(opt, "scaler", None),  # fp16 GradScaler
-                                  "sync": self.sync}
+                                  "sync": self.sync, **self.canary_kwargs}
         kwargs.update(self.guard_kwargs)
         self.guard = TrainerGuard(model, inner, sched, self.monitor, **kwargs)
+        self._capture_canary(model)
         self.guard.store = self.store  # HF's own checkpoints, recorded in the monitor's ledger
         if saved is not None:
+            self._load_canary_batches(args, state)
             self._load(saved, state.global_step)
         elif carried is not None:
             self.guard.load_state_dict(carried)
@@ -315,6 +361,58 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
                     self._losses.append(loss)
 
         self._hook = model.register_forward_hook(hook)
+
+    def _capture_canary(self, model: torch.nn.Module) -> None:
+        """Install the forward pre-hook that offers the first training forward of each step to
+        the canary set while it fills (removed once it is full or closed)."""
+        self._remove_canary_hook()
+        canary = self.guard.canary if self.guard is not None else None
+        if canary is None or canary.closed or canary.full:
+            return
+
+        def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+            guard = self.guard
+            if guard is None or guard.canary is None or guard.canary.closed or guard.canary.full:
+                self._remove_canary_hook()
+                return
+            if (not module.training or not torch.is_grad_enabled() or args
+                    or self._canary_offered == guard.step_count):
+                return  # evaluation, positional inputs, or a later micro-batch of this step
+            self._canary_offered = guard.step_count
+            guard.offer_batch({k: v for k, v in kwargs.items() if k not in _NOT_BATCH})
+
+        self._canary_hook = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def _load_canary_batches(self, args: Any, state: Any) -> None:
+        """Resume: the canary batches saved with the checkpoint being resumed (if any)."""
+        canary = self.guard.canary if self.guard is not None else None
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", CANARY_FILE)
+        if canary is None or not os.path.isfile(path) or os.path.islink(path):
+            return  # (none: the set refills and rebases, CanarySet.load_state_dict)
+        try:
+            canary.load_batches(safe_torch_load(path))
+        except Exception as exc:  # a bad file must not stop the resume
+            log.warning("stability: canary batches in %s not loaded (%s: %s); the set refills",
+                        path, type(exc).__name__, exc)
+
+    def _save_canary_batches(self, args: Any, state: Any) -> None:
+        """Write the canary batches into the checkpoint HF just wrote (a file of our own)."""
+        canary = self.guard.canary if self.guard is not None else None
+        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if canary is None or not canary.batches or not os.path.isdir(ckpt) or os.path.islink(ckpt):
+            return
+        path = os.path.join(ckpt, CANARY_FILE)
+        if os.path.lexists(path):
+            return  # not ours to overwrite
+        try:
+            torch.save(canary.batches_state(), path)
+        except OSError as exc:  # a full disk must not kill the run
+            log.warning("stability: canary batches not written to %s (%s)", path, exc)
+
+    def _remove_canary_hook(self) -> None:
+        if self._canary_hook is not None:
+            self._canary_hook.remove()
+            self._canary_hook = None
 
     def _place_before_loggers(self) -> None:
         """Run right after HF's flow callback, so ``on_log`` edits reach TensorBoard / W&B."""
@@ -333,6 +431,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._remove_canary_hook()
         if self.guard is not None:
             self.guard.detach()  # sync="deferred": observes the last step
             self._note_stop(None)
@@ -438,6 +537,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             if not rolled:  # (a rollback just now: these weights are no rollback target)
                 self._register(state, self.guard.healthy and not emergency, "trainer")
             self._note_stop(control)
+        self._save_canary_batches(args, state)
         self.store.forget_rotated()  # save_total_limit deleted older checkpoint-N directories
         if self.guard is not None:
             self.guard.multiplier.show()  # between steps the groups show the LR applied

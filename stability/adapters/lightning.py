@@ -73,6 +73,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from stability.adapters.guard.canary import CanarySet, LossFn
 from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
 from stability.adapters.torch_ops.checkpoint_store import (
@@ -226,6 +227,19 @@ class StabilityCallback(pl.Callback):
         original ``max_steps`` in all: a 41-step rollback near the end of a cosine schedule
         otherwise ends the run 41 updates short of the schedule's end.  ``False``: they come
         out of ``max_steps``.
+    canary : int or CanarySet, optional
+        The canary set (:mod:`stability.adapters.guard.canary`): keep this many early healthy
+        training batches (a detached copy of the ``batch`` of ``on_train_batch_start``, kept on
+        its device, at most 8 MiB) and report ``canary_loss(module, batch)`` on them every
+        ``canary_every`` steps, so that bad data the model memorises is seen without a
+        validation set.  Needs ``canary_loss``: Lightning's ``training_step`` has side effects
+        (``self.log``, counters), so it is never called implicitly.  Off by default.
+    canary_loss : callable, optional
+        ``canary_loss(module, batch)``: the loss of a batch, for example
+        ``lambda m, b: F.cross_entropy(m(b[0]), b[1])``.  Evaluated under ``no_grad`` in
+        ``eval()`` mode with the RNG forked (a healthy run trains bit-identically).
+    canary_every : int, optional
+        Steps between canary evaluations (default ``checkpoint_every``, else 100).
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ...).
@@ -245,7 +259,9 @@ class StabilityCallback(pl.Callback):
                  in_memory: bool = False, memory_limit_mb: float = 256.0,
                  log_metrics: bool | str = True, sync: str = "auto",
                  log_keys: str | list[str] | tuple[str, ...] = "core",
-                 extend_max_steps: bool = True, **guard_kwargs: Any) -> None:
+                 extend_max_steps: bool = True, canary: int | CanarySet | None = None,
+                 canary_loss: LossFn | None = None, canary_every: int | None = None,
+                 **guard_kwargs: Any) -> None:
         super().__init__()
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of StabilityCallback must be an "
@@ -262,6 +278,12 @@ class StabilityCallback(pl.Callback):
         self.log_keys = log_keys
         self._keep = key_selector(log_keys, "log_keys")
         self.guard_kwargs = guard_kwargs
+        if canary and not isinstance(canary, CanarySet) and canary_loss is None:
+            raise ValueError("StabilityCallback(canary=K) needs canary_loss=fn(module, batch) -> "
+                             "loss (Lightning's training_step is never called implicitly).")
+        self.canary_kwargs: dict[str, Any] = {
+            "canary": canary, "canary_loss": canary_loss,
+            "canary_every": canary_every or self.checkpoint_every or 100}
         self.store = TrainerCheckpointStore(
             load_lightning_checkpoint, keep=keep_checkpoints,
             memory_limit_bytes=int(memory_limit_mb * 2**20) if in_memory else 0)
@@ -314,7 +336,8 @@ class StabilityCallback(pl.Callback):
         kw: dict[str, Any] = {
             "raise_on_stop": False,
             "checkpoint_every": self.checkpoint_every if self.in_memory else 0,
-            "scaler": getattr(trainer.precision_plugin, "scaler", None), "sync": self.sync}
+            "scaler": getattr(trainer.precision_plugin, "scaler", None), "sync": self.sync,
+            **self.canary_kwargs}
         kw.update(self.guard_kwargs)
         self.guard = TrainerGuard(pl_module, trainer.optimizers[0], sched, self.monitor, **kw)
         self.guard.store = self.store  # the same interface, recorded in the monitor's ledger
@@ -344,6 +367,15 @@ class StabilityCallback(pl.Callback):
         self._loss_sum, self._loss_n, self._checked = None, 0, False
 
     # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        """Offer the first micro-batch of each step to the canary set while it fills."""
+        guard = self.guard
+        if guard is None or guard.canary is None or guard.canary.closed or guard.canary.full:
+            return
+        if batch_idx % max(1, trainer.accumulate_grad_batches) == 0:
+            guard.offer_batch(batch)
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
         d = loss.detach()
@@ -438,7 +470,8 @@ class StabilityCallback(pl.Callback):
             guard.multiplier.show()
         note_goodput(guard.goodput, "note_checkpoint", time.monotonic() - t0)
         if self._verified(path):
-            self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency)
+            self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency,
+                           protect=guard.checkpoints.rollback_targets())
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -513,8 +546,12 @@ class StabilityCallback(pl.Callback):
             mon = self.monitor
             guard_sd = {"version": 1, "monitor": (mon.state_dict()
                                                   if hasattr(mon, "state_dict") else None)}
-        return {"version": STATE_VERSION, "guard": guard_sd, "store": self.store.state_dict(),
-                "pending_val": self._pending_val}
+        out = {"version": STATE_VERSION, "guard": guard_sd, "store": self.store.state_dict(),
+               "pending_val": self._pending_val}
+        canary = self.guard.canary if self.guard is not None else None
+        if canary is not None and canary.batches:  # tensors: a Lightning checkpoint holds them
+            out["canary_batches"] = canary.batches_state()
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.guard is not None:
@@ -526,6 +563,9 @@ class StabilityCallback(pl.Callback):
         assert self.guard is not None
         if "guard" not in sd:  # version 1: the guard's own state dict
             sd = {"guard": sd}
+        batches = sd.get("canary_batches")
+        if batches is not None and self.guard.canary is not None:
+            self.guard.canary.load_batches(batches)  # before its state: no rebase
         self.guard.load_state_dict(dict(sd["guard"]))
         self.store.load_state_dict(sd.get("store", {}))
         pv = sd.get("pending_val")

@@ -104,16 +104,18 @@ class TrainerCheckpointStore(LedgerStore):
 
     # ------------------------------------------------------------------ bookkeeping
     def add(self, step: int, path: str, *, healthy: bool, reason: str = "",
-            owned: bool = False, data_position: int = 0) -> CheckpointRecord:
+            owned: bool = False, data_position: int = 0,
+            protect: Iterable[int] = ()) -> CheckpointRecord:
         """Register a checkpoint the trainer wrote (covering guard step ``step``).
 
         ``owned`` ones were written for the guard: only ``keep`` of them are kept (older files
-        are deleted); the others belong to the trainer's own schedule and rotation.
+        are deleted, never the steps in ``protect``: rollback targets the policy may still
+        need); the others belong to the trainer's own schedule and rotation.
         """
         rec = self.ledger.add(step, str(path), healthy, reason, step,
                               data_position=data_position, managed=owned)
         if owned:
-            self.prune(self.keep)
+            self.prune(self.keep, protect)
         return rec
 
     def forget_rotated(self) -> list[CheckpointRecord]:

@@ -124,6 +124,8 @@ logger = logging.getLogger("stability.monitor")
 
 #: Default seconds per step for all handler and sink calls (``[monitor] handler_budget_s``).
 HANDLER_TIMEOUT = 1.0
+#: the guard's canary metric (:mod:`stability.adapters.guard.canary`), noted by the policy
+CANARY_LOSS = "canary_loss"
 _FROM_CONFIG: Any = object()
 
 
@@ -307,6 +309,10 @@ class Monitor:
             if type(metrics) is dict or isinstance(metrics, Mapping):
                 if metrics:
                     self._fill(metrics, skipped)
+                    if CANARY_LOSS in metrics:  # (the guard's canary: where its climb began)
+                        note = getattr(self.policy, "note_canary", None)
+                        if note is not None:
+                            note(s, metrics[CANARY_LOSS])
             else:
                 self._bad(f"metrics: expected a mapping; got {type(metrics).__name__}", skipped)
         if families is not None:

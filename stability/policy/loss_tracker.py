@@ -224,3 +224,54 @@ class ValTracker:
         train_at_best = f.number("train_at_best", f.get("train_at_best", math.nan), nan=True)
         self.best, self.best_step, self.worse_points = best, best_step, worse
         self.train_at_best = train_at_best
+
+
+class CanaryTracker:
+    """Where the canary's current climb began: the step of the latest canary evaluation that
+    was not above the one before it -- the last point the canary vouched for.
+
+    A canary (:mod:`stability.adapters.guard.canary`) alarms once its climb is large, several
+    evaluations after the bad data began; the weights it measured at the start of the climb are
+    the last ones known good, so a data rollback goes back to a checkpoint before that step.
+
+    Examples
+    --------
+    >>> c = CanaryTracker()
+    >>> for step, x in [(25, 1.0), (50, 0.5), (75, 0.6), (100, 1.2), (125, 3.0)]:
+    ...     c.update(step, x)
+    >>> c.low_step
+    50
+    """
+
+    def __init__(self) -> None:
+        self.last = math.nan
+        self.low_step = -1
+
+    def update(self, step: int, value: Any) -> None:
+        """Feed one canary evaluation (a non-finite one leaves the climb's start where it is)."""
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            return
+        if not math.isfinite(v):
+            return
+        if not v > self.last:  # (the first point, too: ``last`` is nan)
+            self.low_step = int(step)
+        self.last = v
+
+    def rewind(self, step: int) -> None:
+        """A rollback to ``step``: evaluations after it no longer count."""
+        if self.low_step > step:
+            self.low_step = -1
+        self.last = math.nan
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible state."""
+        return {"last": _enc(self.last), "low_step": self.low_step}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        f = Fields("CanaryTracker", sd)
+        last = f.number("last", f.get("last", math.nan), nan=True)
+        self.low_step = f.integer("low_step", f.get("low_step", -1), lo=-1)
+        self.last = last

@@ -88,7 +88,7 @@ import numpy as np
 from stability.policy.attribution import DATA_CAUSES, attribute
 from stability.policy.config import ACTIONS, KindRule, PolicyConfig
 from stability.policy.context import CheckpointRef, Ledger, PolicyContext, finite_or_none
-from stability.policy.loss_tracker import LossTracker, ValTracker
+from stability.policy.loss_tracker import CanaryTracker, LossTracker, ValTracker
 from stability.policy.lr_guard import LRGuard
 from stability.policy.lr_schedule import adaptive_clip, compound_factor, lr_cut_end, lr_factor_at
 from stability.policy.state import (
@@ -238,6 +238,7 @@ class Policy:
         rc = self.config.recovery
         self.loss = LossTracker(rc.fast_alpha, rc.base_alpha)
         self.val = ValTracker(rc.val_margin)
+        self.canary = CanaryTracker()
 
     def _reset_episode(self) -> None:
         """Forget the open episode (after a rollback, or when it is over)."""
@@ -261,7 +262,8 @@ class Policy:
             n_rollbacks=self.n_rollbacks, n_responses=self.n_responses, n_merged=self.n_merged,
             guard=self.guard, episode=self._ep, probation=self._probation, loss=self.loss,
             val=self.val, aftermath=self._after, judged_onset=self._judged_onset,
-            n_undo=self.n_undo, rb_onsets=self._rb_onsets, kept_onsets=self._kept_onsets))
+            n_undo=self.n_undo, rb_onsets=self._rb_onsets, kept_onsets=self._kept_onsets,
+            canary=self.canary))
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; later decisions are identical.
@@ -284,6 +286,7 @@ class Policy:
         self._after, self._judged_onset, self.n_undo = s.aftermath, s.judged_onset, s.n_undo
         self._rb_onsets = list(s.rb_onsets)
         self._kept_onsets = list(s.kept_onsets)
+        self.canary = s.canary
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
@@ -776,6 +779,7 @@ class Policy:
         self._reset_episode()
         self.guard.rewind()
         self.val.rewind(self._rewound_to if self._rewound_to is not None else d.step)
+        self.canary.rewind(self._rewound_to if self._rewound_to is not None else d.step)
 
     def _recovering_only(self, step: int, acts: Sequence[Alarm], ctx: PolicyContext,
                          control: Control) -> list[Intervention]:
@@ -842,6 +846,12 @@ class Policy:
     # ================================================================ tracking and recovery gates
 
     # ------------------------------------------------------------------ every step
+    def note_canary(self, step: int, value: float) -> None:
+        """A canary evaluation (``canary_loss``) at ``step``: where its climb began is a data
+        rollback's bound (:meth:`_rollback_target`).  The monitor calls it on every step that
+        carries one."""
+        self.canary.update(step, value)
+
     def track(self, step: int, lr: float | None = None, loss: float | None = None,
               control: Control | None = None, val: float | None = None) -> list[Intervention]:
         """Follow the requested LR and the training loss of every step, quiet ones included.
@@ -1050,6 +1060,8 @@ class Policy:
             out.append(self.guard.onset)
         if self.val.best_step >= 0:
             out.append(self.val.best_step + 1)
+        if self.canary.low_step >= 0:  # a data rollback's bound (the canary last vouched)
+            out.append(self.canary.low_step)
         return out
 
     def rollback_failed(self, step: int) -> None:
@@ -1337,10 +1349,15 @@ class Policy:
         return step if self._onset is None else self._onset
 
     def _rollback_target(self, d: _Draft) -> CheckpointRef | None:
-        """The latest healthy checkpoint before the episode's onset (``None``: none)."""
+        """The latest healthy checkpoint before the episode's onset (``None``: none); for bad
+        data seen by the canary, also before the canary's climb began (the weights it last
+        vouched for: :class:`~stability.policy.loss_tracker.CanaryTracker`)."""
         ledger = d.ctx.healthy_checkpoints
+        before = self._onset_or(d.step)
+        if self.cause == "data" and self.canary.low_step >= 0:
+            before = min(before, self.canary.low_step)
         return None if ledger is None else ledger.latest_healthy_before(
-            self._onset_or(d.step), self.config.checkpoint_margin)
+            before, self.config.checkpoint_margin)
 
     # ------------------------------------------------------------------ one action each
     def _emit_skip(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from stability._state_check import Fields
 from stability.policy.config import PolicyConfig
-from stability.policy.loss_tracker import LossTracker, ValTracker
+from stability.policy.loss_tracker import CanaryTracker, LossTracker, ValTracker
 from stability.policy.lr_guard import LRGuard
 
 __all__ = ["Aftermath", "ClipHold", "Episode", "JumpHold", "LRCut", "PolicySnapshot",
@@ -134,6 +134,7 @@ class PolicySnapshot:
     n_undo: int = 0
     rb_onsets: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     kept_onsets: list[int] = dataclasses.field(default_factory=list)
+    canary: CanaryTracker = dataclasses.field(default_factory=CanaryTracker)
 
 
 def write_state(s: PolicySnapshot) -> dict[str, Any]:
@@ -168,6 +169,7 @@ def write_state(s: PolicySnapshot) -> dict[str, Any]:
         "kept_onsets": list(s.kept_onsets),
         "loss": s.loss.state_dict(),
         "val": s.val.state_dict(),
+        "canary": s.canary.state_dict(),
     }
 
 
@@ -243,13 +245,15 @@ def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
     loss.load_state_dict(f.mapping("loss", {}))
     val = ValTracker(rc.val_margin)
     val.load_state_dict(f.mapping("val", {}))
+    canary = CanaryTracker()
+    canary.load_state_dict(f.mapping("canary", {}))
     return PolicySnapshot(
         level=level, last_alarm=last_alarm, last_response=last_response, kind_last=kind_last,
         onset=onset, hist=hist, lr=lr, clip=clip, jump=jump, damage_last=damage_last,
         n_rollbacks=counts["n_rollbacks"], n_responses=counts["n_responses"],
         n_merged=counts["n_merged"], guard=guard, episode=episode, probation=probation,
         loss=loss, val=val, aftermath=aftermath, judged_onset=judged_onset, n_undo=n_undo,
-        rb_onsets=rb_onsets, kept_onsets=kept_onsets)
+        rb_onsets=rb_onsets, kept_onsets=kept_onsets, canary=canary)
 
 
 def _probation(p: Probation | None) -> list[Any] | None:

@@ -230,3 +230,55 @@ def test_a_canary_divergence_is_attributed_to_the_data() -> None:
     kw = {"lr_fault": False, "nonfinite_loss_run": 0, "consecutive": 1, "persistent_after": 8}
     assert attribute([a], **kw) == "data"
     assert attribute([v], **kw) == "divergence"
+
+
+# ------------------------------------------------------------------ where a data rollback goes
+def test_a_data_rollback_goes_before_the_canary_climb_and_survives_the_state_round_trip() -> None:
+    """The canary alarms at 225 after climbing since its evaluation at 150: the rollback goes to
+    the checkpoint the canary last vouched for (149), not to the latest one (224, which already
+    learnt the bad data).  A policy restored from ``state_dict()`` decides the same; without a
+    climb on record the latest checkpoint before the alarm is the target."""
+    from stability.policy.policy import Policy
+    from stability.run.checkpoints import CheckpointLedger
+    from stability.types import Control, Rollback
+
+    def run(policy: Policy, notes: bool) -> Rollback:
+        led = CheckpointLedger(margin=0)
+        for s in (124, 149, 174, 199, 224):
+            led.add(s, f"ckpt-{s}")
+        if notes:
+            for step, v in ((100, 0.3), (125, 0.2), (150, 0.15), (175, 0.4), (200, 0.9)):
+                policy.note_canary(step, v)
+        a = Alarm(225, "train_val_divergence", "canary_loss", 5.0, 3.0, "warning",
+                  "canary_level")
+        ivs = policy.step(225, [a], Control(), {"healthy_checkpoints": led})
+        return next(i for i in ivs if isinstance(i, Rollback))
+
+    pol = Policy()
+    rb = run(pol, notes=True)
+    assert rb.cause == "data" and rb.to_step == 149
+    assert pol.canary.low_step == -1 or pol.canary.low_step <= 149  # rewound with the rollback
+    fresh, ref = Policy(), Policy()
+    for step, v in ((100, 0.3), (125, 0.2), (150, 0.15), (175, 0.4), (200, 0.9)):
+        ref.note_canary(step, v)
+    fresh.load_state_dict(ref.state_dict())
+    assert fresh.canary.low_step == 150 and fresh.canary.last == 0.9
+    assert run(fresh, notes=False).to_step == 149
+    assert 150 in ref.rollback_anchors()  # retention keeps the checkpoint it vouched for
+    assert run(Policy(), notes=False).to_step == 224
+
+
+def test_canary_batches_round_trip_and_bad_input_is_refused() -> None:
+    c = CanarySet(mse, size=2, every=1)
+    c.offer((torch.ones(2, 16), torch.zeros(2, 1)), step=0)
+    c.offer((torch.zeros(2, 16), torch.ones(2, 1)), step=1)
+    net = torch.nn.Linear(16, 1)
+    v = c.evaluate(net)
+    fresh = CanarySet(mse, size=2, every=1)
+    fresh.load_batches(c.batches_state())
+    fresh.load_state_dict(c.state_dict())
+    assert fresh.full and fresh.steps == [0, 1] and fresh.evaluate(net) == v  # no rebase
+    with pytest.raises(ValueError):
+        CanarySet(mse, size=1).load_batches(c.batches_state())  # more batches than the size
+    with pytest.raises(ValueError):
+        fresh.load_batches({"batches": [1], "steps": []})

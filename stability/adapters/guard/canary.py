@@ -178,6 +178,27 @@ class CanarySet:
                 "last": self.last if math.isfinite(self.last) else None,
                 "scale": self.scale, "disabled": self.disabled}
 
+    def batches_state(self) -> dict[str, Any]:
+        """The kept batches themselves (tensors: for a checkpoint file, not for JSON), with the
+        steps they were offered at and whether filling is over."""
+        return {"version": STATE_VERSION, "batches": list(self.batches),
+                "steps": list(self.steps), "closed": self.closed}
+
+    def load_batches(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`batches_state` output (call before :meth:`load_state_dict`: a set
+        restored with its own batches goes on evaluating them, no rebase)."""
+        batches, steps = list(sd.get("batches", [])), list(sd.get("steps", []))
+        if sd.get("version", STATE_VERSION) != STATE_VERSION or len(batches) != len(steps):
+            raise ValueError("CanarySet batches: unsupported version or batches/steps of "
+                             f"different lengths ({len(batches)} / {len(steps)}).")
+        if len(batches) > self.size:
+            raise ValueError(f"CanarySet batches: {len(batches)} batches for a set of size "
+                             f"{self.size}.")
+        self.batches = [_detached_copy(b) for b in batches]
+        self.steps = [int(s) for s in steps]
+        self.nbytes = sum(_nbytes(b) for b in self.batches)
+        self.closed = bool(sd.get("closed", False))
+
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (unknown versions refused)."""
         version = sd.get("version", STATE_VERSION)

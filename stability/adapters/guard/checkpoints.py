@@ -327,6 +327,10 @@ class GuardCheckpoints:
         sig.uninstall()                           # the previous handler is back ...
         os.kill(os.getpid(), sig.received)        # ... and gets the signal (default: exit)
 
+    def rollback_targets(self) -> set[int]:
+        """:meth:`_rollback_targets` (for the trainer callbacks' own retention)."""
+        return self._rollback_targets()
+
     def _rollback_targets(self) -> set[int]:
         """Checkpoints a rollback may still need: retention keeps them.
 
