@@ -298,8 +298,6 @@ class TorchGuard:
         self.rolled_back = False  # whether the last finish() rolled back
         # goodput counters (steps_skipped, rollbacks, ...) are views of self.goodput
         self.amp_overflows = 0
-        #: steps lost to restores that kept the position (in ``steps_lost``; not rewound)
-        self.steps_lost_in_place = 0
         self.interventions: list[Any] = []
         self.collector.begin_step(self.step_count)
 
@@ -374,6 +372,12 @@ class TorchGuard:
     def steps_lost(self) -> int:
         """Steps thrown away by rollbacks (``GoodputTracker.lost``)."""
         return int(self.goodput.lost)
+
+    @property
+    def steps_lost_in_place(self) -> int:
+        """Of :attr:`steps_lost`, those lost by restores that kept the position (the step
+        counter and scheduler went on; ``GoodputTracker.lost_in_place``)."""
+        return int(self.goodput.lost_in_place)
 
     @property
     def checkpoints_taken(self) -> int:
@@ -703,8 +707,7 @@ class TorchGuard:
             "lr_multiplier": self.multiplier.state_dict(),
             "interventions": self.tally.state_dict(),
             "monitor": self._monitor_state(),
-            "counters": {"amp_overflows": self.amp_overflows,
-                         "steps_lost_in_place": self.steps_lost_in_place},
+            "counters": {"amp_overflows": self.amp_overflows},
             "goodput": self.goodput.state_dict() if self._own_goodput else None,
             "canary": None if self.canary is None else self.canary.state_dict(),
             **self.sync_path.state_dict(self.control),
@@ -741,7 +744,6 @@ class TorchGuard:
         if state.multiplier is not None:
             self.multiplier.load_state_dict(state.multiplier)
         self.amp_overflows = state.counters.get("amp_overflows", self.amp_overflows)
-        self.steps_lost_in_place = state.counters.get("steps_lost_in_place", 0)
         self._load_goodput(state.goodput, state.counters)
         self.checkpoints.reconcile()
         self.collector.begin_step(self.step_count)
@@ -832,7 +834,7 @@ class TorchGuard:
 _OLD_COUNTERS = {"steps_skipped": "skipped", "batches_skipped": "batches_skipped",
                  "rollbacks": "rollbacks", "steps_lost": "lost",
                  "checkpoints_taken": "checkpoints", "checkpoint_failures": "checkpoint_failures"}
-_COUNTERS = (*_OLD_COUNTERS, "amp_overflows", "steps_lost_in_place")
+_COUNTERS = (*_OLD_COUNTERS, "amp_overflows")
 
 
 @dataclasses.dataclass

@@ -152,6 +152,7 @@ class GoodputTracker:
         self.steps = 0
         self.skipped = 0
         self.lost = 0
+        self.lost_in_place = 0  # of ``lost``: restores that kept the position
         self.rollbacks = 0
         self.degraded_steps = 0
         self.time_total = 0.0       # step time (between updates, less what was noted)
@@ -328,6 +329,19 @@ class GoodputTracker:
         self.cancel_rollback(step)
         self.note_rollback(step, to_step, seconds)
 
+    def note_lost_in_place(self, n: int) -> None:
+        """``n`` of the steps a rollback just lost were lost by a restore that kept the
+        position (the step counter and scheduler were not rewound; still counted in ``lost``).
+
+        Examples
+        --------
+        >>> g = GoodputTracker(auto_start=False)
+        >>> g.note_rollback(9, to_step=6); g.note_lost_in_place(3)
+        >>> g.lost, g.lost_in_place
+        (3, 3)
+        """
+        self.lost_in_place += max(int(n), 0)
+
     def note_rollback(self, step: int, to_step: int, seconds: float = 0.0, *,
                       _requested: bool = False) -> None:
         """A rollback at ``step`` restored the state of ``to_step``: ``step - to_step`` are lost.
@@ -451,7 +465,8 @@ class GoodputTracker:
         w = self.wall_time
         return {
             "steps": self.steps, "productive": self.productive, "skipped": self.skipped,
-            "lost_to_rollback": self.lost, "rollbacks": self.rollbacks,
+            "lost_to_rollback": self.lost, "lost_in_place": self.lost_in_place,
+            "rollbacks": self.rollbacks,
             "degraded_steps": self.degraded_steps, "checkpoints": self.checkpoints,
             "checkpoint_failures": self.checkpoint_failures,
             "batches_skipped": self.batches_skipped, "restarts": self.restarts,
@@ -471,7 +486,7 @@ class GoodputTracker:
     def state_dict(self) -> dict[str, Any]:
         """JSON-compatible state with a ``"version"`` key."""
         return {"version": STATE_VERSION, "steps": self.steps, "skipped": self.skipped,
-                "lost": self.lost, "rollbacks": self.rollbacks,
+                "lost": self.lost, "lost_in_place": self.lost_in_place, "rollbacks": self.rollbacks,
                 "degraded_steps": self.degraded_steps, "time_total": self.time_total,
                 "time_degraded": self.time_degraded, "time_skipped": self.time_skipped,
                 "last_step": self.last_step, "time_lost": self.time_lost,
@@ -495,8 +510,9 @@ class GoodputTracker:
         f.version(STATE_VERSION)
         vals: dict[str, Any] = {
             k: f.integer(k, f.get(k, 0), lo=0)
-            for k in ("steps", "skipped", "lost", "rollbacks", "degraded_steps", "checkpoints",
-                      "restarts", "stalls", "checkpoint_failures", "batches_skipped")}
+            for k in ("steps", "skipped", "lost", "lost_in_place", "rollbacks", "degraded_steps",
+                      "checkpoints", "restarts", "stalls", "checkpoint_failures",
+                      "batches_skipped")}
         for k in ("time_total", "time_degraded", "time_skipped", "time_lost", "time_restore",
                   "time_checkpoint", "time_restart", "time_stall", "time_other"):
             vals[k] = f.number(k, f.get(k, 0.0), lo=0.0)

@@ -88,7 +88,6 @@ class CheckpointedGuard(Protocol):
     data_position: int
     skip_positions: set[int]
     rolled_back: bool
-    steps_lost_in_place: int
     _rewound: bool
 
     @property
@@ -425,7 +424,7 @@ class GuardCheckpoints:
             grp.update(h)  # the position's hyperparameters, not the checkpoint's
         step = g.step_count
         note_goodput(g.goodput, "rollback_done", step, entry.step, time.monotonic() - t0)
-        g.steps_lost_in_place += max(step - entry.step, 0)
+        note_goodput(g.goodput, "note_lost_in_place", step - entry.step)
         self._healthy_through = step  # the weights now in the model are healthy
         g.rolled_back = True
         g.collector.state_reset()
