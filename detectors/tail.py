@@ -54,6 +54,12 @@ _N_FIELDS = 5
 PRIOR_MIN_COUNT = 2.0
 
 
+def tail_reference(tail_q: float) -> float:
+    """The ``tail_q`` quantile of a standard normal score: a calibration's reference (3.09 for
+    0.999)."""
+    return NormalDist().inv_cdf(tail_q)
+
+
 class TailZParams(NamedTuple):
     """Layout of :class:`TailZScore`'s float64 ``params`` array, in kernel order."""
 
@@ -88,6 +94,29 @@ def _std(var, mean, count, params):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
+def tail_factor(q, ref, tail_max):  # type: ignore[no-untyped-def]
+    """What a raw score is divided by: ``q`` against the reference ``ref``, within ``[1,
+    tail_max]`` (1 = a Gaussian-like tail, or no calibration)."""
+    return max(1.0, min(tail_max, q / ref))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def track_tail(s, alarm, q, above, tail_q, rate, ref):  # type: ignore[no-untyped-def]
+    """One step of the quantile tracker of healthy spike *events*; returns ``(q, above)``.
+
+    ``q`` moves up by ``rate * tail_q`` when the raw score ``s`` exceeds it, down by ``rate *
+    (1 - tail_q)`` otherwise, never below ``ref``; it does not move while in alarm (a fault
+    does not raise the bar) nor on the second and later scores of a run above ``q``
+    (``above``: the previous score exceeded it -- a building excursion is one event).
+    """
+    exceeds = s > q
+    if not alarm and not (exceeds and above != 0.0):
+        q = q + rate * tail_q if exceeds else q - rate * (1.0 - tail_q)
+        q = max(q, ref)
+    return q, 1.0 if exceeds else 0.0
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _scores(y, mean, var, count, q, params):  # type: ignore[no-untyped-def]
     """``(raw, calibrated)`` directional scores of ``y`` against the state (0 while silent)."""
     warmup = params[P.warmup]
@@ -97,8 +126,7 @@ def _scores(y, mean, var, count, q, params):  # type: ignore[no-untyped-def]
     z = (y - mean) / _std(var, mean, count, params)
     d = params[P.direction]
     s = z if d > 0.0 else (-z if d < 0.0 else abs(z))
-    factor = max(1.0, min(params[P.tail_max], q / params[P.tail_ref]))
-    return s, s / factor
+    return s, s / tail_factor(q, params[P.tail_ref], params[P.tail_max])
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -113,13 +141,8 @@ def _learn(y, s, alarm, mean, var, count, q, above, params):  # type: ignore[no-
         return y, 0.0, 1.0, q, 0.0
     warmup = params[P.warmup]
     if count >= warmup:
-        exceeds = s > q
-        if not alarm and not (exceeds and above != 0.0):
-            tq, rate = params[P.tail_q], params[P.tail_rate]
-            q = q + rate * tq if exceeds else q - rate * (1.0 - tq)
-            q = max(q, params[P.tail_ref])
-        above = 1.0 if exceeds else 0.0
-    if count >= warmup:
+        q, above = track_tail(s, alarm, q, above, params[P.tail_q], params[P.tail_rate],
+                              params[P.tail_ref])
         clip = params[P.clip]
         if clip < np.inf:
             std = _std(var, mean, count, params)
@@ -239,7 +262,7 @@ class TailZScore(BankDetector):
     @property
     def tail_ref(self) -> float:
         """The ``tail_q`` quantile of a standard normal score (the calibration's reference)."""
-        return NormalDist().inv_cdf(self.tail_q)
+        return tail_reference(self.tail_q)
 
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))

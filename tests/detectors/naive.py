@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from statistics import NormalDist
 
 import numpy as np
 
@@ -778,10 +779,16 @@ def ref_robust(
     min_std=0.01,
     direction="up",
     freeze_on_alarm=False,
+    tail_q=0.999,
+    tail_rate=1.0,
+    tail_max=1.0,
 ):
-    """Plain-Python windowed z-score for one series (numpy median / mean / std on the window)."""
+    """Plain-Python windowed z-score for one series (numpy median / mean / std on the window),
+    divided by the run's tail factor (quantile tracker of healthy spike events, as TailZScore)."""
     if warmup is None:
         warmup = max(2, window // 4) if window >= 2 else 1
+    ref = NormalDist().inv_cdf(tail_q)
+    q, above = ref, False
     win: deque[float] = deque(maxlen=window)
     scores, alarms = [], []
     for k, v in enumerate(x):
@@ -795,7 +802,8 @@ def ref_robust(
             continue
         y = math.log(max(v, LOG_FLOOR)) if log_space else v
         s = 0.0
-        if len(win) >= warmup:
+        scoring = len(win) >= warmup and len(win) > 0
+        if scoring:
             a = np.array(win)
             if robust:
                 center = float(np.median(a))
@@ -805,10 +813,17 @@ def ref_robust(
             floor = min_std if log_space else min_std * abs(center)
             z = (y - center) / max(spread, floor, 1e-300)
             s = {"up": z, "down": -z, "both": abs(z)}[direction]
-        scores.append(s)
-        alarms.append(s > threshold)
-        if s > threshold and freeze_on_alarm:
+        cal = s / max(1.0, min(tail_max, q / ref))
+        alarm = cal > threshold
+        scores.append(cal)
+        alarms.append(alarm)
+        if alarm and freeze_on_alarm:
             continue
+        if scoring:
+            exceeds = s > q
+            if not alarm and not (exceeds and above):  # one lift per run above q
+                q = max(q + tail_rate * tail_q if exceeds else q - tail_rate * (1 - tail_q), ref)
+            above = exceeds
         win.append(y)
     return np.array(scores), np.array(alarms)
 
