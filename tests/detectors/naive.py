@@ -841,10 +841,12 @@ def ref_nonfinite(x, miss=None):  # type: ignore[no-untyped-def]
 
 #: registry name -> naive reference (checked complete by tests/detectors/test_conformance.py)
 def ref_overfit(loss, val, lmiss=None, vmiss=None, alpha=0.2, n_points=4, warmup=5,
-                threshold=2.0, min_scale=0.02, noise_alpha=0.1, freeze_on_alarm=False):
+                threshold=2.0, min_scale=0.02, noise_alpha=0.1, noise_clip=3.0,
+                freeze_on_alarm=False):
     """OverfitGap: min gap increment over the last n_points - 1 validation intervals, over
     max(run's noise of the increments, min_scale); the noise from the mean |second
-    difference| of the gap (Gaussian scale 1.2533 / sqrt(3) of it)."""
+    difference| of the gap (Gaussian scale 1.2533 / sqrt(3) of it), from the third validation
+    point on, each winsorised at noise_clip times the current positive estimate."""
     n = len(loss)
     lmiss = np.zeros(n, bool) if lmiss is None else lmiss
     vmiss = np.zeros(n, bool) if vmiss is None else vmiss
@@ -884,9 +886,12 @@ def ref_overfit(loss, val, lmiss=None, vmiss=None, alpha=0.2, n_points=4, warmup
         if score > threshold and freeze_on_alarm:
             continue
         tm, tc, prev_g, nval = tm2, tc2, g, nval + 1
-        if incs:
+        if len(incs) >= 2:  # the first increment's change is a start-of-training transient
+            dd = abs(d - incs[-1])
+            if noise > 0:
+                dd = min(dd, noise_clip * noise)
             a = max(noise_alpha, 1.0 / (n_noise + 1))
-            noise += a * (abs(d - incs[-1]) - noise)
+            noise += a * (dd - noise)
             n_noise += 1
         incs.append(d)
     return np.array(out)
