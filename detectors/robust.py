@@ -31,7 +31,7 @@ from ._kernel import indices, learns, skip_value
 from ._params import Bool, Choice, Float, Int, arguments
 from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
-from .tail import tail_factor, tail_reference, track_tail
+from .tail import tail_factor, tail_reference, taint_event, track_tail
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
 #: hostile config must fail validation, not exhaust memory).
@@ -256,6 +256,7 @@ class RobustParams(NamedTuple):
     tail_rate: float
     tail_ref: float
     tail_max: float
+    tail_gap: float
 
 
 _P = indices(RobustParams)
@@ -273,6 +274,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     direction = params[_P.direction]
     tail_q, tail_rate = params[_P.tail_q], params[_P.tail_rate]
     tail_ref, tail_max = params[_P.tail_ref], params[_P.tail_max]
+    tail_gap = params[_P.tail_gap]
     # series by series (they are independent): the column views are made once per series
     for i in range(X.shape[2]):
         ring = buf[:window, i]
@@ -317,9 +319,11 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             scores[t, i] = cal
             alarms[t, i] = alarm
             if not learns(alarm, freeze):
+                if scoring:
+                    above = taint_event(above, tail_gap)
                 continue
             if scoring:
-                q, above = track_tail(s, alarm, q, above, tail_q, tail_rate, tail_ref)
+                q, above = track_tail(s, alarm, q, above, tail_q, tail_rate, tail_ref, tail_gap)
             if robust:
                 sorted_push(srt, count, window, ring[pos], y)
             ring[pos] = y
@@ -365,11 +369,12 @@ class RobustZScore(BankDetector):
         ``"up"`` (spikes), ``"down"`` or ``"both"``.
     freeze_on_alarm
         Do not add a value to the window when it raised an alarm.
-    tail_q, tail_rate, tail_max
+    tail_q, tail_rate, tail_max, tail_gap
         Per-run tail calibration, the rule of :class:`~detectors.tail.TailZScore`: each series
-        tracks the ``tail_q`` quantile ``q`` of its own healthy spike events (raw scores; a
-        score above ``q`` lifts it by ``tail_rate * tail_q`` once per run of scores above it,
-        never while in alarm; it sinks by ``tail_rate * (1 - tail_q)`` per score) and the
+        tracks the ``tail_q`` quantile ``q`` of its own healthy spike events (raw scores; an
+        excursion above ``q`` -- scores above it less than ``tail_gap`` quiet scores apart --
+        lifts it by ``tail_rate * tail_q`` once, when it is over, and not at all if any of its
+        scores alarmed; it sinks by ``tail_rate * (1 - tail_q)`` per quiet score) and the
         reported score is the raw z divided by ``max(1, min(tail_max, q / tail_ref))``,
         ``tail_ref`` the same quantile of a standard normal score.  A spiky run (small-batch
         SGD) raises its own bar, a smooth one keeps the plain z.  ``tail_max = 1`` (default):
@@ -380,7 +385,7 @@ class RobustZScore(BankDetector):
     The ring buffer is the detector's ``buf`` (rows ``[0, window)``, in log space when
     ``log_space``; with ``robust`` rows ``[window, 2 * window)`` hold the same values sorted);
     ``state`` holds the next write position, the number of valid values and (state version 2)
-    the tail tracker ``q`` and whether the previous score was above it.  A version-1 snapshot
+    the tail tracker ``q`` and its open spike event.  A version-1 snapshot
     loads uncalibrated (``q = tail_ref``).
     Non-finite values alarm with score ``+inf`` and never enter the window; missing values
     (``missing=True``) score ``nan`` and change nothing.
@@ -413,6 +418,7 @@ class RobustZScore(BankDetector):
         "tail_q": Float(0.5, 1.0, low_open=True, high_open=True),
         "tail_rate": Float(0.0),
         "tail_max": Float(1.0),
+        "tail_gap": Int(1, 1_000_000),
     }
     window: int
     robust: bool
@@ -438,6 +444,7 @@ class RobustZScore(BankDetector):
         tail_q: float = 0.999,
         tail_rate: float = 1.0,
         tail_max: float = 1.0,
+        tail_gap: int = 1,
     ):
         super().__init__(**arguments(locals()))
 
@@ -472,7 +479,7 @@ class RobustZScore(BankDetector):
         c.ring("window", c.state[_POS], c.state[_COUNT], w)
         c.finite("window values", c.buf)
         c.finite("q", c.state[_Q], 0.0)
-        c.one_of("above", c.state[_ABOVE], (0.0, 1.0))
+        c.integers("event", c.state[_ABOVE], -np.inf)
         if self.robust:
             c.sorted_copy("sorted window", c.buf[:w], c.buf[w:], c.state[_COUNT], w)
 

@@ -768,6 +768,26 @@ def ref_ratio(
 # ---------------------------------------------------------------------- robust
 
 
+def ref_track_tail(s, alarm, q, event, tail_q, rate, ref, gap):
+    """The tail calibration's quantile tracker (TailZScore, RobustZScore), one step in plain
+    Python: ``event`` is 0 (none open), +k (open, k quiet scores left, healthy so far) or -k
+    (open, alarmed).  A healthy event lifts q by rate * tail_q when it closes; every quiet score
+    sinks it by rate * (1 - tail_q); q never goes below ref."""
+    if s > q or alarm:
+        alarmed = alarm or event < 0
+        return q, (-gap if alarmed else gap)
+    q -= rate * (1 - tail_q)
+    if event:
+        left = abs(event) - 1
+        if left == 0:
+            if event > 0:
+                q += rate * tail_q
+            event = 0
+        else:
+            event = left if event > 0 else -left
+    return max(q, ref), event
+
+
 def ref_robust(
     x,
     miss=None,
@@ -782,13 +802,14 @@ def ref_robust(
     tail_q=0.999,
     tail_rate=1.0,
     tail_max=1.0,
+    tail_gap=1,
 ):
     """Plain-Python windowed z-score for one series (numpy median / mean / std on the window),
     divided by the run's tail factor (quantile tracker of healthy spike events, as TailZScore)."""
     if warmup is None:
         warmup = max(2, window // 4) if window >= 2 else 1
     ref = NormalDist().inv_cdf(tail_q)
-    q, above = ref, False
+    q, above = ref, 0
     win: deque[float] = deque(maxlen=window)
     scores, alarms = [], []
     for k, v in enumerate(x):
@@ -818,12 +839,11 @@ def ref_robust(
         scores.append(cal)
         alarms.append(alarm)
         if alarm and freeze_on_alarm:
+            if scoring:  # the open event alarmed (it will not lift q)
+                above = -tail_gap if above == 0 else -abs(above)
             continue
         if scoring:
-            exceeds = s > q
-            if not alarm and not (exceeds and above):  # one lift per run above q
-                q = max(q + tail_rate * tail_q if exceeds else q - tail_rate * (1 - tail_q), ref)
-            above = exceeds
+            q, above = ref_track_tail(s, alarm, q, above, tail_q, tail_rate, ref, tail_gap)
         win.append(y)
     return np.array(scores), np.array(alarms)
 

@@ -42,7 +42,8 @@ CONFIGS = [
     {"window": 50, "warmup": 50, "robust": True, "log_space": False, "freeze_on_alarm": True},
     {"window": 32, "tail_max": 3.0, "threshold": 4.0},
     {"window": 24, "tail_max": 2.0, "tail_q": 0.99, "tail_rate": 0.5, "direction": "both",
-     "freeze_on_alarm": True, "threshold": 3.0},
+     "freeze_on_alarm": True, "threshold": 3.0, "tail_gap": 7},
+    {"window": 32, "tail_max": 3.0, "threshold": 4.0, "tail_gap": 20},
 ]
 
 
@@ -261,6 +262,7 @@ def test_defaults_and_params():
         "tail_q": 0.999,
         "tail_rate": 1.0,
         "tail_max": 1.0,
+        "tail_gap": 1,
     }
     assert RobustZScore(window=4).warmup == 2
     assert RobustZScore(window=1).warmup == 1
