@@ -387,3 +387,18 @@ def test_tail_calibration_version1_snapshot_loads_uncalibrated():
         RobustZScore(window=32).load_state_dict({**snap, "state_version": 1})
     with pytest.raises(ValueError, match="newer"):
         RobustZScore(window=32).load_state_dict({**snap, "state_version": 3})
+
+
+def test_tail_calibration_a_noisy_build_up_is_one_event():
+    # a fault that builds up by 4 -> 10 sigma spikes every third step (quiet in between): with
+    # tail_gap = 1 each spike is its own healthy event until the first alarm, the bar climbs to
+    # the cap and the fault is never flagged; with tail_gap = 10 the build-up is one event,
+    # which alarms, and never lifts the bar
+    x = _spiky(4, n=400)
+    k = np.arange(40)
+    y = np.concatenate([x, x[:40] * np.exp(0.05 * np.where(k % 3 == 0, 4 + 0.17 * k, 0.0))])
+    per_spike = RobustZScore(window=128, threshold=8.0, tail_max=3.0, tail_gap=1)
+    one_event = RobustZScore(window=128, threshold=8.0, tail_max=3.0, tail_gap=10)
+    assert not per_spike.update_many(y)[1].any() and per_spike.tail_factor[0] == 3.0
+    a = one_event.update_many(y)[1][:, 0]
+    assert not a[:400].any() and a[400:].any() and one_event.tail_factor[0] == 1.0
