@@ -300,6 +300,17 @@ class TailZScore(BankDetector):
         state[_Q] = self.tail_ref
         return state
 
+    #: version 2: the last row is the open spike event (0, +k, -k; see :func:`track_tail`);
+    #: version 1 held "the previous score was above q" (0 / 1), whose lift had already been
+    #: made at the event's start: it loads as an open event that will not lift again (-1)
+    state_version = 2
+    legacy_state_rows = {1: _N_FIELDS}
+
+    def _upgrade_rows(self, version: int, state: FloatArray) -> FloatArray:
+        if version == 1:
+            state[_ABOVE] = -np.abs(state[_ABOVE])
+        return state
+
     def _check_state(self, c: StateCheck) -> None:
         c.not_nan("mean", c.state[_MEAN])
         c.not_nan("var", c.state[_VAR], 0.0)

@@ -144,3 +144,26 @@ def test_a_prior_scores_from_the_third_value() -> None:
     assert primed[:2, 0].tolist() == [0.0, 0.0] and alarms[:, 0].tolist() == [0, 0, 0, 0, 1]
 
 
+
+
+def test_version_1_snapshot_loads_its_spike_flag_as_an_event_that_will_not_lift_again() -> None:
+    # version 1 lifted q at an event's first score and kept "previous score above q" (0/1);
+    # version 2 lifts when the event is over: a version-1 snapshot taken inside a spike loads
+    # as an open event that will not lift q again
+    x = _wave()
+    det = TailZScore()
+    det.update_many(x[:300])
+    assert not det.update(np.exp(0.05 * 4))[0]  # inside a healthy spike (above q, no alarm)
+    sd = det.state_dict()
+    assert sd["state_version"] == 2 and sd["state"][4, 0] > 0  # open, healthy so far
+    old = {k: v for k, v in sd.items() if k != "state_version"}
+    old["state"] = np.array(sd["state"], dtype=float)
+    old["state"][4] = 1.0  # what version 1 wrote there
+    loaded = TailZScore()
+    loaded.load_state_dict(old)
+    assert loaded.state_dict()["state"][4, 0] == -1.0
+    q0 = loaded.tail_factor[0]
+    loaded.update_many(x[301:320])
+    assert loaded.tail_factor[0] <= q0  # only the sinking: no second lift for that spike
+    with pytest.raises(ValueError, match="newer"):
+        TailZScore().load_state_dict({**sd, "state_version": 3})
