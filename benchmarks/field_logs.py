@@ -6,6 +6,7 @@ then what a user replays, watches or reports on.  This module trains the field t
 
 ===========  ====================================================================
 ``hf``       ``checkpoint-N/trainer_state.json`` and the TensorBoard event file
+``hf_fp16``  the same in fp16 with a GradScaler whose first steps overflow (scaler-skipped)
 ``lightning``  ``CSVLogger``'s ``metrics.csv`` and ``TensorBoardLogger``'s event file
 ``torch``    one JSONL line per step: ``{"step", "loss", **guard.metrics()}``
 ===========  ====================================================================
@@ -45,10 +46,19 @@ from field_task import (
 
 from stability.monitor.monitor import Monitor
 
-__all__ = ["STACKS", "hf_logs", "judge_logs", "lightning_logs", "torch_logs"]
+__all__ = ["STACKS", "hf_fp16_logs", "hf_logs", "judge_logs", "lightning_logs", "torch_logs"]
 
 STACKS = ("torch", "hf", "lightning")
 BATCH = 16
+#: the alarms the live HF monitor raised, ``[[log step, kind, signal], ...]`` (``hf_logs``)
+LIVE_ALARMS = "live_alarms.json"
+
+
+def live_alarms(d: str) -> list[tuple[int, str, str]]:
+    """The sorted ``(log step, kind, signal)`` alarms of the live run ``hf_logs`` wrote in
+    ``d``."""
+    with open(os.path.join(d, LIVE_ALARMS)) as fh:
+        return sorted((int(s), str(k), str(g)) for s, k, g in json.load(fh))
 
 
 def torch_logs(d: str, fault: str = "clean", seed: int = 0) -> dict[str, str]:
@@ -85,11 +95,15 @@ def torch_logs(d: str, fault: str = "clean", seed: int = 0) -> dict[str, str]:
     return {"jsonl": path}
 
 
-def hf_logs(d: str, fault: str = "clean", seed: int = 0) -> dict[str, str]:
+def hf_logs(d: str, fault: str = "clean", seed: int = 0,
+            precision: str = "fp32") -> dict[str, str]:
     """HF ``Trainer`` with the callback, ``report_to=["tensorboard"]``.
 
     ``logging_nan_inf_filter=False``: HF's default replaces a NaN/inf loss by the mean of the
     previous ones before logging it, so a faulty run's logs would not show the fault at all.
+    ``precision="fp16"``: fp16 autocast with a CPU ``GradScaler`` starting at ``2**22`` (what
+    accelerate does on a GPU; the first steps overflow and are skipped by the scaler), logged
+    every step so the skipped steps are in the log.
     """
     import transformers
     from field_hf import Data, Fault, Net
@@ -100,16 +114,25 @@ def hf_logs(d: str, fault: str = "clean", seed: int = 0) -> dict[str, str]:
     model = Net(seed)
     args = transformers.TrainingArguments(
         d, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=3e-3,
-        weight_decay=0.0, max_grad_norm=1.0, logging_steps=5, save_strategy="steps",
+        weight_decay=0.0, max_grad_norm=1.0, logging_steps=1 if precision == "fp16" else 5,
+        save_strategy="steps", fp16=precision == "fp16",
         save_steps=STEPS, report_to=["tensorboard"], logging_nan_inf_filter=False,
         use_cpu=True, disable_tqdm=True, seed=seed, data_seed=seed, dataloader_num_workers=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(fault))
-    cb = StabilityTrainerCallback(Monitor(PRESET))
+    mon = Monitor(PRESET)
+    live: list[Any] = []
+    mon.on_alarm(live.append)
+    cb = StabilityTrainerCallback(mon)
     tr = transformers.Trainer(model=model, args=args, train_dataset=Data(STEPS * BATCH, seed),
                               optimizers=(opt, sched), callbacks=[Fault(fault, model), cb])
     tr.remove_callback(transformers.trainer_callback.PrinterCallback)
+    if precision == "fp16":
+        tr.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22)
+        tr.accelerator.native_amp = True
     tr.train()
+    with open(os.path.join(d, LIVE_ALARMS), "w") as fh:  # HF's step = the guard's + 1
+        json.dump([[a.step + 1, a.kind, a.signal] for a in live], fh)
     states = sorted(glob.glob(os.path.join(d, "checkpoint-*", "trainer_state.json")))
     if not states:  # stopped before the save: HF's state of the last step
         tr.state.save_to_json(os.path.join(d, "trainer_state.json"))
@@ -157,12 +180,19 @@ def _tb_dir(d: str) -> str:
     return os.path.dirname(sorted(files)[0])
 
 
-MAKERS = {"torch": torch_logs, "hf": hf_logs, "lightning": lightning_logs}
+def hf_fp16_logs(d: str, fault: str = "clean", seed: int = 0) -> dict[str, str]:
+    """:func:`hf_logs` in fp16 with a GradScaler whose first steps overflow."""
+    return hf_logs(d, fault, seed, precision="fp16")
 
 
-def judge_logs(logs: dict[str, str], config: Any = None) -> dict[str, dict[str, int]]:
+MAKERS = {"torch": torch_logs, "hf": hf_logs, "hf_fp16": hf_fp16_logs,
+          "lightning": lightning_logs}
+
+
+def judge_logs(logs: dict[str, str], config: Any = None) -> dict[str, dict[str, Any]]:
     """``{log: {"steps", "watch_steps", "replay_alarms", "replay_acting", "watch_alarms",
-    "watch_acting"}}``.
+    "watch_acting", "replay_alarm_keys", "watch_alarm_keys"}}`` (the ``*_keys``: sorted
+    ``(step, kind, signal)`` of every alarm).
 
     Every log is replayed (``replay.replay.replay_run``) and watched once
     (``replay.watch.Watcher``, no hooks, quiet) with ``config`` (default: the default preset).
@@ -171,7 +201,7 @@ def judge_logs(logs: dict[str, str], config: Any = None) -> dict[str, dict[str, 
     from replay.watch import Watcher
     from stability.outputs.feedback import is_acting
 
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, path in logs.items():
         res = replay_run(path, config)
         w = Watcher([path], config, echo=None)
@@ -184,5 +214,8 @@ def judge_logs(logs: dict[str, str], config: Any = None) -> dict[str, dict[str, 
             "replay_acting": sum(is_acting(i) for i in res.interventions),
             "watch_alarms": sum(len(dd.alarms) for dd in decisions),
             "watch_acting": sum(is_acting(i) for dd in decisions for i in dd.interventions),
+            "replay_alarm_keys": sorted((int(a.step), a.kind, a.signal) for a in res.alarms),
+            "watch_alarm_keys": sorted((int(dd.step), a.kind, a.signal)
+                                       for dd in decisions for a in dd.alarms),
         }
     return out

@@ -168,12 +168,24 @@ class Checkpoint(Intervention):
 
 @dataclass(frozen=True)
 class Rollback(Intervention):
-    """Restore the checkpoint taken at ``to_step`` and skip batches ``skip_from..skip_to``."""
+    """Restore the checkpoint taken at ``to_step`` and skip batches ``skip_from..skip_to``.
+
+    ``keep_position``: restore the weights and optimizer state only; the step counter, the
+    scheduler and the data position go on, so the faulty step is not replayed (a fault that
+    recurred at the same step after a rollback: deterministic).
+    """
 
     to_step: int = 0
     skip_from: int = 0
     skip_to: int = 0
+    keep_position: bool = False
     type: ClassVar[str] = "rollback"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if not self.keep_position:  # (records of ordinary rollbacks are as before)
+            d.pop("keep_position")
+        return d
 
 
 @dataclass(frozen=True)
@@ -213,6 +225,9 @@ class Control:
     * ``save_checkpoint`` / ``checkpoint_reason`` -- take an emergency checkpoint now;
     * ``rollback_to`` / ``skip_batches`` -- restore the checkpoint of that step and skip the
       batches in ``[skip_batches[0], skip_batches[1]]``;
+    * ``keep_position`` -- with ``rollback_to``: restore only the weights and the optimizer
+      state of that checkpoint; the step counter, scheduler and data position go on (the
+      faulty step is not replayed);
     * ``stop`` / ``stop_reason`` -- stop training cleanly.
 
     Examples
@@ -233,6 +248,7 @@ class Control:
     skip_batches: tuple[int, int] | None = None
     stop: bool = False
     stop_reason: str = ""
+    keep_position: bool = False
 
     PER_STEP: ClassVar[tuple[str, ...]] = (
         "skip_step",
@@ -240,6 +256,7 @@ class Control:
         "checkpoint_reason",
         "rollback_to",
         "skip_batches",
+        "keep_position",
         "stop",
         "stop_reason",
     )
@@ -253,10 +270,13 @@ class Control:
         self.skip_batches = None
         self.stop = False
         self.stop_reason = ""
+        self.keep_position = False
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["skip_batches"] = list(self.skip_batches) if self.skip_batches else None
+        if not self.keep_position:  # (records without it are as before)
+            d.pop("keep_position")
         return d
 
     @classmethod

@@ -9,7 +9,9 @@ Prints, for the packages ``stability``, ``detectors`` and ``replay``:
 * **mixins** -- classes named ``*Mixin`` and classes that are the base of exactly one class of
   the project without being built anywhere themselves (one-consumer mixins);
 * **trainer adapters** -- the project modules each adapter of
-  :mod:`stability.adapters.protocol` imports (what a new adapter has to read).
+  :mod:`stability.adapters.protocol` imports (what a new adapter has to read);
+* **longest functions** -- the ten longest functions and methods of ``stability/``: their
+  lines from ``def`` to the last line, and the same without the docstring (the code).
 
 Run from the repository root: ``python tools/arch_metrics.py``.
 """
@@ -102,6 +104,34 @@ def mixins(root: Path) -> list[str]:
     return out
 
 
+def longest_functions(root: Path, n: int = 10) -> list[tuple[int, int, str]]:
+    """The ``n`` longest functions of ``stability/``: (lines, code lines, ``file::qualname``).
+
+    Lines run from the ``def`` (decorators excluded) to the function's last line; code lines
+    leave out the docstring.  Nested functions count inside their parent and on their own.
+    """
+    out: list[tuple[int, int, str]] = []
+
+    def visit(node: ast.AST, prefix: str, file: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", file)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                span = (child.end_lineno or child.lineno) - child.lineno + 1
+                doc = child.body[0] if child.body else None
+                if (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                        and isinstance(doc.value.value, str)):
+                    span_doc = (doc.end_lineno or doc.lineno) - doc.lineno + 1
+                else:
+                    span_doc = 0
+                out.append((span, span - span_doc, f"{file}::{prefix}{child.name}"))
+                visit(child, f"{prefix}{child.name}.", file)
+
+    for path in sorted((root / "stability").rglob("*.py")):
+        visit(ast.parse(path.read_text()), "", str(path.relative_to(root)))
+    return sorted(out, reverse=True)[:n]
+
+
 def main() -> None:
     root = Path.cwd()
     sys.path.insert(0, str(root))
@@ -122,6 +152,9 @@ def main() -> None:
         deps = sorted(d for d in graph.find_modules_directly_imported_by(mod)
                       if d.split(".")[0] in PACKAGES)
         print(f"{mod} imports {len(deps)} project modules: {', '.join(deps)}")
+    print("longest functions in stability/ (lines, code lines without the docstring):")
+    for span, code, name in longest_functions(root):
+        print(f"    {span:4d} {code:4d}  {name}")
 
 
 if __name__ == "__main__":

@@ -330,7 +330,8 @@ class ControlSync:
             -float(control.skip_step),
             -float(control.save_checkpoint),
             -float(control.stop),
-            -float(has_rb),
+            # -1: a rollback; -0.5: a restore keeping the position (any plain rollback wins)
+            -(0.5 if control.keep_position else 1.0) * float(has_rb),
             float(control.rollback_to) if has_rb else inf,  # type: ignore[arg-type]
             float(sb[0]) if sb else inf,
             -float(sb[1]) if sb else inf,
@@ -360,6 +361,7 @@ class ControlSync:
             rollback_to=int(r[4]) if r[3] < 0 else None,
             skip_batches=(int(r[5]), int(-r[6])) if not math.isinf(r[5]) else None,
             stop=r[2] < 0,
+            keep_position=r[3] == -0.5,
             stop_reason=control.stop_reason or ("stop requested by another rank" if r[2] < 0
                                                 else ""),
         )

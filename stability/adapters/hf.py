@@ -37,15 +37,20 @@ How it hooks in (transformers 4.4x / 5.x):
 * **Steps after a rollback.** ``state.global_step`` counts optimizer iterations (HF's budget:
   ``max_steps``, logging, eval and save cadence, checkpoint names) and never goes back. The
   guard's step (the monitor's step, and the position of the restored LR scheduler) goes back to
-  the checkpoint's step + 1. Always ``state.global_step == guard.step_count + guard.steps_lost``
-  (:attr:`StabilityTrainerCallback.guard`); the steps lost to a rollback come out of
-  ``max_steps``, so the schedule does not reach its end.
+  the checkpoint's step + 1. Always ``state.global_step == guard.step_count + guard.steps_lost
+  - guard.steps_lost_in_place`` (:attr:`StabilityTrainerCallback.guard`; a restore that keeps
+  the position, for a fault that recurs at its step, does not move the guard's step back); the
+  steps lost to a rollback come out of ``max_steps``, so the schedule does not reach its end.
 * **Feedback.** ``on_log`` adds ``stability/*`` keys to HF's training logs (they reach
   ``log_history``, TensorBoard and W&B: the callback moves itself before the reporting callbacks)
   and rewrites ``learning_rate`` to the *effective* LR (scheduler LR x the monitor's factor) while
   a cut is active; ``stability/lr_factor`` says by how much (``stability/lr_base``: the
-  scheduler's). Under fp16 with a ``GradScaler`` HF's ``grad_norm`` (measured before the callback
-  unscales) is replaced by the callback's unscaled pre-clip norm (``nan`` on an overflow step).
+  scheduler's). Under fp16 with a ``GradScaler`` each logged row carries what the monitor
+  observed, so a replay of the log decides as the run did: HF's ``grad_norm`` (measured before
+  the callback unscales) is replaced by the callback's unscaled pre-clip norm, and is *missing*
+  on a step the scaler skipped (an overflow: the update did not happen -- never a NaN, which a
+  replay would take for a fault), and the scaler's ``amp_overflow`` / ``loss_scale`` are logged
+  under those names (the monitor's inputs: a replay sees overflows that persist).
   Every acting intervention is logged by the guard (logger ``stability.adapters``, INFO).
 * **Sync-free steps.** ``StabilityTrainerCallback(monitor, sync="deferred")`` takes no host sync
   in ``on_pre_optimizer_step``: the guard's ``sync="deferred"`` mode
@@ -63,7 +68,6 @@ How it hooks in (transformers 4.4x / 5.x):
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
@@ -77,11 +81,12 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, 
 
 from stability.adapters.guard.checkpoints import note_goodput
 from stability.adapters.interventions import TrainingStopped, safe_torch_load
+from stability.adapters.torch_ops.amp import AMP_OVERFLOW, LOSS_SCALE, drop_grad_norms
 from stability.adapters.torch_ops.checkpoint_store import restore_state
 from stability.adapters.trainer_deferred import (
     TrainerGuard,
     check_sync,
-    pending_grad_norm,
+    pending_scalars,
 )
 from stability.adapters.trainer_support import (
     TrainerCheckpointStore,
@@ -107,6 +112,20 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss.detach()
     return None
+
+
+def _logged_inputs(scalars: Mapping[str, Any]) -> dict[str, float]:
+    """The monitor's inputs of a step that the trainer log carries: the pre-clip ``grad_norm``
+    and the scaler's ``amp_overflow`` / ``loss_scale``.  A step the scaler skipped has no
+    gradient norm (missing, as for the monitor: :func:`~stability.adapters.torch_ops.amp.
+    drop_grad_norms`).
+
+    >>> _logged_inputs({"grad_norm": float("inf"), "amp_overflow": 1.0, "loss_scale": 8.0})
+    {'amp_overflow': 1.0, 'loss_scale': 8.0}
+    """
+    keep = {k: float(scalars[k]) for k in ("grad_norm", AMP_OVERFLOW, LOSS_SCALE)
+            if k in scalars}
+    return drop_grad_norms(keep, keep.get(AMP_OVERFLOW, 0.0) > 0.0)
 
 
 def load_hf_checkpoint(path: str, model: torch.nn.Module, optimizer: Any = None,
@@ -244,7 +263,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._pending_val: float | None = None
         self._last_lr = float("nan")
         self._last_factor = 1.0
-        self._last_grad_norm = math.nan
+        self._last_inputs: dict[str, float] = {}  # the monitor's scaler inputs, last step
         self._checked = False
         self._started = False
         self._global_step = 0
@@ -345,8 +364,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         else:
             sig = self.guard.collect(loss, metrics or None)
             self.guard.check(loss, signals=sig)
-            gn = sig.scalars.get("grad_norm")  # pre-clip, unscaled (absent on an AMP overflow)
-            self._last_grad_norm = math.nan if gn is None else float(gn)
+            self._last_inputs = _logged_inputs(sig.scalars)
         self._checked = True
         self._last_lr = self.guard.multiplier.base_lrs()[0]
         self._last_factor = float(self.guard.multiplier.factor)
@@ -364,7 +382,7 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         # if the weights are fine
         emergency, why, rolled = guard.finish_step()
         if guard.deferred is not None and control.should_log and guard.scaler is not None:
-            self._last_grad_norm = pending_grad_norm(guard)  # (HF's logging syncs anyway)
+            self._last_inputs = _logged_inputs(pending_scalars(guard))  # (HF's log syncs)
         due = bool(self.checkpoint_every) and guard.step_count % self.checkpoint_every == 0
         if control.should_save or emergency or due:
             late, why_late, rolled = guard.observe_before_save()  # deferred: observe this step
@@ -447,14 +465,26 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
             return  # evaluation / summary logs
         extra = {k: v for k, v in self.feedback().items() if self._keep(k)}
         extra["learning_rate"] = float(logs["learning_rate"]) * self._last_factor
-        if "grad_norm" in logs and self.guard.scaler is not None and self._user_clip > 0 \
-                and self.take_over_clipping:
-            # HF measured it before the callback unscaled the fp16 gradients
-            extra["grad_norm"] = self._last_grad_norm
-        logs.update(extra)
+        drop = self.guard.scaler is not None and self._last_inputs.get(AMP_OVERFLOW, 0.0) > 0
+        if self.guard.scaler is not None:
+            extra.update(self._scaler_inputs())
         hist = state.log_history[-1] if state.log_history else None
-        if hist is not None and hist is not logs and hist.get("step") == state.global_step:
-            hist.update(extra)  # HF appended its copy before calling on_log
+        for row in (logs, hist if hist is not None and hist is not logs
+                    and hist.get("step") == state.global_step else None):
+            if row is not None:  # (HF appended its copy to log_history before on_log)
+                row.update(extra)
+                if drop:
+                    row.pop("grad_norm", None)
+
+    def _scaler_inputs(self) -> dict[str, float]:
+        """With a loss scaler: what the monitor observed of the last step -- ``amp_overflow``,
+        ``loss_scale`` and (when the callback clips) the unscaled pre-clip ``grad_norm`` (HF
+        measured its own before the callback unscaled).  On an overflow step ``grad_norm`` is
+        absent here and the caller drops HF's (non-finite) value from the row."""
+        inputs = dict(self._last_inputs)
+        if not (self._user_clip > 0 and self.take_over_clipping):
+            inputs.pop("grad_norm", None)  # HF measured it itself (unscaled): keep HF's
+        return inputs
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

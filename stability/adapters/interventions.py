@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "clip_gradients",
     "drop_gradients",
     "load_checkpoint",
+    "restore_outcome",
     "safe_torch_load",
     "save_checkpoint",
     "tightest_clip",
@@ -88,6 +90,39 @@ class TrainingStopped(RuntimeError):
         self.decision = decision
         #: the step whose (healthy) checkpoint the model holds now (``None``: none restored)
         self.restored_step = restored_step
+
+
+def restore_outcome(reason: str, target: int | None, restored: int | None, step: int) -> str:
+    """A stop's ``reason`` made true to what happened to the weights.
+
+    The policy decides a stop together with the restore of a healthy checkpoint and says so
+    ("... with the weights of step N restored"); the guard carries the restore out afterwards,
+    and it can fail (no loadable checkpoint) or fall back to an older one.  The claim about
+    step ``target`` is then replaced by what the model holds: the checkpoint of step
+    ``restored``, or (``None``) the weights of ``step``, kept.  A reason without the claim gets
+    the outcome appended; a restore that worked leaves the reason unchanged.
+
+    Examples
+    --------
+    >>> r = "step 40: loss up -> stop with the weights of step 25 restored (cause: lr)"
+    >>> restore_outcome(r, 25, 25, 40) == r
+    True
+    >>> print(restore_outcome(r, 25, None, 40))  # doctest: +NORMALIZE_WHITESPACE
+    step 40: loss up -> stop with the weights of step 40 kept (the checkpoint of step 25 could
+    not be restored) (cause: lr)
+    >>> print(restore_outcome("stop; the weights of step 25 (the latest healthy) restored",
+    ...                       25, 10, 40))
+    stop; the weights of step 10 restored (the checkpoint of step 25 could not be restored)
+    """
+    if target is None or restored == target:
+        return reason
+    held = (f"the weights of step {step} kept" if restored is None
+            else f"the weights of step {restored} restored")
+    failed = f"the checkpoint of step {target} could not be restored"
+    claim = re.compile(rf"the weights of step {int(target)}(?: \([^)]*\))? restored")
+    if claim.search(reason):
+        return claim.sub(f"{held} ({failed})", reason, count=1)
+    return f"{reason}; {failed}: {held}"
 
 
 # ---------------------------------------------------------------------------- learning rate

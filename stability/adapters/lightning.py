@@ -51,8 +51,14 @@ fused optimizer (:mod:`stability.adapters.guard.sync_mode`).
 Steps after a rollback: ``trainer.global_step`` counts optimizer iterations (Lightning's budget:
 ``max_steps``, logging and checkpoint cadence) and never goes back; the guard's step (the monitor's
 step, and the position of the restored LR scheduler) goes back to the checkpoint's step + 1.
-Always ``trainer.global_step == guard.step_count + guard.steps_lost``; the steps lost to a
-rollback come out of ``max_steps``. The scheduler is stepped by Lightning even on skipped steps.
+Always ``trainer.global_step == guard.step_count + guard.steps_lost - guard.steps_lost_in_place``
+(a restore that keeps the position, for a fault that recurs at its step, does not move the
+guard's step or the scheduler back).  The steps lost to a rollback that rewinds are given back:
+``max_steps`` grows by them for the rest of ``fit`` (``extend_max_steps``, at most doubling it;
+the user's value is back when ``fit`` ends), so the run trains as many healthy steps as it
+asked for and the restored scheduler reaches the end of its schedule -- as
+:meth:`TorchGuard.batches <stability.adapters.torch.TorchGuard.batches>`, where a rollback costs
+iterations, not training.  The scheduler is stepped by Lightning even on skipped steps.
 """
 
 from __future__ import annotations
@@ -137,6 +143,47 @@ def _log_step(trainer: pl.Trainer) -> int:
     return int(step) if isinstance(step, int) else max(int(trainer.global_step) - 1, 0)
 
 
+def _lost(guard: Any) -> int:
+    """Optimizer iterations a rollback rewound the schedule over (lost and voided steps; a
+    restore that kept the position did not rewind the scheduler: nothing to give back)."""
+    return (int(guard.steps_lost) - int(getattr(guard, "steps_lost_in_place", 0))
+            + int(getattr(guard, "voided_steps", 0)))
+
+
+def _step_budget(trainer: pl.Trainer, guard: Any) -> tuple[int, int] | None:
+    """``(max_steps, lost steps not counted in this trainer's global_step)`` at the start of a
+    fit, or ``None`` without a step budget.
+
+    A run resumed from a checkpoint counts its earlier lost steps in ``global_step``
+    (``global_step == step_count + lost``): they are given back too; a second ``fit`` with a
+    new trainer does not count the lost steps of the first one.
+    """
+    max_steps = int(getattr(trainer.fit_loop.epoch_loop, "max_steps", -1))
+    if max_steps <= 0:
+        return None
+    lost = _lost(guard)
+    counted = max(0, min(lost, int(trainer.global_step) - int(guard.step_count)))
+    return max_steps, lost - counted
+
+
+def _give_back_lost_steps(trainer: pl.Trainer, guard: Any,
+                          budget: tuple[int, int] | None) -> None:
+    """After a rollback: ``max_steps`` = the budget asked + the steps lost in this trainer
+    (at most twice the budget asked)."""
+    if budget is None:
+        return
+    asked, not_ours = budget
+    extra = min(asked, max(0, _lost(guard) - not_ours))
+    trainer.fit_loop.epoch_loop.max_steps = asked + extra
+
+
+def _restore_budget(trainer: pl.Trainer, budget: tuple[int, int] | None) -> None:
+    """The end of ``fit``: ``max_steps`` back to the budget the user asked for (the Trainer's
+    settings come out of a run unchanged)."""
+    if budget is not None:
+        trainer.fit_loop.epoch_loop.max_steps = budget[0]
+
+
 class StabilityCallback(pl.Callback):
     """Lightning callback that measures, decides and acts through a :class:`TorchGuard`.
 
@@ -173,6 +220,12 @@ class StabilityCallback(pl.Callback):
         on the step path (save steps aside), decisions act one step late
         (:mod:`stability.adapters.trainer_deferred`).  ``"auto"`` (default): deferred on CUDA
         with a fused optimizer, else step, resolved at ``on_train_start`` (``guard.sync_mode``).
+    extend_max_steps : bool
+        ``True`` (default): the steps a rollback throws away (and, with ``sync="deferred"``, the
+        step it voids) are added to the trainer's ``max_steps`` when it has one, at most the
+        original ``max_steps`` in all: a 41-step rollback near the end of a cosine schedule
+        otherwise ends the run 41 updates short of the schedule's end.  ``False``: they come
+        out of ``max_steps``.
     **guard_kwargs
         More :class:`~stability.adapters.torch.TorchGuard` arguments (``activations``,
         ``update_ratio_every``, ``layer_depth``, ...).
@@ -192,7 +245,7 @@ class StabilityCallback(pl.Callback):
                  in_memory: bool = False, memory_limit_mb: float = 256.0,
                  log_metrics: bool | str = True, sync: str = "auto",
                  log_keys: str | list[str] | tuple[str, ...] = "core",
-                 **guard_kwargs: Any) -> None:
+                 extend_max_steps: bool = True, **guard_kwargs: Any) -> None:
         super().__init__()
         if checkpoint_every < 0:
             raise ValueError("The 'checkpoint_every' parameter of StabilityCallback must be an "
@@ -228,6 +281,8 @@ class StabilityCallback(pl.Callback):
         self._last_factor = 1.0
         self._rollback_save = False  # trainer.save_checkpoint is writing a rollback target
         self._converted_warned = False
+        self.extend_max_steps = bool(extend_max_steps)
+        self._budget: tuple[int, int] | None = None  # (max_steps asked, lost steps not ours)
 
     @property
     def state_key(self) -> str:
@@ -267,9 +322,11 @@ class StabilityCallback(pl.Callback):
         self._pending_state = None
         if state is not None:
             self._load(state)
+        self._budget = _step_budget(trainer, self.guard)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.store.close()  # the checkpoint directory is free for the next run
+        _restore_budget(trainer, self._budget)
         if self.guard is not None:
             self.guard.detach()  # sync="deferred": observes the last step
             if self.guard.stopped is not None and self.stopped is None:
@@ -281,6 +338,7 @@ class StabilityCallback(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
         """``fit`` raised: remove the LR and activation hooks (nothing of ours stays installed)."""
+        _restore_budget(trainer, self._budget)
         if self.guard is not None:
             self.guard.detach()
         self._loss_sum, self._loss_n, self._checked = None, 0, False
@@ -332,6 +390,8 @@ class StabilityCallback(pl.Callback):
             late, why_late, rolled = guard.observe_before_save()
             emergency, why = emergency or late, why or why_late
         due = due and guard.healthy and guard.stopped is None
+        if self.extend_max_steps:  # (a rollback in finish_step or observe_before_save)
+            _give_back_lost_steps(trainer, guard, self._budget)
         if guard.stopped is not None and self.stopped is None:
             self.stopped = guard.stopped
             trainer.should_stop = True

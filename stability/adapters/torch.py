@@ -79,6 +79,7 @@ from stability.adapters.interventions import (
     TrainingStopped,
     clip_gradients,
     drop_gradients,
+    restore_outcome,
     tightest_clip,
 )
 from stability.adapters.torch_ops.amp import (
@@ -297,6 +298,8 @@ class TorchGuard:
         self.rolled_back = False  # whether the last finish() rolled back
         # goodput counters (steps_skipped, rollbacks, ...) are views of self.goodput
         self.amp_overflows = 0
+        #: steps lost to restores that kept the position (in ``steps_lost``; not rewound)
+        self.steps_lost_in_place = 0
         self.interventions: list[Any] = []
         self.collector.begin_step(self.step_count)
 
@@ -609,9 +612,12 @@ class TorchGuard:
             if control.rollback_to is not None and self.rollback(control.rollback_to, None):
                 # stop with the last good weights in place (the run cannot be brought back)
                 restored = self.step_count - 1
+            reason = restore_outcome(control.stop_reason or "stop requested",
+                                     control.rollback_to, restored, step)
+            if reason != (control.stop_reason or "stop requested"):
+                log.warning("stop at step %d: %s", step, reason)  # the logged stop said otherwise
             self.stopped = TrainingStopped(
-                control.stop_reason or "stop requested", step,
-                self.decision.alarms if self.decision else (), self.decision,
+                reason, step, self.decision.alarms if self.decision else (), self.decision,
                 restored_step=restored)
             self.step_count += 1
             self.data_position += 1
@@ -619,6 +625,10 @@ class TorchGuard:
             if raise_stop:
                 raise self.stopped
             return True
+        if control.rollback_to is not None and control.keep_position:
+            # the healthy weights back, the position kept: the run goes on from the next step
+            self.checkpoints.restore_in_place(control.rollback_to)
+            return False
         if control.rollback_to is not None and self.rollback(control.rollback_to,
                                                              control.skip_batches):
             self.collector.begin_step(self.step_count)
@@ -693,7 +703,8 @@ class TorchGuard:
             "lr_multiplier": self.multiplier.state_dict(),
             "interventions": self.tally.state_dict(),
             "monitor": self._monitor_state(),
-            "counters": {"amp_overflows": self.amp_overflows},
+            "counters": {"amp_overflows": self.amp_overflows,
+                         "steps_lost_in_place": self.steps_lost_in_place},
             "goodput": self.goodput.state_dict() if self._own_goodput else None,
             "canary": None if self.canary is None else self.canary.state_dict(),
             **self.sync_path.state_dict(self.control),
@@ -730,6 +741,7 @@ class TorchGuard:
         if state.multiplier is not None:
             self.multiplier.load_state_dict(state.multiplier)
         self.amp_overflows = state.counters.get("amp_overflows", self.amp_overflows)
+        self.steps_lost_in_place = state.counters.get("steps_lost_in_place", 0)
         self._load_goodput(state.goodput, state.counters)
         self.checkpoints.reconcile()
         self.collector.begin_step(self.step_count)
@@ -820,7 +832,7 @@ class TorchGuard:
 _OLD_COUNTERS = {"steps_skipped": "skipped", "batches_skipped": "batches_skipped",
                  "rollbacks": "rollbacks", "steps_lost": "lost",
                  "checkpoints_taken": "checkpoints", "checkpoint_failures": "checkpoint_failures"}
-_COUNTERS = (*_OLD_COUNTERS, "amp_overflows")
+_COUNTERS = (*_OLD_COUNTERS, "amp_overflows", "steps_lost_in_place")
 
 
 @dataclasses.dataclass

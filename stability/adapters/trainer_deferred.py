@@ -39,7 +39,7 @@ from stability.adapters.trainer_support import finish_deferring_emergency
 from stability.types import Decision
 
 __all__ = ["TrainerGuard", "check_sync", "finish_step", "observe_before_save",
-           "pending_grad_norm"]
+           "pending_grad_norm", "pending_scalars"]
 
 
 class TrainerGuard(TorchGuard):
@@ -144,7 +144,14 @@ def observe_before_save(guard: TrainerGuard) -> tuple[bool, str, bool]:
 def pending_grad_norm(guard: TrainerGuard) -> float:
     """The pre-clip gradient norm of the pending (not yet observed) step; ``nan`` when none.
     Waits for its copy: call it where the trainer synchronises anyway (a logging step)."""
+    return float(pending_scalars(guard).get("grad_norm", math.nan))
+
+
+def pending_scalars(guard: TrainerGuard) -> dict[str, float]:
+    """The scalar signals of the pending (not yet observed) step, as floats (``{}`` when
+    none).  Waits for their copy: call it where the trainer synchronises anyway (a logging
+    step)."""
     p = guard.deferred.pending if guard.deferred is not None else None
     if p is None or p.step != guard.step_count - 1:
-        return math.nan
-    return float(p.signals().scalars.get("grad_norm", math.nan))
+        return {}
+    return {k: float(v) for k, v in p.signals().scalars.items()}

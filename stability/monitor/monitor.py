@@ -51,6 +51,7 @@ step 21: not after the last observed step 21 (duplicate or out of order; ...) ..
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import logging
 import math
@@ -104,6 +105,7 @@ from stability.monitor.replay_fill import fill_bank as _fill_bank
 from stability.monitor.state import (
     GRAD_HISTORY,
     STATE_VERSION,
+    PartLoader,
     checked_goodput,
     read_control,
     read_history,
@@ -245,6 +247,8 @@ class Monitor:
         self._grad_hist: collections.deque[float] = collections.deque(maxlen=GRAD_HISTORY)
         self._grad_last: float | None = None
         self.last_step = -1
+        #: step of the stop the policy decided (``None``: running); a stop is decided once
+        self.stopped_at: int | None = None
         self.counters = {"steps": 0, "skipped_steps": 0, "skipped_values": 0, "alarm_steps": 0,
                          "alarms": 0, "interventions": 0, "sink_errors": 0}
         self._recovery = RecoveryTracker()  # peak score per alarming (binding, signal)
@@ -266,6 +270,8 @@ class Monitor:
         restore legitimately moves the LR, the weights and their gradients back.
         """
         self.last_step = int(step)
+        if self.stopped_at is not None and self.stopped_at > step:
+            self.stopped_at = None  # the job re-ran from before its stop: a new stop is news
         self.policy.guard.rewind()  # the scheduler went back too: not an LR jump
         for b in self._bindings:
             if b.spec.detector in ("lr_jump", "coherent_jump"):
@@ -467,7 +473,8 @@ class Monitor:
         if alarms:
             if pc is not self.control:
                 pc.reset_step()
-            ivs = tuple(self.policy.step(s, alarms, pc, self._context(gnow)))
+            ivs = self._stop_once(s, tuple(self.policy.step(s, alarms, pc,
+                                                            self._context(gnow))))
             self._policy_dirty = True
             self._ctrl_dirty = True
             if not self.log_only:
@@ -496,13 +503,34 @@ class Monitor:
             return ()
         guard = self.policy.guard
         was = guard.active
-        ivs = tuple(self.policy.track(s, lr, loss, self._policy_control, val))
+        ivs = self._stop_once(s, tuple(self.policy.track(s, lr, loss, self._policy_control,
+                                                         val)))
         if ivs or was or guard.active:
             self._snap = None
             self._policy_dirty = True
         if ivs:
             self._ctrl_dirty = True  # e.g. a stop: per-step requests end with this step
         return ivs
+
+    def _stop_once(self, s: int, ivs: tuple[Intervention, ...]) -> tuple[Intervention, ...]:
+        """A stop is decided once.
+
+        The first response holding a ``Stop`` marks the run stopped (:attr:`stopped_at`).  When
+        steps go on after it (a log that continues past the stop in ``replay`` / ``watch``, a
+        loop that ignores it), the policy's state still says stop and it answers the same stop
+        again: that response is the standing stop, not a new decision -- nothing is requested
+        (no ``Stop``, no second restore, no alert), and the control says only ``stop``.
+        """
+        if not any(iv.type == "stop" for iv in ivs):
+            return ivs
+        if self.stopped_at is None or s <= self.stopped_at:
+            self.stopped_at = s
+            return ivs
+        pc = self._policy_control
+        reason = pc.stop_reason
+        pc.reset_step()
+        pc.stop, pc.stop_reason = True, reason
+        return ()
 
     def rollback_failed(self, step: int, reason: str = "") -> None:
         """The trainer could not carry out the rollback requested at ``step``.
@@ -1171,6 +1199,7 @@ class Monitor:
             "checkpoints": self.checkpoints.state_dict(),
             "goodput": self.goodput.state_dict(),
             "last_step": self.last_step,
+            "stopped_at": self.stopped_at,
             "grad_history": list(self._grad_hist),
             "grad_last": self._grad_last,
             "lr_now": self._lr_now,
@@ -1215,6 +1244,32 @@ class Monitor:
                              f"({type(exc).__name__}: {exc}).") from exc
 
     def _load_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        """Install a snapshot (:meth:`load_state_dict` puts the backup back if this raises).
+
+        The envelope, the layout and the goodput ledger are checked before anything changes;
+        then the runtime is reset and each part installed in turn, a bad part re-warming on
+        its own when not ``strict`` (:class:`~stability.monitor.state.PartLoader`).
+        """
+        f, snap = self._read_snapshot(state, strict)
+        part = PartLoader(strict)
+        layout = part("the signal layout", lambda: read_layout(f), ([], [], {}))
+        # the goodput ledger is checked (into a scratch tracker) before anything changes
+        gp = f.get("goodput", None)
+        if gp is not None:
+            gp = part("the goodput ledger", lambda: checked_goodput(gp), {})
+        self._reset_runtime()
+        self._install_layout(layout, part)
+        self._install_banks(snap, layout[0], part, strict)
+        self._install_policy(f, part)
+        self._install_ledgers(f, gp, part)
+        self._install_history(f, part)
+        self._dirty = True
+
+    def _read_snapshot(self, state: Mapping[str, Any],
+                       strict: bool) -> tuple[Fields, dict[str, Fields]]:
+        """Decode the snapshot and check its envelope: the version, and bindings that must be
+        this monitor's (not strict: missing ones start fresh).  Returns the fields and each
+        binding's snapshot by name."""
         try:
             sd = decode_state(state)
         except Exception as exc:
@@ -1232,26 +1287,17 @@ class Monitor:
                    f"this monitor's {live}.")
             if strict:
                 raise ValueError(msg)
-            rewarm(msg + " Bindings missing from the snapshot start fresh.")
+            # stacklevel 5: the warning names the caller of load_state_dict
+            rewarm(msg + " Bindings missing from the snapshot start fresh.", stacklevel=5)
         if sd.get("config") is not None and sd.get("config") != self.config.to_dict():
             logger.info("Monitor.load_state_dict(): the snapshot was taken with another config; "
                         "this monitor's config (hyperparameters) wins.")
+        return f, snap
 
-        def part(name: str, fn: Any, fresh: Any = None) -> Any:
-            try:
-                return fn()
-            except ValueError as exc:
-                if strict:
-                    raise ValueError(f"{exc} (in {name})") from None
-                rewarm(f"{exc} (in {name}) Re-warming it.")
-                return fresh() if callable(fresh) else fresh
-
-        layout = part("the signal layout", lambda: read_layout(f), ([], [], {}))
-        # the goodput ledger is checked (into a scratch tracker) before anything changes
-        gp = f.get("goodput", None)
-        if gp is not None:
-            gp = part("the goodput ledger", lambda: checked_goodput(gp), {})
-        self._reset_runtime()
+    def _install_layout(self, layout: tuple[list[str], list[str], dict[str, list[str]]],
+                        part: PartLoader) -> None:
+        """Re-bind the snapshot's signal layout (names in slot order, unbound names,
+        families) on fresh banks."""
         for b in self._bindings:
             b.keys, b.key_index, b.slots = [], {}, [[] for _ in b.patterns]
             b.det.n_series = 0
@@ -1262,13 +1308,20 @@ class Monitor:
                 self._bind(name)
         self.unbound |= set(unbound[: max(self.max_series - len(self.unbound), 0)])
         for fam, layers in families.items():
-            part(f"family {fam!r}", lambda fam=fam, layers=layers: self.declare_family(fam, layers))
+            part(f"family {fam!r}", functools.partial(self.declare_family, fam, layers))
+
+    def _install_banks(self, snap: Mapping[str, Fields], names: list[str], part: PartLoader,
+                       strict: bool) -> None:
+        """Each bank's statistics (:meth:`_load_bank`); a bank that fails stays fresh."""
         same_names = self._slot_names[2:] == names
         for b in self._bindings:  # re-binding left every bank fresh: that is the fallback
             bd = snap.get(b.name)
             if bd is not None:
                 part(f"bank {b.name!r}",
-                     lambda b=b, bd=bd: self._load_bank(b, bd, same_names, strict))
+                     functools.partial(self._load_bank, b, bd, same_names, strict))
+
+    def _install_policy(self, f: Fields, part: PartLoader) -> None:
+        """The policy's incident state and the control (the policy's own in ``log_only``)."""
         pol = f.get("policy", None)
         if pol is not None:
             part("the policy", lambda: self.policy.load_state_dict(pol),
@@ -1281,22 +1334,29 @@ class Monitor:
         self._ctrl_dirty = True  # per-step requests of the snapshot's step end with it
         self._snap = None
         self._policy_control = ctl[1] if self.log_only else self.control
+
+    def _install_ledgers(self, f: Fields, gp: Any, part: PartLoader) -> None:
+        """The checkpoint ledger, and the goodput ledger checked before anything changed."""
         led = f.get("checkpoints", None)
         if led is not None:
             part("the checkpoint ledger", lambda: self.checkpoints.load_state_dict(led),
                  lambda: self.checkpoints.load_state_dict({"records": [], "alarms": []}))
         if gp is not None:
             self.goodput.load_state_dict(gp)  # checked above ({} re-warms it)
+
+    def _install_history(self, f: Fields, part: PartLoader) -> None:
+        """The run history (last step, gradient norms, LRs, counters, the stop) and the
+        recovery episodes."""
         keys = set(self.counters)
         hist = part("the run history", lambda: read_history(f, keys),
                     lambda: read_history(Fields("Monitor", {}), keys))
         self.last_step, grad_hist, self._grad_last, self._lr_now, self._lr_prev, counters = hist
         self._grad_hist.extend(grad_hist)
         self.counters.update(counters)
+        self.stopped_at = part("the stop", lambda: f.opt_integer("stopped_at", lo=0), None)
         rec = f.get("recovery", None)
         if rec is not None:
             part("the recovery episodes", lambda: self._recovery.load_state_dict(rec))
-        self._dirty = True
 
     def _load_bank(self, b: Binding, g: Fields, same_names: bool, strict: bool) -> None:
         """Install one bank's snapshot: its series must be this layout's, else (not strict)

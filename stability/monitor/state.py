@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from stability._state_check import Fields
 from stability.run.goodput import GoodputTracker
 from stability.types import Control
 
-__all__ = ["GRAD_HISTORY", "STATE_VERSION", "checked_goodput", "read_control", "read_history",
-           "read_layout", "rewarm"]
+__all__ = ["GRAD_HISTORY", "STATE_VERSION", "PartLoader", "checked_goodput", "read_control",
+           "read_history", "read_layout", "rewarm"]
 
 logger = logging.getLogger("stability.monitor")
 
@@ -28,8 +28,30 @@ GRAD_HISTORY = 100
 
 
 # ---------------------------------------------------------------------- state helpers
-def rewarm(msg: str) -> None:
-    warnings.warn(msg, UserWarning, stacklevel=4)
+def rewarm(msg: str, stacklevel: int = 4) -> None:
+    """Warn that a part of a snapshot re-warms (starts fresh) instead of failing the load."""
+    warnings.warn(msg, UserWarning, stacklevel=stacklevel)
+
+
+class PartLoader:
+    """Load one part of a monitor snapshot.
+
+    ``part(name, fn, fresh)`` returns ``fn()``; on a ``ValueError`` it re-raises it naming the
+    part when ``strict``, else warns that the part re-warms and returns ``fresh`` (called when
+    callable).
+    """
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+
+    def __call__(self, name: str, fn: Callable[[], Any], fresh: Any = None) -> Any:
+        try:
+            return fn()
+        except ValueError as exc:
+            if self.strict:
+                raise ValueError(f"{exc} (in {name})") from None
+            rewarm(f"{exc} (in {name}) Re-warming it.")
+            return fresh() if callable(fresh) else fresh
 
 
 def checked_goodput(sd: Any) -> Mapping[str, Any]:
@@ -66,7 +88,7 @@ def read_control(f: Fields, key: str) -> Control:
         "clip_norm": g.opt_number("clip_norm", lo=0.0, low_open=True),
         "rollback_to": g.opt_integer("rollback_to", lo=0),
     }
-    for k in ("skip_step", "save_checkpoint", "stop"):
+    for k in ("skip_step", "save_checkpoint", "stop", "keep_position"):
         d[k] = g.flag(k, False)
     for k in ("checkpoint_reason", "stop_reason"):
         d[k] = g.text(k, "")

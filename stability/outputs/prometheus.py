@@ -14,6 +14,10 @@
 ``stability_last_step_age_seconds``         seconds since that step was judged
 ==========================================  ================================================
 
+The HTTP endpoint (``port=``) is served by one thread with a bounded number of clients and a
+deadline per client (:mod:`stability.outputs.scrape_server`): slow or stuck scrapers cost
+neither threads nor time of the training process.
+
 Feed it either way:
 
 * ``exporter.update(decision)`` after every ``monitor.observe(...)`` (what ``stability watch
@@ -47,6 +51,8 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from stability.outputs.scrape_server import ScrapeServer
 
 __all__ = ["PrometheusExporter"]
 
@@ -83,10 +89,16 @@ class PrometheusExporter:
         drive through :meth:`update`).
     clock
         Time source (default :func:`time.time`).
+    max_clients, client_timeout
+        Bounds of the HTTP server (:class:`~stability.outputs.scrape_server.ScrapeServer`):
+        one thread serves every client; at most ``max_clients`` (default 16) connections at
+        once, each closed ``client_timeout`` seconds (default 5) after it connected, so slow
+        clients can neither add threads to the training process nor hold the exporter.
     """
 
     def __init__(self, monitor: Any, port: int | None = None, registry: Any = None, *,
-                 addr: str = "127.0.0.1", attach: bool = False, clock: Any = None) -> None:
+                 addr: str = "127.0.0.1", attach: bool = False, clock: Any = None,
+                 max_clients: int = 16, client_timeout: float = 5.0) -> None:
         pc = _client()
         self.monitor = monitor
         self.registry = registry if registry is not None else pc.CollectorRegistry()
@@ -104,12 +116,13 @@ class PrometheusExporter:
             monitor.on_alarm(self._on_alarm)
             monitor.on_intervention(self._on_intervention)
         self.registry.register(_Collector(self))
-        self.server: Any = None
+        self.server: ScrapeServer | None = None
         self.port: int | None = None
         if port is not None:
-            res = pc.start_http_server(port, addr=addr, registry=self.registry)
-            self.server = res[0] if isinstance(res, tuple) else None
-            self.port = self.server.server_port if self.server is not None else port
+            registry = self.registry
+            self.server = ScrapeServer(lambda: pc.generate_latest(registry), port, addr,
+                                       max_clients=max_clients, client_timeout=client_timeout)
+            self.port = self.server.server_port
 
     # ------------------------------------------------------------------ feeding
     def update(self, decision: Any) -> None:
@@ -141,8 +154,7 @@ class PrometheusExporter:
     def close(self) -> None:
         """Stop the HTTP server (if any)."""
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+            self.server.close()
             self.server = None
 
     # ------------------------------------------------------------------ reading

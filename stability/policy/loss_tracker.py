@@ -66,6 +66,14 @@ class LossTracker:
             self.base = x if math.isnan(self.base) else self.base + self.base_alpha * (
                 x - self.base)
 
+    def rewind(self) -> None:
+        """The weights went back to a healthy checkpoint (a rollback): the recent level restarts
+        at the baseline, the pre-episode level of those weights, instead of carrying the level
+        of the damaged ones into the replay (where its lagging fall would look like a return to
+        the trajectory)."""
+        self.fast = self.base
+        self.nonfinite_run = 0
+
     def update_many(self, losses: Any, quiet: Any, probe: Any = None) -> Any:
         """:meth:`update` for each ``losses[k]`` (floats) with ``quiet[k]``, in order.
 

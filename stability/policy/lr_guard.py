@@ -21,9 +21,12 @@ fault lasts, the LR factor is
 so a constant-ratio fault (x30 for ever) is divided out exactly -- the effective LR follows the
 healthy schedule -- a gradual ramp is capped at the last healthy LR, and once a ramp has peaked
 the effective LR follows the requested LR's own decay (divided by the peak ratio).  The fault
-ends (factor 1) as soon as the requested LR is back in the healthy band, however long it
-took.  A rewind (rollback) re-primes the reference from the next requested LR, so the
-scheduler's own rewind is never mistaken for a jump.
+ends (factor 1) when the requested LR is back in the healthy band *and* lifting the cut does
+not raise the effective LR above the band around its last value, however long it took: a
+fault that ends falls back abruptly, while a permanent multiplier on a decaying schedule only
+decays into the band of the frozen reference (releasing it would multiply the effective LR).
+A rewind (rollback) re-primes the reference from the next requested LR, so the scheduler's own
+rewind is never mistaken for a jump.
 
 Examples
 --------
@@ -131,7 +134,7 @@ class LRGuard:
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0.0):
             return self.factor
         lr = float(lr)
-        self.last_lr = lr
+        prev, self.last_lr = self.last_lr, lr
         if not self.primed:
             # first LR after a start or a rewind: healthy if within the known range
             self.primed = True
@@ -144,7 +147,7 @@ class LRGuard:
                 return self.factor
         up = self.upper()
         if self.active:
-            if lr <= self.ref * self.config.tolerance:
+            if lr <= self.ref * self.config.tolerance and self._ends(lr, prev):
                 self.active, self.factor = False, 1.0
                 self._healthy(lr)
             else:
@@ -161,6 +164,20 @@ class LRGuard:
             return self.factor
         self._healthy(lr)
         return self.factor
+
+    def _ends(self, lr: float, prev: float) -> bool:
+        """Rule: an LR fault ends only when lifting the cut does not raise the effective LR
+        above the band around the last effective LR (``lr <= tolerance * prev * factor``).
+
+        After warm-up a healthy schedule does not rise, and a release that would multiply
+        the effective LR is such a rise: the requested LR merely decayed back into the band
+        of the frozen reference (a permanent multiplier on a decaying schedule) while the
+        fault is still there.  A fault that ends falls back abruptly (by about the ratio the
+        guard divides out), so the LR it asks for is the effective LR the guard let through.
+        """
+        if not math.isfinite(prev) or prev <= 0.0:
+            return True
+        return lr <= self.config.tolerance * prev * self.factor
 
     def observe_healthy(self, lrs: Any) -> int:
         """:meth:`observe` for each of ``lrs`` in order while the LR stays in its band.

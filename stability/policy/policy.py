@@ -86,7 +86,7 @@ from typing import Any
 import numpy as np
 
 from stability.policy.attribution import DATA_CAUSES, attribute
-from stability.policy.config import ACTIONS, PolicyConfig
+from stability.policy.config import ACTIONS, KindRule, PolicyConfig
 from stability.policy.context import CheckpointRef, Ledger, PolicyContext, finite_or_none
 from stability.policy.loss_tracker import LossTracker, ValTracker
 from stability.policy.lr_guard import LRGuard
@@ -149,6 +149,46 @@ def _val_many(vt: Any, steps: np.ndarray, vals: np.ndarray, levels: np.ndarray) 
                        else v.size - 1 - int(ok[-1]))
 
 
+@dataclasses.dataclass
+class _Draft:
+    """The response being decided for one alarm step.
+
+    :meth:`Policy.step` passes it from rule to rule; each rule reads it and refines it, and
+    :meth:`Policy._build` turns the final ``actions`` into interventions.
+    """
+
+    step: int
+    acts: list[Alarm]
+    ctx: PolicyContext
+    control: Control
+    #: this step's cause (attributed, or the cause of the fault a rollback replayed)
+    cause: str
+    #: the cause of the step-fault episode a rollback undid and this one replays (``None``: none)
+    replayed: str | None
+    #: ratio of a new LR jump to size a cut to (``None``: no new jump)
+    jump: float | None = None
+    #: damage alarms came within ``lr_jump.damage_window`` steps
+    damaged: bool = False
+    by_kind: dict[str, list[Alarm]] = dataclasses.field(default_factory=dict)
+    rules: dict[str, KindRule] = dataclasses.field(default_factory=dict)
+    #: kind -> whether one of its alarms is critical
+    crit: dict[str, bool] = dataclasses.field(default_factory=dict)
+    #: skip this optimizer step
+    skip: bool = False
+    actions: set[str] = dataclasses.field(default_factory=set)
+    #: a new response (``False``: merged into the last one)
+    responded: bool = False
+    #: the escalation level of the response (after the ladder)
+    level: int = 0
+    #: the rollback restores the weights keeping the position (a replayed fault in them)
+    keep_position: bool = False
+
+    @property
+    def kinds(self) -> list[str]:
+        """The alarm kinds of the step, sorted."""
+        return sorted(self.by_kind)
+
+
 class Policy:
     """Escalation-ladder policy; see the module docstring for the semantics.
 
@@ -187,6 +227,8 @@ class Policy:
         self.n_undo = 0
         #: (onset, cause) of step-fault episodes undone by a rollback
         self._rb_onsets: list[tuple[int, str]] = []
+        #: onsets of replayed faults answered by a restore that kept the position
+        self._kept_onsets: list[int] = []
         self._storm = False  # this step's response is a skip storm's escalation
         self.n_rollbacks = 0
         self.n_responses = 0
@@ -219,7 +261,7 @@ class Policy:
             n_rollbacks=self.n_rollbacks, n_responses=self.n_responses, n_merged=self.n_merged,
             guard=self.guard, episode=self._ep, probation=self._probation, loss=self.loss,
             val=self.val, aftermath=self._after, judged_onset=self._judged_onset,
-            n_undo=self.n_undo, rb_onsets=self._rb_onsets))
+            n_undo=self.n_undo, rb_onsets=self._rb_onsets, kept_onsets=self._kept_onsets))
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; later decisions are identical.
@@ -241,6 +283,7 @@ class Policy:
         self._ep, self._probation = s.episode, s.probation
         self._after, self._judged_onset, self.n_undo = s.aftermath, s.judged_onset, s.n_undo
         self._rb_onsets = list(s.rb_onsets)
+        self._kept_onsets = list(s.kept_onsets)
         self._update_neutral()
 
     # ------------------------------------------------------------------ pure queries
@@ -348,6 +391,10 @@ class Policy:
     ) -> list[Intervention]:
         """Respond to the alarms of ``step``; mutate ``control`` (unless ``log_only``).
 
+        The body is the ordered list of the policy's rules, one method each (the docs page
+        ``docs/policy.md`` lists them): filter the alarms, open the episode and attribute it,
+        the early stops, then the rules that draft this step's actions, then the response.
+
         Parameters
         ----------
         step : int
@@ -374,203 +421,361 @@ class Policy:
         step = int(step)
         if control.stop and not self.log_only:
             return []  # track() stopped the run at this step: nothing else applies
-        acts = [a for a in alarms if SEV.get(a.severity, 1) >= self._min_sev] if alarms else []
+        acts = self._severe_enough(alarms)
         if not acts:
-            if not self.log_only:
-                self._apply_persistent(step, control)
-            return []
-        ctx = PolicyContext.coerce(context)
-        if ctx.healthy_checkpoints is not None:
-            self.ledger = ctx.healthy_checkpoints
-        cfg = self.config
-        jcfg = cfg.lr_jump
-        self._storm = False
-        if cfg.lr_guard.enabled and self.guard.n >= cfg.lr_guard.min_steps:
-            # the LR guard judges the requested LR itself, every step: LR-jump alarms are
-            # recorded but do not act (a rewound scheduler, a benign restart, a step decay)
-            acts = [a for a in acts if a.detector not in jcfg.detectors]
-            if self.guard.active:
-                # LR/loss anomalies while the guard holds an LR fault are that fault's echo
-                acts = [a for a in acts if a.kind != "lr_loss_anomaly"]
-            if not acts:
-                if not self.log_only:
-                    self._apply_persistent(step, control)
-                return []
+            return self._hold(step, control)
+        ctx = self._take_context(context)
+        acts = self._lr_guard_filter(acts)
+        if not acts:
+            return self._hold(step, control)
         if all(a.recovering for a in acts):
             return self._recovering_only(step, acts, ctx, control)
-        ep = self._ep
-        ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
-        ep.last_seen = step
-        self._after = None  # the episode goes on: its aftermath is judged when it is over
-        self._judged_onset = None
-        rc = cfg.recovery
-        cause = attribute(acts, lr_fault=self.guard.active,
-                          nonfinite_loss_run=self.loss.nonfinite_run,
-                          consecutive=ep.consec, persistent_after=rc.max_consecutive_skips)
+        self._continue_episode(step)
+        cause = self._attribute(acts)
         stop = self._overfit_stop(step, acts, cause, ctx, control)
         if stop is not None:
             return stop
         if cause == "data" and self._probation is not None:
             return self._data_keeps_failing(step, control)
+        d = _Draft(step, acts, ctx, control, *self._episode_cause(step, cause))
+        self._note_damage(d)
+        if self._rearm_held_jump(d):
+            return self._merge_rearmed_jump(step, control)
+        self._group_by_kind(d)
+        self._skip_rule(d)
+        self._escalation_ladder(d, self._persist_level(d))
+        self._non_escalating_kinds(d)
+        self._cut_to_the_jump(d)
+        self._train_through_a_shift(d)
+        self._adapt_to_a_shift(d)
+        self._roll_back_corruption(d)
+        self._roll_back_bad_data(d)
+        self._rollback_before_stop(d)
+        self._rollback_gate(d)
+        self._skip_storm_escalates(d)
+        return self._respond(d)
+
+    # ------------------------------------------------------------------ which alarms act
+    def _severe_enough(self, alarms: Sequence[Alarm]) -> list[Alarm]:
+        """Rule: alarms below ``min_severity`` are recorded, never acted on."""
+        if not alarms:
+            return []
+        return [a for a in alarms if SEV.get(a.severity, 1) >= self._min_sev]
+
+    def _hold(self, step: int, control: Control) -> list[Intervention]:
+        """A step with nothing to act on: only the persistent ``Control`` fields are written."""
+        if not self.log_only:
+            self._apply_persistent(step, control)
+        return []
+
+    def _take_context(self, context: PolicyContext | Mapping[str, Any] | None) -> PolicyContext:
+        """Coerce the monitor's context; its ledger becomes the policy's; a new step's
+        response is no skip storm's (yet)."""
+        ctx = PolicyContext.coerce(context)
+        if ctx.healthy_checkpoints is not None:
+            self.ledger = ctx.healthy_checkpoints
+        self._storm = False
+        return ctx
+
+    def _lr_guard_filter(self, acts: list[Alarm]) -> list[Alarm]:
+        """Rule: once the LR guard is warm it judges the requested LR itself, every step.
+
+        LR-jump alarms are then recorded but do not act (a rewound scheduler, a benign restart,
+        a step decay), and LR/loss anomalies while the guard holds an LR fault are that fault's
+        echo.
+        """
+        cfg = self.config
+        if not (cfg.lr_guard.enabled and self.guard.n >= cfg.lr_guard.min_steps):
+            return acts
+        acts = [a for a in acts if a.detector not in cfg.lr_jump.detectors]
+        if self.guard.active:
+            acts = [a for a in acts if a.kind != "lr_loss_anomaly"]
+        return acts
+
+    # ------------------------------------------------------------------ episode and cause
+    def _count_consecutive(self, step: int) -> None:
+        """Count the alarm step in the episode's run of consecutive alarm steps (gaps of at
+        most 3 steps keep the run going): what makes a shift persistent."""
+        ep = self._ep
+        ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
+        ep.last_seen = step
+
+    def _continue_episode(self, step: int) -> None:
+        """Rule: an acting alarm continues the episode; its aftermath is judged when it is
+        over, so a pending judgement is dropped."""
+        self._count_consecutive(step)
+        self._after = None
+        self._judged_onset = None
+
+    def _attribute(self, acts: Sequence[Alarm]) -> str:
+        """The cause of this step's alarms (:func:`~stability.policy.attribution.attribute`)."""
+        return attribute(acts, lr_fault=self.guard.active,
+                         nonfinite_loss_run=self.loss.nonfinite_run,
+                         consecutive=self._ep.consec,
+                         persistent_after=self.config.recovery.max_consecutive_skips)
+
+    def _episode_cause(self, step: int, cause: str) -> tuple[str, str | None]:
+        """Rule: a rollback that replayed a step fault keeps that fault's cause; a slow trend
+        (``divergence``) inside an open episode keeps the episode's cause.
+
+        Returns this step's cause and the replayed one (``None``: no replay).
+        """
         replayed = self._replayed_cause(step)
         if replayed:
-            cause = replayed  # a rollback replayed a step fault: the same cause
+            cause = replayed
         if not (cause == "divergence" and self.cause and self._onset is not None):
-            self.cause = cause  # (a slow trend inside an episode keeps the episode's cause)
-        damaged = False
-        if jcfg.enabled:
-            if any(a.kind in jcfg.damage_kinds for a in acts):
-                self._damage_last = step
-            damaged = (self._damage_last is not None
-                       and 0 <= step - self._damage_last <= jcfg.damage_window)
-        jump = self._jump_ratio(acts, ctx) if jcfg.enabled else None
-        if jump is not None and self._rearm(step, jump):
-            # the same LR jump still in force: the hold is extended; no new response
-            acts = [a for a in acts if not self._is_jump(a)]
-            jump = None
-            if not acts:
-                self.n_merged += 1
-                self._update_neutral()
-                if not self.log_only:
-                    self._apply_persistent(step, control)
-                return []
-        by_kind: dict[str, list[Alarm]] = {}
-        for a in acts:
-            by_kind.setdefault(a.kind, []).append(a)
-        kinds = sorted(by_kind)
-        rules = {k: cfg.rule(k) for k in kinds}
-        crit = {k: any(a.severity == "critical" for a in by_kind[k]) for k in kinds}
-        skip = any(rules[k].skip == "always" or (rules[k].skip == "critical" and crit[k])
-                   for k in kinds)
+            self.cause = cause
+        return cause, replayed
 
+    # ------------------------------------------------------------------ LR jumps (step)
+    def _note_damage(self, d: _Draft) -> None:
+        """Rule: remember when damage alarms (loss spike, gradient explosion, ...) last came,
+        so an LR jump within ``lr_jump.damage_window`` of them also rolls back."""
+        jcfg = self.config.lr_jump
+        if not jcfg.enabled:
+            return
+        if any(a.kind in jcfg.damage_kinds for a in d.acts):
+            self._damage_last = d.step
+        d.damaged = (self._damage_last is not None
+                     and 0 <= d.step - self._damage_last <= jcfg.damage_window)
+
+    def _rearm_held_jump(self, d: _Draft) -> bool:
+        """Rule: an alarm of the LR jump already held extends its hold, no new response.
+
+        Sizes ``d.jump`` for a new jump; ``True`` when nothing but re-armed jump alarms is left.
+        """
+        if not self.config.lr_jump.enabled:
+            return False
+        d.jump = self._jump_ratio(d.acts, d.ctx)
+        if d.jump is None or not self._rearm(d.step, d.jump):
+            return False
+        d.acts = [a for a in d.acts if not self._is_jump(a)]
+        d.jump = None
+        return not d.acts
+
+    def _merge_rearmed_jump(self, step: int, control: Control) -> list[Intervention]:
+        """The step only re-armed a held jump: merged into its response."""
+        self.n_merged += 1
+        self._update_neutral()
+        return self._hold(step, control)
+
+    # ------------------------------------------------------------------ per-kind rules
+    def _group_by_kind(self, d: _Draft) -> None:
+        """Group the acting alarms by kind, with each kind's rule and whether it is critical."""
+        for a in d.acts:
+            d.by_kind.setdefault(a.kind, []).append(a)
+        d.rules = {k: self.config.rule(k) for k in d.kinds}
+        d.crit = {k: any(a.severity == "critical" for a in d.by_kind[k]) for k in d.kinds}
+
+    def _skip_rule(self, d: _Draft) -> None:
+        """Rule: the optimizer step is skipped when a kind's ``skip`` rule matches
+        (``always``, or ``critical`` on a critical alarm), whatever the level."""
+        d.skip = any(d.rules[k].skip == "always"
+                     or (d.rules[k].skip == "critical" and d.crit[k]) for k in d.kinds)
+
+    def _persist_level(self, d: _Draft) -> int:
+        """Rule: ``patience`` alarm steps of a kind within ``escalation_window`` jump to at
+        least its ``persist_level``, even inside a cooldown (0: no kind persists)."""
         persist = 0
-        for k in kinds:
-            r = rules[k]
-            if r.patience > 0:
-                h = [s for s in self._hist.get(k, []) if step - s < cfg.escalation_window]
-                h = (h + [step])[-r.patience:]
-                self._hist[k] = h
-                if len(h) >= r.patience:
-                    persist = max(persist, r.persist_level)
+        for k in d.kinds:
+            r = d.rules[k]
+            if r.patience <= 0:
+                continue
+            h = [s for s in self._hist.get(k, []) if d.step - s < self.config.escalation_window]
+            h = (h + [d.step])[-r.patience:]
+            self._hist[k] = h
+            if len(h) >= r.patience:
+                persist = max(persist, r.persist_level)
+        return persist
 
-        actions: set[str] = set()
-        esc = [k for k in kinds if rules[k].escalate]
-        eff = self.level_at(step)
-        responded = False
-        if esc:
-            ledger = ctx.healthy_checkpoints
-            if ledger is not None:
-                ledger.note_alarm(step)
-            if eff == 0 or self._onset is None:
-                self._onset = step
-            start = max(rules[k].critical_start_level if crit[k] else rules[k].start_level
-                        for k in esc)
-            last = self._last_response
-            in_cooldown = eff > 0 and last is not None and step - last < cfg.cooldown
-            new = 0
-            if in_cooldown:
-                if persist > eff:
-                    new = persist
-            elif eff == 0:
-                new = max(start, persist)
-            else:
-                up = last is not None and step - last <= cfg.escalation_window
-                new = max(eff + 1 if up else eff, start, persist)
-            self._last_alarm = step
-            if new:
-                new = min(new, len(cfg.ladder))
-                self._level = new
-                self._last_response = step
-                responded = True
-                for k in esc:
-                    lad = rules[k].ladder or cfg.ladder
-                    actions.update(lad[min(new, len(lad)) - 1])
-            else:
-                self._level = eff
-        level_now = self.level_at(step)
-        for k in kinds:
-            if rules[k].escalate:
+    def _start_level(self, d: _Draft, kind: str) -> int:
+        """The level a kind's response starts at (its critical start on a critical alarm)."""
+        r = d.rules[kind]
+        return r.critical_start_level if d.crit[kind] else r.start_level
+
+    def _rung(self, d: _Draft, kind: str, level: int) -> tuple[str, ...]:
+        """The actions of ``level`` in the kind's ladder (a shorter ladder stays at its top)."""
+        lad = d.rules[kind].ladder or self.config.ladder
+        return tuple(lad[min(level, len(lad)) - 1])
+
+    def _escalation_ladder(self, d: _Draft, persist: int) -> None:
+        """Rule: the escalating kinds share one level; a response takes its rung's actions.
+
+        The alarm step is noted in the ledger and opens the episode's onset when no incident
+        is open; the new level is :meth:`_next_level`'s (0: merged into the last response).
+        """
+        esc = [k for k in d.kinds if d.rules[k].escalate]
+        if not esc:
+            return
+        if d.ctx.healthy_checkpoints is not None:
+            d.ctx.healthy_checkpoints.note_alarm(d.step)
+        eff = self.level_at(d.step)
+        if eff == 0 or self._onset is None:
+            self._onset = d.step
+        new = self._next_level(d.step, eff, max(self._start_level(d, k) for k in esc), persist)
+        self._last_alarm = d.step
+        if not new:
+            self._level = eff
+            return
+        new = min(new, len(self.config.ladder))
+        self._level = new
+        self._last_response = d.step
+        d.responded = True
+        for k in esc:
+            d.actions.update(self._rung(d, k, new))
+
+    def _next_level(self, step: int, eff: int, start: int, persist: int) -> int:
+        """Rule: cooldown and escalation (0: no new response).
+
+        Inside ``cooldown`` steps of the last response the alarm is merged (unless a kind
+        persists above the level); a first response starts at ``start``; a response within
+        ``escalation_window`` of the previous one goes one level up, a later one repeats it.
+        """
+        cfg = self.config
+        last = self._last_response
+        if eff > 0 and last is not None and step - last < cfg.cooldown:
+            return persist if persist > eff else 0
+        if eff == 0:
+            return max(start, persist)
+        up = last is not None and step - last <= cfg.escalation_window
+        return max(eff + 1 if up else eff, start, persist)
+
+    def _non_escalating_kinds(self, d: _Draft) -> None:
+        """Rule: a kind with ``escalate = false`` responds on its own cooldown, at the shared
+        level or its start level (whichever is higher), and never raises the level."""
+        d.level = self.level_at(d.step)  # the level of this step's response
+        for k in d.kinds:
+            if d.rules[k].escalate:
                 continue
             last_k = self._kind_last.get(k)
-            if last_k is None or not 0 <= step - last_k < cfg.cooldown:
-                self._kind_last[k] = step
-                responded = True
-                lad = rules[k].ladder or cfg.ladder
-                lvl = max(level_now, rules[k].critical_start_level if crit[k]
-                          else rules[k].start_level)
-                actions.update(lad[min(lvl, len(lad)) - 1])
-        if jump is not None:
-            # a new LR jump: a cut sized to it replaces the ladder's generic LR cut
-            actions.update(("alert", "reduce_lr"))
-            responded = True
-            if damaged and jcfg.rollback_on_damage:
-                actions.update(("checkpoint", "rollback"))
-        nonfinite_now = "nonfinite" in kinds
-        if skip and (cause == "shift" or replayed) and not nonfinite_now:
-            # no skip storms: a persistent shift must be learned, not skipped; a replayed
-            # deterministic fault is trained through (skipping cannot heal the weights)
-            skip = False
-        adapting = cause == "shift" or bool(replayed) or (
-            cause == "overflow" and ep.consec > rc.max_consecutive_skips)
+            if last_k is not None and 0 <= d.step - last_k < self.config.cooldown:
+                continue
+            self._kind_last[k] = d.step
+            d.responded = True
+            d.actions.update(self._rung(d, k, max(d.level, self._start_level(d, k))))
+
+    # ------------------------------------------------------------------ cause-specific rules
+    def _cut_to_the_jump(self, d: _Draft) -> None:
+        """Rule: a new LR jump gets a cut sized to it (replacing the ladder's generic cut),
+        plus a checkpoint + rollback when damage alarms came first."""
+        if d.jump is None:
+            return
+        d.actions.update(("alert", "reduce_lr"))
+        d.responded = True
+        if d.damaged and self.config.lr_jump.rollback_on_damage:
+            d.actions.update(("checkpoint", "rollback"))
+
+    def _train_through_a_shift(self, d: _Draft) -> None:
+        """Rule: no skip storms -- a persistent shift must be learned, not skipped, and a
+        replayed deterministic fault is trained through (skipping cannot heal the weights);
+        a non-finite value is still skipped."""
+        if d.skip and (d.cause == "shift" or d.replayed) and "nonfinite" not in d.by_kind:
+            d.skip = False
+
+    def _adapt_to_a_shift(self, d: _Draft) -> None:
+        """Rule: a shift, a replayed fault, or an overflow that persists past
+        ``recovery.max_consecutive_skips`` starts adapting once per episode (clip + LR cut)."""
+        ep = self._ep
+        adapting = d.cause == "shift" or bool(d.replayed) or (
+            d.cause == "overflow" and ep.consec > self.config.recovery.max_consecutive_skips)
         if adapting and ep.adapt_start is None:
-            self._start_adapting(step)
-            actions.update(("alert", "clip", "reduce_lr"))
-            responded = True
-        if cause == "corruption" and not replayed:
-            actions.update(("alert", "checkpoint", "rollback"))
-            skip = True
-            responded = True
-        if cause == "data":
-            # the canary (held-out early batches) diverged: the model is learning bad data
-            actions.update(("alert", "rollback"))
-            responded = True
-        worse = self.worse()
-        if "stop" in actions and not self._exhausted(step, ctx):
-            # stop only when nothing is left to try: a rollback comes first
-            actions = (actions - {"stop"}) | {"checkpoint", "rollback"}
-        if "rollback" in actions and not self._storm and cause in (
+            self._start_adapting(d.step)
+            d.actions.update(("alert", "clip", "reduce_lr"))
+            d.responded = True
+
+    def _roll_back_corruption(self, d: _Draft) -> None:
+        """Rule: corrupted state rolls back at once (the step skipped); when a rollback already
+        replayed it (deterministic), once more but without replaying its step
+        (:meth:`_may_keep_position`)."""
+        if d.cause == "corruption" and (not d.replayed or self._may_keep_position(d.step)):
+            d.actions.update(("alert", "checkpoint", "rollback"))
+            d.skip = True
+            d.responded = True
+
+    def _roll_back_bad_data(self, d: _Draft) -> None:
+        """Rule: the canary (held-out early batches) diverged -- the model is learning bad data:
+        roll back."""
+        if d.cause == "data":
+            d.actions.update(("alert", "rollback"))
+            d.responded = True
+
+    def _rollback_before_stop(self, d: _Draft) -> None:
+        """Rule: stop only when nothing is left to try -- a rollback comes first."""
+        if "stop" in d.actions and not self._exhausted(d.step, d.ctx):
+            d.actions = (d.actions - {"stop"}) | {"checkpoint", "rollback"}
+
+    def _rollback_gate(self, d: _Draft) -> None:
+        """Rule: a shift, overflow, outlier or divergence rolls back only when it has earned it
+        (:meth:`_rollback_earned`); otherwise it adapts instead (once per episode)."""
+        if "rollback" not in d.actions or d.cause not in (
                 "shift", "overflow", "outlier", "divergence"):
-            ok = worse is not False and (cause in ("outlier", "divergence") or (
-                ep.adapt_start is not None and step - ep.adapt_start >= rc.adapt_steps
-                and not self._improving()))
-            if not ok:
-                actions -= {"rollback", "checkpoint"}
-                if ep.adapt_start is None:
-                    self._start_adapting(step)
-                    actions.update(("alert", "clip", "reduce_lr"))
-        if skip:
-            actions.add("skip")
-            if self._skip_storm(step, ctx):
-                actions = (actions - {"skip", "clip", "checkpoint"}) | (
-                    {"alert", "stop"} if self._exhausted(step, ctx)
-                    else {"alert", "rollback", "reduce_lr"})
-                responded = True
-        if responded:
+            return
+        if self._rollback_earned(d):
+            return
+        d.actions -= {"rollback", "checkpoint"}
+        if self._ep.adapt_start is None:
+            self._start_adapting(d.step)
+            d.actions.update(("alert", "clip", "reduce_lr"))
+
+    def _rollback_earned(self, d: _Draft) -> bool:
+        """The run is not measurably better than before the episode, and either the cause is an
+        outlier / divergence or adapting for ``recovery.adapt_steps`` did not improve it."""
+        if self.worse() is False:
+            return False
+        if d.cause in ("outlier", "divergence"):
+            return True
+        ep = self._ep
+        return (ep.adapt_start is not None
+                and d.step - ep.adapt_start >= self.config.recovery.adapt_steps
+                and not self._improving())
+
+    def _skip_storm_escalates(self, d: _Draft) -> None:
+        """Rule: skip the step; ``recovery.max_skips`` consecutive skips are a storm (the run
+        is not training): a rollback with an LR cut, or a stop when none is left."""
+        if not d.skip:
+            return
+        d.actions.add("skip")
+        if not self._skip_storm(d.step, d.ctx):
+            return
+        d.actions = (d.actions - {"skip", "clip", "checkpoint"}) | (
+            {"alert", "stop"} if self._exhausted(d.step, d.ctx)
+            else {"alert", "rollback", "reduce_lr"})
+        d.responded = True
+
+    # ------------------------------------------------------------------ the response
+    def _respond(self, d: _Draft) -> list[Intervention]:
+        """Count the response (or the merge), build its interventions tagged with the cause,
+        reset after a rollback, and write the persistent ``Control`` fields."""
+        if d.responded:
             self.n_responses += 1
         else:
             self.n_merged += 1
         self._rewound_to = None
-        ivs = self._build(step, actions, by_kind, max(level_now, 1), ctx, control, jump)
-        if cause:
-            ivs = [dataclasses.replace(iv, cause=cause) for iv in ivs]
+        ivs = self._build(d)
+        if d.cause:
+            ivs = [dataclasses.replace(iv, cause=d.cause) for iv in ivs]
         if self._rolled_back:
-            # a new start from a healthy state: the episode and its escalation are over
-            self._level = 0
-            self._last_alarm = self._last_response = None
-            self._hist = {}
-            self._kind_last = {}
-            self._onset = None
-            if cause == "data":
-                self._lr = self._clip = None  # the undone episode's responses go with it
-            self._reset_episode()
-            self.guard.rewind()
-            self.val.rewind(self._rewound_to if self._rewound_to is not None else step)
+            self._reset_after_rollback(d)
         self._update_neutral()
         if not self.log_only:
             # after a rewinding rollback the trainer continues from the restored step
-            self._apply_persistent(step if self._rewound_to is None else self._rewound_to,
-                                   control)
+            self._apply_persistent(d.step if self._rewound_to is None else self._rewound_to,
+                                   d.control)
         return ivs
+
+    def _reset_after_rollback(self, d: _Draft) -> None:
+        """Rule: a rollback is a new start from a healthy state -- the episode and its
+        escalation are over (a data episode's LR cut and clip go with it)."""
+        self._level = 0
+        self._last_alarm = self._last_response = None
+        self._hist = {}
+        self._kind_last = {}
+        self._onset = None
+        if d.cause == "data":
+            self._lr = self._clip = None  # the undone episode's responses go with it
+        self._reset_episode()
+        self.guard.rewind()
+        self.val.rewind(self._rewound_to if self._rewound_to is not None else d.step)
 
     def _recovering_only(self, step: int, acts: Sequence[Alarm], ctx: PolicyContext,
                          control: Control) -> list[Intervention]:
@@ -592,9 +797,7 @@ class Policy:
         ledger = ctx.healthy_checkpoints
         if ledger is not None:
             ledger.note_alarm(step)
-        ep = self._ep
-        ep.consec = ep.consec + 1 if 0 < step - ep.last_seen <= 3 else 1
-        ep.last_seen = step
+        self._count_consecutive(step)
         if not self.log_only:
             self._apply_persistent(step, control)
         cd = self.config.cooldown
@@ -986,6 +1189,7 @@ class Policy:
             control.skip_batches = (af.onset, af.last) if data else None
             if self.config.rewind_on_rollback:
                 self._rewind(step, target.covers, ledger)
+            self.loss.rewind()
         self._onset = None
         self._lr = self._clip = None  # the responses to the undone episode go with it
         self._update_neutral()
@@ -1057,129 +1261,249 @@ class Policy:
 
     # ================================================================== building a response
 
-    def _build(self, step: int, actions: set[str], by_kind: Mapping[str, list[Alarm]],
-               level: int, ctx: PolicyContext, control: Control,
-               jump: float | None = None) -> list[Intervention]:
-        cfg = self.config
-        act = not self.log_only
-        reason = f"L{level}: " + "; ".join(
-            f"{k}({_signals(v)})" for k, v in sorted(by_kind.items()))
-        notes: list[str] = []
-        out: list[Intervention] = []
-        ledger = ctx.healthy_checkpoints
+    def _build(self, d: _Draft) -> list[Intervention]:
+        """Turn the drafted actions into interventions and ``Control`` fields.
+
+        The last gates first (:meth:`_gate_rollback`, :meth:`_gate_stop`: they may turn a
+        rollback into a stop or drop one, with a note), then one intervention per action in
+        a fixed order, the alert (with every note) in front.
+        """
         self._rolled_back = False
-        if "rollback" in actions and self._recurs(step):
-            # rerun verdict: the same fault at the same step after a rollback to before it is
-            # deterministic -- another rollback would replay it (invariant 6: not repeated)
-            onset = step if self._onset is None else self._onset
-            actions = actions - {"rollback", "checkpoint"}
-            if self._storm:
-                actions |= {"stop"}
-            notes.append(f"the fault recurred at step {onset} after a rollback to before it: "
-                         f"deterministic, a rollback does not help -- "
-                         + ("stopping" if self._storm else "training through it"))
-        if "rollback" in actions and self.n_rollbacks >= cfg.max_rollbacks:
-            actions = (actions - {"rollback"}) | {"stop"}
-            notes.append(f"rollback limit ({cfg.max_rollbacks}) reached")
-        if "rollback" in actions:
-            onset = step if self._onset is None else self._onset
-            if ledger is None or ledger.latest_healthy_before(onset, cfg.checkpoint_margin) is None:
-                actions = actions - {"rollback"}
-                notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
-                if self.cause == "corruption":  # a broken state with nothing to restore
-                    actions = actions | {"stop"}
-        if "stop" in actions:
-            worse = self.worse()
-            if worse is False and not self._storm and self.cause != "data":
-                actions = actions - {"stop"}
-                notes.append("would stop, but the run is not measurably worse than before the "
-                             "episode: continuing")
-            else:
-                tried = f"{self.n_rollbacks} rollback(s)"
-                if self._ep.adapt_start is not None:
-                    tried += f", adapting since step {self._ep.adapt_start}"
-                notes.append(f"cause: {self.cause or 'unknown'}; tried: {tried}")
-        if "skip" in actions:
-            out.append(SkipStep(step, reason))
-            if act:
-                control.skip_step = True
-        if "clip" in actions:
-            current = self.clip_norm_at(step)
-            if current is None:
-                current = finite_or_none(ctx.clip_norm)
-            med = finite_or_none(ctx.grad_norm_recent_median)
-            norm = adaptive_clip(med, cfg.clip.factor, current, tighten=cfg.clip.tighten,
-                                 min_norm=cfg.clip.min_norm, max_norm=cfg.clip.max_norm)
-            if norm is None:
-                notes.append("no gradient statistics to derive a clip from")
-            else:
-                self._clip = ClipHold(norm, step, cfg.clip.duration)
-                out.append(SetClip(step, reason, max_norm=norm, duration=cfg.clip.duration))
-        if "reduce_lr" in actions and jump is not None:
-            j = cfg.lr_jump
-            cur = self.lr_factor_at(step)
-            held = self._jump_active(step)
-            total = jump * (held.ratio if held is not None else 1.0)
-            f = max(cfg.lr.min_factor, min(1.0, cur) * min(1.0 / jump, cfg.lr.factor))
-            self._jump = JumpHold(total, step, f)
-            self._lr = LRCut(step, f, j.hold, j.restore_steps)
-            out.append(ReduceLR(step, reason, factor=f, duration=j.hold,
-                                restore_steps=j.restore_steps))
-            notes.append(f"LR jumped x{jump:.3g}: LR factor {f:.3g}, held until {j.hold} steps "
-                         f"after the last jump alarm")
-        elif "reduce_lr" in actions:
-            f = compound_factor(self._ladder_lr_factor_at(step), cfg.lr.factor,
-                                cfg.lr.min_factor)
-            self._lr = LRCut(step, f, cfg.lr.duration, cfg.lr.restore_steps)
-            out.append(ReduceLR(step, reason, factor=f, duration=cfg.lr.duration,
-                                restore_steps=cfg.lr.restore_steps))
-        if "checkpoint" in actions:
-            out.append(Checkpoint(step, reason, healthy=False))
-            if act:
-                control.save_checkpoint = True
-                control.checkpoint_reason = reason
-        if "rollback" in actions:
-            onset = step if self._onset is None else self._onset
-            target = None if ledger is None else ledger.latest_healthy_before(
-                onset, cfg.checkpoint_margin)
-            skip_data = self.cause in DATA_CAUSES or not self.cause
-            if target is None:
-                notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
-            else:
-                if self.cause == "data" and self._onset is None:
-                    # no alarm marks where the bad data began: skip every batch since the
-                    # restored checkpoint (the canary vouched for none after it)
-                    onset = target.covers + 1
-                out.append(Rollback(step, reason, to_step=target.step, skip_from=onset,
-                                    skip_to=step if skip_data else onset - 1))
-                self.n_rollbacks += 1
-                if not skip_data:
-                    self._note_rolled_back(onset)
-                self._onset = None
-                self._rolled_back = True  # log_only decides as if it had acted
-                resume = target.covers if act and cfg.rewind_on_rollback else step
-                self._probation = (Probation(resume, target.step, 0, self.cause)
-                                   if skip_data and self.cause else None)
-                if act:
-                    control.rollback_to = target.step
-                    control.skip_batches = (onset, step) if skip_data else None
-                    if cfg.rewind_on_rollback:
-                        self._rewind(step, target.covers, ledger)
-                        self._rewound_to = target.covers
-        if "stop" in actions:
-            out += self._stop_restore(step, ledger, notes, control)
-            out.append(Stop(step, reason + ("; " + "; ".join(notes) if notes else "")))
-            if act:
-                control.stop = True
-                control.stop_reason = out[-1].reason
-        if "alert" in actions or notes:
-            sev = "critical" if (level >= 3 or actions & {"rollback", "stop"}
-                                 or any(a.severity == "critical"
-                                        for v in by_kind.values() for a in v)) else "warning"
-            done = ", ".join(a for a in ACTIONS if a in actions and a != "alert") or "none"
-            msg = f"step {step}: {reason} -> {done}" + ("; " + "; ".join(notes) if notes else "")
-            out.insert(0, Alert(step, reason, severity=sev, message=msg))
+        notes: list[str] = []
+        reason = f"L{max(d.level, 1)}: " + "; ".join(
+            f"{k}({_signals(v)})" for k, v in sorted(d.by_kind.items()))
+        self._gate_rollback(d, notes)
+        self._gate_stop(d, notes)
+        out: list[Intervention] = []
+        for emit in (self._emit_skip, self._emit_clip, self._emit_lr_cut, self._emit_checkpoint,
+                     self._emit_rollback, self._emit_stop):
+            out += emit(d, reason, notes)
+        return self._emit_alert(d, reason, notes) + out
+
+    # ------------------------------------------------------------------ last gates
+    def _gate_rollback(self, d: _Draft, notes: list[str]) -> None:
+        """Rules: a rollback is never repeated over a deterministic fault, never past
+        ``max_rollbacks`` (a stop instead), and needs a healthy checkpoint before the onset."""
+        self._rerun_verdict(d, notes)
+        if "rollback" in d.actions and self.n_rollbacks >= self.config.max_rollbacks:
+            d.actions = (d.actions - {"rollback"}) | {"stop"}
+            notes.append(f"rollback limit ({self.config.max_rollbacks}) reached")
+        if "rollback" in d.actions and self._rollback_target(d) is None:
+            d.actions = d.actions - {"rollback"}
+            notes.append(f"no healthy checkpoint before onset {self._onset_or(d.step)}: "
+                         f"cannot roll back")
+            if self.cause == "corruption":  # a broken state with nothing to restore
+                d.actions = d.actions | {"stop"}
+
+    def _rerun_verdict(self, d: _Draft, notes: list[str]) -> None:
+        """Rule: the same fault at the same step after a rollback to before it is deterministic
+        -- another rollback would replay it (invariant 6: not repeated).  A fault in the model
+        state gets the healthy weights back *without* replaying its step
+        (:meth:`_may_keep_position`, no clip or LR cut with it); any other is trained through,
+        or stopped in a skip storm."""
+        if "rollback" not in d.actions or not self._recurs(d.step):
+            return
+        if self._may_keep_position(d.step):
+            d.keep_position = True
+            d.actions = d.actions - {"clip", "reduce_lr"}
+            notes.append(f"the fault recurred at step {self._onset_or(d.step)} after a rollback "
+                         f"to before it: deterministic -- restoring the healthy weights without "
+                         f"replaying the step")
+            return
+        d.actions = d.actions - {"rollback", "checkpoint"}
+        if self._storm:
+            d.actions |= {"stop"}
+        notes.append(f"the fault recurred at step {self._onset_or(d.step)} after a rollback to "
+                     f"before it: deterministic, a rollback does not help -- "
+                     + ("stopping" if self._storm else "training through it"))
+
+    def _gate_stop(self, d: _Draft, notes: list[str]) -> None:
+        """Rule: stop only when the run is measurably worse than before the episode (a skip
+        storm and bad data stop anyway); the note says what was tried."""
+        if "stop" not in d.actions:
+            return
+        if self.worse() is False and not self._storm and self.cause != "data":
+            d.actions = d.actions - {"stop"}
+            notes.append("would stop, but the run is not measurably worse than before the "
+                         "episode: continuing")
+            return
+        tried = f"{self.n_rollbacks} rollback(s)"
+        if self._ep.adapt_start is not None:
+            tried += f", adapting since step {self._ep.adapt_start}"
+        notes.append(f"cause: {self.cause or 'unknown'}; tried: {tried}")
+
+    def _onset_or(self, step: int) -> int:
+        """The open episode's onset (``step`` when none is recorded)."""
+        return step if self._onset is None else self._onset
+
+    def _rollback_target(self, d: _Draft) -> CheckpointRef | None:
+        """The latest healthy checkpoint before the episode's onset (``None``: none)."""
+        ledger = d.ctx.healthy_checkpoints
+        return None if ledger is None else ledger.latest_healthy_before(
+            self._onset_or(d.step), self.config.checkpoint_margin)
+
+    # ------------------------------------------------------------------ one action each
+    def _emit_skip(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
+        """``skip``: skip this optimizer step."""
+        if "skip" not in d.actions:
+            return []
+        if not self.log_only:
+            d.control.skip_step = True
+        return [SkipStep(d.step, reason)]
+
+    def _emit_clip(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
+        """``clip``: ``clip.factor`` x the recent median gradient norm, never above the clip in
+        force, held for ``clip.duration`` steps."""
+        if "clip" not in d.actions:
+            return []
+        c = self.config.clip
+        current = self.clip_norm_at(d.step)
+        if current is None:
+            current = finite_or_none(d.ctx.clip_norm)
+        med = finite_or_none(d.ctx.grad_norm_recent_median)
+        norm = adaptive_clip(med, c.factor, current, tighten=c.tighten,
+                             min_norm=c.min_norm, max_norm=c.max_norm)
+        if norm is None:
+            notes.append("no gradient statistics to derive a clip from")
+            return []
+        self._clip = ClipHold(norm, d.step, c.duration)
+        return [SetClip(d.step, reason, max_norm=norm, duration=c.duration)]
+
+    def _emit_lr_cut(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
+        """``reduce_lr``: a cut sized to a new LR jump, else the ladder's compounding cut."""
+        if "reduce_lr" not in d.actions:
+            return []
+        if d.jump is not None:
+            return self._jump_cut(d.step, d.jump, reason, notes)
+        lr = self.config.lr
+        f = compound_factor(self._ladder_lr_factor_at(d.step), lr.factor, lr.min_factor)
+        self._lr = LRCut(d.step, f, lr.duration, lr.restore_steps)
+        return [ReduceLR(d.step, reason, factor=f, duration=lr.duration,
+                         restore_steps=lr.restore_steps)]
+
+    def _jump_cut(self, step: int, jump: float, reason: str,
+                  notes: list[str]) -> list[Intervention]:
+        """The LR factor in force times ``min(1/jump, lr.factor)`` (floored at
+        ``lr.min_factor``), held until ``lr_jump.hold`` steps after the last jump alarm."""
+        cfg = self.config
+        j = cfg.lr_jump
+        held = self._jump_active(step)
+        total = jump * (held.ratio if held is not None else 1.0)
+        f = max(cfg.lr.min_factor,
+                min(1.0, self.lr_factor_at(step)) * min(1.0 / jump, cfg.lr.factor))
+        self._jump = JumpHold(total, step, f)
+        self._lr = LRCut(step, f, j.hold, j.restore_steps)
+        notes.append(f"LR jumped x{jump:.3g}: LR factor {f:.3g}, held until {j.hold} steps "
+                     f"after the last jump alarm")
+        return [ReduceLR(step, reason, factor=f, duration=j.hold, restore_steps=j.restore_steps)]
+
+    def _emit_checkpoint(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
+        """``checkpoint``: an emergency checkpoint, tagged unhealthy."""
+        if "checkpoint" not in d.actions:
+            return []
+        if not self.log_only:
+            d.control.save_checkpoint = True
+            d.control.checkpoint_reason = reason
+        return [Checkpoint(d.step, reason, healthy=False)]
+
+    def _emit_rollback(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
+        """``rollback``: to the latest healthy checkpoint before the onset, skipping the
+        batches ``[onset, now]`` when the cause is in the data (or unknown); a step fault's
+        onset is remembered (a replay there is deterministic)."""
+        if "rollback" not in d.actions:
+            return []
+        onset = self._onset_or(d.step)
+        target = self._rollback_target(d)
+        if target is None:
+            notes.append(f"no healthy checkpoint before onset {onset}: cannot roll back")
+            return []
+        if d.keep_position:
+            return self._restore_keeping_position(d, reason, target)
+        skip_data = self.cause in DATA_CAUSES or not self.cause
+        if self.cause == "data" and self._onset is None:
+            # no alarm marks where the bad data began: skip every batch since the
+            # restored checkpoint (the canary vouched for none after it)
+            onset = target.covers + 1
+        self.n_rollbacks += 1
+        if not skip_data:
+            self._note_rolled_back(onset)
+        self._onset = None
+        self._rolled_back = True  # log_only decides as if it had acted
+        self._start_probation(d.step, target, skip_data)
+        if not self.log_only:
+            self._restore(d, target, (onset, d.step) if skip_data else None)
+        return [Rollback(d.step, reason, to_step=target.step, skip_from=onset,
+                         skip_to=d.step if skip_data else onset - 1)]
+
+    def _start_probation(self, step: int, target: CheckpointRef, skip_data: bool) -> None:
+        """Rule: a rollback that skipped data of a known cause is on probation from where
+        training resumes (the data source failing again stops the run)."""
+        act = not self.log_only
+        resume = target.covers if act and self.config.rewind_on_rollback else step
+        self._probation = (Probation(resume, target.step, 0, self.cause)
+                           if skip_data and self.cause else None)
+
+    def _restore(self, d: _Draft, target: CheckpointRef,
+                 skip_batches: tuple[int, int] | None) -> None:
+        """Ask the trainer to restore ``target`` (and skip the batches); rewind the clocks when
+        ``rewind_on_rollback``; the recent loss level restarts at the restored weights'."""
+        d.control.rollback_to = target.step
+        d.control.skip_batches = skip_batches
+        self.loss.rewind()
+        if self.config.rewind_on_rollback:
+            self._rewind(d.step, target.covers, d.ctx.healthy_checkpoints)
+            self._rewound_to = target.covers
+
+    def _emit_stop(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
+        """``stop``: with the latest healthy weights restored (:meth:`_stop_restore`)."""
+        if "stop" not in d.actions:
+            return []
+        out = self._stop_restore(d.step, d.ctx.healthy_checkpoints, notes, d.control)
+        out.append(Stop(d.step, reason + ("; " + "; ".join(notes) if notes else "")))
+        if not self.log_only:
+            d.control.stop = True
+            d.control.stop_reason = out[-1].reason
         return out
+
+    def _emit_alert(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
+        """``alert`` (or any note): one message naming what was done and why; critical from
+        level 3, on a rollback or stop, or on a critical alarm."""
+        if "alert" not in d.actions and not notes:
+            return []
+        sev = "critical" if (max(d.level, 1) >= 3 or d.actions & {"rollback", "stop"}
+                             or any(a.severity == "critical"
+                                    for v in d.by_kind.values() for a in v)) else "warning"
+        done = ", ".join(a for a in ACTIONS if a in d.actions and a != "alert") or "none"
+        msg = f"step {d.step}: {reason} -> {done}" + ("; " + "; ".join(notes) if notes else "")
+        return [Alert(d.step, reason, severity=sev, message=msg)]
+
+    def _may_keep_position(self, step: int) -> bool:
+        """Whether a replayed fault that broke the model state (cause ``corruption``) may be
+        answered by restoring the healthy weights without replaying its step: not yet tried
+        for this onset (invariant 6) and a rollback left (invariant 5)."""
+        onset = self._onset_or(step)
+        return (self.cause == "corruption" or self._replayed_cause(step) == "corruption") \
+            and not any(abs(onset - o) <= 3 for o in self._kept_onsets) \
+            and self.n_rollbacks < self.config.max_rollbacks
+
+    def _restore_keeping_position(self, d: _Draft, reason: str,
+                                  target: CheckpointRef) -> list[Intervention]:
+        """``rollback`` of a deterministic fault in the model state: restore ``target`` keeping
+        the step counter, scheduler and data position (the fault's step is not replayed).
+        Counted as a rollback (its steps are lost); the policy's clock does not rewind, the
+        recent loss level restarts at the restored weights'."""
+        self.n_rollbacks += 1
+        self._kept_onsets = [*self._kept_onsets[-7:], self._onset_or(d.step)]
+        self._onset = None
+        self._rolled_back = True
+        self._probation = None
+        if not self.log_only:
+            d.control.rollback_to = target.step
+            d.control.skip_batches = None
+            d.control.keep_position = True
+            self.loss.rewind()
+        return [Rollback(d.step, reason, to_step=target.step, skip_from=d.step,
+                         skip_to=d.step - 1, keep_position=True)]
 
     def _note_rolled_back(self, onset: int) -> None:
         """Remember the onset and cause of an episode undone by a rollback (a step fault

@@ -133,6 +133,7 @@ class PolicySnapshot:
     judged_onset: int | None = None
     n_undo: int = 0
     rb_onsets: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    kept_onsets: list[int] = dataclasses.field(default_factory=list)
 
 
 def write_state(s: PolicySnapshot) -> dict[str, Any]:
@@ -164,6 +165,7 @@ def write_state(s: PolicySnapshot) -> dict[str, Any]:
         "judged_onset": s.judged_onset,
         "n_undo": s.n_undo,
         "rb_onsets": [list(x) for x in s.rb_onsets],
+        "kept_onsets": list(s.kept_onsets),
         "loss": s.loss.state_dict(),
         "val": s.val.state_dict(),
     }
@@ -230,6 +232,9 @@ def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
                   f.text(f"rb_onsets[{i}][1]", value=x[1], max_len=200))
                  for i, x in enumerate(f.seq("rb_onsets", None, f.get("rb_onsets", []),
                                              max_len=64))]
+    kept_onsets = [f.integer(f"kept_onsets[{i}]", x)
+                   for i, x in enumerate(f.seq("kept_onsets", None, f.get("kept_onsets", []),
+                                               max_len=64))]
     guard = LRGuard(config.lr_guard)
     if f.get("guard", None) is not None:
         guard.load_state_dict(f.get("guard"))
@@ -244,7 +249,7 @@ def read_state(sd: Mapping[str, Any], config: PolicyConfig) -> PolicySnapshot:
         n_rollbacks=counts["n_rollbacks"], n_responses=counts["n_responses"],
         n_merged=counts["n_merged"], guard=guard, episode=episode, probation=probation,
         loss=loss, val=val, aftermath=aftermath, judged_onset=judged_onset, n_undo=n_undo,
-        rb_onsets=rb_onsets)
+        rb_onsets=rb_onsets, kept_onsets=kept_onsets)
 
 
 def _probation(p: Probation | None) -> list[Any] | None:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from stability.adapters.interventions import TrainingStopped
 from stability.adapters.torch import TorchGuard
@@ -183,94 +184,164 @@ def train_run(
     dev = torch.device(device)
     net = task.make_model().to(dev)
     net.train()
-
     opt = make_optimizer(optimizer, net.parameters(), lr, task.lr)
     clock = {"it": 0, "lr_it": 0}  # lr_it: the iteration the scheduler computes the LR for
     sched_fn = make_schedule(schedule, steps)
     autocast, scaler = precision_context(precision, dev.type)
     inj = FaultInjector(fault, task, net)
-
-    def lam(s: int) -> float:
-        return sched_fn(s) * inj.lr_factor(s, clock["lr_it"])
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    sched = _faulty_schedule(opt, sched_fn, inj, clock)
     res = RunResult(model, seed, steps, fault)
     guard: TorchGuard | None = None
     if monitor is not None or recorder is not None:
         kw = dict(checkpoint_every=checkpoint_every, clip_norm=clip_norm, scaler=scaler)
         kw.update(guard_kwargs or {})
         guard = TorchGuard(net, opt, sched, monitor, recorder=recorder, **kw)
-    cap = max_iterations or 3 * steps
-    step_lr = [math.nan]
+    loop = _Loop(task, dev, net, opt, sched, autocast, scaler, inj, clock, guard, res,
+                 clip_norm, eval_every, max_iterations or 3 * steps, on_step)
+    return loop.run(steps)
 
-    def seen_lr(optimizer: Any, args: Any, kwargs: Any) -> None:
-        step_lr[0] = float(optimizer.param_groups[0]["lr"])  # after the guard's LR factor
 
-    lr_hook = opt.register_step_pre_hook(seen_lr)
-    positions = guard.batches(steps, cap) if guard is not None else iter(range(steps))
-    t_steps = 0.0
-    n_timed = 0
-    bad_run = 0
-    t0 = time.perf_counter()
-    try:
-        for pos in positions:
-            it = clock["it"]
-            inj.before_forward(it)
-            x, y = (t.to(dev) for t in inj.batch(pos))
-            ts = time.perf_counter()
-            with autocast():
-                loss = task.loss_fn(net, x, y)
-            (loss if scaler is None else scaler.scale(loss)).backward()
-            inj.after_backward(it)
-            step_lr[0] = math.nan
-            clock["lr_it"] = it + 1
-            if guard is not None:
-                guard.step(loss)
-            else:
-                if scaler is not None:
-                    scaler.unscale_(opt)
-                if clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-            t_steps += time.perf_counter() - ts
-            n_timed += 1
-            lv = float(loss.detach())
-            res.losses.append(lv)
-            res.lrs.append(step_lr[0])
-            if on_step is not None:
-                on_step(it, lv)
-            clock["it"] = it + 1
-            done = pos + 1
-            if eval_every and done % eval_every == 0:
-                v = evaluate(net, task)
-                res.val_losses[done] = v
-                if guard is not None:
-                    guard.validation(v)
-            bad_run = bad_run + 1 if not math.isfinite(lv) else 0
-            if guard is None and bad_run >= 20:
-                break  # an unguarded run that has been NaN for 20 steps stays NaN
-            if guard is not None and clock["it"] >= cap:
-                break
-    except TrainingStopped as e:
-        res.stopped = e.reason
-    finally:
-        lr_hook.remove()
-        inj.remove()
-    res.wall_time_s = time.perf_counter() - t0
-    res.step_time_s = t_steps / max(1, n_timed)
-    res.iterations = clock["it"]
-    res.final_loss = evaluate(net, task) if bad_run < 20 else math.nan
-    if guard is not None:
-        res.rollbacks = guard.rollbacks
-        res.steps_lost = guard.steps_lost
-        res.steps_skipped = guard.steps_skipped
-        res.batches_skipped = guard.batches_skipped
-        res.interventions = list(guard.interventions)
-        guard.detach()
-    return res
+def _faulty_schedule(opt: torch.optim.Optimizer, sched_fn: Callable[[int], float],
+                     inj: FaultInjector, clock: dict[str, int]) -> LambdaLR:
+    """The schedule's LR multiplier times the fault's (an LR fault is tied to the scheduler
+    step or to the iteration the LR is computed for, ``clock["lr_it"]``)."""
+
+    def lam(s: int) -> float:
+        return sched_fn(s) * inj.lr_factor(s, clock["lr_it"])
+
+    return LambdaLR(opt, lam)
+
+
+@dataclass
+class _Loop:
+    """One run's training loop: what it trains and steps, and what it measured so far."""
+
+    task: Task
+    dev: torch.device
+    net: nn.Module
+    opt: torch.optim.Optimizer
+    sched: LambdaLR
+    autocast: Callable[[], Any]
+    scaler: Any
+    inj: FaultInjector
+    #: ``it``: iterations done; ``lr_it``: the iteration the scheduler computes the LR for
+    clock: dict[str, int]
+    guard: TorchGuard | None
+    res: RunResult
+    clip_norm: float | None
+    eval_every: int
+    #: hard cap on iterations of a guarded run
+    cap: int
+    on_step: Callable[[int, float], None] | None
+    #: the LR of this iteration's optimizer step (NaN: no optimizer step)
+    step_lr: float = math.nan
+    t_steps: float = 0.0
+    n_timed: int = 0
+    #: consecutive iterations with a non-finite loss
+    bad_run: int = 0
+
+    def seen_lr(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Optimizer pre-step hook: the LR really used (after the guard's LR factor)."""
+        self.step_lr = float(optimizer.param_groups[0]["lr"])
+
+    def run(self, steps: int) -> RunResult:
+        """Train over ``steps`` data positions (the guard's, honouring rollbacks and skips)."""
+        lr_hook = self.opt.register_step_pre_hook(self.seen_lr)
+        g = self.guard
+        positions = g.batches(steps, self.cap) if g is not None else iter(range(steps))
+        t0 = time.perf_counter()
+        try:
+            for pos in positions:
+                if self.iteration(pos):
+                    break
+        except TrainingStopped as e:
+            self.res.stopped = e.reason
+        finally:
+            lr_hook.remove()
+            self.inj.remove()
+        self.res.wall_time_s = time.perf_counter() - t0
+        return self.finish()
+
+    def iteration(self, pos: int) -> bool:
+        """One iteration on the batch at data position ``pos``; ``True``: the run ends."""
+        it = self.clock["it"]
+        self.inj.before_forward(it)
+        x, y = (t.to(self.dev) for t in self.inj.batch(pos))
+        ts = time.perf_counter()
+        loss = self.backward(x, y, it)
+        self.step_lr = math.nan
+        self.clock["lr_it"] = it + 1
+        if self.guard is not None:
+            self.guard.step(loss)
+        else:
+            self.plain_step()
+        self.t_steps += time.perf_counter() - ts
+        self.n_timed += 1
+        lv = self.record(it, loss)
+        self.clock["it"] = it + 1
+        self.validate(pos + 1)
+        return self.should_end(lv)
+
+    def backward(self, x: torch.Tensor, y: torch.Tensor, it: int) -> torch.Tensor:
+        """Forward and backward (scaled under fp16), then the fault's after-backward hook."""
+        with self.autocast():
+            loss = self.task.loss_fn(self.net, x, y)
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        self.inj.after_backward(it)
+        return loss
+
+    def plain_step(self) -> None:
+        """The unguarded baseline's optimizer step: unscale, fixed clip, step, schedule."""
+        opt, scaler = self.opt, self.scaler
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.clip_norm)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        self.sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    def record(self, it: int, loss: torch.Tensor) -> float:
+        """Record the iteration's loss and LR (and tell ``on_step``); returns the loss."""
+        lv = float(loss.detach())
+        self.res.losses.append(lv)
+        self.res.lrs.append(self.step_lr)
+        if self.on_step is not None:
+            self.on_step(it, lv)
+        return lv
+
+    def validate(self, done: int) -> None:
+        """Every ``eval_every`` data positions: the held-out loss, fed to the guard."""
+        if not (self.eval_every and done % self.eval_every == 0):
+            return
+        v = evaluate(self.net, self.task)
+        self.res.val_losses[done] = v
+        if self.guard is not None:
+            self.guard.validation(v)
+
+    def should_end(self, lv: float) -> bool:
+        """An unguarded run NaN for 20 iterations stays NaN; a guarded one stops at the cap."""
+        self.bad_run = self.bad_run + 1 if not math.isfinite(lv) else 0
+        if self.guard is None:
+            return self.bad_run >= 20
+        return self.clock["it"] >= self.cap
+
+    def finish(self) -> RunResult:
+        """Fill the result: timings, iterations, the final held-out loss, the guard's counts."""
+        res = self.res
+        res.step_time_s = self.t_steps / max(1, self.n_timed)
+        res.iterations = self.clock["it"]
+        res.final_loss = evaluate(self.net, self.task) if self.bad_run < 20 else math.nan
+        guard = self.guard
+        if guard is not None:
+            res.rollbacks = guard.rollbacks
+            res.steps_lost = guard.steps_lost
+            res.steps_skipped = guard.steps_skipped
+            res.batches_skipped = guard.batches_skipped
+            res.interventions = list(guard.interventions)
+            guard.detach()
+        return res

@@ -183,28 +183,49 @@ def _spied(sync: str, steps: int, seed: int, fault: FaultSpec | None,
     return r, made
 
 
-@pytest.mark.xfail(strict=True, reason="regression found at the end of session 7: "
-                   "persistent data corruption in sync='deferred' is no longer stopped after "
-                   "the issue-24 policy changes (recovering alarms / probation); open in the "
-                   "closing note")
-def test_persistent_data_corruption_is_rescued_like_step_mode() -> None:
-    """The benchmark's ``data_corrupt_perm`` run of the MLP (seed 0): garbage from step 161."""
-    clean = train_run("mlp", 300, seed=0)
+@pytest.fixture(scope="module")
+def perm_runs() -> dict[str, Any]:
+    """The benchmark's ``data_corrupt_perm`` run of the MLP (seed 0): garbage from step 161,
+    in step mode, in deferred mode and in deferred mode without the gate."""
     fault = FaultSpec("data_corruption", 161, 0)
     (step, _), (late, gates), (off, _) = (
         _spied("step", 300, 0, fault), _spied("deferred", 300, 0, fault),
         _spied("deferred", 300, 0, fault, gate=False))
-    # step mode skips the garbage, adapts, rolls back and stops with the healthy weights
-    assert step.stopped is not None and step.rollbacks >= 1
-    assert step.final_loss < 1.05 * clean.final_loss
+    return {"clean": train_run("mlp", 300, seed=0), "step": step, "late": late, "gates": gates,
+            "off": off}
+
+
+def test_persistent_data_corruption_gets_the_decisions_of_step_mode(
+        perm_runs: dict[str, Any]) -> None:
+    step, late, gates, off = (perm_runs[k] for k in ("step", "late", "gates", "off"))
+    clean = perm_runs["clean"]
+    assert step.rollbacks >= 1  # the garbage is skipped, adapted to, then rolled back
     # deferred: the same responses at the same steps, the same end
     assert [(i.step, i.type) for i in late.acting_interventions()] == \
         [(i.step, i.type) for i in step.acting_interventions()]
     assert late.stopped == step.stopped and late.rollbacks == step.rollbacks
-    assert late.final_loss < 1.05 * clean.final_loss
+    assert late.final_loss == pytest.approx(step.final_loss, rel=1e-6)
     assert len(gates) == 1 and gates[0].gated >= 7  # the garbage after the first skip
     # without the gate the skips land, the model fits the garbage and nothing stops it
     assert off.stopped is None and off.final_loss > 1.3 * clean.final_loss
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 24), the same in step and deferred mode: "
+                   "after the aftermath's rollback (step 244 -> 150) the garbage comes back; "
+                   "the model fits it and its training loss falls (log level 5.5 -> 1.0 by "
+                   "the end), which the probation's gap watch reads as closing the gap "
+                   "(invariant 3: a run adapting to a shifted input window looks the same), "
+                   "and the run ends (replayed step 236) before the validation's overfitting "
+                   "stop can judge; final 2.24 vs clean 1.33 "
+                   "(tests/adapters/test_rescue_mechanisms.py: 400 steps, stopped)")
+def test_persistent_data_corruption_is_stopped_with_the_healthy_weights(
+        perm_runs: dict[str, Any]) -> None:
+    step, late = perm_runs["step"], perm_runs["late"]
+    clean = perm_runs["clean"]
+    # skips the garbage, adapts, rolls back and stops with the healthy weights
+    for r in (step, late):
+        assert r.stopped is not None and r.rollbacks >= 1
+        assert r.final_loss < 1.05 * clean.final_loss
 
 
 def test_clean_run_is_untouched() -> None:

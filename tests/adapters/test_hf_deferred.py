@@ -105,9 +105,11 @@ def test_healthy_run_is_the_step_mode_run(tmp_path: Any, precision: str) -> None
     assert b["tr"].args.max_grad_norm == 0.57  # the user's arguments are untouched
     if precision == "fp16":  # scaler-skipped overflow steps: information, the same in both
         assert gb.scaler is not None and gb.amp_overflows == ga.amp_overflows >= 1
-        la, lb = ([repr(h["grad_norm"]) for h in x["tr"].state.log_history if "grad_norm" in h]
-                  for x in (a, b))
-        assert lb == la and la.count("nan") == ga.amp_overflows < len(la)  # nan: overflow
+        la, lb = ([(h.get("amp_overflow"), repr(h.get("grad_norm")))
+                   for h in x["tr"].state.log_history if "learning_rate" in h] for x in (a, b))
+        assert lb == la  # an overflow step: amp_overflow 1 and no grad_norm (missing, not nan)
+        assert la.count((1.0, "None")) == ga.amp_overflows < len(la)
+        assert all(o == 0.0 and g != "None" and "nan" not in g for o, g in la if o != 1.0)
 
 
 def test_sync_argument_is_checked(tmp_path: Any) -> None:

@@ -221,8 +221,38 @@ def test_step_counters_after_rollback(tmp_path) -> None:
     g = cb.guard
     assert g.rollbacks == 1 and g.steps_lost == 4
     assert torch.equal(model.weights[4], model.weights[8])  # weights after step 3 restored
-    assert tr.global_step == 12 == g.step_count + g.steps_lost
-    assert mon.seen == list(range(8)) + list(range(4, 8))  # the guard's step went back
+    # the 4 lost steps are given back: 12 healthy steps, as asked (extend_max_steps)
+    assert tr.global_step == 16 == g.step_count + g.steps_lost and g.step_count == 12
+    assert tr.max_steps == 12  # the user's setting, back when fit ends
+    assert mon.seen == list(range(8)) + list(range(4, 12))  # the guard's step went back
+
+
+def test_lost_steps_come_out_of_max_steps_without_extend_max_steps(tmp_path) -> None:
+    mon = _Scripted({7: Control(rollback_to=3, skip_batches=(6, 7))})
+    cb = StabilityCallback(mon, checkpoint_every=2, extend_max_steps=False)
+    tr = _trainer(tmp_path, cb, steps=12)
+    tr.fit(Tiny(), _loader())
+    g = cb.guard
+    assert tr.global_step == 12 == g.step_count + g.steps_lost and g.steps_lost == 4
+    assert mon.seen == list(range(8)) + list(range(4, 8))
+
+
+def test_lost_steps_given_back_at_most_the_budget_asked(tmp_path) -> None:
+    """A rollback that recurs (a scripted monitor that rolls back on every pass through step 7)
+    cannot extend the run without end: at most ``max_steps`` more."""
+
+    class Again(_Scripted):
+        def observe(self, step, metrics=None, families=None):
+            d = super().observe(step, metrics, families)
+            if step == 7:
+                self.script[7] = Control(rollback_to=3, skip_batches=(6, 7))
+            return d
+
+    mon = Again({7: Control(rollback_to=3, skip_batches=(6, 7))})
+    cb = StabilityCallback(mon, checkpoint_every=2)
+    tr = _trainer(tmp_path, cb, steps=12)
+    tr.fit(Tiny(), _loader())
+    assert tr.global_step == 24 and cb.guard.rollbacks >= 3
 
 
 def test_fp16_scaler_overflows_are_information(tmp_path) -> None:

@@ -60,7 +60,7 @@ def _loop(script: dict[int, Control], n: int = 12, **kw):
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     mon = _Scripted(script)
-    guard = TorchGuard(m, opt, sched, mon, checkpoint_every=2, **kw)
+    guard = TorchGuard(m, opt, sched, mon, **{"checkpoint_every": 2, **kw})
     used = []
     for i in guard.batches(n):
         used.append(i)
@@ -133,3 +133,47 @@ def test_flip_bit_and_fault_spec() -> None:
     with pytest.raises(ValueError, match="kind"):
         FaultSpec("meteor", 3)
     assert FaultSpec("overfit", 3).active(10**6)
+
+
+_CLAIM = "stop with the weights of step 6 restored (cause: lr)"
+
+
+def test_a_stop_whose_restore_fails_says_the_weights_were_kept() -> None:
+    """No checkpoint to restore: ``restored_step`` is None and the message says so (it used
+    to repeat the policy's "weights of step 6 restored")."""
+    from stability.adapters.interventions import TrainingStopped
+
+    stop = Control(stop=True, stop_reason=f"step 9: loss up -> {_CLAIM}", rollback_to=6)
+    with pytest.raises(TrainingStopped) as e:
+        _loop({9: stop}, checkpoint_every=0)
+    assert e.value.restored_step is None
+    assert "weights of step 6 restored" not in str(e.value)
+    assert "the weights of step 9 kept" in e.value.reason
+    assert "the checkpoint of step 6 could not be restored" in e.value.reason
+
+
+def test_a_stop_restoring_an_older_checkpoint_names_it(tmp_path) -> None:
+    """The checkpoint the policy named is unreadable: the guard restores the next older one
+    (step 4) and the message names that one."""
+    from stability.adapters.interventions import TrainingStopped
+
+    class _Stop(_Scripted):
+        def observe(self, step: int, metrics=None, families=None) -> Decision:
+            if step == 9:  # the checkpoint of step 6 went bad on disk
+                (tmp_path / "step-000000006.pt").write_bytes(b"not a checkpoint")
+            return super().observe(step, metrics, families)
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    stop = Control(stop=True, stop_reason=f"step 9: loss up -> {_CLAIM}", rollback_to=6)
+    guard = TorchGuard(m, opt, None, _Stop({9: stop}), checkpoint_every=2,
+                       checkpoint_dir=tmp_path)
+    with pytest.raises(TrainingStopped) as e:
+        for i in guard.batches(12):
+            loss = m(torch.randn(4, 3, generator=torch.Generator().manual_seed(i))).pow(2).mean()
+            loss.backward()
+            guard.step(loss)
+    assert e.value.restored_step == 4
+    assert "the weights of step 4 restored (the checkpoint of step 6 could not be restored)" \
+        in e.value.reason

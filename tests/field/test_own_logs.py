@@ -108,6 +108,25 @@ def test_clean_guarded_runs_replay_and_watch_without_alarms(stack: str, tmp_path
     assert "stability/" in text and "NaN" not in text and "nan," not in text
 
 
+def test_hf_fp16_logs_with_scaler_skipped_steps_replay_and_watch_as_the_run_decided(
+        tmp_path: Path) -> None:
+    """fp16 with start-up overflows (the scaler skips the first steps), logged every step: the
+    log's replay and watch raise exactly the live run's alarms (the warm-up LR HF held during
+    the skipped steps resumes: ``lr_jump`` warnings, live too) and nothing acting; no NaN."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("tensorboard")
+    field_logs = _field_logs()
+    logs = field_logs.MAKERS["hf_fp16"](str(tmp_path), "clean")
+    live = field_logs.live_alarms(str(tmp_path))
+    for name, row in field_logs.judge_logs(logs).items():
+        assert row["steps"] >= 18 and row["watch_steps"] >= 18, (name, row)
+        assert row["replay_alarm_keys"] == row["watch_alarm_keys"] == live, (name, row)
+        assert row["replay_acting"] == row["watch_acting"] == 0, (name, row)
+    state = Path(logs["trainer_state"]).read_text()
+    assert '"amp_overflow": 1.0' in state and "NaN" not in state
+
+
 # ---------------------------------------------------------------- one event schema
 def test_replay_events_and_the_live_event_log_share_one_schema(tmp_path: Path) -> None:
     from replay.reader import read_run

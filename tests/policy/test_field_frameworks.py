@@ -145,11 +145,17 @@ _OPEN = ("open (issue 24): {}; measured held-out guarded / unguarded / clean: {}
 
 @pytest.mark.parametrize("runner", [
     pytest.param(_hf_run, id="hf", marks=pytest.mark.xfail(strict=True, reason=_OPEN.format(
-        "the window raises only a level_shift alert here (no loss_spike): alert-only alarms "
-        "open no episode, so no aftermath undo", "0.1123 / 0.1123 / 0.0945"))),
-    pytest.param(_pl_run, id="lightning", marks=pytest.mark.xfail(strict=True, reason=_OPEN.format(
-        "undone by one rollback, but ends 2.7 % above clean (no worse than unguarded)",
-        "0.0974 / 0.1187 / 0.0948"))),
+        "the loss is observed every step, as in Lightning, but this run's healthy CE loss sits "
+        "near its floor (0.008-0.3 from step to step: ~1 log unit of noise), so the x1000 "
+        "window scores below loss_spike's log-space thresholds (tail_z, robust_z; Lightning's "
+        "batch order gets 7.7 / 9.7); only level_shift fires, alert-only: no episode, no "
+        "aftermath undo.  Even undone, a rollback's lost steps come out of HF's max_steps "
+        "and this one-epoch dataset has no batch left to give them back",
+        "0.1123 / 0.1123 / 0.0945"))),
+    # Lightning: undone by one rollback at 390 (to 349); the 41 lost steps are given back to
+    # max_steps (extend_max_steps) -- without them it ended 2.7 % above clean, exactly where a
+    # *fault-free* run rolled back 390 -> 349 ends (0.0973): the cost of the lost steps
+    pytest.param(_pl_run, id="lightning"),
 ])
 def test_a_20_batch_bad_window_ends_within_2pct_of_clean(runner: Any, caplog: Any) -> None:
     caplog.set_level(logging.WARNING)

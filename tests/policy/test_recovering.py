@@ -148,3 +148,34 @@ def test_an_lr_x50_burst_is_still_cut() -> None:
     assert stopped is None
     assert "reduce_lr" in {i.type for i in guard.interventions}
     assert max(eff[s] / healthy[s] for s in eff if s >= ONSET) <= 1.3
+
+
+# ------------------------------------------------------------------ a rollback restarts the level
+def test_the_loss_level_restarts_at_the_restored_weights_after_a_rollback() -> None:
+    """The recent loss level describes the weights: after the aftermath's rollback of a data
+    episode (garbage batches the run partly learned), the replayed steps train the restored
+    healthy weights, so their loss is not "measurably worse" -- the level of the damaged weights
+    is not carried into the replay, where its lagging fall would look like a return to the
+    trajectory and restart the probation's count (tests/adapters/test_guard_deferred_gate.py:
+    the garbage's recurrence after the rollback went unjudged)."""
+    from stability.run.checkpoints import CheckpointLedger
+
+    pol, ledger = Policy(), CheckpointLedger()
+    ledger.add(100, "memory:100")
+    ctx = {"grad_norm_recent_median": 0.5, "healthy_checkpoints": ledger}
+    rollback = None
+    for s in range(400):
+        ctl = Control()
+        loss = 1.0 if s < 150 else (100.0 if s < 160 else 20.0)  # the garbage, then damage
+        ivs = pol.track(s, 1e-3, loss, ctl)
+        if 150 <= s < 160:  # the garbage batches alarm
+            ivs += pol.step(s, [spike(s, False, "critical")], ctl, ctx)
+        else:
+            ivs += pol.step(s, [], ctl, ctx)
+        if ctl.rollback_to is not None:
+            rollback = s
+            break
+    assert rollback is not None and ctl.rollback_to == 100  # the aftermath's undo
+    assert pol.worse() is False  # the restored weights' level, not the damaged weights'
+    pol.track(101, 1e-3, 1.0, Control())  # the first replayed step: healthy
+    assert pol.worse() is False

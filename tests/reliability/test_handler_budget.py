@@ -75,8 +75,9 @@ def test_handler_storm_with_a_hung_handler_is_time_and_thread_bounded() -> None:
         assert len(calls) == 1  # hung: never called again while it hangs
         assert hs.hung == [hang.__qualname__]
         assert hs.n_errors == 1 and hs.dropped[hang.__qualname__] == 2 * 100 - 1
-        # the other handlers keep running on every later step (first step: budget spent)
-        assert len(seen) >= 99 * 3
+        # the other handlers keep running on every later step (first step: budget spent): two
+        # alarms a step (the interventions stop with the run's stop, decided once)
+        assert len([x for x in seen if isinstance(x, Alarm)]) >= 99 * 2
         assert worst <= 2 * BUDGET_S, f"worst observe() {worst:.3f} s > 2 x {BUDGET_S} s"
         # one worker + the thread stuck in the hung call, however many alarms
         assert peak <= threads_before + 2

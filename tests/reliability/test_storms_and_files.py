@@ -43,7 +43,18 @@ def test_a_nan_storm_is_a_handful_of_critical_log_lines(caplog) -> None:
             mon.observe(s, {"loss": math.nan, "grad_norm": math.inf})
         sink.close()
     crit = [r for r in caplog.records if r.levelno == logging.CRITICAL]
-    assert len(crit) == 3 and sink.stats["coalesced"] == 997  # (was: 1,000 lines)
+    # the first response and the stop, decided once (was: 1,000 lines, one stop per step)
+    assert len(crit) == 2 and mon.stopped_at == 301
+
+
+def test_a_burst_of_critical_alerts_is_a_handful_of_log_lines(caplog) -> None:
+    sink = LoggingSink()
+    with caplog.at_level(logging.INFO, "stability.alerts"):
+        for s in range(1000):
+            sink.send(Alert(s, "nonfinite", severity="critical", message=f"loss NaN at {s}"))
+        sink.close()
+    crit = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(crit) == 3 and sink.stats["coalesced"] == 997
     assert "997 more alerts" in caplog.records[-1].getMessage()  # the rest, counted at close
 
 

@@ -88,6 +88,7 @@ class CheckpointedGuard(Protocol):
     data_position: int
     skip_positions: set[int]
     rolled_back: bool
+    steps_lost_in_place: int
     _rewound: bool
 
     @property
@@ -399,10 +400,42 @@ class GuardCheckpoints:
                     skipping(*(skip or (None, None))))
         return True
 
-    def _restore(self, to_step: int) -> tuple[CheckpointRecord | None, dict[str, Any] | None]:
+    def restore_in_place(self, to_step: int) -> bool:
+        """Restore the weights and optimizer state (and loss scale) of the checkpoint of
+        ``to_step`` -- or the latest healthy one before it -- *keeping* the step counter, the
+        scheduler, the optimizer's hyperparameters (its LR) and the data position: the run goes
+        on from the next step, and the faulty step is not replayed (a deterministic fault
+        recurs when its step is replayed).  The steps since the checkpoint are lost (counted in
+        ``steps_lost`` and ``steps_lost_in_place``).  ``False`` (logged) when no checkpoint can
+        be restored."""
+        g = self.guard
+        t0 = time.monotonic()
+        g.multiplier.restore()  # the groups hold the scheduler's own LR
+        hyper = [{k: v for k, v in grp.items() if k != "params"}
+                 for grp in g.optimizer.param_groups]
+        entry, _ = self._restore(to_step, scheduler=False)
+        if entry is None:
+            self._refused(to_step)
+            return False
+        for grp, h in zip(g.optimizer.param_groups, hyper, strict=False):
+            grp.update(h)  # the position's hyperparameters, not the checkpoint's
+        step = g.step_count
+        note_goodput(g.goodput, "rollback_done", step, entry.step, time.monotonic() - t0)
+        g.steps_lost_in_place += max(step - entry.step, 0)
+        self._healthy_through = step  # the weights now in the model are healthy
+        g.rolled_back = True
+        g.collector.state_reset()
+        g.optimizer.zero_grad(set_to_none=True)
+        log.warning("restored the weights of step %d at step %d, keeping the position (%d steps "
+                    "lost; the faulty step is not replayed)", entry.step, step, step - entry.step)
+        return True
+
+    def _restore(self, to_step: int, scheduler: bool = True
+                 ) -> tuple[CheckpointRecord | None, dict[str, Any] | None]:
         """Restore the ledger's checkpoint of ``to_step``, else its latest healthy one at or
         before it; a checkpoint that fails to load is dropped from the ledger (logged) and the
-        next older one is tried.  ``(None, None)`` when none is left."""
+        next older one is tried.  ``(None, None)`` when none is left.  ``scheduler=False``
+        leaves the scheduler as it is."""
         g = self.guard
         while True:
             led = self.ledger
@@ -410,7 +443,8 @@ class GuardCheckpoints:
             if entry is None:
                 return None, None
             try:
-                return entry, self.store.restore(entry.step, g.model, g.optimizer, g.scheduler,
+                return entry, self.store.restore(entry.step, g.model, g.optimizer,
+                                                  g.scheduler if scheduler else None,
                                                   **self._scaler_kw())
             except Exception as exc:  # a corrupt / vanished file: never restore it again
                 log.warning("checkpoint of step %d (%s) could not be restored (%s: %s): dropped "
