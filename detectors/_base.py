@@ -222,6 +222,11 @@ class BankDetector:
         the kernel relies on; shapes are already checked."""
         raise NotImplementedError
 
+    def _upgrade_rows(self, version: int, state: FloatArray) -> FloatArray:
+        """``state`` of an older ``version`` (rows already appended) in this version's meaning:
+        for a row whose values changed meaning without a new row.  Default: unchanged."""
+        return state
+
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         """Allocate state, buffers and output arrays; called at the end of ``__init__``."""

@@ -54,6 +54,8 @@ class SnapshotOwner(Protocol):
 
     def _check_state(self, c: StateCheck) -> None: ...
 
+    def _upgrade_rows(self, version: int, state: FloatArray) -> FloatArray: ...
+
 
 class CheckedState(NamedTuple):
     """A validated snapshot (see :meth:`BankDetector.validate_state_dict`)."""
@@ -177,7 +179,8 @@ class StateCheck:
 def upgrade_state(det: SnapshotOwner, f: Fields, st: FloatArray) -> FloatArray:
     """``st`` in ``det``'s current row layout: a snapshot of an older ``state_version`` (rows
     appended since) gets the missing rows from a fresh state (the detector's uncalibrated
-    values); the current version is returned as is.
+    values) and is then handed to the detector's ``_upgrade_rows`` (rows whose meaning
+    changed); the current version is returned as is.
 
     Raises ``ValueError`` for a version newer than the class's, one it does not know, or a
     row count that is not the recorded version's.
@@ -194,7 +197,7 @@ def upgrade_state(det: SnapshotOwner, f: Fields, st: FloatArray) -> FloatArray:
         raise ValueError(f"{f.where}: a state_version {sv} snapshot must have "
                          f"{rows if rows is not None else 'known'} state rows; got {st.shape[0]}.")
     fresh = det._init_state(st.shape[1])
-    return np.ascontiguousarray(np.concatenate([st, fresh[rows:]], axis=0))
+    return det._upgrade_rows(sv, np.ascontiguousarray(np.concatenate([st, fresh[rows:]], axis=0)))
 
 
 def check_snapshot(det: SnapshotOwner, state: Any) -> CheckedState:

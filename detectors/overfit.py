@@ -18,7 +18,13 @@ one of the last ``n_points - 1`` intervals.  ``sigma_d`` is measured on the run 
 the second differences of the gap (``d_k - d_{k-1}``), which a steady trend does not move: for
 independent noise of scale ``s`` on each gap value the increments have scale ``sqrt(2) s`` and
 the second differences ``sqrt(6) s``, so ``sigma_d = 1.2533 * mean|d_k - d_{k-1}| / sqrt(3)``
-(an EW mean with weight ``noise_alpha``, debiased).  A run whose validation set is small (or
+(an EW mean with weight ``noise_alpha``, debiased).  Two rules keep the estimate to the
+run's noise and off its events: the first increment (which spans the start of training, where
+the train loss falls fastest and its EW mean has the least history) gives no second difference,
+and a second difference enters winsorised at ``noise_clip`` times the current estimate (once it
+is positive), so the kink where a steady trend turns into over-fitting -- one large second
+difference -- moves the estimate by a bounded step instead of inflating it at the very point
+the growth starts.  A run whose validation set is small (or
 whose train loss is noisy) has a large ``sigma_d`` and needs a proportionally larger, still
 persistent, growth; a steadily over-fitting run does not raise its own bar.  ``min_scale``
 (log units) is the floor for quiet runs: with ``threshold = 2`` and ``min_scale = 0.02`` a run
@@ -58,6 +64,9 @@ _TM, _TCOUNT, _PREV_G, _NVAL, _POS, _NINC, _NOISE, _NNOISE = 0, 1, 2, 3, 4, 5, 6
 _N_FIELDS = 8
 #: Gaussian scale of the increments per mean |second difference| (see the module docstring)
 NOISE_SCALE = MEAN_AD_SCALE / math.sqrt(3.0)
+#: validation points learnt before a second difference counts as noise: the first one is the
+#: change from the first increment (start of training) to the second, a transient
+FIRST_NOISE_POINT = 3.0
 
 
 class OverfitParams(NamedTuple):
@@ -70,9 +79,20 @@ class OverfitParams(NamedTuple):
     warmup: float
     min_scale: float
     noise_alpha: float
+    noise_clip: float
 
 
 _P = indices(OverfitParams)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _learn_noise(dd, noise, nn, noise_alpha, noise_clip):  # type: ignore[no-untyped-def]
+    """The debiased EW mean of ``|second difference|`` after learning ``dd``, winsorised at
+    ``noise_clip`` times the current (positive) estimate; returns ``(noise, count)``."""
+    if noise > 0.0:
+        dd = min(dd, noise_clip * noise)
+    a = max(noise_alpha, 1.0 / (nn + 1.0))
+    return noise + a * (dd - noise), nn + 1.0
 
 
 @njit(cache=True, error_model="numpy")
@@ -84,6 +104,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     warmup = params[_P.warmup]
     min_scale = params[_P.min_scale]
     noise_alpha = params[_P.noise_alpha]
+    noise_clip = params[_P.noise_clip]
     for t in range(X.shape[0]):
         for i in range(X.shape[2]):
             has_l = not miss[t, 0, i]
@@ -137,11 +158,10 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             state[_TCOUNT, i] = tc
             state[_PREV_G, i] = g
             state[_NVAL, i] = nval + 1.0
-            if ninc > 0.0:  # a second difference of the gap: the noise, free of any trend
-                nn = state[_NNOISE, i]
-                a = max(noise_alpha, 1.0 / (nn + 1.0))
-                state[_NOISE, i] += a * (abs(d - buf[(pos - 1) % n_inc, i]) - state[_NOISE, i])
-                state[_NNOISE, i] = nn + 1.0
+            if nval >= FIRST_NOISE_POINT:  # a second difference: the noise, free of a trend
+                state[_NOISE, i], state[_NNOISE, i] = _learn_noise(
+                    abs(d - buf[(pos - 1) % n_inc, i]), state[_NOISE, i], state[_NNOISE, i],
+                    noise_alpha, noise_clip)
             buf[pos, i] = d
             state[_POS, i] = (pos + 1) % n_inc
             state[_NINC, i] = min(ninc + 1.0, float(n_inc))
@@ -174,6 +194,9 @@ class OverfitGap(BankDetector):
     noise_alpha
         Weight of the newest second difference in the EW mean that measures the run's noise
         (debiased: a plain average while ``count < 1/noise_alpha``).
+    noise_clip
+        A second difference enters the noise estimate winsorised at this many times the current
+        estimate (``inf``: not winsorised): the kink at the onset of over-fitting is not noise.
     freeze_on_alarm
         Do not update the statistics on a validation step in alarm.
 
@@ -202,6 +225,7 @@ class OverfitGap(BankDetector):
         "warmup": Int(0),
         "min_scale": Float(0.0),
         "noise_alpha": Float(0.0, 1.0, low_open=True),
+        "noise_clip": Float(1.0),
     }
     n_points: int
     kind = "train_val_divergence"
@@ -220,6 +244,7 @@ class OverfitGap(BankDetector):
         threshold: float = 2.0,
         min_scale: float = 0.02,
         noise_alpha: float = 0.1,
+        noise_clip: float = 3.0,
         freeze_on_alarm: bool = False,
     ):
         super().__init__(**arguments(locals()))

@@ -31,6 +31,7 @@ from ._kernel import indices, learns, skip_value
 from ._params import Bool, Choice, Float, Int, arguments
 from ._state import StateCheck
 from .ewma import DIRECTIONS, LOG_FLOOR
+from .tail import tail_factor, tail_reference, taint_event, track_tail
 
 #: Largest accepted ``window``: the ring buffer is allocated per series up front (a
 #: hostile config must fail validation, not exhaust memory).
@@ -38,9 +39,10 @@ MAX_WINDOW = 1_000_000
 
 #: consistency constant: 1.4826 * MAD estimates the std of a normal distribution
 
-# state rows: next write position in the ring, number of valid values in the ring (<= window)
-_POS, _COUNT = 0, 1
-_N_FIELDS = 2
+# state rows: next write position in the ring, number of valid values in the ring (<= window);
+# (state version 2) the tail calibration's quantile tracker and its "previous score above" flag
+_POS, _COUNT, _Q, _ABOVE = 0, 1, 2, 3
+_N_FIELDS = 4
 
 
 # The helpers take one series' sorted values as a 1-D column view (``buf[window:, i]``), made
@@ -250,6 +252,11 @@ class RobustParams(NamedTuple):
     log_space: float
     min_std: float
     direction: float
+    tail_q: float
+    tail_rate: float
+    tail_ref: float
+    tail_max: float
+    tail_gap: float
 
 
 _P = indices(RobustParams)
@@ -265,6 +272,9 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
     log_space = params[_P.log_space] != 0.0
     min_std = params[_P.min_std]
     direction = params[_P.direction]
+    tail_q, tail_rate = params[_P.tail_q], params[_P.tail_rate]
+    tail_ref, tail_max = params[_P.tail_ref], params[_P.tail_max]
+    tail_gap = params[_P.tail_gap]
     # series by series (they are independent): the column views are made once per series
     for i in range(X.shape[2]):
         ring = buf[:window, i]
@@ -274,13 +284,15 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
             srt[:] = buf[window:, i]
         pos = int(state[_POS, i])  # ring position and fill, kept in registers over the steps
         count = int(state[_COUNT, i])
+        q, above = state[_Q, i], state[_ABOVE, i]
         for t in range(X.shape[0]):
             x = X[t, 0, i]
             if skip_value(miss[t, 0, i], x, scores, alarms, t, i):
                 continue
             y = math.log(max(x, LOG_FLOOR)) if log_space else x
             s = 0.0
-            if count >= warmup and count > 0:
+            scoring = count >= warmup and count > 0
+            if scoring:
                 if robust:
                     center = sorted_median(srt, count)
                     spread = MAD_SCALE * sorted_mad(srt, count, center)
@@ -302,11 +314,16 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                     s = -z
                 else:
                     s = abs(z)
-            alarm = s > threshold
-            scores[t, i] = s
+            cal = s / tail_factor(q, tail_ref, tail_max)
+            alarm = cal > threshold
+            scores[t, i] = cal
             alarms[t, i] = alarm
             if not learns(alarm, freeze):
+                if scoring:
+                    above = taint_event(above, tail_gap)
                 continue
+            if scoring:
+                q, above = track_tail(s, alarm, q, above, tail_q, tail_rate, tail_ref, tail_gap)
             if robust:
                 sorted_push(srt, count, window, ring[pos], y)
             ring[pos] = y
@@ -315,6 +332,7 @@ def _kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[no-unt
                 count += 1
         state[_POS, i] = pos
         state[_COUNT, i] = count
+        state[_Q, i], state[_ABOVE, i] = q, above
         if robust:
             buf[window:, i] = srt
 
@@ -351,12 +369,24 @@ class RobustZScore(BankDetector):
         ``"up"`` (spikes), ``"down"`` or ``"both"``.
     freeze_on_alarm
         Do not add a value to the window when it raised an alarm.
+    tail_q, tail_rate, tail_max, tail_gap
+        Per-run tail calibration, the rule of :class:`~detectors.tail.TailZScore`: each series
+        tracks the ``tail_q`` quantile ``q`` of its own healthy spike events (raw scores; an
+        excursion above ``q`` -- scores above it less than ``tail_gap`` quiet scores apart --
+        lifts it by ``tail_rate * tail_q`` once, when it is over, and not at all if any of its
+        scores alarmed; it sinks by ``tail_rate * (1 - tail_q)`` per quiet score) and the
+        reported score is the raw z divided by ``max(1, min(tail_max, q / tail_ref))``,
+        ``tail_ref`` the same quantile of a standard normal score.  A spiky run (small-batch
+        SGD) raises its own bar, a smooth one keeps the plain z.  ``tail_max = 1`` (default):
+        no calibration, the plain z.
 
     Notes
     -----
     The ring buffer is the detector's ``buf`` (rows ``[0, window)``, in log space when
     ``log_space``; with ``robust`` rows ``[window, 2 * window)`` hold the same values sorted);
-    ``state`` holds the next write position and the number of valid values.
+    ``state`` holds the next write position, the number of valid values and (state version 2)
+    the tail tracker ``q`` and its open spike event.  A version-1 snapshot
+    loads uncalibrated (``q = tail_ref``).
     Non-finite values alarm with score ``+inf`` and never enter the window; missing values
     (``missing=True``) score ``nan`` and change nothing.
 
@@ -385,9 +415,15 @@ class RobustZScore(BankDetector):
         "log_space": Bool(),
         "min_std": Float(0.0),
         "direction": Choice(DIRECTIONS),
+        "tail_q": Float(0.5, 1.0, low_open=True, high_open=True),
+        "tail_rate": Float(0.0),
+        "tail_max": Float(1.0),
+        "tail_gap": Int(1, 1_000_000),
     }
     window: int
     robust: bool
+    tail_q: float
+    tail_max: float
     tuning_grid = {"window": (32, 128), "min_std": (0.01, 0.05, 0.1)}
     summary = (
         "median/MAD z-score over a ring buffer; a spike does not inflate the MAD, so repeated "
@@ -405,11 +441,28 @@ class RobustZScore(BankDetector):
         min_std: float = 0.01,
         direction: str = "up",
         freeze_on_alarm: bool = False,
+        tail_q: float = 0.999,
+        tail_rate: float = 1.0,
+        tail_max: float = 1.0,
+        tail_gap: int = 1,
     ):
         super().__init__(**arguments(locals()))
 
+    @property
+    def tail_ref(self) -> float:
+        """The ``tail_q`` quantile of a standard normal score (the calibration's reference)."""
+        return tail_reference(self.tail_q)
+
+    @property
+    def tail_factor(self) -> FloatArray:
+        """Per series, what a raw z-score is divided by (1 = a Gaussian-like tail)."""
+        q = self._state[_Q]
+        return np.maximum(1.0, np.minimum(self.tail_max, q / self.tail_ref))
+
     def _init_state(self, n: int) -> FloatArray:
-        return np.zeros((_N_FIELDS, n))
+        state = np.zeros((_N_FIELDS, n))
+        state[_Q] = self.tail_ref
+        return state
 
     def _init_buf(self, n: int) -> FloatArray:
         return np.zeros((2 * self.window if self.robust else self.window, n))
@@ -417,11 +470,16 @@ class RobustZScore(BankDetector):
     kernel = staticmethod(_kernel)
     param_layout = RobustParams
     state_hyperparameters = ("window", "robust", "log_space")
+    #: version 2 added the tail tracker rows; a version 1 snapshot loads uncalibrated
+    state_version = 2
+    legacy_state_rows = {1: 2}
 
     def _check_state(self, c: StateCheck) -> None:
         w = self.window
         c.ring("window", c.state[_POS], c.state[_COUNT], w)
         c.finite("window values", c.buf)
+        c.finite("q", c.state[_Q], 0.0)
+        c.integers("event", c.state[_ABOVE], -np.inf)
         if self.robust:
             c.sorted_copy("sorted window", c.buf[:w], c.buf[w:], c.state[_COUNT], w)
 

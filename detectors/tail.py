@@ -6,19 +6,22 @@ warm-up, same winsorised updates), and adds two rules:
 
 Per-run tail calibration
     Each series tracks a high quantile ``q`` (level ``tail_q``, 0.999 by default) of its own
-    healthy spike events with a stochastic-approximation quantile tracker: ``q += tail_rate *
-    tail_q`` when a score exceeds ``q``, ``q -= tail_rate * (1 - tail_q)`` otherwise, never
-    below the reference.  Only after warm-up, never while in alarm (a fault does not raise the
-    bar) and once per run of consecutive scores above ``q`` (a building excursion is one
-    event).  With the defaults a healthy spike lifts ``q`` by about 1 and it sinks back by 1
-    per 1000 scores.  The reference ``tail_ref`` is the same quantile of a standard normal
-    score (3.09 for 0.999).  The reported score is the raw z divided by ``max(1,
-    min(tail_max, q / tail_ref))``: on a smooth run (Gaussian-like noise, ``q`` at the
-    reference) it is the plain z; on a spiky run -- small-batch SGD, whose loss spikes now and
-    then by 5-8 sigma without anything being wrong -- the same z counts for less, in proportion
-    to how far that run's own tail lies above a Gaussian's.  A z of 7 on a run whose healthy
-    spikes reached 4.6 scores 4.7; on a smooth run it scores 7.  The factor is capped at
-    ``tail_max`` (3): a run cannot calibrate itself blind.
+    healthy spike events with a stochastic-approximation quantile tracker: ``q -= tail_rate *
+    (1 - tail_q)`` at every score at or below ``q``; scores above ``q`` open a spike *event*
+    (scores above it less than ``tail_gap`` quiet scores apart are one event), and when the
+    event closes without any of its scores having alarmed, it was a healthy spike: ``q +=
+    tail_rate * tail_q``.  Never below the reference, only after warm-up.  An event that
+    alarmed does not count at all -- a fault does not raise the bar, not even with its first,
+    still sub-threshold scores -- and a building excursion is one event.  With the defaults a
+    healthy spike lifts ``q`` by about 1 and it sinks back by 1 per 1000 scores.  The
+    reference ``tail_ref`` is the same quantile of a standard normal score (3.09 for 0.999).
+    The reported score is the raw z divided by ``max(1, min(tail_max, q / tail_ref))``: on a
+    smooth run (Gaussian-like noise, ``q`` at the reference) it is the plain z; on a spiky run
+    -- small-batch SGD, whose loss spikes now and then by 5-8 sigma without anything being
+    wrong -- the same z counts for less, in proportion to how far that run's own tail lies
+    above a Gaussian's.  A z of 7 on a run whose healthy spikes reached 4.6 scores 4.7; on a
+    smooth run it scores 7.  The factor is capped at ``tail_max`` (3): a run cannot calibrate
+    itself blind.
 
 Priors for the first steps (no blind start)
     With ``prior_std > 0`` a series scores from its third finite value on instead of after
@@ -54,6 +57,12 @@ _N_FIELDS = 5
 PRIOR_MIN_COUNT = 2.0
 
 
+def tail_reference(tail_q: float) -> float:
+    """The ``tail_q`` quantile of a standard normal score: a calibration's reference (3.09 for
+    0.999)."""
+    return NormalDist().inv_cdf(tail_q)
+
+
 class TailZParams(NamedTuple):
     """Layout of :class:`TailZScore`'s float64 ``params`` array, in kernel order."""
 
@@ -71,6 +80,7 @@ class TailZParams(NamedTuple):
     tail_max: float
     prior_std: float
     prior_n: float
+    tail_gap: float
 
 
 P = indices(TailZParams)
@@ -88,6 +98,46 @@ def _std(var, mean, count, params):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
+def tail_factor(q, ref, tail_max):  # type: ignore[no-untyped-def]
+    """What a raw score is divided by: ``q`` against the reference ``ref``, within ``[1,
+    tail_max]`` (1 = a Gaussian-like tail, or no calibration)."""
+    return max(1.0, min(tail_max, q / ref))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def track_tail(s, alarm, q, event, tail_q, rate, ref, gap):  # type: ignore[no-untyped-def]
+    """One step of the quantile tracker of healthy spike *events*; returns ``(q, event)``.
+
+    A score above ``q`` (raw score ``s``) opens an event, or keeps the open one going; the
+    event closes after ``gap`` scores in a row at or below ``q``, and only then, if none of its
+    scores alarmed, is it a healthy spike: ``q`` moves up by ``rate * tail_q``.  Every score
+    at or below ``q`` moves it down by ``rate * (1 - tail_q)``; never below ``ref``.  So a
+    fault never raises the bar -- not even its first scores below the alarm threshold, nor a
+    noisy build-up that dips below ``q`` for fewer than ``gap`` scores -- and a building
+    excursion is one event.  ``event``: 0 = none open; ``+k`` = open, ``k`` quiet scores left
+    to close it, no alarm yet; ``-k`` = open and alarmed.
+    """
+    if s > q or alarm:
+        return q, -gap if (alarm or event < 0.0) else gap
+    q = q - rate * (1.0 - tail_q)
+    if event != 0.0:
+        left = abs(event) - 1.0
+        if left <= 0.0:
+            if event > 0.0:
+                q = q + rate * tail_q
+            event = 0.0
+        else:
+            event = left if event > 0.0 else -left
+    return max(q, ref), event
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def taint_event(event, gap):  # type: ignore[no-untyped-def]
+    """The open event after an alarm that was not learnt (``freeze_on_alarm``): alarmed."""
+    return -gap if event == 0.0 else -abs(event)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _scores(y, mean, var, count, q, params):  # type: ignore[no-untyped-def]
     """``(raw, calibrated)`` directional scores of ``y`` against the state (0 while silent)."""
     warmup = params[P.warmup]
@@ -97,8 +147,7 @@ def _scores(y, mean, var, count, q, params):  # type: ignore[no-untyped-def]
     z = (y - mean) / _std(var, mean, count, params)
     d = params[P.direction]
     s = z if d > 0.0 else (-z if d < 0.0 else abs(z))
-    factor = max(1.0, min(params[P.tail_max], q / params[P.tail_ref]))
-    return s, s / factor
+    return s, s / tail_factor(q, params[P.tail_ref], params[P.tail_max])
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -106,20 +155,15 @@ def _learn(y, s, alarm, mean, var, count, q, above, params):  # type: ignore[no-
     """The state after learning ``y`` (raw score ``s``): quantile tracker, then the
     winsorised, debiased EW mean / variance.  Returns ``(mean, var, count, q, above)``.
 
-    The tracker counts spike *events*: a score above ``q`` lifts it only when the previous
-    score was not above it (``above``), and never while in alarm -- the steps of one building
-    excursion are one event, and a fault does not raise the bar."""
+    The tracker counts healthy spike *events* (:func:`track_tail`; ``above`` is the open
+    event): an excursion above ``q`` lifts it once, when it is over, and not at all if it
+    alarmed."""
     if count == 0.0:
         return y, 0.0, 1.0, q, 0.0
     warmup = params[P.warmup]
     if count >= warmup:
-        exceeds = s > q
-        if not alarm and not (exceeds and above != 0.0):
-            tq, rate = params[P.tail_q], params[P.tail_rate]
-            q = q + rate * tq if exceeds else q - rate * (1.0 - tq)
-            q = max(q, params[P.tail_ref])
-        above = 1.0 if exceeds else 0.0
-    if count >= warmup:
+        q, above = track_tail(s, alarm, q, above, params[P.tail_q], params[P.tail_rate],
+                              params[P.tail_ref], params[P.tail_gap])
         clip = params[P.clip]
         if clip < np.inf:
             std = _std(var, mean, count, params)
@@ -150,6 +194,8 @@ def _tail_kernel(X, miss, state, buf, params, scores, alarms):  # type: ignore[n
                                             state[_ABOVE, i], params)
                 state[_MEAN, i], state[_VAR, i], state[_COUNT, i] = m2, v2, c2
                 state[_Q, i], state[_ABOVE, i] = q2, a2
+            elif count >= params[P.warmup]:
+                state[_ABOVE, i] = taint_event(state[_ABOVE, i], params[P.tail_gap])
 
 
 class TailZScore(BankDetector):
@@ -174,6 +220,12 @@ class TailZScore(BankDetector):
         prior (silent for ``warmup`` values).
     prior_n
         Weight of the prior, in values.
+    tail_gap
+        Quiet scores (at or below ``q``) that close a spike event: scores above ``q`` less
+        than ``tail_gap`` quiet scores apart are one event, one lift of ``q`` when it closes
+        (none if it alarmed), so a fault that builds up noisily, dipping below ``q`` now and
+        then, does not raise its own bar step by step.  ``1``: an event closes at its first
+        quiet score.
     freeze_on_alarm
         Do not update a series' statistics while it is in alarm.
 
@@ -206,6 +258,7 @@ class TailZScore(BankDetector):
         "tail_max": Float(1.0),
         "prior_std": Float(0.0),
         "prior_n": Float(0.0, low_open=True),
+        "tail_gap": Int(1, 1_000_000),
     }
     direction: str
     tail_q: float
@@ -233,17 +286,29 @@ class TailZScore(BankDetector):
         prior_std: float = 0.0,
         prior_n: float = 20.0,
         freeze_on_alarm: bool = False,
+        tail_gap: int = 1,
     ):
         super().__init__(**arguments(locals()))
 
     @property
     def tail_ref(self) -> float:
         """The ``tail_q`` quantile of a standard normal score (the calibration's reference)."""
-        return NormalDist().inv_cdf(self.tail_q)
+        return tail_reference(self.tail_q)
 
     def _init_state(self, n: int) -> FloatArray:
         state = np.zeros((_N_FIELDS, n))
         state[_Q] = self.tail_ref
+        return state
+
+    #: version 2: the last row is the open spike event (0, +k, -k; see :func:`track_tail`);
+    #: version 1 held "the previous score was above q" (0 / 1), whose lift had already been
+    #: made at the event's start: it loads as an open event that will not lift again (-1)
+    state_version = 2
+    legacy_state_rows = {1: _N_FIELDS}
+
+    def _upgrade_rows(self, version: int, state: FloatArray) -> FloatArray:
+        if version == 1:
+            state[_ABOVE] = -np.abs(state[_ABOVE])
         return state
 
     def _check_state(self, c: StateCheck) -> None:
@@ -251,7 +316,7 @@ class TailZScore(BankDetector):
         c.not_nan("var", c.state[_VAR], 0.0)
         c.integers("count", c.state[_COUNT], 0)
         c.finite("q", c.state[_Q], 0.0)
-        c.one_of("above", c.state[_ABOVE], (0.0, 1.0))
+        c.integers("event", c.state[_ABOVE], -np.inf)
 
     @property
     def tail_factor(self) -> FloatArray:

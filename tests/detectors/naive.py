@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from statistics import NormalDist
 
 import numpy as np
 
@@ -767,6 +768,26 @@ def ref_ratio(
 # ---------------------------------------------------------------------- robust
 
 
+def ref_track_tail(s, alarm, q, event, tail_q, rate, ref, gap):
+    """The tail calibration's quantile tracker (TailZScore, RobustZScore), one step in plain
+    Python: ``event`` is 0 (none open), +k (open, k quiet scores left, healthy so far) or -k
+    (open, alarmed).  A healthy event lifts q by rate * tail_q when it closes; every quiet score
+    sinks it by rate * (1 - tail_q); q never goes below ref."""
+    if s > q or alarm:
+        alarmed = alarm or event < 0
+        return q, (-gap if alarmed else gap)
+    q -= rate * (1 - tail_q)
+    if event:
+        left = abs(event) - 1
+        if left == 0:
+            if event > 0:
+                q += rate * tail_q
+            event = 0
+        else:
+            event = left if event > 0 else -left
+    return max(q, ref), event
+
+
 def ref_robust(
     x,
     miss=None,
@@ -778,10 +799,17 @@ def ref_robust(
     min_std=0.01,
     direction="up",
     freeze_on_alarm=False,
+    tail_q=0.999,
+    tail_rate=1.0,
+    tail_max=1.0,
+    tail_gap=1,
 ):
-    """Plain-Python windowed z-score for one series (numpy median / mean / std on the window)."""
+    """Plain-Python windowed z-score for one series (numpy median / mean / std on the window),
+    divided by the run's tail factor (quantile tracker of healthy spike events, as TailZScore)."""
     if warmup is None:
         warmup = max(2, window // 4) if window >= 2 else 1
+    ref = NormalDist().inv_cdf(tail_q)
+    q, above = ref, 0
     win: deque[float] = deque(maxlen=window)
     scores, alarms = [], []
     for k, v in enumerate(x):
@@ -795,7 +823,8 @@ def ref_robust(
             continue
         y = math.log(max(v, LOG_FLOOR)) if log_space else v
         s = 0.0
-        if len(win) >= warmup:
+        scoring = len(win) >= warmup and len(win) > 0
+        if scoring:
             a = np.array(win)
             if robust:
                 center = float(np.median(a))
@@ -805,10 +834,16 @@ def ref_robust(
             floor = min_std if log_space else min_std * abs(center)
             z = (y - center) / max(spread, floor, 1e-300)
             s = {"up": z, "down": -z, "both": abs(z)}[direction]
-        scores.append(s)
-        alarms.append(s > threshold)
-        if s > threshold and freeze_on_alarm:
+        cal = s / max(1.0, min(tail_max, q / ref))
+        alarm = cal > threshold
+        scores.append(cal)
+        alarms.append(alarm)
+        if alarm and freeze_on_alarm:
+            if scoring:  # the open event alarmed (it will not lift q)
+                above = -tail_gap if above == 0 else -abs(above)
             continue
+        if scoring:
+            q, above = ref_track_tail(s, alarm, q, above, tail_q, tail_rate, ref, tail_gap)
         win.append(y)
     return np.array(scores), np.array(alarms)
 
@@ -826,10 +861,12 @@ def ref_nonfinite(x, miss=None):  # type: ignore[no-untyped-def]
 
 #: registry name -> naive reference (checked complete by tests/detectors/test_conformance.py)
 def ref_overfit(loss, val, lmiss=None, vmiss=None, alpha=0.2, n_points=4, warmup=5,
-                threshold=2.0, min_scale=0.02, noise_alpha=0.1, freeze_on_alarm=False):
+                threshold=2.0, min_scale=0.02, noise_alpha=0.1, noise_clip=3.0,
+                freeze_on_alarm=False):
     """OverfitGap: min gap increment over the last n_points - 1 validation intervals, over
     max(run's noise of the increments, min_scale); the noise from the mean |second
-    difference| of the gap (Gaussian scale 1.2533 / sqrt(3) of it)."""
+    difference| of the gap (Gaussian scale 1.2533 / sqrt(3) of it), from the third validation
+    point on, each winsorised at noise_clip times the current positive estimate."""
     n = len(loss)
     lmiss = np.zeros(n, bool) if lmiss is None else lmiss
     vmiss = np.zeros(n, bool) if vmiss is None else vmiss
@@ -869,9 +906,12 @@ def ref_overfit(loss, val, lmiss=None, vmiss=None, alpha=0.2, n_points=4, warmup
         if score > threshold and freeze_on_alarm:
             continue
         tm, tc, prev_g, nval = tm2, tc2, g, nval + 1
-        if incs:
+        if len(incs) >= 2:  # the first increment's change is a start-of-training transient
+            dd = abs(d - incs[-1])
+            if noise > 0:
+                dd = min(dd, noise_clip * noise)
             a = max(noise_alpha, 1.0 / (n_noise + 1))
-            noise += a * (abs(d - incs[-1]) - noise)
+            noise += a * (dd - noise)
             n_noise += 1
         incs.append(d)
     return np.array(out)

@@ -44,7 +44,9 @@ def _miss(lmiss, vmiss):
 
 CFGS = [{}, {"n_points": 3, "warmup": 0, "alpha": 0.05, "threshold": 0.0},
         {"freeze_on_alarm": True, "threshold": 0.25, "noise_alpha": 0.3},
-        {"n_points": 2, "threshold": 0.5, "min_scale": 0.0}]
+        {"n_points": 2, "threshold": 0.5, "min_scale": 0.0},
+        {"noise_clip": 1.5, "noise_alpha": 0.5, "threshold": 1.0},
+        {"noise_clip": np.inf}]
 
 
 @pytest.mark.parametrize("cfg", CFGS)
@@ -261,3 +263,38 @@ def test_version_1_snapshot_loads_uncalibrated_and_round_trips():
         OverfitGap(n_series=3).load_state_dict(dict(old, state=sd["state"]))
     with pytest.raises(ValueError, match="newer"):
         OverfitGap(n_series=3).load_state_dict(dict(sd, state_version=3))
+
+
+
+def _kinked_run(noise_clip, seed):
+    """Short run (val every 20, a fast early descent): train and val fall together with a
+    little val noise; at step 200 the model starts memorising -- val jumps 20 % and stalls, the
+    train loss keeps falling (the gap grows ~5 % per interval): one kink in the gap's trend,
+    then steady growth.  Returns (first alarm step or None, final noise row)."""
+    rng = np.random.default_rng(seed)
+    t = 440
+    s_ = np.arange(t)
+    base = np.exp(-s_ / 60) + 1.0
+    loss = base * np.exp(rng.normal(0, 0.02, t))
+    val = 1.05 * base * np.exp(rng.normal(0, 0.004, t))
+    after = s_ >= 200
+    loss[after] *= np.exp(-(s_[after] - 200) / 400)
+    val[after] = val[200] * 1.2
+    miss = _miss(np.zeros((t, 1), bool), (s_ % 20 != 0)[:, None])
+    det = OverfitGap(noise_clip=noise_clip)
+    a = det.update_many(loss, val, missing=miss)[1][:, 0]
+    assert not a[:200].any()
+    first = np.flatnonzero(a)
+    return (int(first[0]) if first.size else None), det.state_dict()["state"][6, 0]
+
+
+@pytest.mark.parametrize("seed", [3, 5])
+def test_the_onset_kink_is_not_counted_as_noise(seed):
+    # winsorised at 3x the estimate, the kink moves the noise estimate by a bounded step and
+    # the steady growth after it is caught within 6 validation points; learnt in full, it
+    # inflates the estimate at the very point the growth starts: caught later or never
+    first_kept, noise_kept = _kinked_run(3.0, seed)
+    first_raw, noise_raw = _kinked_run(np.inf, seed)
+    assert first_kept is not None and first_kept <= 200 + 6 * 20
+    assert first_raw is None or first_raw > first_kept
+    assert noise_kept < noise_raw

@@ -40,6 +40,10 @@ CONFIGS = [
     {"window": 33, "direction": "down", "min_std": 0.0, "threshold": 3.0},
     {"window": 1, "robust": False, "log_space": False},
     {"window": 50, "warmup": 50, "robust": True, "log_space": False, "freeze_on_alarm": True},
+    {"window": 32, "tail_max": 3.0, "threshold": 4.0},
+    {"window": 24, "tail_max": 2.0, "tail_q": 0.99, "tail_rate": 0.5, "direction": "both",
+     "freeze_on_alarm": True, "threshold": 3.0, "tail_gap": 7},
+    {"window": 32, "tail_max": 3.0, "threshold": 4.0, "tail_gap": 20},
 ]
 
 
@@ -255,6 +259,10 @@ def test_defaults_and_params():
         "log_space": True,
         "min_std": 0.01,
         "direction": "up",
+        "tail_q": 0.999,
+        "tail_rate": 1.0,
+        "tail_max": 1.0,
+        "tail_gap": 1,
     }
     assert RobustZScore(window=4).warmup == 2
     assert RobustZScore(window=1).warmup == 1
@@ -328,3 +336,69 @@ def test_public_runs_clean_quiet_and_diverged_detected():
         pre += int((steps < on).sum())
     assert hits >= 0.75 * len(diverged)
     assert pre <= len(diverged)
+
+
+def _spiky(seed: int, n: int = 600, every: int = 0) -> np.ndarray:
+    """Log-normal noise (log std 0.05); with ``every``, a healthy ~5-7 sigma spike every
+    ``every`` steps (small-batch SGD)."""
+    rng = np.random.default_rng(seed)
+    x = np.exp(rng.normal(0.0, 0.05, n))
+    if every:
+        x[60::every] *= np.exp(rng.uniform(0.25, 0.35, len(x[60::every])))
+    return x
+
+
+def test_tail_calibration_the_same_z_counts_less_on_a_spiky_run():
+    smooth, spiky = _spiky(0), _spiky(0, every=25)
+    smooth[590] = spiky[590] = np.exp(0.6)  # the same ~12 sigma spike in both
+    plain = RobustZScore(window=128, threshold=8.0)
+    cal_smooth = RobustZScore(window=128, threshold=8.0, tail_max=3.0)
+    cal_spiky = RobustZScore(window=128, threshold=8.0, tail_max=3.0)
+    assert plain.update_many(spiky)[1][590, 0]  # uncalibrated: the spiky run alarms
+    assert cal_smooth.update_many(smooth)[1][590, 0]  # a smooth run keeps its alarm
+    s, a = cal_spiky.update_many(spiky)
+    assert not a[590, 0] and cal_spiky.tail_factor[0] > 1.3
+    assert cal_smooth.tail_factor[0] < cal_spiky.tail_factor[0]
+
+
+def test_tail_calibration_a_fault_does_not_raise_the_bar():
+    det = RobustZScore(window=64, threshold=8.0, tail_max=3.0)
+    det.update_many(_spiky(1, n=300))
+    before = det.tail_factor[0]
+    assert det.update_many(np.full(5, 1e3))[1].all()  # a persistent fault: alarms throughout
+    assert det.tail_factor[0] == before
+
+
+def test_tail_calibration_version1_snapshot_loads_uncalibrated():
+    det = RobustZScore(window=32, tail_max=3.0)
+    det.update_many(_spiky(2, n=200, every=20))
+    snap = det.state_dict()
+    assert snap["state_version"] == 2
+    old = {**snap, "state_version": 1, "state": np.asarray(snap["state"])[:2].tolist()}
+    restored = RobustZScore(window=32, tail_max=3.0)
+    restored.load_state_dict(old)
+    assert restored.tail_factor[0] == 1.0  # q = tail_ref: uncalibrated, window kept
+    fresh_q = RobustZScore(window=32, tail_max=3.0)
+    fresh_q.load_state_dict({**snap, "state": np.concatenate(
+        [np.asarray(snap["state"])[:2], fresh_q.state_dict()["state"][2:]]).tolist()})
+    x = _spiky(3, n=100, every=20)
+    np.testing.assert_array_equal(restored.update_many(x)[0], fresh_q.update_many(x)[0])
+    with pytest.raises(ValueError, match="state_version 1 snapshot must have 2"):
+        RobustZScore(window=32).load_state_dict({**snap, "state_version": 1})
+    with pytest.raises(ValueError, match="newer"):
+        RobustZScore(window=32).load_state_dict({**snap, "state_version": 3})
+
+
+def test_tail_calibration_a_noisy_build_up_is_one_event():
+    # a fault that builds up by 4 -> 10 sigma spikes every third step (quiet in between): with
+    # tail_gap = 1 each spike is its own healthy event until the first alarm, the bar climbs to
+    # the cap and the fault is never flagged; with tail_gap = 10 the build-up is one event,
+    # which alarms, and never lifts the bar
+    x = _spiky(4, n=400)
+    k = np.arange(40)
+    y = np.concatenate([x, x[:40] * np.exp(0.05 * np.where(k % 3 == 0, 4 + 0.17 * k, 0.0))])
+    per_spike = RobustZScore(window=128, threshold=8.0, tail_max=3.0, tail_gap=1)
+    one_event = RobustZScore(window=128, threshold=8.0, tail_max=3.0, tail_gap=10)
+    assert not per_spike.update_many(y)[1].any() and per_spike.tail_factor[0] == 3.0
+    a = one_event.update_many(y)[1][:, 0]
+    assert not a[:400].any() and a[400:].any() and one_event.tail_factor[0] == 1.0

@@ -10,14 +10,16 @@ import pytest
 
 from detectors.tail import TailZScore
 
+from .naive import ref_track_tail
+
 
 def ref_tail_z(x, alpha=0.02, warmup=30, threshold=6.0, log_space=True, min_std=0.01,
                direction="up", clip=4.0, tail_q=0.999, tail_rate=1.0, tail_max=3.0,
-               prior_std=0.0, prior_n=20.0, freeze_on_alarm=False):
+               prior_std=0.0, prior_n=20.0, freeze_on_alarm=False, tail_gap=1):
     """Plain Python: one series, returns (scores, alarms)."""
     ref = NormalDist().inv_cdf(tail_q)
     mean = var = 0.0
-    count, q, above = 0, ref, False
+    count, q, above = 0, ref, 0
     scores, alarms = [], []
 
     def std_of(v, m, c):
@@ -41,15 +43,14 @@ def ref_tail_z(x, alpha=0.02, warmup=30, threshold=6.0, log_space=True, min_std=
         scores.append(s)
         alarms.append(alarm)
         if alarm and freeze_on_alarm:
+            if count >= warmup:  # the open event alarmed (it will not lift q)
+                above = -tail_gap if above == 0 else -abs(above)
             continue
         if count == 0:
-            mean, var, count, above = y, 0.0, 1, False
+            mean, var, count, above = y, 0.0, 1, 0
             continue
         if count >= warmup:
-            exceeds = raw > q
-            if not alarm and not (exceeds and above):  # one lift per run above q
-                q = max(q + tail_rate * tail_q if exceeds else q - tail_rate * (1 - tail_q), ref)
-            above = exceeds
+            q, above = ref_track_tail(raw, alarm, q, above, tail_q, tail_rate, ref, tail_gap)
         if count >= warmup:
             sd = std_of(var, mean, count)
             y = min(max(y, mean - clip * sd), mean + clip * sd)
@@ -76,6 +77,7 @@ def _stream(seed: int, n: int = 500, spikes: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("params", [
     {}, {"prior_std": 0.05}, {"direction": "both", "log_space": False, "min_std": 0.05},
     {"freeze_on_alarm": True, "threshold": 3.0}, {"tail_max": 1.0}, {"warmup": 0},
+    {"tail_gap": 10}, {"tail_gap": 3, "tail_q": 0.99, "freeze_on_alarm": True},
 ])
 def test_kernel_matches_the_reference(params: dict) -> None:
     x = _stream(1, spikes=17)
@@ -113,9 +115,16 @@ def test_a_fault_does_not_raise_the_bar() -> None:
     assert det.update(1e6)[0]  # a fault spike alarms and is not a healthy score
     assert det.tail_factor[0] == 1.0
     det.update(x[400])  # back to normal
-    det.update(np.exp(0.05 * 4))  # a healthy 4-sigma score lifts q by tail_rate * tail_q
-    det.update(np.exp(0.05 * 4))  # ... once per run of scores above q
-    assert det.tail_factor[0] == pytest.approx((det.tail_ref + 0.999) / det.tail_ref)
+    det.update(np.exp(0.05 * 4))  # a fault's first, sub-threshold score opens an event ...
+    assert det.update(1e6)[0]  # ... that then alarms: it never lifts q
+    det.update_many(x[401:410])
+    assert det.tail_factor[0] == 1.0
+    det.update(np.exp(0.05 * 4))  # a healthy 4-sigma event (two scores above q) ...
+    det.update(np.exp(0.05 * 4))
+    assert det.tail_factor[0] == 1.0
+    det.update(x[410])  # ... lifts q by tail_rate * tail_q once, when it closes
+    ref = det.tail_ref
+    assert det.tail_factor[0] == pytest.approx((ref + 0.999 - 0.001) / ref)
 
 
 def test_calibration_is_capped_so_a_real_spike_still_alarms() -> None:
@@ -135,3 +144,26 @@ def test_a_prior_scores_from_the_third_value() -> None:
     assert primed[:2, 0].tolist() == [0.0, 0.0] and alarms[:, 0].tolist() == [0, 0, 0, 0, 1]
 
 
+
+
+def test_version_1_snapshot_loads_its_spike_flag_as_an_event_that_will_not_lift_again() -> None:
+    # version 1 lifted q at an event's first score and kept "previous score above q" (0/1);
+    # version 2 lifts when the event is over: a version-1 snapshot taken inside a spike loads
+    # as an open event that will not lift q again
+    x = _wave()
+    det = TailZScore()
+    det.update_many(x[:300])
+    assert not det.update(np.exp(0.05 * 4))[0]  # inside a healthy spike (above q, no alarm)
+    sd = det.state_dict()
+    assert sd["state_version"] == 2 and sd["state"][4, 0] > 0  # open, healthy so far
+    old = {k: v for k, v in sd.items() if k != "state_version"}
+    old["state"] = np.array(sd["state"], dtype=float)
+    old["state"][4] = 1.0  # what version 1 wrote there
+    loaded = TailZScore()
+    loaded.load_state_dict(old)
+    assert loaded.state_dict()["state"][4, 0] == -1.0
+    q0 = loaded.tail_factor[0]
+    loaded.update_many(x[301:320])
+    assert loaded.tail_factor[0] <= q0  # only the sinking: no second lift for that spike
+    with pytest.raises(ValueError, match="newer"):
+        TailZScore().load_state_dict({**sd, "state_version": 3})
