@@ -22,6 +22,13 @@ option value, an unwritable ``--events`` path, a full disk) prints **one line** 
 ``stability COMMAND: error: FILE: PROBLEM``, and exits with status 2 (argparse's usage errors
 too).  ``--debug`` (anywhere on the command line, or ``STABILITY_DEBUG=1``) also prints the
 traceback.  Anything else is a bug in stability and keeps its traceback (status 1).
+
+Several runs (``replay``, ``eval``, ``tune`` over a folder, a glob or several RUNs): a run that
+cannot be read is a *failed run*, not the end of the command -- one line on stderr,
+``stability COMMAND: failed: run RUN_ID: FILE: PROBLEM`` (in ``replay --json``: an entry with
+an ``error`` field; in ``eval --json``: a ``failed`` list), every other run is done and
+printed, the figures of ``eval`` / ``tune`` say which runs they leave out, and the status is 1.
+A single run keeps the one-line error and status 2.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from replay.fleet import BackendUnavailable
+from replay.fleet import BackendUnavailable, RunFailure
+from replay.fleet import describe_error as describe_error
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
@@ -252,46 +260,76 @@ def _runs(specs: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def _cmd_replay(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from replay.replay import format_summary, replay_many, replay_run
+    from replay.replay import replay_run
 
     runs = _runs(a.runs)
     if a.save_state and len(runs) != 1:
         raise ValueError(f"--save-state takes one run; got {len(runs)}.")
     if a.calibrate and len(runs) != 1:
         raise ValueError(f"--calibrate takes one run; got {len(runs)}.")
+    failed: list[RunFailure] = []
     try:
         if len(runs) == 1:  # nothing to fan out: replayed here, whatever the backend
             rid, path = runs[0]
             results = [replay_run(path, a.config, events=a.events, run_id=rid, progress=None,
                                   calibrate=a.calibrate)]
         else:
-            suffix = ".jsonl"
-            if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
-                suffix = Path(a.events).suffix
-                a.events = str(Path(a.events).with_suffix(""))
-            results = replay_many(runs, a.config, jobs=a.jobs, events_dir=a.events,
-                                  events_suffix=suffix, backend=a.backend,
-                                  address=a.ray_address)
+            results = _replay_several(a, runs, failed)
         if a.save_state:
             _save_state(runs, a.config, a.save_state)
     except OSError as exc:
         if exc.filename is None and a.events:  # a write error (full disk) knows no file name
             exc.filename = a.events
         raise
+    _print_replays(a, runs, results, failed)
+    return 1 if failed else 0
+
+
+def _replay_several(a: argparse.Namespace, runs: list[tuple[str, str]],
+                    failed: list[RunFailure]) -> list[Any]:
+    """``replay_many`` for the command line: events into a directory, unreadable runs into
+    ``failed`` (each named on stderr as it is known)."""
+    from pathlib import Path
+
+    from replay.replay import replay_many
+
+    suffix = ".jsonl"
+    if a.events and Path(a.events).suffix in (".jsonl", ".parquet"):
+        suffix = Path(a.events).suffix
+        a.events = str(Path(a.events).with_suffix(""))
+    results = replay_many(runs, a.config, jobs=a.jobs, events_dir=a.events,
+                          events_suffix=suffix, backend=a.backend, address=a.ray_address,
+                          failed=failed)
+    _say_failed("replay", failed)
+    return results
+
+
+def _say_failed(command: str, failed: Sequence[RunFailure]) -> None:
+    """One line on stderr per run that could not be read."""
+    for f in failed:
+        print(f"stability {command}: failed: {f.line()}", file=sys.stderr)
+
+
+def _print_replays(a: argparse.Namespace, runs: list[tuple[str, str]], results: list[Any],
+                   failed: list[RunFailure]) -> None:
+    """The summaries (and failed runs) in the runs' order, as text or JSON."""
+    from replay.replay import format_summary
+
+    by_id: dict[str, Any] = {r.run_id: r for r in [*results, *failed]}
+    ordered = [by_id[rid] for rid, _ in runs if rid in by_id]
     if a.json:
-        print(json.dumps([r.summary() for r in results], indent=1, default=str))
-        return 0
-    for r in results:
-        print(format_summary(r))
-    if len(results) > 1:
+        print(json.dumps([r.summary() for r in ordered], indent=1, default=str))
+        return
+    for r in ordered:
+        print(f"run {r.run_id}  FAILED: {r.message()}" if isinstance(r, RunFailure)
+              else format_summary(r))
+    if len(runs) > 1:
         alarmed = sum(bool(r.alarms) for r in results)
-        print(f"\n{len(results)} runs, {alarmed} with alarms, "
+        lost = f", {len(failed)} could not be read" if failed else ""
+        print(f"\n{len(runs)} runs{lost}, {alarmed} with alarms, "
               f"{sum(r.n_steps for r in results)} steps")
     if a.events:
         print(f"events written to {a.events}")
-    return 0
 
 
 def _cmd_watch_ranks(a: argparse.Namespace) -> int:
@@ -455,29 +493,6 @@ def _cmd_report(argv: Sequence[str]) -> int:
 #: reported in one line
 USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RecursionError, MemoryError,
                                                 BackendUnavailable)
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for a user error, naming the file when the exception knows it.
-
-    >>> describe_error(FileNotFoundError(2, "No such file or directory", "runs/x.parquet"))
-    'runs/x.parquet: No such file or directory'
-    >>> describe_error(ValueError("run.csv: no step column"))
-    'run.csv: no step column'
-    >>> describe_error(RecursionError("maximum recursion depth exceeded"))
-    'input nested too deeply (maximum recursion depth exceeded)'
-    """
-    if isinstance(exc, OSError) and exc.filename is not None:
-        where = os.fsdecode(exc.filename)
-        if exc.filename2 is not None:
-            where += f" -> {os.fsdecode(exc.filename2)}"
-        return f"{where}: {exc.strerror or exc}"
-    if isinstance(exc, RecursionError):
-        return f"input nested too deeply ({exc})"
-    if isinstance(exc, MemoryError):
-        return f"out of memory ({exc or 'MemoryError'})"
-    text = str(exc) or type(exc).__name__
-    return " ".join(text.split())  # one line
 
 
 def _one_line_warning(command: str) -> Any:

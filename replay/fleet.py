@@ -18,6 +18,13 @@ run -- object storage URIs (``s3://``, ``gs://``: :mod:`pyarrow.fs`) or a shared
 Errors: :class:`BackendUnavailable` (one line from the CLI) when Ray is not installed or no
 cluster answers at ``address``.
 
+Runs that cannot be read: :func:`fan_out_runs` maps over ``(run_id, path, ...)`` items and,
+given a ``failed`` list, turns a job's input error (:data:`INPUT_ERRORS`: a missing or
+unreadable file, a malformed run -- never a programming error) into a :class:`RunFailure`
+(run id, path, one-line reason) appended there, so one bad file does not throw away every
+other run's result.  The error is caught inside the job, on the worker (local process or Ray
+task), so the same failures come back whatever the backend.
+
 Examples
 --------
 >>> fan_out(abs, [-2, 3, -4], backend="local", jobs=1, progress=False)
@@ -29,9 +36,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-__all__ = ["BACKENDS", "BackendUnavailable", "fan_out", "ray_session"]
+__all__ = ["BACKENDS", "INPUT_ERRORS", "BackendUnavailable", "RunFailure", "describe_error",
+           "fan_out", "fan_out_runs", "ray_session"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -80,6 +89,103 @@ def fan_out(fn: Callable[[T], R], items: Sequence[T], *, backend: str = "local",
             return _ray_map(ray, fn, items, jobs, f"{label} (ray)".strip(), progress)
     raise ValueError(f"The 'backend' parameter must be one of {list(BACKENDS)}. "
                      f"Got {backend!r} instead.")
+
+
+#: what a run's input can raise (a missing, unreadable or malformed file: the importers'
+#: ``RunFormatError`` is a ``ValueError``, as are Arrow's and JSON's parse errors); anything
+#: else is a bug and propagates
+INPUT_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RecursionError,
+                                                 MemoryError)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a user error, naming the file when the exception knows it.
+
+    >>> describe_error(FileNotFoundError(2, "No such file or directory", "runs/x.parquet"))
+    'runs/x.parquet: No such file or directory'
+    >>> describe_error(ValueError("run.csv: no step column"))
+    'run.csv: no step column'
+    >>> describe_error(RecursionError("maximum recursion depth exceeded"))
+    'input nested too deeply (maximum recursion depth exceeded)'
+    """
+    if isinstance(exc, OSError) and exc.filename is not None:
+        where = os.fsdecode(exc.filename)
+        if exc.filename2 is not None:
+            where += f" -> {os.fsdecode(exc.filename2)}"
+        return f"{where}: {exc.strerror or exc}"
+    if isinstance(exc, RecursionError):
+        return f"input nested too deeply ({exc})"
+    if isinstance(exc, MemoryError):
+        return f"out of memory ({exc or 'MemoryError'})"
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())  # one line
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """A run whose job failed on its input: which run, where, and why (one line).
+
+    >>> f = RunFailure("a", "runs/a.jsonl", "runs/a.jsonl: no numeric metric columns")
+    >>> f.line()
+    'run a: runs/a.jsonl: no numeric metric columns'
+    >>> RunFailure("b", "runs/b.csv", "no step column").summary()["error"]
+    'runs/b.csv: no step column'
+    """
+
+    run_id: str
+    path: str
+    reason: str
+
+    def message(self) -> str:
+        """The reason, naming the file (prefixed with the path when it does not)."""
+        return self.reason if self.path in self.reason else f"{self.path}: {self.reason}"
+
+    def line(self) -> str:
+        """One line for people: run id, file, reason."""
+        return f"run {self.run_id}: {self.message()}"
+
+    def summary(self) -> dict[str, str]:
+        """The JSON entry of a failed run (``error`` says why)."""
+        return {"run_id": self.run_id, "path": self.path, "error": self.message()}
+
+
+class _ReportInputErrors(Generic[T, R]):
+    """``fn`` on a ``(run_id, path, ...)`` item, an input error returned as a
+    :class:`RunFailure` (a module-level class: picklable for processes and Ray)."""
+
+    def __init__(self, fn: Callable[[T], R]) -> None:
+        self.fn = fn
+
+    def __call__(self, item: T) -> R | RunFailure:
+        try:
+            return self.fn(item)
+        except INPUT_ERRORS as exc:
+            rid, path = item[0], item[1]  # type: ignore[index]
+            return RunFailure(str(rid), str(path), describe_error(exc))
+
+
+def fan_out_runs(fn: Callable[[T], R], items: Sequence[T], *,
+                 failed: list[RunFailure] | None = None, **kwargs: Any) -> list[R]:
+    """:func:`fan_out` over ``(run_id, path, ...)`` items, keeping going past unreadable runs.
+
+    With ``failed`` (a list), a run whose job raises one of :data:`INPUT_ERRORS` is appended
+    there as a :class:`RunFailure` (in input order) and left out of the results; every other
+    run is still done.  Without it (``None``) the first such error propagates, as from
+    :func:`fan_out`.  ``kwargs`` go to :func:`fan_out`.
+
+    >>> def job(item): return int(item[1])
+    >>> failed = []
+    >>> fan_out_runs(job, [("a", "1"), ("b", "x"), ("c", "3")], failed=failed,
+    ...              backend="local", jobs=1, progress=False)
+    [1, 3]
+    >>> [f.run_id for f in failed]
+    ['b']
+    """
+    if failed is None:
+        return fan_out(fn, items, **kwargs)
+    out = fan_out(_ReportInputErrors(fn), items, **kwargs)
+    failed.extend(r for r in out if isinstance(r, RunFailure))
+    return [r for r in out if not isinstance(r, RunFailure)]
 
 
 class ray_session:

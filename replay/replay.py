@@ -45,7 +45,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from replay import stream as run_stream
-from replay.fleet import fan_out
+from replay.fleet import RunFailure, fan_out_runs
 from replay.runs import Progress as Progress
 from replay.runs import discover_many as discover_many
 from replay.runs import discover_runs as discover_runs
@@ -524,21 +524,28 @@ def _replay_job(args: tuple[str, str, Any, str | None]) -> ReplayResult:
 def replay_many(runs: Sequence[tuple[str, str]], config: Any = None, *, jobs: int | None = None,
                 events_dir: str | os.PathLike[str] | None = None, events_suffix: str = ".jsonl",
                 progress: bool | None = None, backend: str = "local",
-                address: str | None = None) -> list[ReplayResult]:
+                address: str | None = None,
+                failed: list[RunFailure] | None = None) -> list[ReplayResult]:
     """Replay many runs in parallel, keeping the input order.
 
     ``backend``: ``"local"`` (``jobs`` processes, default one per core) or ``"ray"`` (the
     cluster at ``address``; :func:`replay.fleet.fan_out`): the same jobs, the same results.
     ``events_dir`` (optional) receives one ``<run_id><events_suffix>`` file per run (written
-    by the job: on Ray, give a path every worker can write).
+    by the job: on Ray, give a path every worker can write).  ``failed`` (optional list): a
+    run that cannot be read is appended there as a :class:`replay.fleet.RunFailure` and left
+    out of the results, every other run is replayed (without it, its error propagates).  The
+    config is checked here first: a bad config is one error, not one failure per run.
     """
+    from stability.config.config import load_config
+
+    cfg = _default_config(config)
+    load_config(cfg)  # a bad config fails the command, not every run
     if events_dir is not None:
         Path(events_dir).mkdir(parents=True, exist_ok=True)
-    cfg = _default_config(config)
     jobs_args = [(rid, p, cfg, None if events_dir is None
                   else str(Path(events_dir) / f"{rid}{events_suffix}")) for rid, p in runs]
-    return fan_out(_replay_job, jobs_args, backend=backend, jobs=jobs, label="replay",
-                   progress=progress, address=address)
+    return fan_out_runs(_replay_job, jobs_args, failed=failed, backend=backend, jobs=jobs,
+                        label="replay", progress=progress, address=address)
 
 
 def _num(x: Any) -> str:
@@ -602,11 +609,12 @@ def _eval_job(args: tuple[str, str, Any, bool]
 def alarms_for_eval(runs: Sequence[tuple[str, str]], config: Any = None, *,
                     baselines: bool = False, jobs: int | None = None,
                     progress: bool | None = None, backend: str = "local",
-                    address: str | None = None
+                    address: str | None = None, failed: list[RunFailure] | None = None
                     ) -> tuple[dict[str, NDArray[np.int64]], dict[str, dict[str,
                                                                            NDArray[np.int64]]]]:
     """Alarm steps of our config (and optionally every baseline) on every run, in parallel
-    (``backend``, ``jobs``, ``address``: as :func:`replay_many`).
+    (``backend``, ``jobs``, ``address``, ``failed``: as :func:`replay_many`; a failed run is in
+    neither mapping, so name it next to any figure computed from them).
 
     Returns
     -------
@@ -614,9 +622,12 @@ def alarms_for_eval(runs: Sequence[tuple[str, str]], config: Any = None, *,
         ``run_id -> logged steps`` and ``name -> run_id -> alarm steps`` (``name`` is ``ours``
         or a baseline name).
     """
+    from stability.config.config import load_config
+
+    load_config(_default_config(config))  # a bad config fails the command, not every run
     args = [(rid, p, config, baselines) for rid, p in runs]
-    results = fan_out(_eval_job, args, backend=backend, jobs=jobs, label="eval",
-                      progress=progress, address=address)
+    results = fan_out_runs(_eval_job, args, failed=failed, backend=backend, jobs=jobs,
+                           label="eval", progress=progress, address=address)
     steps: dict[str, NDArray[np.int64]] = {}
     alarms: dict[str, dict[str, NDArray[np.int64]]] = {}
     for rid, st, per in results:

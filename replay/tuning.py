@@ -55,6 +55,7 @@ from .evaluate import (
     evaluate_run,
     summarise,
 )
+from .fleet import RunFailure
 from .labels import RunLabel
 from .scoring import (
     RunProfile,
@@ -395,7 +396,7 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
          config: Any = None, folds: int = 5, backend: str = "local", jobs: int | None = None,
          settings: EvalSettings | None = None, grids: Mapping[str, Mapping[str, list[Any]]]
          | None = None, n_thresholds: int = 1000, progress: bool | None = None,
-         address: str | None = None) -> TuneResult:
+         address: str | None = None, failed: list[RunFailure] | None = None) -> TuneResult:
     """Score ``runs`` with every candidate of ``config``'s bindings and tune (module docstring).
 
     Parameters
@@ -410,6 +411,10 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
         Base monitor config (preset name, path, dict; ``None`` = the default preset).
     backend, jobs, address
         Where the scoring jobs run (:func:`replay.fleet.fan_out`): local processes or Ray.
+    failed
+        Optional list: a run that cannot be read is appended there (a
+        :class:`replay.fleet.RunFailure`) and tuning goes on without it; name it next to the
+        figures.  Without it, its error propagates.
     """
     from stability.config.config import load_config
 
@@ -418,7 +423,10 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     t0 = time.perf_counter()
     cands = make_candidates(base["detectors"], grids)
     scores = score_runs(runs, cands, base.get("monitor", {}).get("aliases", {}),
-                        backend=backend, jobs=jobs, progress=progress, address=address)
+                        backend=backend, jobs=jobs, progress=progress, address=address,
+                        failed=failed)
+    if not scores and failed:
+        raise ValueError(f"none of the {len(runs)} runs could be read")
     t1 = time.perf_counter()
     res = tune_scores(scores, cands, labels, base, budget, folds=folds, settings=settings,
                       n_thresholds=n_thresholds, preset=preset_of(resolved))

@@ -21,7 +21,7 @@ from numpy.typing import NDArray
 
 from stability.config.registry import tune_grids
 
-from .fleet import fan_out
+from .fleet import RunFailure, fan_out_runs
 from .replay import read_table
 from .scoring import reduce_series
 
@@ -142,10 +142,12 @@ def _score_job(args: tuple[str, str, Sequence[Candidate], Mapping[str, str]]) ->
 def score_runs(runs: Sequence[tuple[str, str]], candidates: Sequence[Candidate],
                aliases: Mapping[str, str] | None = None, *, backend: str = "local",
                jobs: int | None = None, progress: bool | None = None,
-               address: str | None = None) -> list[RunScores]:
+               address: str | None = None,
+               failed: list[RunFailure] | None = None) -> list[RunScores]:
     """Run the scoring jobs (one per run) locally in processes or on Ray
-    (:func:`replay.fleet.fan_out`, the fan-out of replay and eval too)."""
+    (:func:`replay.fleet.fan_out`, the fan-out of replay and eval too).  ``failed``: as
+    :func:`replay.replay.replay_many` (a run that cannot be read is reported there)."""
     al = dict(aliases or {})
     job_args = [(rid, path, list(candidates), al) for rid, path in runs]
-    return fan_out(_score_job, job_args, backend=backend, jobs=jobs, label="scoring",
-                   progress=progress, address=address)
+    return fan_out_runs(_score_job, job_args, failed=failed, backend=backend, jobs=jobs,
+                        label="scoring", progress=progress, address=address)
