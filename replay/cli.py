@@ -420,25 +420,48 @@ def _cmd_eval(a: argparse.Namespace) -> int:
 
     runs = _runs(a.runs)
     labels = load_labels(a.labels) if a.labels else {}
+    failed: list[RunFailure] = []
     steps, alarms = alarms_for_eval(runs, a.config, baselines=a.baselines, jobs=a.jobs,
-                                    backend=a.backend, address=a.ray_address)
+                                    backend=a.backend, address=a.ray_address,
+                                    failed=failed if len(runs) > 1 else None)
+    _say_failed("eval", failed)
+    if not steps:
+        raise ValueError(f"none of the {len(runs)} runs could be read")
     summaries = {}
     for name, per_run in alarms.items():
         summaries[name] = evaluate_runs(per_run, steps, labels, **_eval_settings(a))[0]
     if a.json:
-        print(json.dumps({k: v.to_dict() for k, v in summaries.items()}, indent=1,
-                         default=_json_default))
-        return 0
+        out: dict[str, Any] = {k: v.to_dict() for k, v in summaries.items()}
+        if failed:
+            out["failed"] = [f.summary() for f in failed]
+        print(json.dumps(out, indent=1, default=_json_default))
+        return 1 if failed else 0
     s0 = summaries["ours"]
-    print(f"{len(runs)} runs ({s0.n_clean} clean, {s0.n_visible} visible faults, "
+    print(f"{len(steps)} runs ({s0.n_clean} clean, {s0.n_visible} visible faults, "
           f"{s0.n_invisible} invisible, {s0.n_div} eligible divergences), "
           f"{s0.clean_steps} clean steps; ours = {a.config or 'default'} via the monitor")
+    if failed:
+        print(_left_out(failed, labels))
     print(format_table(summaries))
     if a.per_scenario:
         for name, s in summaries.items():
             print(f"\n[{name}]")
             print(format_scenarios(s))
-    return 0
+    return 1 if failed else 0
+
+
+def _left_out(failed: Sequence[RunFailure], labels: Any) -> str:
+    """The line naming the runs a figure leaves out because they could not be read.
+
+    >>> from replay.labels import RunLabel
+    >>> _left_out([RunFailure("a", "a.csv", "bad")], {"a": RunLabel("a", "spike", 5)})
+    'not in these figures (could not be read): a (labelled spike)'
+    """
+    def one(f: RunFailure) -> str:
+        lab = labels.get(f.run_id)
+        return f.run_id + (f" (labelled {lab.scenario})" if lab is not None else "")
+
+    return "not in these figures (could not be read): " + ", ".join(one(f) for f in failed)
 
 
 def _json_default(o: Any) -> Any:
@@ -454,11 +477,16 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
     runs = _runs(a.runs)
     labels = load_labels(a.labels) if a.labels else {}
+    failed: list[RunFailure] = []
     res = tune(runs, labels, a.budget, config=a.config, folds=a.folds, backend=a.backend,
                jobs=a.jobs, settings=EvalSettings(**_eval_settings(a)),
-               n_thresholds=a.thresholds, address=a.ray_address)
-    header = (f"tuned by `stability tune` on {len(runs)} runs, budget {a.budget} false alarms "
-              f"per 10k clean steps\n")
+               n_thresholds=a.thresholds, address=a.ray_address,
+               failed=failed if len(runs) > 1 else None)
+    _say_failed("tune", failed)
+    header = (f"tuned by `stability tune` on {len(runs) - len(failed)} runs, budget {a.budget} "
+              f"false alarms per 10k clean steps\n")
+    if failed:
+        header += _left_out(failed, labels) + "\n"
     if res.heldout is not None:
         h = res.heldout
         header += (f"held-out ({a.folds}-fold by run): recall {h.recall:.3f}, "
@@ -470,11 +498,13 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     rows = {"train (all runs)": res.train}
     if res.heldout is not None:
         rows[f"held-out ({a.folds}-fold)"] = res.heldout
+    if failed:
+        print(_left_out(failed, labels))
     print(format_table(rows))
     secs = ", ".join(f"{k} {v:.2f}" for k, v in res.seconds.items())
     print(f"timings: {secs}")
     print(f"wrote {a.output}")
-    return 0
+    return 1 if failed else 0
 
 
 def _cmd_report(argv: Sequence[str]) -> int:
