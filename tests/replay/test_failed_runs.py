@@ -35,8 +35,8 @@ def runs_dir(tmp_path: Path) -> Path:
     for rid in GOOD:
         shutil.copy(BENCH_RUNS / f"{rid}.parquet", d / f"{rid}.parquet")
     (d / f"{BROKEN}.parquet").write_bytes(b"PAR1 this is not a parquet file")
-    (d / f"{COMMENTS}.jsonl").write_text(
-        "".join(json.dumps({"step": i, "date": f"2023-01-0{i}", "comment": "ok"}) + "\n" for i in range(1, 4)))
+    rows = [{"step": i, "date": f"2023-01-0{i}", "comment": "ok"} for i in range(1, 4)]
+    (d / f"{COMMENTS}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
 
 

@@ -97,6 +97,32 @@ def test_cli_replay_json_same_on_ray(ray_local: Any, capsys: Any) -> None:
     assert local == remote
 
 
+def test_ray_reports_unreadable_runs_like_local(ray_local: Any, tmp_path: Path,
+                                                capsys: Any) -> None:
+    """A run that cannot be read fails alone on Ray too: the same failures, the same results,
+    the same JSON (an ``error`` entry) and status 1 as the local processes."""
+    import shutil
+
+    from replay.fleet import RunFailure
+
+    for rid in SOME[:2]:
+        shutil.copytree(RUNS / rid, tmp_path / rid)
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not a parquet file")
+    runs = discover_runs(str(tmp_path))
+    failed_l: list[RunFailure] = []
+    failed_r: list[RunFailure] = []
+    local = replay_many(runs, jobs=1, progress=False, failed=failed_l)
+    remote = replay_many(runs, backend="ray", jobs=2, progress=False, failed=failed_r)
+    assert failed_l == failed_r and [f.run_id for f in failed_r] == ["broken"]
+    assert [_summary(r) for r in local] == [_summary(r) for r in remote]
+    st, _ = alarms_for_eval(runs, backend="ray", progress=False, failed=(ev := []))
+    assert sorted(st) == SOME[:2] and ev == failed_l
+    assert main(["replay", str(tmp_path), "--json", "--backend", "ray"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert [("error" in d, d["run_id"]) for d in data] == [
+        (True, "broken"), (False, SOME[0]), (False, SOME[1])]
+
+
 def test_fan_out_keeps_order_in_chunks(ray_local: Any) -> None:
     items = list(range(-7, 6))
     assert fan_out(abs, items, backend="ray", jobs=4, progress=False) == [abs(x) for x in items]
