@@ -80,7 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the traceback of an error (also: STABILITY_DEBUG=1)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_replay(sub)
+    _add_eval(sub)
+    _add_tune(sub)
+    p = sub.add_parser("report", help="render a report (replay.report)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    _add_watch(sub)
+    _add_small(sub)
+    return parser
 
+
+def _add_replay(sub: Any) -> None:
+    """``stability replay``: recorded runs through the monitor."""
     p = sub.add_parser("replay", help="replay recorded runs through the monitor")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run file, part directory, "
                    "directory of runs or glob")
@@ -98,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "recipe) before replaying, so a run that starts near an event is not "
                         "blind (nothing is emitted while priming)")
 
+
+def _add_eval(sub: Any) -> None:
+    """``stability eval``: alarms scored against labels."""
     p = sub.add_parser("eval", help="score alarms against labels (ours vs baselines)")
     p.add_argument("runs", nargs="+", metavar="RUNS")
     p.add_argument("--labels", "-l", default=None,
@@ -109,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summaries as JSON")
     _eval_args(p)
 
+
+def _add_tune(sub: Any) -> None:
+    """``stability tune``: thresholds under a false-alarm budget."""
     p = sub.add_parser("tune", help="tune parameters/thresholds under a false-alarm budget")
     p.add_argument("runs", nargs="+", metavar="RUNS")
     p.add_argument("--labels", "-l", default=None)
@@ -122,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="thresholds swept per candidate (default %(default)s)")
     _eval_args(p)
 
-    p = sub.add_parser("report", help="render a report (replay.report)", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
 
+def _add_watch(sub: Any) -> None:
+    """``stability watch``: a live job's logs through the monitor."""
     p = sub.add_parser("watch", help="follow a live job's logs through the monitor "
                        "(replay.watch)")
     p.add_argument("sources", nargs="+", metavar="SOURCE",
@@ -163,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stall-after", type=float, default=60.0, metavar="SECONDS",
                    help="silence that makes a rank stalled while others log (%(default)s)")
 
+
+def _add_small(sub: Any) -> None:
+    """``ranks``, ``goodput`` and ``warmup``: one or two arguments each."""
     p = sub.add_parser("ranks", help="per-rank health (which rank or host is the culprit)")
     p.add_argument("events", metavar="EVENTS", help="event log (.jsonl) of a multi-rank run")
 
@@ -173,8 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warmup", help="compile and cache the Numba kernels a config uses "
                        "(honours NUMBA_CACHE_DIR)")
     p.add_argument("--config", "-c", default=None, help="preset name or .toml/.json config")
-    return parser
-
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
