@@ -93,8 +93,8 @@ def test_idle_clients_at_the_cap_cannot_keep_a_scraper_out() -> None:
     srv = ScrapeServer(lambda: b"up 1.0\n", port=0, max_clients=2, client_timeout=30.0)
     held = [_connect(srv.server_port) for _ in range(5)]
     try:
-        assert _wait_until(lambda: srv.evicted == 3)
-        assert srv.open_clients == 2
+        # the server thread counts an eviction before it registers the newcomer: wait for both
+        assert _wait_until(lambda: srv.evicted == 3 and srv.open_clients == 2)
         t0 = time.monotonic()
         assert _scrape(srv.server_port) == b"up 1.0\n"
         assert time.monotonic() - t0 < 5.0 and srv.refused == 0
