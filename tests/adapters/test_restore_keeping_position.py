@@ -28,21 +28,12 @@ from stability.policy.policy import Policy  # noqa: E402
 from stability.run.checkpoints import CheckpointLedger  # noqa: E402
 from stability.testing.tasks import warmup_cosine  # noqa: E402
 from stability.types import Alarm, Control  # noqa: E402
+from tests.adapters.test_rescue_mechanisms import make_problem  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 300
 AT = 150          # the guard step whose replay brings the corruption back
 HUGE = 3.0e37     # what an exponent bit flip makes of a small weight
-
-
-def _problem(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    w_true = torch.randn(16, 1, generator=g)
-    xs = torch.randn(STEPS * 2, 32, 16, generator=g)
-    ys = xs @ w_true + 0.1 * torch.randn(STEPS * 2, 32, 1, generator=g)
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    return model, xs, ys
 
 
 def _bench(name: str) -> Any:
@@ -63,7 +54,7 @@ def _flip(last: torch.nn.Linear) -> None:
 
 
 def _torch_run(sync: str = "step", fault: bool = True):
-    model, xs, ys = _problem()
+    model, xs, ys = make_problem()  # the rescue-mechanism tests' problem (same STEPS)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(STEPS, 20))
     guard = TorchGuard(model, opt, sched, Monitor("small"), checkpoint_every=25, sync=sync)
