@@ -59,6 +59,8 @@ from .fleet import RunFailure
 from .labels import RunLabel
 from .scoring import (
     RunProfile,
+    Sweep,
+    SweepSummary,
     candidate_thresholds,
     combine,
     run_profile,
@@ -70,6 +72,13 @@ from .tuning_scores import score_table as score_table
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
+
+#: default limit on the fraction of clean runs with any alarm episode (issue 28's target: a
+#: tuned config must stay quiet on at least 99 % of healthy runs; below 100 clean runs, on all)
+DEFAULT_MAX_CLEAN_ALARMED = 0.01
+#: default fraction of the clean runs held back from tuning to check each move
+#: (:func:`hold_back`)
+DEFAULT_HOLD_BACK = 0.0
 
 
 # ---------------------------------------------------------------------------- search
@@ -98,16 +107,45 @@ def _objective_keys(recall: FloatArray, before: FloatArray, lead: FloatArray,
     return [z(recall), z(before), z(lead), z(invis), -z(fa)]
 
 
+def clean_runs_alarmed(sw: Sweep) -> FloatArray:
+    """Per threshold of ``sw``: the fraction of its clean runs with any false-alarm episode
+    (``nan`` without a clean run), as :attr:`replay.evaluate.Summary.clean_runs_alarmed`.
+
+    >>> from replay.labels import RunLabel
+    >>> from replay.scoring import run_profile
+    >>> steps = np.arange(50)
+    >>> quiet, spiky = np.zeros(50), np.zeros(50)
+    >>> spiky[20] = 3.0
+    >>> prof = [run_profile(steps, s, RunLabel(r)) for r, s in (("a", quiet), ("b", spiky))]
+    >>> clean_runs_alarmed(sweep(prof, np.array([1.0, 5.0]))).tolist()
+    [0.5, 0.0]
+    """
+    clean = np.array([p.clean for p in sw.profiles], dtype=bool)
+    if not clean.any():
+        return np.full(sw.thresholds.size, np.nan)
+    return np.asarray((sw.false_alarms[clean] > 0).mean(axis=0), dtype=np.float64)
+
+
 class Tuner:
-    """Greedy search over bindings on precomputed scores (see the module docstring)."""
+    """Greedy search over bindings on precomputed scores (see the module docstring).
+
+    ``budget`` (false-alarm episodes per 10k clean steps) and ``max_clean_alarmed`` (fraction
+    of the clean runs with any alarm episode) are the two limits every move must keep on the
+    runs it is tuned on, and on the held-back runs ``val`` of :meth:`search` when given.
+    """
 
     def __init__(self, scores: Sequence[RunScores], candidates: Sequence[Candidate],
                  labels: Mapping[str, RunLabel], budget: float,
-                 settings: EvalSettings | None = None, n_thresholds: int = 1000):
+                 settings: EvalSettings | None = None, n_thresholds: int = 1000, *,
+                 max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED):
+        if not 0.0 <= max_clean_alarmed <= 1.0:
+            raise ValueError("The 'max_clean_alarmed' parameter of Tuner must be a float in "
+                             f"the range [0, 1]. Got {max_clean_alarmed!r} instead.")
         self.scores = list(scores)
         self.cands = list(candidates)
         self.labels = [labels.get(r.run_id, RunLabel(r.run_id)) for r in self.scores]
         self.budget = float(budget)
+        self.max_clean_alarmed = float(max_clean_alarmed)
         self.es = settings or EvalSettings()
         self.n_thresholds = n_thresholds
         self.bindings = sorted({c.binding for c in self.cands})
@@ -135,18 +173,31 @@ class Tuner:
                             self.labels[r], window=es.window, tolerance=es.tolerance,
                             gap=es.gap) for r in rows]
 
-    def _best_for(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice]
-                  ) -> tuple[list[float], Choice] | None:
+    def _within_limits(self, prof: Sequence[RunProfile], th: FloatArray
+                       ) -> tuple[BoolArray, SweepSummary]:
+        """Per threshold ``th`` (sorted): whether the false-alarm budget and the clean-run
+        limit both hold on the runs of ``prof``, and the figures there."""
+        sw = sweep(prof, th)
+        sm = summarise_sweep(sw)
+        if sm.clean_steps == 0:
+            return np.ones(th.size, dtype=np.bool_), sm
+        alarmed = clean_runs_alarmed(sw)
+        ok = (sm.fa_per_10k <= self.budget) & ~(alarmed > self.max_clean_alarmed)
+        return ok, sm
+
+    def _best_for(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice],
+                  val: Sequence[int] = ()) -> tuple[list[float], Choice] | None:
+        """The best (candidate, threshold) of binding ``b`` within the limits on ``rows`` and
+        on ``val`` (held back: thresholds come from ``rows`` only)."""
         best: tuple[list[float], Choice] | None = None
         for ci, c in enumerate(self.cands):
             if c.binding != b or not c.tunable:
                 continue
             prof = self._profiles(rows, ci, choices, b)
             th = candidate_thresholds(prof, self.n_thresholds)
-            sm = summarise_sweep(sweep(prof, th))
-            ok = sm.fa_per_10k <= self.budget
-            if sm.clean_steps == 0:
-                ok = np.ones_like(ok)
+            ok, sm = self._within_limits(prof, th)
+            if len(val):
+                ok &= self._within_limits(self._profiles(val, ci, choices, b), th)[0]
             if not ok.any():
                 continue
             keys = _objective_keys(sm.recall, sm.recall_before_divergence, sm.mean_lead,
@@ -166,8 +217,12 @@ class Tuner:
         z[-1] = -z[-1]
         return z
 
-    def search(self, rows: Sequence[int], max_rounds: int | None = None) -> dict[int, Choice]:
-        """Greedy coordinate search on the runs ``rows``; returns ``binding -> Choice``."""
+    def search(self, rows: Sequence[int], max_rounds: int | None = None, *,
+               val: Sequence[int] = ()) -> dict[int, Choice]:
+        """Greedy coordinate search on the runs ``rows``; returns ``binding -> Choice``.
+
+        ``val``: held-back runs (never tuned on) on which every move must keep the limits too.
+        """
         choices: dict[int, Choice] = {}
         tunable_b = [b for b in self.bindings
                      if any(c.binding == b and c.tunable for c in self.cands)]
@@ -176,7 +231,7 @@ class Tuner:
         for _ in range(rounds):
             moves = []
             for b in tunable_b:
-                r = self._best_for(rows, b, choices)
+                r = self._best_for(rows, b, choices, val)
                 if r is not None:
                     moves.append((r[0], b, r[1]))
             if not moves:
@@ -233,6 +288,35 @@ def make_folds(run_ids: Sequence[str], labels: Mapping[str, RunLabel], k: int,
     return [sorted(f) for f in folds]
 
 
+def hold_back(run_ids: Sequence[str], labels: Mapping[str, RunLabel], rows: Sequence[int],
+              fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Split ``rows`` into ``(tune, val)``: ``val`` is a random ``fraction`` of the clean runs
+    among them (rounded down, at least one clean run left to tune on), never tuned on but
+    checked by every move (:meth:`Tuner.search`).  Faulty runs are all tuned on.
+
+    >>> from replay.labels import RunLabel
+    >>> ids = ["c0", "c1", "c2", "c3", "f"]
+    >>> labs = {"f": RunLabel("f", "x", 5, None, "degraded")}
+    >>> tune, val = hold_back(ids, labs, range(5), 0.5)
+    >>> len(val), 4 in tune, sorted(tune + val)
+    (2, True, [0, 1, 2, 3, 4])
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError("The 'fraction' parameter of hold_back must be a float in the range "
+                         f"[0, 1). Got {fraction!r} instead.")
+    clean = sorted((r for r in rows if _is_clean(labels.get(run_ids[r]))),
+                   key=lambda r: run_ids[r])
+    n_val = min(int(fraction * len(clean)), max(len(clean) - 1, 0))
+    picked = np.random.default_rng(seed).permutation(len(clean))[:n_val]
+    val = sorted(clean[i] for i in picked)
+    held = set(val)
+    return [r for r in rows if r not in held], val
+
+
+def _is_clean(label: RunLabel | None) -> bool:
+    return label is None or label.is_clean
+
+
 @dataclass
 class TuneResult:
     """Output of :func:`tune`: the config, the choices and the figures."""
@@ -274,27 +358,41 @@ class TuneResult:
 def tune_scores(scores: Sequence[RunScores], candidates: Sequence[Candidate],
                 labels: Mapping[str, RunLabel], base: Mapping[str, Any], budget: float, *,
                 folds: int = 5, settings: EvalSettings | None = None,
-                n_thresholds: int = 1000, seed: int = 0, preset: str | None = None
-                ) -> TuneResult:
+                n_thresholds: int = 1000, seed: int = 0, preset: str | None = None,
+                max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+                hold_back_clean: float = DEFAULT_HOLD_BACK) -> TuneResult:
     """Tune on precomputed scores; ``base`` is the resolved config dict the result is built on
-    (``preset``: the preset it is, for :meth:`TuneResult.file_config`)."""
+    (``preset``: the preset it is, for :meth:`TuneResult.file_config`).
+
+    ``max_clean_alarmed``: the second limit of :class:`Tuner`; ``hold_back_clean``: the
+    fraction of the clean runs of each training part held back to check every move
+    (:func:`hold_back`; 0 = tune on all of them).
+    """
     t0 = time.perf_counter()
-    tuner = Tuner(scores, candidates, labels, budget, settings, n_thresholds)
+    tuner = Tuner(scores, candidates, labels, budget, settings, n_thresholds,
+                  max_clean_alarmed=max_clean_alarmed)
+    run_ids = [s.run_id for s in scores]
+
+    def search(rows: Sequence[int]) -> dict[int, Choice]:
+        tune_rows, val = hold_back(run_ids, labels, rows, hold_back_clean, seed)
+        return tuner.search(tune_rows, val=val)
+
     all_rows = list(range(len(scores)))
     heldout: Summary | None = None
     fold_figs: list[dict[str, float]] = []
     if folds and folds > 1 and len(scores) >= folds:
         pooled: list[RunResult] = []
-        for f in make_folds([s.run_id for s in scores], labels, folds, seed):
-            train = [r for r in all_rows if r not in set(f)]
-            fold_choices = tuner.search(train)
+        for f in make_folds(run_ids, labels, folds, seed):
+            held_out = set(f)
+            fold_choices = search([r for r in all_rows if r not in held_out])
             s, res = tuner.evaluate(f, fold_choices)
             pooled.extend(res)
             fold_figs.append({"runs": len(f), "recall": s.recall, "fa_per_10k": s.fa_per_10k,
-                              "recall_before_divergence": s.recall_before_divergence})
+                              "recall_before_divergence": s.recall_before_divergence,
+                              "clean_runs_alarmed": s.clean_runs_alarmed})
         heldout = summarise(pooled)
     t1 = time.perf_counter()
-    choices = tuner.search(all_rows)
+    choices = search(all_rows)
     train_summary = tuner.evaluate(all_rows, choices)[0]
     cfg = build_config(base, candidates, choices)
     desc = []
@@ -396,7 +494,9 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
          config: Any = None, folds: int = 5, backend: str = "local", jobs: int | None = None,
          settings: EvalSettings | None = None, grids: Mapping[str, Mapping[str, list[Any]]]
          | None = None, n_thresholds: int = 1000, progress: bool | None = None,
-         address: str | None = None, failed: list[RunFailure] | None = None) -> TuneResult:
+         address: str | None = None, failed: list[RunFailure] | None = None,
+         max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+         hold_back_clean: float = DEFAULT_HOLD_BACK) -> TuneResult:
     """Score ``runs`` with every candidate of ``config``'s bindings and tune (module docstring).
 
     Parameters
@@ -407,6 +507,11 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
         ``run_id -> RunLabel``.
     budget
         Maximum false alarms per 10k clean steps (union of all bindings).
+    max_clean_alarmed
+        Maximum fraction of the clean runs with any alarm episode (union of all bindings).
+    hold_back_clean
+        Fraction of the clean runs held back from tuning; every move must keep both limits
+        on them too (:func:`hold_back`; 0 = tune on all runs).
     config
         Base monitor config (preset name, path, dict; ``None`` = the default preset).
     backend, jobs, address
@@ -429,7 +534,8 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
         raise ValueError(f"none of the {len(runs)} runs could be read")
     t1 = time.perf_counter()
     res = tune_scores(scores, cands, labels, base, budget, folds=folds, settings=settings,
-                      n_thresholds=n_thresholds, preset=preset_of(resolved))
+                      n_thresholds=n_thresholds, preset=preset_of(resolved),
+                      max_clean_alarmed=max_clean_alarmed, hold_back_clean=hold_back_clean)
     res.seconds["scoring"] = t1 - t0
     res.seconds["candidates"] = float(len(cands))
     return res
