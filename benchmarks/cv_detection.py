@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from replay.tuning import DEFAULT_MAX_CLEAN_ALARMED, Choice, Tuner
+from replay.tuning import DEFAULT_MAX_CLEAN_ALARMED, DEFAULT_MIN_GAIN, Choice, Tuner
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SET = HERE / "data" / "bench14"
@@ -164,8 +164,9 @@ class WarmTuner(Tuner):
         if not feasible:  # the start point breaks a limit: any feasible move
             current = [-math.inf] * len(current)
         for _ in range(rounds):
-            moves = sorted(((r[0], b, r[1]) for b in tunable_b
-                            if (r := self._best_for(rows, b, choices, val)) is not None),
+            need = self._need(rows, choices) if feasible else None
+            moves = sorted(((r.key, b, r.choice) for b in tunable_b
+                            if (r := self._best_for(rows, b, choices, val, need)) is not None),
                            key=lambda m: m[0], reverse=True)
             moves = [m for m in moves if m[0] > current and not (
                 self.recall_only and m[0][0] <= current[0] and feasible)]
@@ -280,6 +281,7 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
                    n_thresholds: int = 1000, jobs: int | None = 1,
                    max_class_folds: int | None = None, validate: bool = False,
                    max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+                   min_gain: int = DEFAULT_MIN_GAIN,
                    progress: bool = False) -> tuple[list[FoldResult], dict[str, Any]]:
     """Tune on each fold's training part, replay tuned and base config on its held-out part.
 
@@ -287,7 +289,8 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     ``validate`` (warm tuner): every other training long run per architecture is not tuned on
     but checks each move (the budget and ``max_clean_alarmed`` must hold there too).
     ``max_clean_alarmed``: the tuner's limit on the fraction of training clean runs alarmed
-    (1 = the false-alarm budget alone, the tuner before issue 28's round 3).
+    (1 = the false-alarm budget alone, the tuner before issue 28's round 3); ``min_gain``: the
+    fewest additional training faults a move must detect (0 = any gain).
 
     Returns
     -------
@@ -315,10 +318,11 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     start_by_name = {base_cfg["detectors"][b]["name"]: th for b, th in start.items()}
     if warm:
         tn = WarmTuner(scores, cands, labels, budget, es, n_thresholds, start=start,
-                       recall_only=objective == "recall", max_clean_alarmed=max_clean_alarmed)
+                       recall_only=objective == "recall", max_clean_alarmed=max_clean_alarmed,
+                       min_gain=min_gain)
     else:
         tn = Tuner(scores, cands, labels, budget, es, n_thresholds,
-                   max_clean_alarmed=max_clean_alarmed)
+                   max_clean_alarmed=max_clean_alarmed, min_gain=min_gain)
     by_id = dict(all_runs)
     long_set = {rid for rid, _ in long_runs}
     base_res = _replay(base, all_runs, labels, window, jobs)
@@ -482,6 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-clean-alarmed", type=float, default=DEFAULT_MAX_CLEAN_ALARMED,
                    help="most clean training runs with any alarm episode, as a fraction "
                         "(default %(default)s; 1 = the budget alone)")
+    p.add_argument("--min-gain", type=int, default=DEFAULT_MIN_GAIN,
+                   help="fewest additional training faults a move must detect (default "
+                        "%(default)s = any gain)")
     p.add_argument("--folds", default="arch,class", help="fold kinds: arch, class")
     p.add_argument("--window", type=int, default=200, help="detection window (recall@W)")
     p.add_argument("--thresholds", type=int, default=1000, help="thresholds per candidate")
@@ -521,6 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   window=a.window, n_thresholds=a.thresholds, jobs=a.jobs,
                                   max_class_folds=3 if a.quick else None,
                                   validate=a.validate, max_clean_alarmed=a.max_clean_alarmed,
+                                  min_gain=a.min_gain,
                                   progress=not a.quick)
     base_cfg = extra["base_config"]
     grid = "thresholds only" if (a.thresholds_only or a.tuner == "warm") else "thresholds + grid"
@@ -529,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{', objective ' + a.objective if a.tuner == 'warm' else ''}"
           f"{', validated on held-back long runs' if a.validate else ''}); budget {a.budget} "
           f"FA/10k and at most {a.max_clean_alarmed:.0%} of clean runs alarmed on the training "
-          f"part; window {a.window}")
+          f"part; moves gain >= {max(a.min_gain, 1)} faults; window {a.window}")
     print(f"\nper fold, tuned / {a.base} on the held-out part:")
     print(format_folds(folds))
     print("\npooled held-out (class folds: the held-out long half counted once per fold):")
@@ -542,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_thresholds(per, extra["start"], cons))
     doc: dict[str, Any] = {
         "runs": a.runs, "long": a.long, "base": a.base, "budget": a.budget,
-        "max_clean_alarmed": a.max_clean_alarmed, "tuner": a.tuner,
+        "max_clean_alarmed": a.max_clean_alarmed, "min_gain": a.min_gain, "tuner": a.tuner,
         "objective": a.objective, "validate": a.validate, "window": a.window,
         "thresholds_only": a.thresholds_only or a.tuner == "warm",
         "folds": [{"kind": f.kind, "name": f.name, "n_train": f.n_train, "n_test": f.n_test,

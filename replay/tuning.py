@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -79,6 +79,8 @@ DEFAULT_MAX_CLEAN_ALARMED = 0.01
 #: default fraction of the clean runs held back from tuning to check each move
 #: (:func:`hold_back`)
 DEFAULT_HOLD_BACK = 0.0
+#: default fewest additional labelled faults a move must detect (0 = any improvement)
+DEFAULT_MIN_GAIN = 0
 
 
 # ---------------------------------------------------------------------------- search
@@ -88,6 +90,14 @@ class Choice:
 
     cand: int
     threshold: float
+
+
+class Move(NamedTuple):
+    """The best move of one binding: objective key, choice, faults it detects on the rows."""
+
+    key: list[float]
+    choice: Choice
+    detected: int
 
 
 @dataclass
@@ -132,15 +142,22 @@ class Tuner:
     ``budget`` (false-alarm episodes per 10k clean steps) and ``max_clean_alarmed`` (fraction
     of the clean runs with any alarm episode) are the two limits every move must keep on the
     runs it is tuned on, and on the held-back runs ``val`` of :meth:`search` when given.
+    ``min_gain``: the fewest additional labelled faults a move must detect (0: any
+    improvement of the objective, lead time and the other tie-breakers included).
     """
 
     def __init__(self, scores: Sequence[RunScores], candidates: Sequence[Candidate],
                  labels: Mapping[str, RunLabel], budget: float,
                  settings: EvalSettings | None = None, n_thresholds: int = 1000, *,
-                 max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED):
+                 max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+                 min_gain: int = DEFAULT_MIN_GAIN):
         if not 0.0 <= max_clean_alarmed <= 1.0:
             raise ValueError("The 'max_clean_alarmed' parameter of Tuner must be a float in "
                              f"the range [0, 1]. Got {max_clean_alarmed!r} instead.")
+        if isinstance(min_gain, bool) or not isinstance(min_gain, int) or min_gain < 0:
+            raise ValueError("The 'min_gain' parameter of Tuner must be an int in the range "
+                             f"[0, inf). Got {min_gain!r} instead.")
+        self.min_gain = min_gain
         self.scores = list(scores)
         self.cands = list(candidates)
         self.labels = [labels.get(r.run_id, RunLabel(r.run_id)) for r in self.scores]
@@ -174,28 +191,32 @@ class Tuner:
                             gap=es.gap) for r in rows]
 
     def _within_limits(self, prof: Sequence[RunProfile], th: FloatArray
-                       ) -> tuple[BoolArray, SweepSummary]:
+                       ) -> tuple[BoolArray, SweepSummary, Sweep]:
         """Per threshold ``th`` (sorted): whether the false-alarm budget and the clean-run
-        limit both hold on the runs of ``prof``, and the figures there."""
+        limit both hold on the runs of ``prof``; the figures there and the sweep."""
         sw = sweep(prof, th)
         sm = summarise_sweep(sw)
         if sm.clean_steps == 0:
-            return np.ones(th.size, dtype=np.bool_), sm
+            return np.ones(th.size, dtype=np.bool_), sm, sw
         alarmed = clean_runs_alarmed(sw)
         ok = (sm.fa_per_10k <= self.budget) & ~(alarmed > self.max_clean_alarmed)
-        return ok, sm
+        return ok, sm, sw
 
     def _best_for(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice],
-                  val: Sequence[int] = ()) -> tuple[list[float], Choice] | None:
+                  val: Sequence[int] = (), need: int | None = None) -> Move | None:
         """The best (candidate, threshold) of binding ``b`` within the limits on ``rows`` and
-        on ``val`` (held back: thresholds come from ``rows`` only)."""
-        best: tuple[list[float], Choice] | None = None
+        on ``val`` (held back: thresholds come from ``rows`` only) that detects at least
+        ``need`` of the faults of ``rows`` (``None``: any number)."""
+        best: Move | None = None
         for ci, c in enumerate(self.cands):
             if c.binding != b or not c.tunable:
                 continue
             prof = self._profiles(rows, ci, choices, b)
             th = candidate_thresholds(prof, self.n_thresholds)
-            ok, sm = self._within_limits(prof, th)
+            ok, sm, sw = self._within_limits(prof, th)
+            detected = sw.detected.sum(axis=0)
+            if need is not None:
+                ok &= detected >= need
             if len(val):
                 ok &= self._within_limits(self._profiles(val, ci, choices, b), th)[0]
             if not ok.any():
@@ -206,9 +227,18 @@ class Tuner:
             order = np.lexsort([k[idx] for k in reversed(keys)])
             j = int(idx[order[-1]])
             key = [float(k[j]) for k in keys]
-            if best is None or key > best[0]:
-                best = (key, Choice(ci, float(th[j])))
+            if best is None or key > best.key:
+                best = Move(key, Choice(ci, float(th[j])), int(detected[j]))
         return best
+
+    def _need(self, rows: Sequence[int], choices: Mapping[int, Choice]) -> int | None:
+        """The fewest faults of ``rows`` a move from ``choices`` must detect: ``min_gain``
+        more than ``choices`` do (``None`` when ``min_gain`` is 0: any move that improves
+        the objective)."""
+        if not self.min_gain:
+            return None
+        results = self.evaluate(rows, choices)[1]
+        return sum(bool(r.detected) for r in results) + self.min_gain
 
     def _key_of(self, s: Summary) -> list[float]:
         lead = self._mean_lead
@@ -222,6 +252,7 @@ class Tuner:
         """Greedy coordinate search on the runs ``rows``; returns ``binding -> Choice``.
 
         ``val``: held-back runs (never tuned on) on which every move must keep the limits too.
+        A move must detect ``min_gain`` more faults of ``rows`` than the choices before it.
         """
         choices: dict[int, Choice] = {}
         tunable_b = [b for b in self.bindings
@@ -229,11 +260,12 @@ class Tuner:
         rounds = max_rounds if max_rounds is not None else 2 * len(tunable_b) + 1
         current = self._score_choices(rows, choices)
         for _ in range(rounds):
+            need = self._need(rows, choices)
             moves = []
             for b in tunable_b:
-                r = self._best_for(rows, b, choices, val)
+                r = self._best_for(rows, b, choices, val, need)
                 if r is not None:
-                    moves.append((r[0], b, r[1]))
+                    moves.append((r.key, b, r.choice))
             if not moves:
                 break
             key, b, ch = max(moves, key=lambda m: m[0])
