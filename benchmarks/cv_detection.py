@@ -281,16 +281,19 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
                    n_thresholds: int = 1000, jobs: int | None = 1,
                    max_class_folds: int | None = None, validate: bool = False,
                    max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
-                   min_gain: int = DEFAULT_MIN_GAIN,
+                   min_gain: int = DEFAULT_MIN_GAIN, hold_back_clean: float = 0.0,
                    progress: bool = False) -> tuple[list[FoldResult], dict[str, Any]]:
     """Tune on each fold's training part, replay tuned and base config on its held-out part.
 
     ``labels`` covers the benchmark and the long runs (a run without a label counts as clean).
-    ``validate`` (warm tuner): every other training long run per architecture is not tuned on
+    ``validate``: every other training long run per architecture is not tuned on
     but checks each move (the budget and ``max_clean_alarmed`` must hold there too).
     ``max_clean_alarmed``: the tuner's limit on the fraction of training clean runs alarmed
     (1 = the false-alarm budget alone, the tuner before issue 28's round 3); ``min_gain``: the
     fewest additional training faults a move must detect (0 = any gain).
+    ``hold_back_clean`` (without ``validate``): hold back that fraction of the training clean
+    runs instead, drawn at random (:func:`replay.tuning.hold_back`, what ``stability tune``
+    does).
 
     Returns
     -------
@@ -300,7 +303,7 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
         seconds spent (``"seconds"``).
     """
     from replay.evaluate import summarise
-    from replay.tuning import EvalSettings, build_config, make_candidates, score_runs
+    from replay.tuning import EvalSettings, build_config, hold_back, make_candidates, score_runs
     from stability.config.config import load_config
 
     t0 = time.perf_counter()
@@ -330,9 +333,11 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     for f in fold_rows([r for r, _ in runs], labels, kinds, long_ids=[r for r, _ in long_runs],
                        max_class_folds=max_class_folds):
         train, val = f.train, []
-        if validate and warm:
+        if validate:
             train, val = _hold_back_long(f.train, run_ids, labels, len(runs))
-        choices = tn.search(train, val=val) if warm else tn.search(train)
+        elif hold_back_clean:
+            train, val = hold_back(run_ids, labels, f.train, hold_back_clean)
+        choices = tn.search(train, val=val)
         cfg = build_config(base_cfg, cands, choices)
         test_ids = [run_ids[i] for i in f.test]
         res = _replay(cfg, [(r, by_id[r]) for r in test_ids], labels, window, jobs)
@@ -499,9 +504,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "and 3 class folds, 100 thresholds")
     p.add_argument("--thresholds-only", action="store_true",
                    help="greedy: tune thresholds only (no parameter grid; warm always is)")
-    p.add_argument("--validate", action="store_true",
-                   help="warm: hold back every other training long run per architecture; a "
-                        "move must keep the budget and --max-clean-alarmed there too")
+    p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
+                   help="hold back every other training long run per architecture; a move must "
+                        "keep the budget and --max-clean-alarmed there too (default: on)")
+    p.add_argument("--hold-back", type=float, default=0.0,
+                   help="with --no-validate: hold back this fraction of the training clean "
+                        "runs, at random (stability tune's --hold-back)")
     p.add_argument("--write-consensus", default=None,
                    help="write the median-over-folds config here (.toml / .json) and replay it")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
@@ -528,14 +536,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   window=a.window, n_thresholds=a.thresholds, jobs=a.jobs,
                                   max_class_folds=3 if a.quick else None,
                                   validate=a.validate, max_clean_alarmed=a.max_clean_alarmed,
-                                  min_gain=a.min_gain,
+                                  min_gain=a.min_gain, hold_back_clean=a.hold_back,
                                   progress=not a.quick)
     base_cfg = extra["base_config"]
+    held = (f", {a.hold_back:.0%} of clean runs held back"
+            if a.hold_back and not a.validate else "")
     grid = "thresholds only" if (a.thresholds_only or a.tuner == "warm") else "thresholds + grid"
     print(f"{len(runs)} runs from {a.runs}; {len(long_runs)} long clean runs from "
           f"{a.long or '-'}; base {a.base}; tuner {a.tuner} ({grid}"
           f"{', objective ' + a.objective if a.tuner == 'warm' else ''}"
-          f"{', validated on held-back long runs' if a.validate else ''}); budget {a.budget} "
+          f"{', validated on held-back long runs' if a.validate else ''}"
+          f"{held}); budget {a.budget} "
           f"FA/10k and at most {a.max_clean_alarmed:.0%} of clean runs alarmed on the training "
           f"part; moves gain >= {max(a.min_gain, 1)} faults; window {a.window}")
     print(f"\nper fold, tuned / {a.base} on the held-out part:")
@@ -550,7 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_thresholds(per, extra["start"], cons))
     doc: dict[str, Any] = {
         "runs": a.runs, "long": a.long, "base": a.base, "budget": a.budget,
-        "max_clean_alarmed": a.max_clean_alarmed, "min_gain": a.min_gain, "tuner": a.tuner,
+        "max_clean_alarmed": a.max_clean_alarmed, "min_gain": a.min_gain,
+        "hold_back": 0.0 if a.validate else a.hold_back, "tuner": a.tuner,
         "objective": a.objective, "validate": a.validate, "window": a.window,
         "thresholds_only": a.thresholds_only or a.tuner == "warm",
         "folds": [{"kind": f.kind, "name": f.name, "n_train": f.n_train, "n_test": f.n_test,

@@ -78,9 +78,10 @@ BoolArray = NDArray[np.bool_]
 DEFAULT_MAX_CLEAN_ALARMED = 0.01
 #: default fraction of the clean runs held back from tuning to check each move
 #: (:func:`hold_back`)
-DEFAULT_HOLD_BACK = 0.0
-#: default fewest additional labelled faults a move must detect (0 = any improvement)
-DEFAULT_MIN_GAIN = 0
+DEFAULT_HOLD_BACK = 0.5
+#: default fewest additional labelled faults a move must detect (1 = any gain in recall; a
+#: move that catches one more fault is fitted to that one fault's score)
+DEFAULT_MIN_GAIN = 2
 
 
 # ---------------------------------------------------------------------------- search
