@@ -67,21 +67,14 @@ from .scoring import (
     summarise_sweep,
     sweep,
 )
+from .tuning_limits import DEFAULT_HOLD_BACK as DEFAULT_HOLD_BACK
+from .tuning_limits import DEFAULT_MAX_CLEAN_ALARMED as DEFAULT_MAX_CLEAN_ALARMED
+from .tuning_limits import DEFAULT_MIN_GAIN as DEFAULT_MIN_GAIN
 from .tuning_scores import Candidate, RunScores, make_candidates, score_runs
 from .tuning_scores import score_table as score_table
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
-
-#: default limit on the fraction of clean runs with any alarm episode (issue 28's target: a
-#: tuned config must stay quiet on at least 99 % of healthy runs; below 100 clean runs, on all)
-DEFAULT_MAX_CLEAN_ALARMED = 0.01
-#: default fraction of the clean runs held back from tuning to check each move
-#: (:func:`hold_back`)
-DEFAULT_HOLD_BACK = 0.5
-#: default fewest additional labelled faults a move must detect (1 = any gain in recall; a
-#: move that catches one more fault is fitted to that one fault's score)
-DEFAULT_MIN_GAIN = 2
 
 
 # ---------------------------------------------------------------------------- search
@@ -393,17 +386,18 @@ def tune_scores(scores: Sequence[RunScores], candidates: Sequence[Candidate],
                 folds: int = 5, settings: EvalSettings | None = None,
                 n_thresholds: int = 1000, seed: int = 0, preset: str | None = None,
                 max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+                min_gain: int = DEFAULT_MIN_GAIN,
                 hold_back_clean: float = DEFAULT_HOLD_BACK) -> TuneResult:
     """Tune on precomputed scores; ``base`` is the resolved config dict the result is built on
     (``preset``: the preset it is, for :meth:`TuneResult.file_config`).
 
-    ``max_clean_alarmed``: the second limit of :class:`Tuner`; ``hold_back_clean``: the
+    ``max_clean_alarmed``, ``min_gain``: as :class:`Tuner`; ``hold_back_clean``: the
     fraction of the clean runs of each training part held back to check every move
     (:func:`hold_back`; 0 = tune on all of them).
     """
     t0 = time.perf_counter()
     tuner = Tuner(scores, candidates, labels, budget, settings, n_thresholds,
-                  max_clean_alarmed=max_clean_alarmed)
+                  max_clean_alarmed=max_clean_alarmed, min_gain=min_gain)
     run_ids = [s.run_id for s in scores]
 
     def search(rows: Sequence[int]) -> dict[int, Choice]:
@@ -529,6 +523,7 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
          | None = None, n_thresholds: int = 1000, progress: bool | None = None,
          address: str | None = None, failed: list[RunFailure] | None = None,
          max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+         min_gain: int = DEFAULT_MIN_GAIN,
          hold_back_clean: float = DEFAULT_HOLD_BACK) -> TuneResult:
     """Score ``runs`` with every candidate of ``config``'s bindings and tune (module docstring).
 
@@ -542,6 +537,8 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
         Maximum false alarms per 10k clean steps (union of all bindings).
     max_clean_alarmed
         Maximum fraction of the clean runs with any alarm episode (union of all bindings).
+    min_gain
+        The fewest additional labelled faults a move must detect (0: any improvement).
     hold_back_clean
         Fraction of the clean runs held back from tuning; every move must keep both limits
         on them too (:func:`hold_back`; 0 = tune on all runs).
@@ -568,7 +565,8 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     t1 = time.perf_counter()
     res = tune_scores(scores, cands, labels, base, budget, folds=folds, settings=settings,
                       n_thresholds=n_thresholds, preset=preset_of(resolved),
-                      max_clean_alarmed=max_clean_alarmed, hold_back_clean=hold_back_clean)
+                      max_clean_alarmed=max_clean_alarmed, min_gain=min_gain,
+                      hold_back_clean=hold_back_clean)
     res.seconds["scoring"] = t1 - t0
     res.seconds["candidates"] = float(len(cands))
     return res
