@@ -152,7 +152,7 @@ def _tune_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-clean-alarmed", type=_fraction, default=DEFAULT_MAX_CLEAN_ALARMED,
                    metavar="F", help="max fraction of clean runs with any alarm episode "
                    "(default %(default)s; 1 = the budget alone)")
-    p.add_argument("--min-gain", type=int, default=DEFAULT_MIN_GAIN, metavar="N",
+    p.add_argument("--min-gain", type=_count, default=DEFAULT_MIN_GAIN, metavar="N",
                    help="a move must detect N more labelled faults (default %(default)s; "
                         "0 = any gain, lead time included)")
     p.add_argument("--hold-back", type=_fraction, default=DEFAULT_HOLD_BACK, metavar="F",
@@ -168,6 +168,17 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
+
+
+def _count(text: str) -> int:
+    """An int >= 0 (argparse type)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return v
 
 
