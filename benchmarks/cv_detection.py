@@ -3,8 +3,12 @@
 For each fold the detector thresholds are tuned on the training part with :mod:`replay.tuning`
 (the engine of ``stability tune``): every binding of the base config is scored once per run
 (scores cached for all folds), then the tuner's search maximises recall on visible faults under
-a false-alarm budget (``--budget`` episodes per 10k clean steps of the training part, long clean
-runs included). The tuned config is then replayed through the monitor
+the tuner's limits on the training part, long clean runs included: a false-alarm budget
+(``--budget`` episodes per 10k clean steps), at most ``--max-clean-alarmed`` of the clean runs
+alarmed, every move detecting ``--min-gain`` more faults, and (``--validate``, on by default)
+every other training long run per architecture held back, the limits holding there too
+(``--no-validate --hold-back F``: a random fraction of the clean runs instead, as ``stability
+tune`` does). The tuned config is then replayed through the monitor
 (:func:`replay.replay.alarms_for_eval`, what ``stability eval`` does) on the held-out part and
 scored by :func:`replay.evaluate.evaluate_runs`, next to the untuned base preset on the same runs.
 
@@ -34,6 +38,8 @@ binding's threshold), written by ``--write-consensus`` and replayed on every run
 Usage::
 
     python benchmarks/cv_detection.py                     # warm, recall, budget 0.5, 17 folds
+    python benchmarks/cv_detection.py --max-clean-alarmed 1 --min-gain 0 --no-validate
+                                                          # the tuner before issue 28's limits
     python benchmarks/cv_detection.py --write-consensus consensus.toml
     python benchmarks/cv_detection.py --tuner greedy --thresholds-only
     python benchmarks/cv_detection.py --quick             # 8 configurations, 4 long runs (tests)

@@ -9,10 +9,15 @@
 2. **Sweep thresholds.**  :mod:`replay.scoring` evaluates up to ``n_thresholds`` thresholds per
    candidate from per-run profiles, exactly as :mod:`replay.evaluate` would.
 3. **Combine greedily.**  Bindings are switched on / retuned one move at a time: each move picks
-   the (parameter point, threshold) of one binding that maximises, under
-   ``fa_per_10k <= budget`` for the *union* of all bindings' alarms,
+   the (parameter point, threshold) of one binding that maximises
    ``(recall, recall before divergence, mean lead, recall of invisible faults, -fa_per_10k)``
-   lexicographically.  Bindings that never help are dropped.
+   lexicographically, under two limits for the *union* of all bindings' alarms --
+   ``fa_per_10k <= budget`` and at most ``max_clean_alarmed`` of the clean runs with any alarm
+   episode -- and detecting ``min_gain`` more labelled faults than before the move (a move
+   fitted to one fault is refused).  With ``hold_back_clean``, that fraction of the clean runs
+   is not tuned on, but both limits must hold on it too (:func:`hold_back`).  Bindings that
+   never help are dropped.  Why the defaults (:mod:`replay.tuning_limits`): the "Limits"
+   section of docs/guides/tuning.md.
 4. **Cross-validate by run.**  With ``folds = K``, runs are dealt into K folds stratified by
    scenario; each fold is tuned on the others and evaluated on itself.  The pooled held-out
    figures are reported; the written config is tuned on all runs.
