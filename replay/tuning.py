@@ -332,9 +332,9 @@ def hold_back(run_ids: Sequence[str], labels: Mapping[str, RunLabel], rows: Sequ
     >>> len(val), 4 in tune, sorted(tune + val)
     (2, True, [0, 1, 2, 3, 4])
     """
-    if not 0.0 <= fraction < 1.0:
+    if not 0.0 <= fraction <= 1.0:
         raise ValueError("The 'fraction' parameter of hold_back must be a float in the range "
-                         f"[0, 1). Got {fraction!r} instead.")
+                         f"[0, 1]. Got {fraction!r} instead.")
     clean = sorted((r for r in rows if _is_clean(labels.get(run_ids[r]))),
                    key=lambda r: run_ids[r])
     n_val = min(int(fraction * len(clean)), max(len(clean) - 1, 0))

@@ -129,8 +129,9 @@ def test_hold_back_draws_clean_runs_only_and_leaves_one_to_tune_on() -> None:
     assert hold_back(ids, labels, rows, 0.5) == (tune, val)  # deterministic
     assert hold_back(ids, labels, rows, 0.0) == (rows, [])
     assert len(hold_back(ids, labels, [0, 6], 0.9)[1]) == 0  # the only clean run stays
+    assert len(hold_back(ids, labels, rows, 1.0)[1]) == 5  # all but one
     with pytest.raises(ValueError, match="'fraction' parameter of hold_back"):
-        hold_back(ids, labels, rows, 1.0)
+        hold_back(ids, labels, rows, 1.5)
 
 
 @pytest.mark.parametrize(("kw", "match"), [
