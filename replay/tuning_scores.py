@@ -25,7 +25,8 @@ from .fleet import RunFailure, fan_out_runs
 from .replay import read_table
 from .scoring import reduce_series
 
-__all__ = ["Candidate", "RunScores", "make_candidates", "score_runs", "score_table"]
+__all__ = ["Candidate", "RunScores", "base_candidate", "detector_defaults", "make_candidates",
+           "score_runs", "score_table"]
 
 FloatArray = NDArray[np.float64]
 
@@ -45,6 +46,13 @@ class Candidate:
     def params_dict(self) -> dict[str, Any]:
         """The parameters as a dict."""
         return dict(self.params)
+
+
+def detector_defaults(cls: type) -> dict[str, Any]:
+    """The constructor's keyword defaults of a detector class."""
+    init = cls.__init__  # type: ignore[misc]
+    return {k: p.default for k, p in inspect.signature(init).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def _init_args(cls: type) -> list[str]:
@@ -71,14 +79,45 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
         grid = dict(grids.get(det, {})) if tunable else {}
         grid = {k: v for k, v in grid.items() if k in args}
         keys = sorted(grid)
+        points = []
         for combo in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
             p = dict(base)
             p.update(zip(keys, combo, strict=True))
+            points.append(p)
+        dflt = detector_defaults(cls)
+        if not all(base.get(k, dflt.get(k)) in grid[k] for k in keys):
+            points.append(dict(base))  # the base setting is always a candidate (warm start)
+        for p in points:
             if tunable and "freeze_on_alarm" in args:
                 p["freeze_on_alarm"] = False
             out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
                                  tuple(sorted(p.items())), tunable))
     return out
+
+
+def base_candidate(candidates: Sequence[Candidate], base: Mapping[str, Any], b: int
+                   ) -> int | None:
+    """The index of binding ``b``'s candidate with the base config's parameters (threshold
+    aside; ``freeze_on_alarm`` as scored), ``None`` when ``b`` has no tunable candidate.
+
+    >>> det = {"name": "s", "detector": "ewma_z", "inputs": ["loss"], "params": {"alpha": 0.3}}
+    >>> cands = make_candidates([det])
+    >>> cands[base_candidate(cands, {"detectors": [det]}, 0)].params_dict()["alpha"]
+    0.3
+    """
+    from stability.config.registry import detector_class
+
+    want = {k: v for k, v in dict(base["detectors"][b].get("params", {})).items()
+            if k not in ("threshold", "freeze_on_alarm")}
+    for i, c in enumerate(candidates):
+        if c.binding != b or not c.tunable:
+            continue
+        have = {k: v for k, v in c.params if k != "freeze_on_alarm"}
+        dflt = detector_defaults(detector_class(c.detector))
+        if set(want) <= set(have) and all(v == want.get(k, dflt.get(k, v))
+                                          for k, v in have.items()):
+            return i
+    return None
 
 
 # ---------------------------------------------------------------------------- scoring jobs
