@@ -175,6 +175,21 @@ def start_choices(base: Mapping[str, Any], candidates: Sequence[Candidate]
     return out
 
 
+#: a binding switched off (its threshold), and the threshold that stands for it in a sweep
+_OFF, _OFF_SWEPT = math.inf, float(np.finfo(np.float64).max)
+
+
+def _off_keeps_others(th: FloatArray) -> FloatArray:
+    """Sweep thresholds with "off" (``inf``) replaced by the largest float: the other
+    bindings' alarms (``inf`` scores, :func:`replay.scoring.combine`) stay alarms there, as they
+    do when the binding is off (``inf > inf`` would drop them).
+
+    >>> _off_keeps_others(np.array([1.0, np.inf])).tolist() == [1.0, _OFF_SWEPT]
+    True
+    """
+    return np.where(th == _OFF, _OFF_SWEPT, th)
+
+
 class Tuner:
     """Greedy search over bindings on precomputed scores (see the module docstring).
 
@@ -258,7 +273,7 @@ class Tuner:
             if c.binding != b or not c.tunable:
                 continue
             prof = self._profiles(rows, ci, choices, b)
-            th = candidate_thresholds(prof, self.n_thresholds)
+            th = _off_keeps_others(candidate_thresholds(prof, self.n_thresholds))
             ok, sm, sw = self._within_limits(prof, th)
             detected = sw.detected.sum(axis=0)
             if need is not None:
@@ -274,7 +289,8 @@ class Tuner:
             j = int(idx[order[-1]])
             key = [float(k[j]) for k in keys]
             if best is None or key > best.key:
-                best = Move(key, Choice(ci, float(th[j])), int(detected[j]))
+                best = Move(key, Choice(ci, _OFF if th[j] == _OFF_SWEPT else float(th[j])),
+                            int(detected[j]))
         return best
 
     def _need(self, rows: Sequence[int], choices: Mapping[int, Choice]) -> int | None:
