@@ -8,15 +8,20 @@
    processes or on Ray (``backend="ray"``).
 2. **Sweep thresholds.**  :mod:`replay.scoring` evaluates up to ``n_thresholds`` thresholds per
    candidate from per-run profiles, exactly as :mod:`replay.evaluate` would.
-3. **Combine greedily.**  Bindings are switched on / retuned one move at a time: each move picks
-   the (parameter point, threshold) of one binding that maximises
+3. **Search** (:func:`make_tuner`).  By default (``search="warm"``, :class:`WarmTuner`) the
+   search starts from the base config -- every binding on, at its threshold, thresholds only
+   -- and moves one binding's threshold at a time; ``search="greedy"`` (:meth:`Tuner.search`,
+   for a new set of bindings without trusted thresholds) switches bindings on one at a time
+   from nothing over the parameter grids.  Each move picks the (parameter point, threshold) of
+   one binding that maximises
    ``(recall, recall before divergence, mean lead, recall of invisible faults, -fa_per_10k)``
-   lexicographically, under two limits for the *union* of all bindings' alarms --
-   ``fa_per_10k <= budget`` and at most ``max_clean_alarmed`` of the clean runs with any alarm
-   episode -- and detecting ``min_gain`` more labelled faults than before the move (a move
-   fitted to one fault is refused).  With ``hold_back_clean``, that fraction of the clean runs
-   is not tuned on, but both limits must hold on it too (:func:`hold_back`).  Bindings that
-   never help are dropped.  Why the defaults (:mod:`replay.tuning_limits`): the "Limits"
+   lexicographically (warm: a move must raise recall), under two limits for the *union* of
+   all bindings' alarms -- ``fa_per_10k <= budget`` and at most ``max_clean_alarmed`` of the
+   clean runs with any alarm episode -- and detecting ``min_gain`` more labelled faults than
+   before the move (a move fitted to one fault is refused).  With ``hold_back_clean``, that
+   fraction of the clean runs is not tuned on, but both limits must hold on it too
+   (:func:`hold_back`).  A binding the search leaves alone keeps its base setting
+   (:meth:`Tuner.complete`).  Why the defaults (:mod:`replay.tuning_limits`): the "Limits"
    section of docs/guides/tuning.md.
 4. **Cross-validate by run.**  With ``folds = K``, runs are dealt into K folds stratified by
    scenario; each fold is tuned on the others and evaluated on itself.  The pooled held-out
@@ -27,11 +32,12 @@ written with ``freeze_on_alarm = false`` where the detector has that parameter (
 thresholds were tuned on assume it).
 
 **The written config is complete.**  Every binding of the base config stays: the tuned ones with
-their new parameters, the others (no tunable threshold, or no labelled gain under the budget:
+their new parameters, the others (no tunable threshold, or no move within the limits:
 loss-spike, weight-corruption and overfit protection among them) as they were.  Based on a
 preset, the file is the preset line plus the tuned overrides (:meth:`TuneResult.file_config`),
-under a header that lists what changed and what was kept (:meth:`TuneResult.header`); the
-figures printed by ``tune`` are those of the tuned bindings.
+under a header that lists what changed and what was kept (:meth:`TuneResult.header`).  The
+figures ``tune`` prints (training and held-out) are those of that complete config: replaying
+the file (``stability eval --config``) gives them.
 
 Step 1 (candidates, scoring jobs) lives in :mod:`replay.tuning_scores`, the TOML writer in
 :mod:`replay.config_toml`; this module re-exports both.
