@@ -158,8 +158,9 @@ def _describe_changes(base: Mapping[str, Any], tuned: Mapping[str, Any],
             out.append(f"{name}: dropped")
             continue
         po, pn = dict(d.get("params", {})), dict(new[name].get("params", {}))
-        if "threshold" not in po and name in start:
-            po["threshold"] = start[name]
+        for p in (po, pn):  # a threshold left at the detector's default
+            if "threshold" not in p and name in start:
+                p["threshold"] = start[name]
         diffs = [f"{k} {po.get(k)!r}->{_g(pn.get(k))}" for k in sorted(set(po) | set(pn))
                  if po.get(k) != pn.get(k) and k != "freeze_on_alarm"]
         if diffs:
