@@ -164,7 +164,7 @@ def base_thresholds(base: Mapping[str, Any], candidates: Sequence[Candidate]
         if "threshold" in params:
             out[c.binding] = float(params["threshold"])
         else:
-            init = detector_class(c.detector).__init__  # type: ignore[misc]
+            init = detector_class(c.detector).__init__
             out[c.binding] = float(inspect.signature(init).parameters["threshold"].default)
     return out
 
