@@ -29,7 +29,9 @@
 
 Detectors without a tunable threshold (``nonfinite``) are kept as they are.  Tuned bindings are
 written with ``freeze_on_alarm = false`` where the detector has that parameter (the scores the
-thresholds were tuned on assume it).
+thresholds were tuned on assume it).  A binding whose base config freezes on alarms is also
+scored as it is, at its base threshold (:attr:`Candidate.scored_at`): the start of the warm
+search and what a binding left alone is counted with, exactly as the monitor runs it.
 
 **The written config is complete.**  Every binding of the base config stays: the tuned ones with
 their new parameters, the others (no tunable threshold, or no move within the limits:
@@ -276,7 +278,7 @@ class Tuner:
         ``need`` of the faults of ``rows`` (``None``: any number)."""
         best: Move | None = None
         for ci, c in enumerate(self.cands):
-            if c.binding != b or not c.tunable:
+            if c.binding != b or not c.sweepable:
                 continue
             prof = self._profiles(rows, ci, choices, b)
             th = _off_keeps_others(candidate_thresholds(prof, self.n_thresholds))
@@ -324,7 +326,7 @@ class Tuner:
         """
         choices: dict[int, Choice] = {}
         tunable_b = [b for b in self.bindings
-                     if any(c.binding == b and c.tunable for c in self.cands)]
+                     if any(c.binding == b and c.sweepable for c in self.cands)]
         rounds = max_rounds if max_rounds is not None else 2 * len(tunable_b) + 1
         current = self._score_choices(rows, choices)
         for _ in range(rounds):

@@ -42,10 +42,19 @@ class Candidate:
     inputs: tuple[str, ...]
     params: tuple[tuple[str, Any], ...]
     tunable: bool
+    #: the threshold its scores are computed with: ``inf`` (threshold-free scores, swept by the
+    #: tuner), or the base threshold of a binding that freezes on an alarm, scored as it is
+    #: (exact at that threshold only: never swept, the tuner's start point)
+    scored_at: float = math.inf
 
     def params_dict(self) -> dict[str, Any]:
         """The parameters as a dict."""
         return dict(self.params)
+
+    @property
+    def sweepable(self) -> bool:
+        """Whether the tuner may sweep thresholds over its scores."""
+        return self.tunable and self.scored_at == math.inf
 
 
 def detector_defaults(cls: type) -> dict[str, Any]:
@@ -92,13 +101,18 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
                 p["freeze_on_alarm"] = False
             out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
                                  tuple(sorted(p.items())), tunable))
+        if tunable and base.get("freeze_on_alarm", dflt.get("freeze_on_alarm")) is True:
+            th = float(dict(d.get("params", {})).get("threshold", dflt["threshold"]))
+            out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
+                                 tuple(sorted(base.items())), True, th))
     return out
 
 
 def base_candidate(candidates: Sequence[Candidate], base: Mapping[str, Any], b: int
                    ) -> int | None:
     """The index of binding ``b``'s candidate with the base config's parameters (threshold
-    aside; ``freeze_on_alarm`` as scored), ``None`` when ``b`` has no tunable candidate.
+    aside; the one scored as it is when the binding freezes on alarms, else the swept one),
+    ``None`` when ``b`` has no tunable candidate.
 
     >>> det = {"name": "s", "detector": "ewma_z", "inputs": ["loss"], "params": {"alpha": 0.3}}
     >>> cands = make_candidates([det])
@@ -109,6 +123,7 @@ def base_candidate(candidates: Sequence[Candidate], base: Mapping[str, Any], b: 
 
     want = {k: v for k, v in dict(base["detectors"][b].get("params", {})).items()
             if k not in ("threshold", "freeze_on_alarm")}
+    found = None
     for i, c in enumerate(candidates):
         if c.binding != b or not c.tunable:
             continue
@@ -116,8 +131,10 @@ def base_candidate(candidates: Sequence[Candidate], base: Mapping[str, Any], b: 
         dflt = detector_defaults(detector_class(c.detector))
         if set(want) <= set(have) and all(v == want.get(k, dflt.get(k, v))
                                           for k, v in have.items()):
-            return i
-    return None
+            if not c.sweepable:
+                return i  # the binding as it is (freezing on alarms)
+            found = i if found is None else found
+    return found
 
 
 # ---------------------------------------------------------------------------- scoring jobs
@@ -162,7 +179,7 @@ def score_table(table: Any, candidates: Sequence[Candidate], aliases: Mapping[st
             continue
         params = c.params_dict()
         if c.tunable:
-            params["threshold"] = math.inf
+            params["threshold"] = c.scored_at
         det = make_detector(c.detector, params, n_series=x.shape[2], n_inputs=x.shape[1],
                             where=c.name)
         scores, alarms = det.update_many(*[x[:, i, :] for i in range(x.shape[1])], missing=m)

@@ -112,3 +112,35 @@ def test_make_tuner_rejects_an_unknown_search() -> None:
     scores, cands, labels, base = _two_bindings()
     with pytest.raises(ValueError, match="'search' parameter of make_tuner"):
         make_tuner("cold", scores, cands, labels, base, 1.0)
+
+
+def test_a_binding_that_freezes_on_alarms_starts_as_it_is(tmp_path: Path) -> None:
+    """The ``default`` preset's ``canary_level`` freezes its reference on an alarm: the warm
+    start scores it as it is, at its threshold, so the tuner counts the alarms the monitor
+    raises (threshold-free scores, without the freeze, would miss all but two of them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from replay.replay import read_table, replay_run
+    from replay.tuning import make_candidates, score_table, start_choices
+    from stability.config.config import load_config
+
+    rng = np.random.default_rng(0)
+    step = np.arange(400)
+    canary = 2.0 + 0.05 * rng.normal(size=400)
+    canary[200:] *= 8.0  # the canary loss jumps and stays up
+    path = tmp_path / "run.parquet"
+    pq.write_table(pa.table({"step": step, "loss": 3.0 * np.exp(-step / 300),
+                             "canary_loss": canary}), path)
+    base = load_config("default").to_dict()
+    base["monitor"]["log_only"] = True
+    cands = make_candidates(base["detectors"], {})
+    b = next(i for i, d in enumerate(base["detectors"]) if d["name"] == "canary_level")
+    start = start_choices(base, cands)[b]
+    assert not cands[start.cand].sweepable and start.threshold == 3.0
+    swept = next(i for i, c in enumerate(cands) if c.binding == b and c.sweepable)
+    scores = score_table(read_table(str(path)), cands, {}, "run")
+    online = {a.step for a in replay_run(path, base).alarms if a.detector == "canary_level"}
+    predicted = set(scores.steps[scores.scores[start.cand] > start.threshold].tolist())
+    assert len(online) > 100 and predicted == online
+    assert len(scores.steps[scores.scores[swept] > start.threshold]) < len(online)
