@@ -43,8 +43,9 @@ class Candidate:
     params: tuple[tuple[str, Any], ...]
     tunable: bool
     #: the threshold its scores are computed with: ``inf`` (threshold-free scores, swept by the
-    #: tuner), or the base threshold of a binding that freezes on an alarm, scored as it is
-    #: (exact at that threshold only: never swept, the tuner's start point)
+    #: tuner), or the base threshold of a binding scored as it is -- one that freezes on alarms,
+    #: or whose base setting is not a grid point (exact at that threshold only: never swept; the
+    #: warm start, and what a binding the search leaves alone is counted with)
     scored_at: float = math.inf
 
     def params_dict(self) -> dict[str, Any]:
@@ -72,7 +73,9 @@ def _init_args(cls: type) -> list[str]:
 def make_candidates(detectors: Sequence[Mapping[str, Any]],
                     grids: Mapping[str, Mapping[str, list[Any]]] | None = None
                     ) -> list[Candidate]:
-    """Every (binding, grid point) of a resolved config's ``detectors`` list."""
+    """Every (binding, grid point) of a resolved config's ``detectors`` list, and the base
+    setting of a binding scored as it is where the grid points do not cover it
+    (:attr:`Candidate.scored_at`)."""
     from stability.config.registry import detector_class, is_available
 
     grids = tune_grids() if grids is None else grids
@@ -93,25 +96,32 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
             p = dict(base)
             p.update(zip(keys, combo, strict=True))
             points.append(p)
-        dflt = detector_defaults(cls)
-        if not all(base.get(k, dflt.get(k)) in grid[k] for k in keys):
-            points.append(dict(base))  # the base setting is always a candidate (warm start)
         for p in points:
             if tunable and "freeze_on_alarm" in args:
                 p["freeze_on_alarm"] = False
             out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
                                  tuple(sorted(p.items())), tunable))
-        if tunable and base.get("freeze_on_alarm", dflt.get("freeze_on_alarm")) is True:
+        dflt = detector_defaults(cls)
+        if tunable and _needs_as_is(base, grid, dflt):
             th = float(dict(d.get("params", {})).get("threshold", dflt["threshold"]))
             out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
                                  tuple(sorted(base.items())), True, th))
     return out
 
 
+def _needs_as_is(base: Mapping[str, Any], grid: Mapping[str, Sequence[Any]],
+                 dflt: Mapping[str, Any]) -> bool:
+    """Whether a binding needs a candidate scored as it is (:attr:`Candidate.scored_at`): its
+    base setting is not a grid point, or it freezes on alarms (threshold-free scores would
+    differ from the monitor's after its first alarm)."""
+    off_grid = not all(base.get(k, dflt.get(k)) in grid[k] for k in grid)
+    return off_grid or base.get("freeze_on_alarm", dflt.get("freeze_on_alarm")) is True
+
+
 def base_candidate(candidates: Sequence[Candidate], base: Mapping[str, Any], b: int
                    ) -> int | None:
     """The index of binding ``b``'s candidate with the base config's parameters (threshold
-    aside; the one scored as it is when the binding freezes on alarms, else the swept one),
+    aside; the one scored as it is when there is one, else the grid point),
     ``None`` when ``b`` has no tunable candidate.
 
     >>> det = {"name": "s", "detector": "ewma_z", "inputs": ["loss"], "params": {"alpha": 0.3}}
