@@ -142,7 +142,8 @@ def _add_tune(sub: Any) -> None:
 
 
 def _tune_limit_args(p: argparse.ArgumentParser) -> None:
-    """The tuner's limits besides ``--budget`` (docs/guides/tuning.md, "Limits")."""
+    """The tuner's search and its limits besides ``--budget`` (docs/guides/tuning.md, "Where
+    the search starts", "Limits")."""
     from replay.tuning_limits import (
         DEFAULT_HOLD_BACK,
         DEFAULT_MAX_CLEAN_ALARMED,

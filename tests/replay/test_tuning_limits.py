@@ -165,7 +165,7 @@ def test_cli_tune_limit_options(tmp_path: Path, capsys: pytest.CaptureFixture[st
     from replay.cli import build_parser, main
 
     a = build_parser().parse_args(["tune", "x", "--budget", "1", "-o", "t.toml"])
-    assert (a.max_clean_alarmed, a.min_gain, a.hold_back) == (0.01, 2, 0.5)
+    assert (a.max_clean_alarmed, a.min_gain, a.hold_back, a.search) == (0.01, 2, 0.5, "warm")
     out = tmp_path / "tuned.toml"
     rc = main(["tune", str(DATA / "runs"), "--labels", str(DATA / "labels.parquet"),
                "--budget", "5", "--folds", "0", "--jobs", "1", "--thresholds", "100",
@@ -176,7 +176,7 @@ def test_cli_tune_limit_options(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "0 of clean runs held back" in head
     capsys.readouterr()
     for bad in (["--max-clean-alarmed", "2"], ["--hold-back", "-0.1"], ["--min-gain", "-1"],
-                ["--min-gain", "x"]):
+                ["--min-gain", "x"], ["--search", "cold"]):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(["tune", "x", "--budget", "1", "-o", "t.toml", *bad])
         assert e.value.code == 2
