@@ -21,16 +21,20 @@ Folds (``--folds``):
   half of the long clean runs (every other one per architecture); training: every other bench14
   run (all clean runs included) and the other half of the long runs.
 
-Tuners (``--tuner``):
+Tuners (``--tuner``), both :func:`replay.tuning.make_tuner` -- the code ``stability tune
+--search`` runs -- and both replayed as the complete config ``stability tune`` writes
+(:meth:`replay.tuning.Tuner.complete`):
 
-* ``greedy``: :meth:`replay.tuning.Tuner.search` as ``stability tune`` runs it -- bindings are
-  switched on one at a time from nothing (full parameter grids unless ``--thresholds-only``).
-* ``warm``: thresholds only, starting from the base preset's thresholds with every binding on; a
-  move (the tuner's own best threshold for one binding) is accepted when it raises recall on
-  visible faults and keeps the budget (``--objective project``: when it improves the tuner's
-  whole objective, whose tie-breakers -- recall before divergence, lead, invisible faults -- also
-  lower thresholds). A moved threshold is then put in the middle of the interval over which the
-  training figures do not change (max margin instead of the edge of a clean score).
+* ``warm`` (``stability tune``'s default): thresholds only, starting from the base preset's
+  thresholds with every binding on (:class:`replay.tuning.WarmTuner`); a move (the tuner's own
+  best threshold for one binding) is accepted when it raises recall on visible faults and keeps
+  the limits (``--objective project``: when it improves the tuner's whole objective, whose
+  tie-breakers -- recall before divergence, lead, invisible faults -- also lower thresholds). A
+  moved threshold is then put in the middle of the interval over which the training figures do
+  not change (max margin instead of the edge of a clean score).
+* ``greedy`` (``stability tune --search greedy``): :meth:`replay.tuning.Tuner.search` --
+  bindings are switched on one at a time from nothing (full parameter grids unless
+  ``--thresholds-only``); the bindings it leaves off stay at their base setting.
 
 With several folds the ``warm`` thresholds give a consensus (median over the folds of every
 binding's threshold), written by ``--write-consensus`` and replayed on every run.
@@ -49,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import math
 import sys
@@ -61,7 +64,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from replay.tuning import DEFAULT_MAX_CLEAN_ALARMED, DEFAULT_MIN_GAIN, Choice, Tuner
+from replay.tuning import DEFAULT_MAX_CLEAN_ALARMED, DEFAULT_MIN_GAIN, Tuner
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SET = HERE / "data" / "bench14"
@@ -122,89 +125,6 @@ def fold_rows(run_ids: Sequence[str], labels: Mapping[str, Any], kinds: Sequence
     return out
 
 
-# ---------------------------------------------------------------------------- warm-start tuner
-def base_thresholds(base_cfg: Mapping[str, Any], cands: Sequence[Any]) -> dict[int, float]:
-    """``binding -> threshold`` of the base config (the detector's default when not set)."""
-    from stability.config.registry import detector_class
-
-    out = {}
-    for c in cands:
-        if not c.tunable or c.binding in out:
-            continue
-        params = base_cfg["detectors"][c.binding].get("params", {})
-        if "threshold" in params:
-            out[c.binding] = float(params["threshold"])
-        else:
-            sig = inspect.signature(detector_class(c.detector).__init__)  # type: ignore[misc]
-            out[c.binding] = float(sig.parameters["threshold"].default)
-    return out
-
-
-class WarmTuner(Tuner):
-    """The project's tuner started from the base thresholds, with a max-margin final step.
-
-    Uses the tuner's own move generator (``_best_for``) and objective, on the same cached
-    scores; only the start point, the budget check of the start point and the final placement
-    of a moved threshold differ from :meth:`replay.tuning.Tuner.search`. ``recall_only``
-    accepts a move only when it raises recall on visible faults (or restores the budget), not
-    for the tuner's tie-breakers (recall before divergence, lead, invisible faults).
-    """
-
-    def __init__(self, *args: Any, start: Mapping[int, float], recall_only: bool = False,
-                 **kw: Any):
-        super().__init__(*args, **kw)
-        self.recall_only = recall_only
-        self.start = {b: Choice(next(i for i, c in enumerate(self.cands)
-                                     if c.binding == b and c.tunable), th)
-                      for b, th in start.items()}
-
-    def search(self, rows: Sequence[int], max_rounds: int | None = None, *,
-               val: Sequence[int] = ()) -> dict[int, Choice]:
-        """Moves from the start point on ``rows``; with ``val`` (runs never tuned on), a move
-        must keep the false-alarm budget and the clean-run limit there too."""
-        choices = dict(self.start)
-        tunable_b = sorted(self.start)
-        rounds = max_rounds if max_rounds is not None else 2 * len(tunable_b) + 1
-        current = self._score_choices(rows, choices)
-        feasible = self._keeps_limits(rows, choices)
-        if not feasible:  # the start point breaks a limit: any feasible move
-            current = [-math.inf] * len(current)
-        for _ in range(rounds):
-            need = self._need(rows, choices) if feasible else None
-            moves = sorted(((r.key, b, r.choice) for b in tunable_b
-                            if (r := self._best_for(rows, b, choices, val, need)) is not None),
-                           key=lambda m: m[0], reverse=True)
-            moves = [m for m in moves if m[0] > current and not (
-                self.recall_only and m[0][0] <= current[0] and feasible)]
-            if not moves:
-                break
-            key, b, ch = moves[0]
-            choices[b] = ch
-            current, feasible = key, True
-        for b, ch in list(choices.items()):
-            if ch.threshold != self.start[b].threshold:
-                choices[b] = Choice(ch.cand, self._widen(rows, b, choices))
-        return choices
-
-    def _keeps_limits(self, rows: Sequence[int], choices: Mapping[int, Choice]) -> bool:
-        """Whether ``choices`` keep the budget and the clean-run limit on ``rows``."""
-        s = self.evaluate(rows, choices)[0]
-        return not (s.fa_per_10k > self.budget or s.clean_runs_alarmed > self.max_clean_alarmed)
-
-    def _widen(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice]) -> float:
-        """Middle of ``[th, next breakpoint)``: every training figure is the same there."""
-        from replay.scoring import candidate_thresholds
-
-        th = choices[b].threshold
-        prof = self._profiles(rows, choices[b].cand, choices, b)
-        v = candidate_thresholds(prof, 10**9)
-        above = v[v > th]
-        nxt = float(above[0]) if above.size else math.inf
-        if not math.isfinite(th) or not math.isfinite(nxt):
-            return th
-        return math.sqrt(th * nxt) if th > 0 else 0.5 * (th + nxt)
-
-
 # ---------------------------------------------------------------------------- cross-validation
 @dataclass
 class FoldResult:
@@ -238,8 +158,9 @@ def _describe_changes(base: Mapping[str, Any], tuned: Mapping[str, Any],
             out.append(f"{name}: dropped")
             continue
         po, pn = dict(d.get("params", {})), dict(new[name].get("params", {}))
-        if "threshold" not in po and name in start:
-            po["threshold"] = start[name]
+        for p in (po, pn):  # a threshold left at the detector's default
+            if "threshold" not in p and name in start:
+                p["threshold"] = start[name]
         diffs = [f"{k} {po.get(k)!r}->{_g(pn.get(k))}" for k in sorted(set(po) | set(pn))
                  if po.get(k) != pn.get(k) and k != "freeze_on_alarm"]
         if diffs:
@@ -309,7 +230,15 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
         seconds spent (``"seconds"``).
     """
     from replay.evaluate import summarise
-    from replay.tuning import EvalSettings, build_config, hold_back, make_candidates, score_runs
+    from replay.tuning import (
+        EvalSettings,
+        base_thresholds,
+        build_config,
+        hold_back,
+        make_candidates,
+        make_tuner,
+        score_runs,
+    )
     from stability.config.config import load_config
 
     t0 = time.perf_counter()
@@ -322,16 +251,11 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     run_ids = [s.run_id for s in scores]
     t_score = time.perf_counter() - t0
     es = EvalSettings(window=window)
-    tn: Tuner
     start = base_thresholds(base_cfg, cands)
     start_by_name = {base_cfg["detectors"][b]["name"]: th for b, th in start.items()}
-    if warm:
-        tn = WarmTuner(scores, cands, labels, budget, es, n_thresholds, start=start,
-                       recall_only=objective == "recall", max_clean_alarmed=max_clean_alarmed,
-                       min_gain=min_gain)
-    else:
-        tn = Tuner(scores, cands, labels, budget, es, n_thresholds,
-                   max_clean_alarmed=max_clean_alarmed, min_gain=min_gain)
+    tn: Tuner = make_tuner(tuner, scores, cands, labels, base_cfg, budget, es, n_thresholds,
+                           max_clean_alarmed=max_clean_alarmed, min_gain=min_gain,
+                           recall_only=objective == "recall")
     by_id = dict(all_runs)
     long_set = {rid for rid, _ in long_runs}
     base_res = _replay(base, all_runs, labels, window, jobs)
@@ -343,7 +267,7 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
             train, val = _hold_back_long(f.train, run_ids, labels, len(runs))
         elif hold_back_clean:
             train, val = hold_back(run_ids, labels, f.train, hold_back_clean)
-        choices = tn.search(train, val=val)
+        choices = tn.complete(tn.search(train, val=val))  # the config stability tune writes
         cfg = build_config(base_cfg, cands, choices)
         test_ids = [run_ids[i] for i in f.test]
         res = _replay(cfg, [(r, by_id[r]) for r in test_ids], labels, window, jobs)

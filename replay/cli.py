@@ -142,12 +142,20 @@ def _add_tune(sub: Any) -> None:
 
 
 def _tune_limit_args(p: argparse.ArgumentParser) -> None:
-    """The tuner's limits besides ``--budget`` (docs/guides/tuning.md, "Limits")."""
+    """The tuner's search and its limits besides ``--budget`` (docs/guides/tuning.md, "Where
+    the search starts", "Limits")."""
     from replay.tuning_limits import (
         DEFAULT_HOLD_BACK,
         DEFAULT_MAX_CLEAN_ALARMED,
         DEFAULT_MIN_GAIN,
+        DEFAULT_SEARCH,
+        SEARCHES,
     )
+
+    p.add_argument("--search", choices=SEARCHES, default=DEFAULT_SEARCH,
+                   help="warm: move the base config's thresholds, every binding on (default); "
+                        "greedy: switch bindings on one at a time from nothing, over the "
+                        "parameter grids (for a new set of bindings)")
 
     p.add_argument("--max-clean-alarmed", type=_fraction, default=DEFAULT_MAX_CLEAN_ALARMED,
                    metavar="F", help="max fraction of clean runs with any alarm episode "
@@ -543,9 +551,10 @@ def _cmd_tune(a: argparse.Namespace) -> int:
                n_thresholds=a.thresholds, address=a.ray_address,
                failed=failed if len(runs) > 1 else None,
                max_clean_alarmed=a.max_clean_alarmed, min_gain=a.min_gain,
-               hold_back_clean=a.hold_back)
+               hold_back_clean=a.hold_back, search=a.search)
     _say_failed("tune", failed)
-    header = (f"tuned by `stability tune` on {len(runs) - len(failed)} runs, budget {a.budget} "
+    header = (f"tuned by `stability tune --search {a.search}` on {len(runs) - len(failed)} "
+              f"runs, budget {a.budget} "
               f"false alarms per 10k clean steps, at most {a.max_clean_alarmed:g} of clean runs "
               f"alarmed, moves gaining >= {a.min_gain} faults, {a.hold_back:g} of clean runs "
               f"held back\n")
@@ -557,8 +566,11 @@ def _cmd_tune(a: argparse.Namespace) -> int:
                    f"false alarms/10k {h.fa_per_10k:.3f}\n")
     write_config(a.output, res.file_config(), header + res.header())
     for c in res.choices:
-        print(f"  {c['binding']:<24} {c['detector']:<12} threshold {c['threshold']:.4g}  "
+        was = ("" if c["base_threshold"] is None
+               else " (base)" if not c["moved"] else f" (base {c['base_threshold']:.4g})")
+        print(f"  {c['binding']:<24} {c['detector']:<12} threshold {c['threshold']:.4g}{was}  "
               f"{json.dumps(c['params'])}")
+    print("figures of the config written (every binding of it):")
     rows = {"train (all runs)": res.train}
     if res.heldout is not None:
         rows[f"held-out ({a.folds}-fold)"] = res.heldout

@@ -8,15 +8,20 @@
    processes or on Ray (``backend="ray"``).
 2. **Sweep thresholds.**  :mod:`replay.scoring` evaluates up to ``n_thresholds`` thresholds per
    candidate from per-run profiles, exactly as :mod:`replay.evaluate` would.
-3. **Combine greedily.**  Bindings are switched on / retuned one move at a time: each move picks
-   the (parameter point, threshold) of one binding that maximises
+3. **Search** (:func:`make_tuner`).  By default (``search="warm"``, :class:`WarmTuner`) the
+   search starts from the base config -- every binding on, at its threshold, thresholds only
+   -- and moves one binding's threshold at a time; ``search="greedy"`` (:meth:`Tuner.search`,
+   for a new set of bindings without trusted thresholds) switches bindings on one at a time
+   from nothing over the parameter grids.  Each move picks the (parameter point, threshold) of
+   one binding that maximises
    ``(recall, recall before divergence, mean lead, recall of invisible faults, -fa_per_10k)``
-   lexicographically, under two limits for the *union* of all bindings' alarms --
-   ``fa_per_10k <= budget`` and at most ``max_clean_alarmed`` of the clean runs with any alarm
-   episode -- and detecting ``min_gain`` more labelled faults than before the move (a move
-   fitted to one fault is refused).  With ``hold_back_clean``, that fraction of the clean runs
-   is not tuned on, but both limits must hold on it too (:func:`hold_back`).  Bindings that
-   never help are dropped.  Why the defaults (:mod:`replay.tuning_limits`): the "Limits"
+   lexicographically (warm: a move must raise recall), under two limits for the *union* of
+   all bindings' alarms -- ``fa_per_10k <= budget`` and at most ``max_clean_alarmed`` of the
+   clean runs with any alarm episode -- and detecting ``min_gain`` more labelled faults than
+   before the move (a move fitted to one fault is refused).  With ``hold_back_clean``, that
+   fraction of the clean runs is not tuned on, but both limits must hold on it too
+   (:func:`hold_back`).  A binding the search leaves alone keeps its base setting
+   (:meth:`Tuner.complete`).  Why the defaults (:mod:`replay.tuning_limits`): the "Limits"
    section of docs/guides/tuning.md.
 4. **Cross-validate by run.**  With ``folds = K``, runs are dealt into K folds stratified by
    scenario; each fold is tuned on the others and evaluated on itself.  The pooled held-out
@@ -24,14 +29,17 @@
 
 Detectors without a tunable threshold (``nonfinite``) are kept as they are.  Tuned bindings are
 written with ``freeze_on_alarm = false`` where the detector has that parameter (the scores the
-thresholds were tuned on assume it).
+thresholds were tuned on assume it).  A binding whose base config freezes on alarms is also
+scored as it is, at its base threshold (:attr:`Candidate.scored_at`): the start of the warm
+search and what a binding left alone is counted with, exactly as the monitor runs it.
 
 **The written config is complete.**  Every binding of the base config stays: the tuned ones with
-their new parameters, the others (no tunable threshold, or no labelled gain under the budget:
+their new parameters, the others (no tunable threshold, or no move within the limits:
 loss-spike, weight-corruption and overfit protection among them) as they were.  Based on a
 preset, the file is the preset line plus the tuned overrides (:meth:`TuneResult.file_config`),
-under a header that lists what changed and what was kept (:meth:`TuneResult.header`); the
-figures printed by ``tune`` are those of the tuned bindings.
+under a header that lists what changed and what was kept (:meth:`TuneResult.header`).  The
+figures ``tune`` prints (training and held-out) are those of that complete config: replaying
+the file (``stability eval --config``) gives them.
 
 Step 1 (candidates, scoring jobs) lives in :mod:`replay.tuning_scores`, the TOML writer in
 :mod:`replay.config_toml`; this module re-exports both.
@@ -75,7 +83,9 @@ from .scoring import (
 from .tuning_limits import DEFAULT_HOLD_BACK as DEFAULT_HOLD_BACK
 from .tuning_limits import DEFAULT_MAX_CLEAN_ALARMED as DEFAULT_MAX_CLEAN_ALARMED
 from .tuning_limits import DEFAULT_MIN_GAIN as DEFAULT_MIN_GAIN
-from .tuning_scores import Candidate, RunScores, make_candidates, score_runs
+from .tuning_limits import DEFAULT_SEARCH as DEFAULT_SEARCH
+from .tuning_limits import SEARCHES as SEARCHES
+from .tuning_scores import Candidate, RunScores, base_candidate, make_candidates, score_runs
 from .tuning_scores import score_table as score_table
 
 FloatArray = NDArray[np.float64]
@@ -135,6 +145,59 @@ def clean_runs_alarmed(sw: Sweep) -> FloatArray:
     return np.asarray((sw.false_alarms[clean] > 0).mean(axis=0), dtype=np.float64)
 
 
+def base_thresholds(base: Mapping[str, Any], candidates: Sequence[Candidate]
+                    ) -> dict[int, float]:
+    """``binding -> threshold`` of every tunable binding of the resolved config ``base`` (the
+    detector's default when the config does not set it).
+
+    >>> det = {"name": "s", "detector": "ewma_z", "inputs": ["loss"], "params": {"alpha": 0.3}}
+    >>> base_thresholds({"detectors": [det]}, make_candidates([det], grids={}))
+    {0: 6.0}
+    """
+    import inspect
+
+    from stability.config.registry import detector_class
+
+    out: dict[int, float] = {}
+    for c in candidates:
+        if not c.tunable or c.binding in out:
+            continue
+        params = base["detectors"][c.binding].get("params", {})
+        if "threshold" in params:
+            out[c.binding] = float(params["threshold"])
+        else:
+            init = detector_class(c.detector).__init__
+            out[c.binding] = float(inspect.signature(init).parameters["threshold"].default)
+    return out
+
+
+def start_choices(base: Mapping[str, Any], candidates: Sequence[Candidate]
+                  ) -> dict[int, Choice]:
+    """The base config as tuner choices: every tunable binding on, its base parameters and
+    threshold (a binding whose base setting has no candidate is left out)."""
+    out = {}
+    for b, th in base_thresholds(base, candidates).items():
+        ci = base_candidate(candidates, base, b)
+        if ci is not None:
+            out[b] = Choice(ci, th)
+    return out
+
+
+#: a binding switched off (its threshold), and the threshold that stands for it in a sweep
+_OFF, _OFF_SWEPT = math.inf, float(np.finfo(np.float64).max)
+
+
+def _off_keeps_others(th: FloatArray) -> FloatArray:
+    """Sweep thresholds with "off" (``inf``) replaced by the largest float: the other
+    bindings' alarms (``inf`` scores, :func:`replay.scoring.combine`) stay alarms there, as they
+    do when the binding is off (``inf > inf`` would drop them).
+
+    >>> _off_keeps_others(np.array([1.0, np.inf])).tolist() == [1.0, _OFF_SWEPT]
+    True
+    """
+    return np.where(th == _OFF, _OFF_SWEPT, th)
+
+
 class Tuner:
     """Greedy search over bindings on precomputed scores (see the module docstring).
 
@@ -149,7 +212,7 @@ class Tuner:
                  labels: Mapping[str, RunLabel], budget: float,
                  settings: EvalSettings | None = None, n_thresholds: int = 1000, *,
                  max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
-                 min_gain: int = DEFAULT_MIN_GAIN):
+                 min_gain: int = DEFAULT_MIN_GAIN, start: Mapping[int, Choice] | None = None):
         if not 0.0 <= max_clean_alarmed <= 1.0:
             raise ValueError("The 'max_clean_alarmed' parameter of Tuner must be a float in "
                              f"the range [0, 1]. Got {max_clean_alarmed!r} instead.")
@@ -166,7 +229,14 @@ class Tuner:
         self.n_thresholds = n_thresholds
         self.bindings = sorted({c.binding for c in self.cands})
         self.fixed = [i for i, c in enumerate(self.cands) if not c.tunable]
+        #: the base config's choice of every tunable binding (:func:`start_choices`)
+        self.start = dict(start or {})
         self._mean_lead = math.nan
+
+    def complete(self, choices: Mapping[int, Choice]) -> dict[int, Choice]:
+        """The config ``choices`` are written as: every binding of :attr:`start` the search
+        left alone at its base setting, the others as chosen (what the figures describe)."""
+        return {**self.start, **choices}
 
     # alarms of a set of choices on one run
     def _alarms(self, run: int, choices: Mapping[int, Choice], skip: int | None = None
@@ -208,10 +278,10 @@ class Tuner:
         ``need`` of the faults of ``rows`` (``None``: any number)."""
         best: Move | None = None
         for ci, c in enumerate(self.cands):
-            if c.binding != b or not c.tunable:
+            if c.binding != b or not c.sweepable:
                 continue
             prof = self._profiles(rows, ci, choices, b)
-            th = candidate_thresholds(prof, self.n_thresholds)
+            th = _off_keeps_others(candidate_thresholds(prof, self.n_thresholds))
             ok, sm, sw = self._within_limits(prof, th)
             detected = sw.detected.sum(axis=0)
             if need is not None:
@@ -227,7 +297,8 @@ class Tuner:
             j = int(idx[order[-1]])
             key = [float(k[j]) for k in keys]
             if best is None or key > best.key:
-                best = Move(key, Choice(ci, float(th[j])), int(detected[j]))
+                best = Move(key, Choice(ci, _OFF if th[j] == _OFF_SWEPT else float(th[j])),
+                            int(detected[j]))
         return best
 
     def _need(self, rows: Sequence[int], choices: Mapping[int, Choice]) -> int | None:
@@ -255,7 +326,7 @@ class Tuner:
         """
         choices: dict[int, Choice] = {}
         tunable_b = [b for b in self.bindings
-                     if any(c.binding == b and c.tunable for c in self.cands)]
+                     if any(c.binding == b and c.sweepable for c in self.cands)]
         rounds = max_rounds if max_rounds is not None else 2 * len(tunable_b) + 1
         current = self._score_choices(rows, choices)
         for _ in range(rounds):
@@ -291,6 +362,96 @@ class Tuner:
                                         self.labels[r], window=es.window,
                                         tolerance=es.tolerance, gap=es.gap))
         return summarise(results), results
+
+
+class WarmTuner(Tuner):
+    """The tuner started from the base config: every binding on at its base threshold.
+
+    The same move generator (``_best_for``), objective and limits as :meth:`Tuner.search`;
+    only the start point (:attr:`Tuner.start`), the check of the start point and the final
+    placement of a moved threshold differ.  ``recall_only`` accepts a move only when it raises
+    recall on visible faults (or restores the limits), not for the objective's tie-breakers
+    (recall before divergence, lead, invisible faults).  A moved threshold is finally put in the
+    middle of the interval over which the training figures do not change (:meth:`_widen`:
+    maximum margin instead of the edge of a clean score).
+    """
+
+    def __init__(self, *args: Any, recall_only: bool = True, **kw: Any):
+        super().__init__(*args, **kw)
+        self.recall_only = recall_only
+
+    def search(self, rows: Sequence[int], max_rounds: int | None = None, *,
+               val: Sequence[int] = ()) -> dict[int, Choice]:
+        """Moves from :attr:`Tuner.start` on ``rows``; returns every binding's choice.
+
+        ``val``: held-back runs (never tuned on) on which every move must keep the limits too.
+        While the start point breaks a limit on ``rows``, any move within the limits is taken
+        (``min_gain`` waived: restoring the limits may lose faults).
+        """
+        choices = dict(self.start)
+        tunable_b = sorted(self.start)
+        rounds = max_rounds if max_rounds is not None else 2 * len(tunable_b) + 1
+        current = self._score_choices(rows, choices)
+        feasible = self._keeps_limits(rows, choices)
+        if not feasible:
+            current = [-math.inf] * len(current)
+        for _ in range(rounds):
+            need = self._need(rows, choices) if feasible else None
+            moves = sorted(((r.key, b, r.choice) for b in tunable_b
+                            if (r := self._best_for(rows, b, choices, val, need)) is not None),
+                           key=lambda m: m[0], reverse=True)
+            moves = [m for m in moves if m[0] > current and not (
+                self.recall_only and m[0][0] <= current[0] and feasible)]
+            if not moves:
+                break
+            key, b, ch = moves[0]
+            choices[b] = ch
+            current, feasible = key, True
+        for b, ch in list(choices.items()):
+            if ch.threshold != self.start[b].threshold:
+                choices[b] = Choice(ch.cand, self._widen(rows, b, choices))
+        return choices
+
+    def _keeps_limits(self, rows: Sequence[int], choices: Mapping[int, Choice]) -> bool:
+        """Whether ``choices`` keep the budget and the clean-run limit on ``rows``."""
+        s = self.evaluate(rows, choices)[0]
+        return not (s.fa_per_10k > self.budget or s.clean_runs_alarmed > self.max_clean_alarmed)
+
+    def _widen(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice]) -> float:
+        """Middle of ``[th, next breakpoint)`` (geometric for a positive threshold): every
+        training figure is the same there."""
+        th = choices[b].threshold
+        prof = self._profiles(rows, choices[b].cand, choices, b)
+        v = candidate_thresholds(prof, 10**9)
+        above = v[v > th]
+        nxt = float(above[0]) if above.size else math.inf
+        if not math.isfinite(th) or not math.isfinite(nxt):
+            return th
+        return math.sqrt(th * nxt) if th > 0 else 0.5 * (th + nxt)
+
+
+def make_tuner(search: str, scores: Sequence[RunScores], candidates: Sequence[Candidate],
+               labels: Mapping[str, RunLabel], base: Mapping[str, Any], budget: float,
+               settings: EvalSettings | None = None, n_thresholds: int = 1000, *,
+               max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+               min_gain: int = DEFAULT_MIN_GAIN, recall_only: bool = True) -> Tuner:
+    """The tuner of ``search`` (:data:`SEARCHES`), started from the resolved config ``base``.
+
+    ``"warm"`` (:class:`WarmTuner`): thresholds moved from the base config's, every binding on.
+    ``"greedy"`` (:class:`Tuner`): bindings switched on one at a time from nothing, for a new
+    set of bindings without trusted thresholds; a binding it leaves off is written (and
+    counted, :meth:`Tuner.complete`) at its base setting.  ``recall_only``: warm only.
+    """
+    if search not in SEARCHES:
+        raise ValueError(f"The 'search' parameter of make_tuner must be one of {SEARCHES}. "
+                         f"Got {search!r} instead.")
+    start = start_choices(base, candidates)
+    kw: dict[str, Any] = {"max_clean_alarmed": max_clean_alarmed, "min_gain": min_gain,
+                          "start": start}
+    if search == "warm":
+        return WarmTuner(scores, candidates, labels, budget, settings, n_thresholds,
+                         recall_only=recall_only, **kw)
+    return Tuner(scores, candidates, labels, budget, settings, n_thresholds, **kw)
 
 
 def make_folds(run_ids: Sequence[str], labels: Mapping[str, RunLabel], k: int,
@@ -370,7 +531,7 @@ class TuneResult:
         is a preset (the loader merges them over it), else the whole :attr:`config`."""
         if self.preset is None:
             return self.config
-        tuned = {c["binding"] for c in self.choices}
+        tuned = {line.split(" (", 1)[0] for line in self.changed}
         return {"preset": self.preset,
                 "detectors": [{"name": d["name"], "params": d["params"]}
                               for d in self.config["detectors"] if d["name"] in tuned]}
@@ -392,22 +553,25 @@ def tune_scores(scores: Sequence[RunScores], candidates: Sequence[Candidate],
                 n_thresholds: int = 1000, seed: int = 0, preset: str | None = None,
                 max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
                 min_gain: int = DEFAULT_MIN_GAIN,
-                hold_back_clean: float = DEFAULT_HOLD_BACK) -> TuneResult:
+                hold_back_clean: float = DEFAULT_HOLD_BACK,
+                search: str = DEFAULT_SEARCH) -> TuneResult:
     """Tune on precomputed scores; ``base`` is the resolved config dict the result is built on
     (``preset``: the preset it is, for :meth:`TuneResult.file_config`).
 
-    ``max_clean_alarmed``, ``min_gain``: as :class:`Tuner`; ``hold_back_clean``: the
-    fraction of the clean runs of each training part held back to check every move
-    (:func:`hold_back`; 0 = tune on all of them).
+    ``search``: ``"warm"`` (from the base config) or ``"greedy"`` (from nothing),
+    :func:`make_tuner`.  ``max_clean_alarmed``, ``min_gain``: as :class:`Tuner`;
+    ``hold_back_clean``: the fraction of the clean runs of each training part held back to
+    check every move (:func:`hold_back`; 0 = tune on all of them).  The figures (training and
+    held-out) are those of the complete config written (:meth:`Tuner.complete`).
     """
     t0 = time.perf_counter()
-    tuner = Tuner(scores, candidates, labels, budget, settings, n_thresholds,
-                  max_clean_alarmed=max_clean_alarmed, min_gain=min_gain)
+    tuner = make_tuner(search, scores, candidates, labels, base, budget, settings,
+                       n_thresholds, max_clean_alarmed=max_clean_alarmed, min_gain=min_gain)
     run_ids = [s.run_id for s in scores]
 
-    def search(rows: Sequence[int]) -> dict[int, Choice]:
+    def search_rows(rows: Sequence[int]) -> dict[int, Choice]:
         tune_rows, val = hold_back(run_ids, labels, rows, hold_back_clean, seed)
-        return tuner.search(tune_rows, val=val)
+        return tuner.complete(tuner.search(tune_rows, val=val))
 
     all_rows = list(range(len(scores)))
     heldout: Summary | None = None
@@ -416,7 +580,7 @@ def tune_scores(scores: Sequence[RunScores], candidates: Sequence[Candidate],
         pooled: list[RunResult] = []
         for f in make_folds(run_ids, labels, folds, seed):
             held_out = set(f)
-            fold_choices = search([r for r in all_rows if r not in held_out])
+            fold_choices = search_rows([r for r in all_rows if r not in held_out])
             s, res = tuner.evaluate(f, fold_choices)
             pooled.extend(res)
             fold_figs.append({"runs": len(f), "recall": s.recall, "fa_per_10k": s.fa_per_10k,
@@ -424,14 +588,17 @@ def tune_scores(scores: Sequence[RunScores], candidates: Sequence[Candidate],
                               "clean_runs_alarmed": s.clean_runs_alarmed})
         heldout = summarise(pooled)
     t1 = time.perf_counter()
-    choices = search(all_rows)
+    choices = search_rows(all_rows)
     train_summary = tuner.evaluate(all_rows, choices)[0]
     cfg = build_config(base, candidates, choices)
     desc = []
-    for _, ch in sorted(choices.items()):
+    for b, ch in sorted(choices.items()):
         c = candidates[ch.cand]
+        st = tuner.start.get(b)
         desc.append({"binding": c.name, "detector": c.detector, "params": c.params_dict(),
-                     "threshold": ch.threshold})
+                     "threshold": ch.threshold,
+                     "base_threshold": None if st is None else st.threshold,
+                     "moved": st is None or st != ch})
     changed, kept = describe_changes(base, cfg, choices)
     return TuneResult(cfg, desc, train_summary, heldout, fold_figs,
                       {"cv": t1 - t0, "final": time.perf_counter() - t1}, preset, changed, kept)
@@ -450,11 +617,25 @@ def build_config(base: Mapping[str, Any], candidates: Sequence[Candidate],
     for b, d in enumerate(cfg.get("detectors", [])):
         if b in choices:
             c = candidates[choices[b].cand]
-            d = dict(d)
-            d["params"] = {**c.params_dict(), "threshold": _round_up(choices[b].threshold)}
+            params = {**c.params_dict(), "threshold": _round_up(choices[b].threshold)}
+            if not _same_setting(d, params):
+                d = {**d, "params": params}
         dets.append(d)
     cfg["detectors"] = dets
     return cfg
+
+
+def _same_setting(det: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
+    """Whether ``params`` set binding ``det`` as its own parameters do (a parameter missing on
+    either side counts at the detector's default): then the binding is written unchanged."""
+    from stability.config.registry import detector_class
+
+    from .tuning_scores import detector_defaults
+
+    old = dict(det.get("params", {}))
+    dflt = detector_defaults(detector_class(det["detector"]))
+    return all(old.get(k, dflt.get(k)) == params.get(k, dflt.get(k))
+               for k in set(old) | set(params))
 
 
 def describe_changes(base: Mapping[str, Any], cfg: Mapping[str, Any],
@@ -473,7 +654,7 @@ def describe_changes(base: Mapping[str, Any], cfg: Mapping[str, Any],
     changed, kept = [], []
     for b, (old, new) in enumerate(zip(base.get("detectors", []), cfg["detectors"],
                                        strict=True)):
-        if b not in choices:
+        if b not in choices or new == old:
             kept.append(str(new["name"]))
             continue
         p0, p1 = dict(old.get("params", {})), dict(new.get("params", {}))
@@ -529,7 +710,8 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
          address: str | None = None, failed: list[RunFailure] | None = None,
          max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
          min_gain: int = DEFAULT_MIN_GAIN,
-         hold_back_clean: float = DEFAULT_HOLD_BACK) -> TuneResult:
+         hold_back_clean: float = DEFAULT_HOLD_BACK,
+         search: str = DEFAULT_SEARCH) -> TuneResult:
     """Score ``runs`` with every candidate of ``config``'s bindings and tune (module docstring).
 
     Parameters
@@ -547,6 +729,11 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     hold_back_clean
         Fraction of the clean runs held back from tuning; every move must keep both limits
         on them too (:func:`hold_back`; 0 = tune on all runs).
+    search
+        ``"warm"`` (default): every binding of ``config`` on, thresholds moved from its
+        thresholds (parameters as in ``config``: no grid unless ``grids`` is given);
+        ``"greedy"``: bindings switched on one at a time from nothing over the full parameter
+        grids, for a new set of bindings (:func:`make_tuner`).
     config
         Base monitor config (preset name, path, dict; ``None`` = the default preset).
     backend, jobs, address
@@ -561,7 +748,11 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     resolved = load_config(config)
     base = resolved.to_dict()
     t0 = time.perf_counter()
-    cands = make_candidates(base["detectors"], grids)
+    if search not in SEARCHES:
+        raise ValueError(f"The 'search' parameter of tune must be one of {SEARCHES}. "
+                         f"Got {search!r} instead.")
+    cands = make_candidates(base["detectors"], {} if grids is None and search == "warm"
+                            else grids)
     scores = score_runs(runs, cands, base.get("monitor", {}).get("aliases", {}),
                         backend=backend, jobs=jobs, progress=progress, address=address,
                         failed=failed)
@@ -571,7 +762,7 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     res = tune_scores(scores, cands, labels, base, budget, folds=folds, settings=settings,
                       n_thresholds=n_thresholds, preset=preset_of(resolved),
                       max_clean_alarmed=max_clean_alarmed, min_gain=min_gain,
-                      hold_back_clean=hold_back_clean)
+                      hold_back_clean=hold_back_clean, search=search)
     res.seconds["scoring"] = t1 - t0
     res.seconds["candidates"] = float(len(cands))
     return res

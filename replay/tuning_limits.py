@@ -6,7 +6,8 @@ Why these values: docs/guides/tuning.md, "Limits".
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_HOLD_BACK", "DEFAULT_MAX_CLEAN_ALARMED", "DEFAULT_MIN_GAIN"]
+__all__ = ["DEFAULT_HOLD_BACK", "DEFAULT_MAX_CLEAN_ALARMED", "DEFAULT_MIN_GAIN", "DEFAULT_SEARCH",
+           "SEARCHES"]
 
 #: the fraction of the clean runs with any alarm episode a tuned config may reach (issue 28's
 #: target: quiet on at least 99 % of healthy runs; below 100 clean runs that means on all)
@@ -17,3 +18,9 @@ DEFAULT_MIN_GAIN = 2
 #: the fraction of the clean runs held back from tuning; every move must keep both limits on
 #: them too (:func:`replay.tuning.hold_back`)
 DEFAULT_HOLD_BACK = 0.5
+#: the searches of :func:`replay.tuning.make_tuner`: ``warm`` refines the base config's
+#: thresholds (every binding on), ``greedy`` switches bindings on one at a time from nothing
+SEARCHES = ("warm", "greedy")
+#: the default search: the base config refined (thresholds learnt from nothing did not transfer
+#: to a held-out architecture; docs/guides/tuning.md, "Where the search starts")
+DEFAULT_SEARCH = "warm"

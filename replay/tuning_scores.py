@@ -25,7 +25,8 @@ from .fleet import RunFailure, fan_out_runs
 from .replay import read_table
 from .scoring import reduce_series
 
-__all__ = ["Candidate", "RunScores", "make_candidates", "score_runs", "score_table"]
+__all__ = ["Candidate", "RunScores", "base_candidate", "detector_defaults", "make_candidates",
+           "score_runs", "score_table"]
 
 FloatArray = NDArray[np.float64]
 
@@ -41,10 +42,27 @@ class Candidate:
     inputs: tuple[str, ...]
     params: tuple[tuple[str, Any], ...]
     tunable: bool
+    #: the threshold its scores are computed with: ``inf`` (threshold-free scores, swept by the
+    #: tuner), or the base threshold of a binding scored as it is -- one that freezes on alarms,
+    #: or whose base setting is not a grid point (exact at that threshold only: never swept; the
+    #: warm start, and what a binding the search leaves alone is counted with)
+    scored_at: float = math.inf
 
     def params_dict(self) -> dict[str, Any]:
         """The parameters as a dict."""
         return dict(self.params)
+
+    @property
+    def sweepable(self) -> bool:
+        """Whether the tuner may sweep thresholds over its scores."""
+        return self.tunable and self.scored_at == math.inf
+
+
+def detector_defaults(cls: type) -> dict[str, Any]:
+    """The constructor's keyword defaults of a detector class."""
+    init = cls.__init__  # type: ignore[misc]
+    return {k: p.default for k, p in inspect.signature(init).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def _init_args(cls: type) -> list[str]:
@@ -55,7 +73,9 @@ def _init_args(cls: type) -> list[str]:
 def make_candidates(detectors: Sequence[Mapping[str, Any]],
                     grids: Mapping[str, Mapping[str, list[Any]]] | None = None
                     ) -> list[Candidate]:
-    """Every (binding, grid point) of a resolved config's ``detectors`` list."""
+    """Every (binding, grid point) of a resolved config's ``detectors`` list, and the base
+    setting of a binding scored as it is where the grid points do not cover it
+    (:attr:`Candidate.scored_at`)."""
     from stability.config.registry import detector_class, is_available
 
     grids = tune_grids() if grids is None else grids
@@ -71,14 +91,60 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
         grid = dict(grids.get(det, {})) if tunable else {}
         grid = {k: v for k, v in grid.items() if k in args}
         keys = sorted(grid)
+        points = []
         for combo in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
             p = dict(base)
             p.update(zip(keys, combo, strict=True))
+            points.append(p)
+        for p in points:
             if tunable and "freeze_on_alarm" in args:
                 p["freeze_on_alarm"] = False
             out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
                                  tuple(sorted(p.items())), tunable))
+        dflt = detector_defaults(cls)
+        if tunable and _needs_as_is(base, grid, dflt):
+            th = float(dict(d.get("params", {})).get("threshold", dflt["threshold"]))
+            out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
+                                 tuple(sorted(base.items())), True, th))
     return out
+
+
+def _needs_as_is(base: Mapping[str, Any], grid: Mapping[str, Sequence[Any]],
+                 dflt: Mapping[str, Any]) -> bool:
+    """Whether a binding needs a candidate scored as it is (:attr:`Candidate.scored_at`): its
+    base setting is not a grid point, or it freezes on alarms (threshold-free scores would
+    differ from the monitor's after its first alarm)."""
+    off_grid = not all(base.get(k, dflt.get(k)) in grid[k] for k in grid)
+    return off_grid or base.get("freeze_on_alarm", dflt.get("freeze_on_alarm")) is True
+
+
+def base_candidate(candidates: Sequence[Candidate], base: Mapping[str, Any], b: int
+                   ) -> int | None:
+    """The index of binding ``b``'s candidate with the base config's parameters (threshold
+    aside; the one scored as it is when there is one, else the grid point),
+    ``None`` when ``b`` has no tunable candidate.
+
+    >>> det = {"name": "s", "detector": "ewma_z", "inputs": ["loss"], "params": {"alpha": 0.3}}
+    >>> cands = make_candidates([det])
+    >>> cands[base_candidate(cands, {"detectors": [det]}, 0)].params_dict()["alpha"]
+    0.3
+    """
+    from stability.config.registry import detector_class
+
+    want = {k: v for k, v in dict(base["detectors"][b].get("params", {})).items()
+            if k not in ("threshold", "freeze_on_alarm")}
+    found = None
+    for i, c in enumerate(candidates):
+        if c.binding != b or not c.tunable:
+            continue
+        have = {k: v for k, v in c.params if k != "freeze_on_alarm"}
+        dflt = detector_defaults(detector_class(c.detector))
+        if set(want) <= set(have) and all(v == want.get(k, dflt.get(k, v))
+                                          for k, v in have.items()):
+            if not c.sweepable:
+                return i  # the binding as it is (freezing on alarms)
+            found = i if found is None else found
+    return found
 
 
 # ---------------------------------------------------------------------------- scoring jobs
@@ -123,7 +189,7 @@ def score_table(table: Any, candidates: Sequence[Candidate], aliases: Mapping[st
             continue
         params = c.params_dict()
         if c.tunable:
-            params["threshold"] = math.inf
+            params["threshold"] = c.scored_at
         det = make_detector(c.detector, params, n_series=x.shape[2], n_inputs=x.shape[1],
                             where=c.name)
         scores, alarms = det.update_many(*[x[:, i, :] for i in range(x.shape[1])], missing=m)

@@ -144,7 +144,14 @@ def test_quick_run_prints_folds_and_consensus(labels, tmp_path, capsys):
 def test_warm_tuner_keeps_budget_under_replay_and_never_loses_training_recall(labels):
     from replay.evaluate import evaluate_runs
     from replay.replay import alarms_for_eval, discover_runs
-    from replay.tuning import EvalSettings, build_config, make_candidates, score_runs
+    from replay.tuning import (
+        EvalSettings,
+        base_thresholds,
+        build_config,
+        make_candidates,
+        make_tuner,
+        score_runs,
+    )
     from stability.config.config import load_config
 
     runs = [r for r in discover_runs(BENCH / "runs") if r[0][:10] in
@@ -152,11 +159,12 @@ def test_warm_tuner_keeps_budget_under_replay_and_never_loses_training_recall(la
     base = load_config("default").to_dict()
     cands = make_candidates(base["detectors"], {})
     scores = score_runs(runs, cands, {}, jobs=1, progress=False)
-    start = cv.base_thresholds(base, cands)
+    start = base_thresholds(base, cands)
     budget = 2.0
     for recall_only in (False, True):
-        tn = cv.WarmTuner(scores, cands, labels, budget, EvalSettings(), 200, start=start,
-                          recall_only=recall_only)
+        tn = make_tuner("warm", scores, cands, labels, base, budget, EvalSettings(), 200,
+                        recall_only=recall_only)
+        assert {b: c.threshold for b, c in tn.start.items()} == start
         rows = list(range(len(scores)))
         s0 = tn.evaluate(rows, tn.start)[0]
         choices = tn.search(rows)
@@ -175,7 +183,7 @@ def test_warm_tuner_keeps_budget_under_replay_and_never_loses_training_recall(la
 
 def test_validation_runs_are_held_back_and_veto_new_false_alarms(labels):
     from replay.replay import discover_runs
-    from replay.tuning import EvalSettings, make_candidates, score_runs
+    from replay.tuning import EvalSettings, make_candidates, make_tuner, score_runs
     from stability.config.config import load_config
 
     bench = [r for r in discover_runs(BENCH / "runs") if r[0][:10] in
@@ -191,8 +199,7 @@ def test_validation_runs_are_held_back_and_veto_new_false_alarms(labels):
     base = load_config("default").to_dict()
     cands = make_candidates(base["detectors"], {})
     scores = score_runs(runs, cands, {}, jobs=1, progress=False)
-    tn = cv.WarmTuner(scores, cands, labels, 5.0, EvalSettings(), 200,
-                      start=cv.base_thresholds(base, cands))
+    tn = make_tuner("warm", scores, cands, labels, base, 5.0, EvalSettings(), 200)
     free = tn.search(tune)
     vetoed = tn.search(tune, val=val)
     fa = [tn.evaluate(val, c)[0].false_alarms for c in (tn.start, free, vetoed)]

@@ -48,7 +48,7 @@ def test_tuned_file_replays_every_binding_of_its_preset(preset: str, tmp_path: P
     base = resolved.to_dict()
     scores, cands, labels = _synthetic(base)
     res = tune_scores(scores, cands, labels, base, 2.0, folds=0, n_thresholds=200,
-                      preset=preset_of(resolved))
+                      preset=preset_of(resolved), search="greedy")
     assert [c["binding"] for c in res.choices] == ["loss_spike"]
     out = tmp_path / "tuned.toml"
     write_config(out, res.file_config(), res.header())
@@ -72,6 +72,22 @@ def test_tuned_file_replays_every_binding_of_its_preset(preset: str, tmp_path: P
     assert any(ln.startswith(f"# changed: loss_spike ({kind}): threshold ") for ln in head)
     kept = next(ln for ln in head if ln.startswith("# kept: "))
     assert set(kept[len("# kept: "):].split(", ")) == set(names) - {"loss_spike"}
+
+
+def test_warm_search_that_moves_nothing_writes_the_preset(tmp_path: Path) -> None:
+    """From the preset, a threshold that already detects every fault is not moved: the file is
+    the preset line alone, and its header says nothing changed."""
+    resolved = load_config("default")
+    base = resolved.to_dict()
+    scores, cands, labels = _synthetic(base)
+    res = tune_scores(scores, cands, labels, base, 2.0, folds=0, n_thresholds=200,
+                      preset="default")
+    assert res.train.recall == 1.0  # the preset's threshold already catches every fault
+    assert [(c["binding"], c["moved"]) for c in res.choices] == [("loss_spike", False)]
+    assert res.file_config() == {"preset": "default", "detectors": []}
+    assert "changed: nothing" in res.header()
+    write_config(tmp_path / "t.toml", res.file_config(), res.header())
+    assert load_config(str(tmp_path / "t.toml")).to_dict() == base
 
 
 def test_a_config_of_its_own_is_written_whole(tmp_path: Path) -> None:

@@ -145,7 +145,8 @@ def test_tuner_rejects_bad_limits(kw: dict, match: str) -> None:
         Tuner(scores, cands, labels, 0.5, **kw)
 
 
-def test_tune_scores_keeps_both_limits_on_all_runs() -> None:
+@pytest.mark.parametrize("search", ["greedy", "warm"])
+def test_tune_scores_keeps_both_limits_on_all_runs(search: str) -> None:
     # held back or tuned on, every clean run ends up checked: the spiky one stays quiet
     faults = {f"f{i}": (4.0 if i < 2 else 8.0, 0.0) for i in range(6)}
     scores, cands, labels = _runs(faults, {"c0": 5.0, "c7": 4.5})
@@ -153,16 +154,18 @@ def test_tune_scores_keeps_both_limits_on_all_runs() -> None:
                           {"name": "b", "detector": "ewma_z", "inputs": ["grad_norm"]}]}
     for hb in (0.0, 0.5):
         res = tune_scores(scores, cands, labels, base, 0.5, folds=0, n_thresholds=500,
-                          min_gain=0, hold_back_clean=hb)
+                          min_gain=0, hold_back_clean=hb, search=search)
         assert res.train.clean_runs_alarmed == 0.0 and res.train.fa_per_10k <= 0.5
-        assert res.config["detectors"][0]["params"]["threshold"] >= 5.0
+        # warm: the base threshold (ewma_z's default, 6) already keeps the limits
+        th = res.config["detectors"][0].get("params", {}).get("threshold", 6.0)
+        assert th >= 5.0
 
 
 def test_cli_tune_limit_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from replay.cli import build_parser, main
 
     a = build_parser().parse_args(["tune", "x", "--budget", "1", "-o", "t.toml"])
-    assert (a.max_clean_alarmed, a.min_gain, a.hold_back) == (0.01, 2, 0.5)
+    assert (a.max_clean_alarmed, a.min_gain, a.hold_back, a.search) == (0.01, 2, 0.5, "warm")
     out = tmp_path / "tuned.toml"
     rc = main(["tune", str(DATA / "runs"), "--labels", str(DATA / "labels.parquet"),
                "--budget", "5", "--folds", "0", "--jobs", "1", "--thresholds", "100",
@@ -173,7 +176,7 @@ def test_cli_tune_limit_options(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "0 of clean runs held back" in head
     capsys.readouterr()
     for bad in (["--max-clean-alarmed", "2"], ["--hold-back", "-0.1"], ["--min-gain", "-1"],
-                ["--min-gain", "x"]):
+                ["--min-gain", "x"], ["--search", "cold"]):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(["tune", "x", "--budget", "1", "-o", "t.toml", *bad])
         assert e.value.code == 2
