@@ -1336,10 +1336,11 @@ class Policy:
         (invariant 6).  It is skipped, clipped or adapted to like any data fault, and the
         probation decides: a stop when the loss stays measurably worse without closing the gap
         (invariant 3), at once when the canary diverges again (cause ``data``); a skip storm
-        stops (invariant 5)."""
+        stops (invariant 5).  With no rollback left the ladder's stop applies as before
+        (``max_rollbacks``, invariant 5)."""
         pb = self._probation
         if pb is None or "rollback" not in d.actions or d.keep_position \
-                or d.cause not in DATA_CAUSES:
+                or d.cause not in DATA_CAUSES or self.n_rollbacks >= self.config.max_rollbacks:
             return
         d.actions = d.actions - {"rollback", "checkpoint"}
         if self._storm:
