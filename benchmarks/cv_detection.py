@@ -3,8 +3,12 @@
 For each fold the detector thresholds are tuned on the training part with :mod:`replay.tuning`
 (the engine of ``stability tune``): every binding of the base config is scored once per run
 (scores cached for all folds), then the tuner's search maximises recall on visible faults under
-a false-alarm budget (``--budget`` episodes per 10k clean steps of the training part, long clean
-runs included). The tuned config is then replayed through the monitor
+the tuner's limits on the training part, long clean runs included: a false-alarm budget
+(``--budget`` episodes per 10k clean steps), at most ``--max-clean-alarmed`` of the clean runs
+alarmed, every move detecting ``--min-gain`` more faults, and (``--validate``, on by default)
+every other training long run per architecture held back, the limits holding there too
+(``--no-validate --hold-back F``: a random fraction of the clean runs instead, as ``stability
+tune`` does). The tuned config is then replayed through the monitor
 (:func:`replay.replay.alarms_for_eval`, what ``stability eval`` does) on the held-out part and
 scored by :func:`replay.evaluate.evaluate_runs`, next to the untuned base preset on the same runs.
 
@@ -34,6 +38,8 @@ binding's threshold), written by ``--write-consensus`` and replayed on every run
 Usage::
 
     python benchmarks/cv_detection.py                     # warm, recall, budget 0.5, 17 folds
+    python benchmarks/cv_detection.py --max-clean-alarmed 1 --min-gain 0 --no-validate
+                                                          # the tuner before issue 28's limits
     python benchmarks/cv_detection.py --write-consensus consensus.toml
     python benchmarks/cv_detection.py --tuner greedy --thresholds-only
     python benchmarks/cv_detection.py --quick             # 8 configurations, 4 long runs (tests)
@@ -55,7 +61,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from replay.tuning import Choice, Tuner
+from replay.tuning import DEFAULT_MAX_CLEAN_ALARMED, DEFAULT_MIN_GAIN, Choice, Tuner
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SET = HERE / "data" / "bench14"
@@ -154,33 +160,36 @@ class WarmTuner(Tuner):
 
     def search(self, rows: Sequence[int], max_rounds: int | None = None, *,
                val: Sequence[int] = ()) -> dict[int, Choice]:
-        """Moves from the start point on ``rows``; with ``val``, a move that adds a false-alarm
-        episode on the runs ``val`` (never tuned on) is refused and the next best one tried."""
+        """Moves from the start point on ``rows``; with ``val`` (runs never tuned on), a move
+        must keep the false-alarm budget and the clean-run limit there too."""
         choices = dict(self.start)
         tunable_b = sorted(self.start)
         rounds = max_rounds if max_rounds is not None else 2 * len(tunable_b) + 1
         current = self._score_choices(rows, choices)
-        if -current[-1] > self.budget:  # the start point breaks the budget: any feasible move
+        feasible = self._keeps_limits(rows, choices)
+        if not feasible:  # the start point breaks a limit: any feasible move
             current = [-math.inf] * len(current)
-        val_fa = self.evaluate(val, choices)[0].false_alarms if val else 0
         for _ in range(rounds):
-            moves = sorted(((r[0], b, r[1]) for b in tunable_b
-                            if (r := self._best_for(rows, b, choices)) is not None),
+            need = self._need(rows, choices) if feasible else None
+            moves = sorted(((r.key, b, r.choice) for b in tunable_b
+                            if (r := self._best_for(rows, b, choices, val, need)) is not None),
                            key=lambda m: m[0], reverse=True)
             moves = [m for m in moves if m[0] > current and not (
-                self.recall_only and m[0][0] <= current[0] and -current[-1] <= self.budget)]
-            if val:
-                moves = [m for m in moves
-                         if self.evaluate(val, {**choices, m[1]: m[2]})[0].false_alarms <= val_fa]
+                self.recall_only and m[0][0] <= current[0] and feasible)]
             if not moves:
                 break
             key, b, ch = moves[0]
             choices[b] = ch
-            current = key
+            current, feasible = key, True
         for b, ch in list(choices.items()):
             if ch.threshold != self.start[b].threshold:
                 choices[b] = Choice(ch.cand, self._widen(rows, b, choices))
         return choices
+
+    def _keeps_limits(self, rows: Sequence[int], choices: Mapping[int, Choice]) -> bool:
+        """Whether ``choices`` keep the budget and the clean-run limit on ``rows``."""
+        s = self.evaluate(rows, choices)[0]
+        return not (s.fa_per_10k > self.budget or s.clean_runs_alarmed > self.max_clean_alarmed)
 
     def _widen(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice]) -> float:
         """Middle of ``[th, next breakpoint)``: every training figure is the same there."""
@@ -277,12 +286,20 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
                    thresholds_only: bool = False, window: int = 200,
                    n_thresholds: int = 1000, jobs: int | None = 1,
                    max_class_folds: int | None = None, validate: bool = False,
+                   max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+                   min_gain: int = DEFAULT_MIN_GAIN, hold_back_clean: float = 0.0,
                    progress: bool = False) -> tuple[list[FoldResult], dict[str, Any]]:
     """Tune on each fold's training part, replay tuned and base config on its held-out part.
 
     ``labels`` covers the benchmark and the long runs (a run without a label counts as clean).
-    ``validate`` (warm tuner): every other training long run per architecture is not tuned on
-    but checks each move (no new false-alarm episode there).
+    ``validate``: every other training long run per architecture is not tuned on
+    but checks each move (the budget and ``max_clean_alarmed`` must hold there too).
+    ``max_clean_alarmed``: the tuner's limit on the fraction of training clean runs alarmed
+    (1 = the false-alarm budget alone, the tuner before issue 28's round 3); ``min_gain``: the
+    fewest additional training faults a move must detect (0 = any gain).
+    ``hold_back_clean`` (without ``validate``): hold back that fraction of the training clean
+    runs instead, drawn at random (:func:`replay.tuning.hold_back`, what ``stability tune``
+    does).
 
     Returns
     -------
@@ -292,7 +309,7 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
         seconds spent (``"seconds"``).
     """
     from replay.evaluate import summarise
-    from replay.tuning import EvalSettings, build_config, make_candidates, score_runs
+    from replay.tuning import EvalSettings, build_config, hold_back, make_candidates, score_runs
     from stability.config.config import load_config
 
     t0 = time.perf_counter()
@@ -310,9 +327,11 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     start_by_name = {base_cfg["detectors"][b]["name"]: th for b, th in start.items()}
     if warm:
         tn = WarmTuner(scores, cands, labels, budget, es, n_thresholds, start=start,
-                       recall_only=objective == "recall")
+                       recall_only=objective == "recall", max_clean_alarmed=max_clean_alarmed,
+                       min_gain=min_gain)
     else:
-        tn = Tuner(scores, cands, labels, budget, es, n_thresholds)
+        tn = Tuner(scores, cands, labels, budget, es, n_thresholds,
+                   max_clean_alarmed=max_clean_alarmed, min_gain=min_gain)
     by_id = dict(all_runs)
     long_set = {rid for rid, _ in long_runs}
     base_res = _replay(base, all_runs, labels, window, jobs)
@@ -320,9 +339,11 @@ def cross_validate(runs: Sequence[tuple[str, str]], labels: Mapping[str, Any],
     for f in fold_rows([r for r, _ in runs], labels, kinds, long_ids=[r for r, _ in long_runs],
                        max_class_folds=max_class_folds):
         train, val = f.train, []
-        if validate and warm:
+        if validate:
             train, val = _hold_back_long(f.train, run_ids, labels, len(runs))
-        choices = tn.search(train, val=val) if warm else tn.search(train)
+        elif hold_back_clean:
+            train, val = hold_back(run_ids, labels, f.train, hold_back_clean)
+        choices = tn.search(train, val=val)
         cfg = build_config(base_cfg, cands, choices)
         test_ids = [run_ids[i] for i in f.test]
         res = _replay(cfg, [(r, by_id[r]) for r in test_ids], labels, window, jobs)
@@ -473,6 +494,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="warm: accept a move only when recall on visible faults rises (recall, "
                         "default) or by the tuner's whole objective (project)")
     p.add_argument("--budget", type=float, default=0.5, help="false alarms per 10k clean steps")
+    p.add_argument("--max-clean-alarmed", type=float, default=DEFAULT_MAX_CLEAN_ALARMED,
+                   help="most clean training runs with any alarm episode, as a fraction "
+                        "(default %(default)s; 1 = the budget alone)")
+    p.add_argument("--min-gain", type=int, default=DEFAULT_MIN_GAIN,
+                   help="fewest additional training faults a move must detect (default "
+                        "%(default)s = any gain)")
     p.add_argument("--folds", default="arch,class", help="fold kinds: arch, class")
     p.add_argument("--window", type=int, default=200, help="detection window (recall@W)")
     p.add_argument("--thresholds", type=int, default=1000, help="thresholds per candidate")
@@ -483,9 +510,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "and 3 class folds, 100 thresholds")
     p.add_argument("--thresholds-only", action="store_true",
                    help="greedy: tune thresholds only (no parameter grid; warm always is)")
-    p.add_argument("--validate", action="store_true",
-                   help="warm: hold back every other training long run; refuse moves that add "
-                        "a false alarm there")
+    p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
+                   help="hold back every other training long run per architecture; a move must "
+                        "keep the budget and --max-clean-alarmed there too (default: on)")
+    p.add_argument("--hold-back", type=float, default=0.0,
+                   help="with --no-validate: hold back this fraction of the training clean "
+                        "runs, at random (stability tune's --hold-back)")
     p.add_argument("--write-consensus", default=None,
                    help="write the median-over-folds config here (.toml / .json) and replay it")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
@@ -511,14 +541,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   thresholds_only=a.thresholds_only,
                                   window=a.window, n_thresholds=a.thresholds, jobs=a.jobs,
                                   max_class_folds=3 if a.quick else None,
-                                  validate=a.validate, progress=not a.quick)
+                                  validate=a.validate, max_clean_alarmed=a.max_clean_alarmed,
+                                  min_gain=a.min_gain, hold_back_clean=a.hold_back,
+                                  progress=not a.quick)
     base_cfg = extra["base_config"]
+    held = (f", {a.hold_back:.0%} of clean runs held back"
+            if a.hold_back and not a.validate else "")
     grid = "thresholds only" if (a.thresholds_only or a.tuner == "warm") else "thresholds + grid"
     print(f"{len(runs)} runs from {a.runs}; {len(long_runs)} long clean runs from "
           f"{a.long or '-'}; base {a.base}; tuner {a.tuner} ({grid}"
           f"{', objective ' + a.objective if a.tuner == 'warm' else ''}"
-          f"{', validated on held-back long runs' if a.validate else ''}); budget {a.budget} "
-          f"FA/10k on the training part; window {a.window}")
+          f"{', validated on held-back long runs' if a.validate else ''}"
+          f"{held}); budget {a.budget} "
+          f"FA/10k and at most {a.max_clean_alarmed:.0%} of clean runs alarmed on the training "
+          f"part; moves gain >= {max(a.min_gain, 1)} faults; window {a.window}")
     print(f"\nper fold, tuned / {a.base} on the held-out part:")
     print(format_folds(folds))
     print("\npooled held-out (class folds: the held-out long half counted once per fold):")
@@ -530,7 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nthresholds over the {len(folds)} folds (consensus = median):")
     print(format_thresholds(per, extra["start"], cons))
     doc: dict[str, Any] = {
-        "runs": a.runs, "long": a.long, "base": a.base, "budget": a.budget, "tuner": a.tuner,
+        "runs": a.runs, "long": a.long, "base": a.base, "budget": a.budget,
+        "max_clean_alarmed": a.max_clean_alarmed, "min_gain": a.min_gain,
+        "hold_back": 0.0 if a.validate else a.hold_back, "tuner": a.tuner,
         "objective": a.objective, "validate": a.validate, "window": a.window,
         "thresholds_only": a.thresholds_only or a.tuner == "warm",
         "folds": [{"kind": f.kind, "name": f.name, "n_train": f.n_train, "n_test": f.n_test,
@@ -546,7 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_config(a.write_consensus, cons,
                      f"consensus (median over {len(folds)} folds) of benchmarks/cv_detection.py "
                      f"--tuner {a.tuner} --objective {a.objective}{' --validate' * a.validate}, "
-                     f"budget {a.budget} FA/10k, base {a.base}\n")
+                     f"budget {a.budget} FA/10k, max clean alarmed {a.max_clean_alarmed}, "
+                     f"base {a.base}\n")
         all_runs = [*runs, *long_runs]
         res = _replay(str(a.write_consensus), all_runs, labels, a.window, a.jobs)
         bres = extra["base_results"]

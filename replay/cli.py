@@ -131,6 +131,7 @@ def _add_tune(sub: Any) -> None:
     p.add_argument("--labels", "-l", default=None)
     p.add_argument("--budget", type=float, required=True,
                    help="max false alarms per 10k clean steps")
+    _tune_limit_args(p)
     p.add_argument("--output", "-o", required=True, help="tuned config (.toml or .json)")
     p.add_argument("--config", "-c", default=None, help="base config (default preset)")
     p.add_argument("--folds", type=int, default=5, help="cross-validation folds (0/1 = none)")
@@ -138,6 +139,47 @@ def _add_tune(sub: Any) -> None:
     p.add_argument("--thresholds", type=int, default=1000,
                    help="thresholds swept per candidate (default %(default)s)")
     _eval_args(p)
+
+
+def _tune_limit_args(p: argparse.ArgumentParser) -> None:
+    """The tuner's limits besides ``--budget`` (docs/guides/tuning.md, "Limits")."""
+    from replay.tuning_limits import (
+        DEFAULT_HOLD_BACK,
+        DEFAULT_MAX_CLEAN_ALARMED,
+        DEFAULT_MIN_GAIN,
+    )
+
+    p.add_argument("--max-clean-alarmed", type=_fraction, default=DEFAULT_MAX_CLEAN_ALARMED,
+                   metavar="F", help="max fraction of clean runs with any alarm episode "
+                   "(default %(default)s; 1 = the budget alone)")
+    p.add_argument("--min-gain", type=_count, default=DEFAULT_MIN_GAIN, metavar="N",
+                   help="a move must detect N more labelled faults (default %(default)s; "
+                        "0 = any gain, lead time included)")
+    p.add_argument("--hold-back", type=_fraction, default=DEFAULT_HOLD_BACK, metavar="F",
+                   help="fraction of the clean runs held back from tuning; every move must "
+                        "keep both limits on them too (default %(default)s; 0 = off)")
+
+
+def _fraction(text: str) -> float:
+    """A float in [0, 1] (argparse type)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
+
+
+def _count(text: str) -> int:
+    """An int >= 0 (argparse type)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
 
 
 def _add_watch(sub: Any) -> None:
@@ -499,10 +541,14 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     res = tune(runs, labels, a.budget, config=a.config, folds=a.folds, backend=a.backend,
                jobs=a.jobs, settings=EvalSettings(**_eval_settings(a)),
                n_thresholds=a.thresholds, address=a.ray_address,
-               failed=failed if len(runs) > 1 else None)
+               failed=failed if len(runs) > 1 else None,
+               max_clean_alarmed=a.max_clean_alarmed, min_gain=a.min_gain,
+               hold_back_clean=a.hold_back)
     _say_failed("tune", failed)
     header = (f"tuned by `stability tune` on {len(runs) - len(failed)} runs, budget {a.budget} "
-              f"false alarms per 10k clean steps\n")
+              f"false alarms per 10k clean steps, at most {a.max_clean_alarmed:g} of clean runs "
+              f"alarmed, moves gaining >= {a.min_gain} faults, {a.hold_back:g} of clean runs "
+              f"held back\n")
     if failed:
         header += _left_out(failed, labels) + "\n"
     if res.heldout is not None:

@@ -135,6 +135,17 @@ def _opt_int(run_id: str, name: str, value: Any) -> int | None:
         return _opt_int(run_id, name, f)
 
 
+def _keys(rec: Mapping[str, Any], limit: int = 12) -> str:
+    """The record's keys, at most ``limit`` of them (a record may be a whole foreign document).
+
+    >>> _keys({"run": "a", "events": []})
+    "'run', 'events'"
+    """
+    keys = [repr(str(k)) for k in list(rec)[:limit]]
+    more = len(rec) - limit
+    return ", ".join(keys) + (f", ... ({more} more)" if more > 0 else "")
+
+
 def label_from_record(rec: Mapping[str, Any], has_effect_column: bool | None = None) -> RunLabel:
     """Validate one record and build a :class:`RunLabel`.
 
@@ -144,7 +155,8 @@ def label_from_record(rec: Mapping[str, Any], has_effect_column: bool | None = N
     replay.labels.LabelError: run 'x': a clean run must not have an onset_step (got 5).
     """
     if "run_id" not in rec or rec["run_id"] in (None, ""):
-        raise LabelError(f"label record without a 'run_id': {dict(rec)!r}")
+        raise LabelError(f"label record without a 'run_id' (keys: {_keys(rec)}); a label "
+                         f"record names its run by 'run_id' (docs/guides/tuning.md: labels)")
     run_id = str(rec["run_id"])
     scenario = rec.get("scenario")
     scenario = "clean" if scenario in (None, "") else str(scenario)

@@ -9,10 +9,15 @@
 2. **Sweep thresholds.**  :mod:`replay.scoring` evaluates up to ``n_thresholds`` thresholds per
    candidate from per-run profiles, exactly as :mod:`replay.evaluate` would.
 3. **Combine greedily.**  Bindings are switched on / retuned one move at a time: each move picks
-   the (parameter point, threshold) of one binding that maximises, under
-   ``fa_per_10k <= budget`` for the *union* of all bindings' alarms,
+   the (parameter point, threshold) of one binding that maximises
    ``(recall, recall before divergence, mean lead, recall of invisible faults, -fa_per_10k)``
-   lexicographically.  Bindings that never help are dropped.
+   lexicographically, under two limits for the *union* of all bindings' alarms --
+   ``fa_per_10k <= budget`` and at most ``max_clean_alarmed`` of the clean runs with any alarm
+   episode -- and detecting ``min_gain`` more labelled faults than before the move (a move
+   fitted to one fault is refused).  With ``hold_back_clean``, that fraction of the clean runs
+   is not tuned on, but both limits must hold on it too (:func:`hold_back`).  Bindings that
+   never help are dropped.  Why the defaults (:mod:`replay.tuning_limits`): the "Limits"
+   section of docs/guides/tuning.md.
 4. **Cross-validate by run.**  With ``folds = K``, runs are dealt into K folds stratified by
    scenario; each fold is tuned on the others and evaluated on itself.  The pooled held-out
    figures are reported; the written config is tuned on all runs.
@@ -39,7 +44,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -59,12 +64,17 @@ from .fleet import RunFailure
 from .labels import RunLabel
 from .scoring import (
     RunProfile,
+    Sweep,
+    SweepSummary,
     candidate_thresholds,
     combine,
     run_profile,
     summarise_sweep,
     sweep,
 )
+from .tuning_limits import DEFAULT_HOLD_BACK as DEFAULT_HOLD_BACK
+from .tuning_limits import DEFAULT_MAX_CLEAN_ALARMED as DEFAULT_MAX_CLEAN_ALARMED
+from .tuning_limits import DEFAULT_MIN_GAIN as DEFAULT_MIN_GAIN
 from .tuning_scores import Candidate, RunScores, make_candidates, score_runs
 from .tuning_scores import score_table as score_table
 
@@ -79,6 +89,14 @@ class Choice:
 
     cand: int
     threshold: float
+
+
+class Move(NamedTuple):
+    """The best move of one binding: objective key, choice, faults it detects on the rows."""
+
+    key: list[float]
+    choice: Choice
+    detected: int
 
 
 @dataclass
@@ -98,16 +116,52 @@ def _objective_keys(recall: FloatArray, before: FloatArray, lead: FloatArray,
     return [z(recall), z(before), z(lead), z(invis), -z(fa)]
 
 
+def clean_runs_alarmed(sw: Sweep) -> FloatArray:
+    """Per threshold of ``sw``: the fraction of its clean runs with any false-alarm episode
+    (``nan`` without a clean run), as :attr:`replay.evaluate.Summary.clean_runs_alarmed`.
+
+    >>> from replay.labels import RunLabel
+    >>> from replay.scoring import run_profile
+    >>> steps = np.arange(50)
+    >>> quiet, spiky = np.zeros(50), np.zeros(50)
+    >>> spiky[20] = 3.0
+    >>> prof = [run_profile(steps, s, RunLabel(r)) for r, s in (("a", quiet), ("b", spiky))]
+    >>> clean_runs_alarmed(sweep(prof, np.array([1.0, 5.0]))).tolist()
+    [0.5, 0.0]
+    """
+    clean = np.array([p.clean for p in sw.profiles], dtype=bool)
+    if not clean.any():
+        return np.full(sw.thresholds.size, np.nan)
+    return np.asarray((sw.false_alarms[clean] > 0).mean(axis=0), dtype=np.float64)
+
+
 class Tuner:
-    """Greedy search over bindings on precomputed scores (see the module docstring)."""
+    """Greedy search over bindings on precomputed scores (see the module docstring).
+
+    ``budget`` (false-alarm episodes per 10k clean steps) and ``max_clean_alarmed`` (fraction
+    of the clean runs with any alarm episode) are the two limits every move must keep on the
+    runs it is tuned on, and on the held-back runs ``val`` of :meth:`search` when given.
+    ``min_gain``: the fewest additional labelled faults a move must detect (0: any
+    improvement of the objective, lead time and the other tie-breakers included).
+    """
 
     def __init__(self, scores: Sequence[RunScores], candidates: Sequence[Candidate],
                  labels: Mapping[str, RunLabel], budget: float,
-                 settings: EvalSettings | None = None, n_thresholds: int = 1000):
+                 settings: EvalSettings | None = None, n_thresholds: int = 1000, *,
+                 max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+                 min_gain: int = DEFAULT_MIN_GAIN):
+        if not 0.0 <= max_clean_alarmed <= 1.0:
+            raise ValueError("The 'max_clean_alarmed' parameter of Tuner must be a float in "
+                             f"the range [0, 1]. Got {max_clean_alarmed!r} instead.")
+        if isinstance(min_gain, bool) or not isinstance(min_gain, int) or min_gain < 0:
+            raise ValueError("The 'min_gain' parameter of Tuner must be an int in the range "
+                             f"[0, inf). Got {min_gain!r} instead.")
+        self.min_gain = min_gain
         self.scores = list(scores)
         self.cands = list(candidates)
         self.labels = [labels.get(r.run_id, RunLabel(r.run_id)) for r in self.scores]
         self.budget = float(budget)
+        self.max_clean_alarmed = float(max_clean_alarmed)
         self.es = settings or EvalSettings()
         self.n_thresholds = n_thresholds
         self.bindings = sorted({c.binding for c in self.cands})
@@ -135,18 +189,35 @@ class Tuner:
                             self.labels[r], window=es.window, tolerance=es.tolerance,
                             gap=es.gap) for r in rows]
 
-    def _best_for(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice]
-                  ) -> tuple[list[float], Choice] | None:
-        best: tuple[list[float], Choice] | None = None
+    def _within_limits(self, prof: Sequence[RunProfile], th: FloatArray
+                       ) -> tuple[BoolArray, SweepSummary, Sweep]:
+        """Per threshold ``th`` (sorted): whether the false-alarm budget and the clean-run
+        limit both hold on the runs of ``prof``; the figures there and the sweep."""
+        sw = sweep(prof, th)
+        sm = summarise_sweep(sw)
+        if sm.clean_steps == 0:
+            return np.ones(th.size, dtype=np.bool_), sm, sw
+        alarmed = clean_runs_alarmed(sw)
+        ok = (sm.fa_per_10k <= self.budget) & ~(alarmed > self.max_clean_alarmed)
+        return ok, sm, sw
+
+    def _best_for(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice],
+                  val: Sequence[int] = (), need: int | None = None) -> Move | None:
+        """The best (candidate, threshold) of binding ``b`` within the limits on ``rows`` and
+        on ``val`` (held back: thresholds come from ``rows`` only) that detects at least
+        ``need`` of the faults of ``rows`` (``None``: any number)."""
+        best: Move | None = None
         for ci, c in enumerate(self.cands):
             if c.binding != b or not c.tunable:
                 continue
             prof = self._profiles(rows, ci, choices, b)
             th = candidate_thresholds(prof, self.n_thresholds)
-            sm = summarise_sweep(sweep(prof, th))
-            ok = sm.fa_per_10k <= self.budget
-            if sm.clean_steps == 0:
-                ok = np.ones_like(ok)
+            ok, sm, sw = self._within_limits(prof, th)
+            detected = sw.detected.sum(axis=0)
+            if need is not None:
+                ok &= detected >= need
+            if len(val):
+                ok &= self._within_limits(self._profiles(val, ci, choices, b), th)[0]
             if not ok.any():
                 continue
             keys = _objective_keys(sm.recall, sm.recall_before_divergence, sm.mean_lead,
@@ -155,9 +226,18 @@ class Tuner:
             order = np.lexsort([k[idx] for k in reversed(keys)])
             j = int(idx[order[-1]])
             key = [float(k[j]) for k in keys]
-            if best is None or key > best[0]:
-                best = (key, Choice(ci, float(th[j])))
+            if best is None or key > best.key:
+                best = Move(key, Choice(ci, float(th[j])), int(detected[j]))
         return best
+
+    def _need(self, rows: Sequence[int], choices: Mapping[int, Choice]) -> int | None:
+        """The fewest faults of ``rows`` a move from ``choices`` must detect: ``min_gain``
+        more than ``choices`` do (``None`` when ``min_gain`` is 0: any move that improves
+        the objective)."""
+        if not self.min_gain:
+            return None
+        results = self.evaluate(rows, choices)[1]
+        return sum(bool(r.detected) for r in results) + self.min_gain
 
     def _key_of(self, s: Summary) -> list[float]:
         lead = self._mean_lead
@@ -166,19 +246,25 @@ class Tuner:
         z[-1] = -z[-1]
         return z
 
-    def search(self, rows: Sequence[int], max_rounds: int | None = None) -> dict[int, Choice]:
-        """Greedy coordinate search on the runs ``rows``; returns ``binding -> Choice``."""
+    def search(self, rows: Sequence[int], max_rounds: int | None = None, *,
+               val: Sequence[int] = ()) -> dict[int, Choice]:
+        """Greedy coordinate search on the runs ``rows``; returns ``binding -> Choice``.
+
+        ``val``: held-back runs (never tuned on) on which every move must keep the limits too.
+        A move must detect ``min_gain`` more faults of ``rows`` than the choices before it.
+        """
         choices: dict[int, Choice] = {}
         tunable_b = [b for b in self.bindings
                      if any(c.binding == b and c.tunable for c in self.cands)]
         rounds = max_rounds if max_rounds is not None else 2 * len(tunable_b) + 1
         current = self._score_choices(rows, choices)
         for _ in range(rounds):
+            need = self._need(rows, choices)
             moves = []
             for b in tunable_b:
-                r = self._best_for(rows, b, choices)
+                r = self._best_for(rows, b, choices, val, need)
                 if r is not None:
-                    moves.append((r[0], b, r[1]))
+                    moves.append((r.key, b, r.choice))
             if not moves:
                 break
             key, b, ch = max(moves, key=lambda m: m[0])
@@ -233,6 +319,35 @@ def make_folds(run_ids: Sequence[str], labels: Mapping[str, RunLabel], k: int,
     return [sorted(f) for f in folds]
 
 
+def hold_back(run_ids: Sequence[str], labels: Mapping[str, RunLabel], rows: Sequence[int],
+              fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Split ``rows`` into ``(tune, val)``: ``val`` is a random ``fraction`` of the clean runs
+    among them (rounded down, at least one clean run left to tune on), never tuned on but
+    checked by every move (:meth:`Tuner.search`).  Faulty runs are all tuned on.
+
+    >>> from replay.labels import RunLabel
+    >>> ids = ["c0", "c1", "c2", "c3", "f"]
+    >>> labs = {"f": RunLabel("f", "x", 5, None, "degraded")}
+    >>> tune, val = hold_back(ids, labs, range(5), 0.5)
+    >>> len(val), 4 in tune, sorted(tune + val)
+    (2, True, [0, 1, 2, 3, 4])
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError("The 'fraction' parameter of hold_back must be a float in the range "
+                         f"[0, 1]. Got {fraction!r} instead.")
+    clean = sorted((r for r in rows if _is_clean(labels.get(run_ids[r]))),
+                   key=lambda r: run_ids[r])
+    n_val = min(int(fraction * len(clean)), max(len(clean) - 1, 0))
+    picked = np.random.default_rng(seed).permutation(len(clean))[:n_val]
+    val = sorted(clean[i] for i in picked)
+    held = set(val)
+    return [r for r in rows if r not in held], val
+
+
+def _is_clean(label: RunLabel | None) -> bool:
+    return label is None or label.is_clean
+
+
 @dataclass
 class TuneResult:
     """Output of :func:`tune`: the config, the choices and the figures."""
@@ -274,27 +389,42 @@ class TuneResult:
 def tune_scores(scores: Sequence[RunScores], candidates: Sequence[Candidate],
                 labels: Mapping[str, RunLabel], base: Mapping[str, Any], budget: float, *,
                 folds: int = 5, settings: EvalSettings | None = None,
-                n_thresholds: int = 1000, seed: int = 0, preset: str | None = None
-                ) -> TuneResult:
+                n_thresholds: int = 1000, seed: int = 0, preset: str | None = None,
+                max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+                min_gain: int = DEFAULT_MIN_GAIN,
+                hold_back_clean: float = DEFAULT_HOLD_BACK) -> TuneResult:
     """Tune on precomputed scores; ``base`` is the resolved config dict the result is built on
-    (``preset``: the preset it is, for :meth:`TuneResult.file_config`)."""
+    (``preset``: the preset it is, for :meth:`TuneResult.file_config`).
+
+    ``max_clean_alarmed``, ``min_gain``: as :class:`Tuner`; ``hold_back_clean``: the
+    fraction of the clean runs of each training part held back to check every move
+    (:func:`hold_back`; 0 = tune on all of them).
+    """
     t0 = time.perf_counter()
-    tuner = Tuner(scores, candidates, labels, budget, settings, n_thresholds)
+    tuner = Tuner(scores, candidates, labels, budget, settings, n_thresholds,
+                  max_clean_alarmed=max_clean_alarmed, min_gain=min_gain)
+    run_ids = [s.run_id for s in scores]
+
+    def search(rows: Sequence[int]) -> dict[int, Choice]:
+        tune_rows, val = hold_back(run_ids, labels, rows, hold_back_clean, seed)
+        return tuner.search(tune_rows, val=val)
+
     all_rows = list(range(len(scores)))
     heldout: Summary | None = None
     fold_figs: list[dict[str, float]] = []
     if folds and folds > 1 and len(scores) >= folds:
         pooled: list[RunResult] = []
-        for f in make_folds([s.run_id for s in scores], labels, folds, seed):
-            train = [r for r in all_rows if r not in set(f)]
-            fold_choices = tuner.search(train)
+        for f in make_folds(run_ids, labels, folds, seed):
+            held_out = set(f)
+            fold_choices = search([r for r in all_rows if r not in held_out])
             s, res = tuner.evaluate(f, fold_choices)
             pooled.extend(res)
             fold_figs.append({"runs": len(f), "recall": s.recall, "fa_per_10k": s.fa_per_10k,
-                              "recall_before_divergence": s.recall_before_divergence})
+                              "recall_before_divergence": s.recall_before_divergence,
+                              "clean_runs_alarmed": s.clean_runs_alarmed})
         heldout = summarise(pooled)
     t1 = time.perf_counter()
-    choices = tuner.search(all_rows)
+    choices = search(all_rows)
     train_summary = tuner.evaluate(all_rows, choices)[0]
     cfg = build_config(base, candidates, choices)
     desc = []
@@ -396,7 +526,10 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
          config: Any = None, folds: int = 5, backend: str = "local", jobs: int | None = None,
          settings: EvalSettings | None = None, grids: Mapping[str, Mapping[str, list[Any]]]
          | None = None, n_thresholds: int = 1000, progress: bool | None = None,
-         address: str | None = None, failed: list[RunFailure] | None = None) -> TuneResult:
+         address: str | None = None, failed: list[RunFailure] | None = None,
+         max_clean_alarmed: float = DEFAULT_MAX_CLEAN_ALARMED,
+         min_gain: int = DEFAULT_MIN_GAIN,
+         hold_back_clean: float = DEFAULT_HOLD_BACK) -> TuneResult:
     """Score ``runs`` with every candidate of ``config``'s bindings and tune (module docstring).
 
     Parameters
@@ -407,6 +540,13 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
         ``run_id -> RunLabel``.
     budget
         Maximum false alarms per 10k clean steps (union of all bindings).
+    max_clean_alarmed
+        Maximum fraction of the clean runs with any alarm episode (union of all bindings).
+    min_gain
+        The fewest additional labelled faults a move must detect (0: any improvement).
+    hold_back_clean
+        Fraction of the clean runs held back from tuning; every move must keep both limits
+        on them too (:func:`hold_back`; 0 = tune on all runs).
     config
         Base monitor config (preset name, path, dict; ``None`` = the default preset).
     backend, jobs, address
@@ -429,7 +569,9 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
         raise ValueError(f"none of the {len(runs)} runs could be read")
     t1 = time.perf_counter()
     res = tune_scores(scores, cands, labels, base, budget, folds=folds, settings=settings,
-                      n_thresholds=n_thresholds, preset=preset_of(resolved))
+                      n_thresholds=n_thresholds, preset=preset_of(resolved),
+                      max_clean_alarmed=max_clean_alarmed, min_gain=min_gain,
+                      hold_back_clean=hold_back_clean)
     res.seconds["scoring"] = t1 - t0
     res.seconds["candidates"] = float(len(cands))
     return res

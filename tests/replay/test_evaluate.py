@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,3 +161,16 @@ def test_sweep_summary_monotone_in_threshold() -> None:
     sm = summarise_sweep(sweep(profs, th))
     assert sm.false_alarms[-1] <= sm.false_alarms[0]
     assert sm.clean_steps > 0
+
+
+def test_a_foreign_label_document_is_named_by_its_keys_not_dumped(tmp_path: Path) -> None:
+    """A labels file in another format (e.g. realruns' event lists) fails with the record's
+    keys and where the format is documented, not with the whole (possibly huge) record."""
+    doc = [{"run": "cpm", "events": [{"quote": "x" * 5000}], **{f"k{i}": i for i in range(20)}}]
+    p = tmp_path / "labels.json"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(LabelError) as e:
+        load_labels(p)
+    msg = str(e.value)
+    assert "'run', 'events'" in msg and "more)" in msg and "docs/guides/tuning.md" in msg
+    assert "xxxxx" not in msg and len(msg) < 500
