@@ -528,7 +528,6 @@ class StabilityTrainerCallback(TrainerCallback, ExportableState):
         self._registered.add(int(state.global_step))
         path = os.path.join(self._args.output_dir, f"checkpoint-{state.global_step}")
         self.store.add(guard.step_count - 1, path, healthy=healthy, reason=reason)
-        guard.checkpoints.note_monitor_state(guard.step_count - 1)  # for a rollback there
         note_goodput(guard.goodput, "note_checkpoint", 0.0)  # HF writes it (HF times it)
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -472,7 +472,6 @@ class StabilityCallback(pl.Callback):
         if self._verified(path):
             self.store.add(step, path, healthy=healthy, reason=reason, owned=not emergency,
                            protect=guard.checkpoints.rollback_targets())
-            guard.checkpoints.note_monitor_state(step)  # for a rollback there
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

@@ -106,7 +106,6 @@ from stability.monitor.state import (
     GRAD_HISTORY,
     STATE_VERSION,
     PartLoader,
-    SignalHistory,
     checked_goodput,
     read_control,
     read_history,
@@ -265,75 +264,21 @@ class Monitor:
         """Register ``fn(intervention)``; failures contained unless strict."""
         return self.handlers.on_intervention(fn)
 
-    def rewind(self, step: int, history: SignalHistory | None = None) -> None:
+    def rewind(self, step: int) -> None:
         """Accept steps after ``step`` again (the trainer resumed from an earlier checkpoint).
 
-        Parameters
-        ----------
-        step
-            The step the restored checkpoint covers: steps after it are accepted again.
-        history
-            The signals' history saved with that checkpoint (:meth:`signal_history` of its
-            monitor snapshot).  Given, every detector bank, the recovery episodes, the
-            gradient-norm history and the last requested LRs come back as they were at the
-            checkpoint, so the replayed steps are scored exactly as the first time (a fault
-            that recurs after the rollback is seen again).  The policy's memory (episodes,
-            attempts, probation, ledgers, LR guard), the control and the counters are kept:
-            the policy knows what it already tried.  ``None`` (a checkpoint without a monitor
-            state, e.g. one written by an older version): detector statistics are kept, except
-            those of step-to-step *jump* detectors (``lr_jump``, ``coherent_jump``): a restore
-            legitimately moves the LR, the weights and their gradients back.
+        Detector statistics are kept (load a saved :meth:`state_dict` to restore them too),
+        except those of step-to-step *jump* detectors (``lr_jump``, ``coherent_jump``): a
+        restore legitimately moves the LR, the weights and their gradients back.
         """
         self.last_step = int(step)
         if self.stopped_at is not None and self.stopped_at > step:
             self.stopped_at = None  # the job re-ran from before its stop: a new stop is news
         self.policy.guard.rewind()  # the scheduler went back too: not an LR jump
-        if history is not None:
-            self._install_signal_history(history)
-            return
         for b in self._bindings:
             if b.spec.detector in ("lr_jump", "coherent_jump"):
                 b.det.reset()
                 self._dirty = True  # reset() reallocates the arrays the fast path is bound to
-
-    def signal_history(self, state: Mapping[str, Any]) -> SignalHistory:
-        """The signals' history of a :meth:`state_dict` snapshot, checked, for :meth:`rewind`.
-
-        Only the detectors' side is read: each bank's statistics (mapped onto this monitor's
-        series by name; series the snapshot lacks start fresh), the recovery episodes, the
-        gradient-norm history and the last two requested LRs.  Nothing of the monitor changes;
-        ``ValueError`` naming the field when the snapshot does not fit this monitor (other
-        bindings, arrays of another shape).
-        """
-        f, snap = self._read_snapshot(state, strict=True)
-        banks = [(b, self._bank_history(b, snap[b.name])) for b in self._bindings]
-        rec = RecoveryTracker()
-        rec.load_state_dict(f.get("recovery", []))
-        seen, grad_hist, grad_last, lr_now, lr_prev, _ = read_history(f, set())
-        return SignalHistory(banks, rec.episodes, grad_hist, grad_last, lr_now, lr_prev, seen)
-
-    def _bank_history(self, b: Binding, g: Fields) -> Any:
-        """One bank's snapshot as arrays for the live bank's series (matched by key)."""
-        keys = [g.text(f"keys[{i}]", value=k, max_len=100_000)
-                for i, k in enumerate(g.seq("keys"))]
-        checked = b.det.validate_state_dict(g.get("detector"))
-        if checked.n_series != len(keys):
-            g.fail("detector", f"state for {len(keys)} series (one per key)",
-                   f"{checked.n_series} series")
-        if keys == b.keys:
-            return checked
-        pos = {k: i for i, k in enumerate(keys)}
-        return b.det.select_series(checked, [pos.get(k) for k in b.keys])
-
-    def _install_signal_history(self, h: SignalHistory) -> None:
-        """Install a checked :class:`SignalHistory` (the detectors' side only)."""
-        for b, checked in h.banks:
-            b.det.apply_state(checked)
-        self._recovery.episodes = dict(h.recovery)
-        self._grad_hist.clear()
-        self._grad_hist.extend(h.grad_history)
-        self._grad_last, self._lr_now, self._lr_prev = h.grad_last, h.lr_now, h.lr_prev
-        self._dirty = True  # apply_state replaced the arrays the fast path is bound to
 
     # ------------------------------------------------------------------ the step
     def observe(self, step: int, metrics: Mapping[str, Any] | None = None,

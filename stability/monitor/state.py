@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from stability._state_check import Fields
 from stability.run.goodput import GoodputTracker
 from stability.types import Control
 
-__all__ = ["GRAD_HISTORY", "STATE_VERSION", "PartLoader", "SignalHistory", "checked_goodput",
-           "read_control", "read_history", "read_layout", "rewarm"]
+__all__ = ["GRAD_HISTORY", "STATE_VERSION", "PartLoader", "checked_goodput", "read_control",
+           "read_history", "read_layout", "rewarm"]
 
 logger = logging.getLogger("stability.monitor")
 
@@ -113,22 +113,3 @@ def read_history(f: Fields, counter_keys: set[str]) -> tuple[
     counters = {k: f.integer(f"counters.{k}", v, lo=0)
                 for k, v in f.mapping("counters", {}).items() if k in counter_keys}
     return last_step, grad_hist, grad_last, lr_now, lr_prev, counters
-
-
-class SignalHistory(NamedTuple):
-    """The part of a monitor snapshot that describes the signals' history, checked and ready
-    to install (:meth:`Monitor.signal_history`, :meth:`Monitor.rewind`).
-
-    ``banks`` holds each binding's validated detector arrays, already mapped onto the live
-    bank's series (series the snapshot lacks start fresh); the rest are the recovery episodes,
-    the gradient-norm history and the last two requested LRs; ``seen_through`` is the last step
-    the snapshot's detectors observed.
-    """
-
-    banks: list[tuple[Any, Any]]
-    recovery: Any
-    grad_history: list[float]
-    grad_last: float | None
-    lr_now: float | None
-    lr_prev: float | None
-    seen_through: int

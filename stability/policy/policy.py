@@ -1297,7 +1297,6 @@ class Policy:
         """Rules: a rollback is never repeated over a deterministic fault, never past
         ``max_rollbacks`` (a stop instead), and needs a healthy checkpoint before the onset."""
         self._rerun_verdict(d, notes)
-        self._data_rollback_not_repeated(d, notes)
         if "rollback" in d.actions and self.n_rollbacks >= self.config.max_rollbacks:
             d.actions = (d.actions - {"rollback"}) | {"stop"}
             notes.append(f"rollback limit ({self.config.max_rollbacks}) reached")
@@ -1329,25 +1328,6 @@ class Policy:
         notes.append(f"the fault recurred at step {self._onset_or(d.step)} after a rollback to "
                      f"before it: deterministic, a rollback does not help -- "
                      + ("stopping" if self._storm else "training through it"))
-
-    def _data_rollback_not_repeated(self, d: _Draft, notes: list[str]) -> None:
-        """Rule: bad data that comes back during the probation of a rollback that skipped bad
-        data is not rolled back again -- that rollback was tried and the data keeps coming
-        (invariant 6).  It is skipped, clipped or adapted to like any data fault, and the
-        probation decides: a stop when the loss stays measurably worse without closing the gap
-        (invariant 3), at once when the canary diverges again (cause ``data``); a skip storm
-        stops (invariant 5).  With no rollback left the ladder's stop applies as before
-        (``max_rollbacks``, invariant 5)."""
-        pb = self._probation
-        if pb is None or "rollback" not in d.actions or d.keep_position \
-                or d.cause not in DATA_CAUSES or self.n_rollbacks >= self.config.max_rollbacks:
-            return
-        d.actions = d.actions - {"rollback", "checkpoint"}
-        if self._storm:
-            d.actions |= {"stop"}
-        notes.append(f"bad data again during the probation of the rollback at step "
-                     f"{pb.resume}: a rollback does not help -- "
-                     + ("stopping" if self._storm else "training through it, on probation"))
 
     def _gate_stop(self, d: _Draft, notes: list[str]) -> None:
         """Rule: stop only when the run is measurably worse than before the episode (a skip

@@ -169,8 +169,6 @@ class GuardCheckpoints:
         self._recorder_flush_failed = False
         #: the last step whose update is known healthy (the weights after it are)
         self._healthy_through = -1
-        #: the monitor state taken with each checkpoint the ledger lists (by step)
-        self._monitor_states: dict[int, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ the one registry
     @property
@@ -202,34 +200,17 @@ class GuardCheckpoints:
         pos = g._pos_of_step.get(step, g.data_position) + 1
         self._flush_recorder()
         t0 = time.monotonic()
-        monitor_state = g._monitor_state()
         with g.base_lr():  # the optimizer state holds the scheduler's own LR, not the cut
             entry: CheckpointRecord = self.store.save(
                 g.model, g.optimizer, g.scheduler, step=step, data_position=pos,
-                healthy=healthy, reason=reason, monitor_state=monitor_state,
+                healthy=healthy, reason=reason, monitor_state=g._monitor_state(),
                 protect=self._rollback_targets(), margin=self._margin(), **self._scaler_kw())
-        self._keep_monitor_state(entry.step, monitor_state)
         spent = time.monotonic() - t0
         note_goodput(g.goodput, "note_checkpoint", spent)
         if self.cadence is not None:
             self.cadence.note_save(spent)
             self._last_save_t = time.monotonic()
         return entry
-
-    def note_monitor_state(self, step: int) -> None:
-        """Keep the monitor's state now as that of the checkpoint of ``step`` (a trainer's own
-        checkpoint the adapter registered in the ledger: its file does not carry it)."""
-        self._keep_monitor_state(step, self.guard._monitor_state())
-
-    def _keep_monitor_state(self, step: int, state: dict[str, Any] | None) -> None:
-        """Keep the monitor state taken with the checkpoint of ``step`` while the ledger lists
-        it: a rollback restores the detectors' side of it, whatever the store keeps (a
-        trainer's own checkpoint files do not carry it)."""
-        if state is not None:
-            self._monitor_states[int(step)] = state
-        listed = {r.step for r in self.ledger.records}
-        for s in [s for s in self._monitor_states if s not in listed]:
-            del self._monitor_states[s]
 
     def auto(self, healthy: bool, reason: str, step: int | None = None) -> CheckpointRecord | None:
         """:meth:`save` at the end of a step: a failure never stops training.
@@ -407,11 +388,7 @@ class GuardCheckpoints:
         issued = g.decision is not None and any(
             getattr(iv, "type", "") == "rollback" for iv in g.decision.interventions)
         if g.monitor is not None and hasattr(g.monitor, "rewind"):
-            history = self._signal_history(entry.step, snap)
-            if history is None:  # no monitor state with the checkpoint: today's rewind
-                g.monitor.rewind(entry.step)  # accept steps after entry.step again
-            else:  # ... and the detectors see the replayed steps as they saw them
-                g.monitor.rewind(entry.step, history)
+            g.monitor.rewind(entry.step)  # accept steps after entry.step again
         if not issued:
             self.ledger.rewind(entry.step)  # another rank asked: keep this rank's ledger in line
         g.multiplier.restore()
@@ -425,31 +402,6 @@ class GuardCheckpoints:
         log.warning("rolled back to step %d (%d steps lost)%s", entry.step, lost,
                     skipping(*(skip or (None, None))))
         return True
-
-    def _signal_history(self, step: int, snap: Mapping[str, Any]) -> Any:
-        """The signals' history saved with the checkpoint of ``step`` (checked by the monitor's
-        ``signal_history``), or ``None``: no monitor state with it (an older checkpoint, a
-        trainer's own file after a resume), or one that does not fit this monitor (logged).
-
-        The monitor state comes from this process's copy taken with the checkpoint (any store,
-        the trainer's own files included), else from the checkpoint's own ``"monitor"`` entry
-        (a resumed run).  Several ranks: each restores its own monitor's state of the same
-        step, and only if every rank has one (one ``all_reduce``), so no rank rewinds its
-        detectors one way while another rewinds them the other.
-        """
-        g = self.guard
-        state = self._monitor_states.get(int(step)) or snap.get("monitor")
-        check = getattr(g.monitor, "signal_history", None)
-        history = None
-        if state is not None and check is not None:
-            try:
-                history = check(state)
-            except ValueError as exc:
-                log.warning("the monitor state of the checkpoint of step %d does not fit this "
-                            "monitor (%s): detector statistics are kept", step, exc)
-        if g.sync is not None and not agree(history is not None):
-            history = None
-        return history
 
     def restore_in_place(self, to_step: int) -> bool:
         """Restore the weights and optimizer state (and loss scale) of the checkpoint of
