@@ -1380,10 +1380,8 @@ class Policy:
         skip could not stop the update) shows in the losses of the steps after it.  It leaves
         the loss levels (:meth:`~stability.policy.loss_tracker.LossTracker.retract`): a window
         of bad batches skipped whole is not "measurably worse" afterwards, so nothing is undone
-        (invariant 6).  An overflow's loss (finite, the model's) stays, and so does every loss
-        during a probation: its question is whether the data source keeps failing, and a bad
-        batch seen again is the evidence (:meth:`_check_probation`)."""
-        if d.cause in DATA_CAUSES and self._probation is None:
+        (invariant 6).  An overflow's loss (finite, the model's) stays."""
+        if d.cause in DATA_CAUSES:
             self.loss.retract(d.step)
 
     def _emit_clip(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
