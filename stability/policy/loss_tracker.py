@@ -103,16 +103,14 @@ class LossTracker:
         self.nonfinite_run = 0
         self.undo = None
 
-    def update_many(self, losses: Any, quiet: Any, probe: Any = None,
-                    last_step: int | None = None) -> Any:
+    def update_many(self, losses: Any, quiet: Any, probe: Any = None) -> Any:
         """:meth:`update` for each ``losses[k]`` (floats) with ``quiet[k]``, in order.
 
         The logs are the C library's ``log`` (as :func:`math.log` in :meth:`update`) and the
         two running means come from a Numba loop doing the same IEEE operations in the same
         order, so the state is the loop's bit for bit.  ``probe``: increasing indices into
         ``losses``; returns :attr:`fast` as it was just before each of them (``None`` without
-        ``probe``).  ``last_step``: the step of the last loss, marked (:meth:`mark`) as a loop
-        of :meth:`mark` + :meth:`update` would leave it (``None``: the mark is left as it was).
+        ``probe``).
 
         >>> a, b = LossTracker(), LossTracker()
         >>> for v, q in [(2.0, True), (float("nan"), True), (1.5, False)]:
@@ -122,6 +120,7 @@ class LossTracker:
         True
         """
         v = np.asarray(losses, dtype=np.float64)
+        self.undo = None  # (rows without alarms: none of them is skipped)
         fin = np.isfinite(v)
         last = np.flatnonzero(fin)
         if last.size == 0:
@@ -132,21 +131,9 @@ class LossTracker:
         x = _logs(v[use])
         q = np.asarray(quiet, dtype=np.bool_)[use]
         marks = np.searchsorted(use, np.asarray([] if probe is None else probe, dtype=np.int64))
-        if last_step is None or v.size == 0:
-            at = np.empty(marks.size)
-            self.fast, self.base = _ew_logs(x, q, self.fast, self.base, self.fast_alpha,
-                                            self.base_alpha, marks, at)
-            return None if probe is None else at
-        # the last loss is marked (:meth:`mark`) as a loop of update() calls would leave it
-        k = x.size - 1 if use.size and use[-1] == v.size - 1 else x.size
-        j = int(np.searchsorted(marks, k, side="right"))
-        at1, at2 = np.empty(j), np.empty(marks.size - j)
-        fast, base = _ew_logs(x[:k], q[:k], self.fast, self.base, self.fast_alpha,
-                              self.base_alpha, marks[:j], at1)
-        self.undo = (int(last_step), fast, base)
-        self.fast, self.base = _ew_logs(x[k:], q[k:], fast, base, self.fast_alpha,
-                                        self.base_alpha, marks[j:] - k, at2)
-        at = np.concatenate([at1, at2])
+        at = np.empty(marks.size)
+        self.fast, self.base = _ew_logs(x, q, self.fast, self.base, self.fast_alpha,
+                                        self.base_alpha, marks, at)
         return None if probe is None else at
 
     def worse(self, margin: float) -> bool | None:

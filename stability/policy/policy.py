@@ -1026,8 +1026,7 @@ class Policy:
         lv = np.zeros(0) if loss is None else loss[0][rows]
         vrows = np.zeros(0, dtype=np.int64) if val is None else np.flatnonzero(val[1][:n])
         # a validation point sees the loss level before its own step's loss
-        levels = self.loss.update_many(lv, quiet, probe=np.searchsorted(rows, vrows),
-                                       last_step=int(steps[rows[-1]]) if rows.size else None)
+        levels = self.loss.update_many(lv, quiet, probe=np.searchsorted(rows, vrows))
         if vrows.size > 8:
             _val_many(self.val, np.asarray(steps)[vrows], val[0][vrows], levels)
             return n
