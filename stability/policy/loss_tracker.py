@@ -47,9 +47,6 @@ class LossTracker:
         self.fast = math.nan        # EW mean of log(loss), recent (nan: no loss seen)
         self.base = math.nan        # EW mean of log(loss) over quiet steps
         self.nonfinite_run = 0      # consecutive observed steps with a non-finite loss
-        # (step, fast, base) before the loss of ``step`` was fed (:meth:`mark`): what
-        # :meth:`retract` restores when that step is skipped (``None``: nothing to retract)
-        self.undo: tuple[int, float, float] | None = None
 
     def update(self, loss: Any, quiet: bool) -> None:
         """Feed one step's training loss; ``quiet``: the baseline may learn from it."""
@@ -69,31 +66,6 @@ class LossTracker:
             self.base = x if math.isnan(self.base) else self.base + self.base_alpha * (
                 x - self.base)
 
-    def mark(self, step: int) -> None:
-        """The next :meth:`update` is the loss of ``step``: remember the levels before it."""
-        self.undo = (step, self.fast, self.base)
-
-    def retract(self, step: int) -> bool:
-        """Rule: a skipped step's loss is its batch's, not the model's -- the model never
-        learned from that batch, so its loss leaves both levels (a window of bad batches that
-        was skipped whole leaves no trace that could look like damage to undo).
-
-        Restores the levels from before the loss of ``step`` (:meth:`mark`); ``False`` (and
-        nothing changes) when the last marked loss is not that step's.
-
-        >>> t = LossTracker(fast_alpha=0.5, base_alpha=0.5)
-        >>> t.mark(1); t.update(1.0, quiet=True)
-        >>> t.mark(2); t.update(1000.0, quiet=True)
-        >>> t.retract(2), t.fast, t.base, t.retract(2)
-        (True, 0.0, 0.0, False)
-        """
-        u = self.undo
-        if u is None or u[0] != step:
-            return False
-        self.undo = None
-        self.fast, self.base = u[1], u[2]
-        return True
-
     def rewind(self) -> None:
         """The weights went back to a healthy checkpoint (a rollback): the recent level restarts
         at the baseline, the pre-episode level of those weights, instead of carrying the level
@@ -101,7 +73,6 @@ class LossTracker:
         the trajectory)."""
         self.fast = self.base
         self.nonfinite_run = 0
-        self.undo = None
 
     def update_many(self, losses: Any, quiet: Any, probe: Any = None) -> Any:
         """:meth:`update` for each ``losses[k]`` (floats) with ``quiet[k]``, in order.
@@ -120,7 +91,6 @@ class LossTracker:
         True
         """
         v = np.asarray(losses, dtype=np.float64)
-        self.undo = None  # (rows without alarms: none of them is skipped)
         fin = np.isfinite(v)
         last = np.flatnonzero(fin)
         if last.size == 0:
@@ -149,9 +119,7 @@ class LossTracker:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-compatible state (non-finite floats as strings)."""
-        u = self.undo
-        return {"fast": _enc(self.fast), "base": _enc(self.base), "nf_run": self.nonfinite_run,
-                "undo": None if u is None else [u[0], _enc(u[1]), _enc(u[2])]}
+        return {"fast": _enc(self.fast), "base": _enc(self.base), "nf_run": self.nonfinite_run}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -159,17 +127,7 @@ class LossTracker:
         fast = f.number("fast", f.get("fast", math.nan), nan=True)
         base = f.number("base", f.get("base", math.nan), nan=True)
         self.nonfinite_run = f.integer("nf_run", f.get("nf_run", 0), lo=0)
-        self.undo = _undo(f)
         self.fast, self.base = fast, base
-
-
-def _undo(f: Fields) -> tuple[int, float, float] | None:
-    """The ``undo`` field of a :meth:`LossTracker.state_dict` (absent in older snapshots)."""
-    u = f.opt_seq("undo", 3)
-    if u is None:
-        return None
-    return (f.integer("undo", u[0]), f.number("undo", u[1], nan=True),
-            f.number("undo", u[2], nan=True))
 
 
 def _enc(v: float) -> float | str:

@@ -875,7 +875,6 @@ class Policy:
             self.val.update(step, val, self.loss.fast)
         if loss is not None:
             # _track_loss, inlined (every step)
-            self.loss.undo = (step, self.loss.fast, self.loss.base)  # LossTracker.mark
             self.loss.update(loss, step - self._ep.last_seen > self.config.cooldown
                              and not self.guard.active and self._probation is None
                              and self._after is None)
@@ -969,7 +968,6 @@ class Policy:
             self.val.update(step, val, self.loss.fast)
         # LossTracker.update(loss, quiet), inlined (the guard is and stays inactive)
         lt = self.loss
-        lt.undo = (step, lt.fast, lt.base)  # LossTracker.mark(step), inlined
         if math.isnan(loss) or math.isinf(loss):
             lt.nonfinite_run += 1
         else:
@@ -1037,7 +1035,6 @@ class Policy:
     def _track_loss(self, step: int, loss: float) -> None:
         quiet = (step - self._ep.last_seen > self.config.cooldown and not self.guard.active
                  and self._probation is None)
-        self.loss.mark(step)
         self.loss.update(loss, quiet)
 
     # ------------------------------------------------------------------ rollback anchors
@@ -1364,24 +1361,12 @@ class Policy:
 
     # ------------------------------------------------------------------ one action each
     def _emit_skip(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
-        """``skip``: skip this optimizer step (:meth:`_skipped_batch_leaves_the_levels`)."""
+        """``skip``: skip this optimizer step."""
         if "skip" not in d.actions:
             return []
         if not self.log_only:
             d.control.skip_step = True
-            self._skipped_batch_leaves_the_levels(d)
         return [SkipStep(d.step, reason)]
-
-    def _skipped_batch_leaves_the_levels(self, d: _Draft) -> None:
-        """Rule: the loss of a step skipped for its data (cause ``outlier`` / ``shift`` /
-        ``data``) is the batch's, not the model's -- a step's loss is measured before its
-        update, so it shows what the batch is like, and the damage of learning it (when a late
-        skip could not stop the update) shows in the losses of the steps after it.  It leaves
-        the loss levels (:meth:`~stability.policy.loss_tracker.LossTracker.retract`): a window
-        of bad batches skipped whole is not "measurably worse" afterwards, so nothing is undone
-        (invariant 6).  An overflow's loss (finite, the model's) stays."""
-        if d.cause in DATA_CAUSES:
-            self.loss.retract(d.step)
 
     def _emit_clip(self, d: _Draft, reason: str, notes: list[str]) -> list[Intervention]:
         """``clip``: ``clip.factor`` x the recent median gradient norm, never above the clip in
