@@ -85,7 +85,14 @@ from .tuning_limits import DEFAULT_MAX_CLEAN_ALARMED as DEFAULT_MAX_CLEAN_ALARME
 from .tuning_limits import DEFAULT_MIN_GAIN as DEFAULT_MIN_GAIN
 from .tuning_limits import DEFAULT_SEARCH as DEFAULT_SEARCH
 from .tuning_limits import SEARCHES as SEARCHES
-from .tuning_scores import Candidate, RunScores, base_candidate, make_candidates, score_runs
+from .tuning_scores import (
+    Candidate,
+    RunScores,
+    base_candidate,
+    detector_defaults,
+    make_candidates,
+    score_runs,
+)
 from .tuning_scores import score_table as score_table
 
 FloatArray = NDArray[np.float64]
@@ -154,8 +161,6 @@ def base_thresholds(base: Mapping[str, Any], candidates: Sequence[Candidate]
     >>> base_thresholds({"detectors": [det]}, make_candidates([det], grids={}))
     {0: 6.0}
     """
-    import inspect
-
     from stability.config.registry import detector_class
 
     out: dict[int, float] = {}
@@ -163,11 +168,8 @@ def base_thresholds(base: Mapping[str, Any], candidates: Sequence[Candidate]
         if not c.tunable or c.binding in out:
             continue
         params = base["detectors"][c.binding].get("params", {})
-        if "threshold" in params:
-            out[c.binding] = float(params["threshold"])
-        else:
-            init = detector_class(c.detector).__init__
-            out[c.binding] = float(inspect.signature(init).parameters["threshold"].default)
+        th = params.get("threshold", detector_defaults(detector_class(c.detector))["threshold"])
+        out[c.binding] = float(th)
     return out
 
 
@@ -267,9 +269,13 @@ class Tuner:
         sm = summarise_sweep(sw)
         if sm.clean_steps == 0:
             return np.ones(th.size, dtype=np.bool_), sm, sw
-        alarmed = clean_runs_alarmed(sw)
-        ok = (sm.fa_per_10k <= self.budget) & ~(alarmed > self.max_clean_alarmed)
-        return ok, sm, sw
+        return self._limits_hold(sm.fa_per_10k, clean_runs_alarmed(sw)), sm, sw
+
+    def _limits_hold(self, fa_per_10k: Any, clean_alarmed: Any) -> Any:
+        """Both limits, elementwise (arrays of a sweep or one config's figures): the budget
+        and the clean-run limit (an undefined figure -- no clean step or run -- keeps them)."""
+        return ~np.logical_or(np.greater(fa_per_10k, self.budget),
+                              np.greater(clean_alarmed, self.max_clean_alarmed))
 
     def _best_for(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice],
                   val: Sequence[int] = (), need: int | None = None) -> Move | None:
@@ -415,7 +421,7 @@ class WarmTuner(Tuner):
     def _keeps_limits(self, rows: Sequence[int], choices: Mapping[int, Choice]) -> bool:
         """Whether ``choices`` keep the budget and the clean-run limit on ``rows``."""
         s = self.evaluate(rows, choices)[0]
-        return not (s.fa_per_10k > self.budget or s.clean_runs_alarmed > self.max_clean_alarmed)
+        return bool(self._limits_hold(s.fa_per_10k, s.clean_runs_alarmed))
 
     def _widen(self, rows: Sequence[int], b: int, choices: Mapping[int, Choice]) -> float:
         """Middle of ``[th, next breakpoint)`` (geometric for a positive threshold): every
@@ -430,6 +436,12 @@ class WarmTuner(Tuner):
         return math.sqrt(th * nxt) if th > 0 else 0.5 * (th + nxt)
 
 
+def _check_search(search: str, where: str) -> None:
+    if search not in SEARCHES:
+        raise ValueError(f"The 'search' parameter of {where} must be one of {SEARCHES}. "
+                         f"Got {search!r} instead.")
+
+
 def make_tuner(search: str, scores: Sequence[RunScores], candidates: Sequence[Candidate],
                labels: Mapping[str, RunLabel], base: Mapping[str, Any], budget: float,
                settings: EvalSettings | None = None, n_thresholds: int = 1000, *,
@@ -442,9 +454,7 @@ def make_tuner(search: str, scores: Sequence[RunScores], candidates: Sequence[Ca
     set of bindings without trusted thresholds; a binding it leaves off is written (and
     counted, :meth:`Tuner.complete`) at its base setting.  ``recall_only``: warm only.
     """
-    if search not in SEARCHES:
-        raise ValueError(f"The 'search' parameter of make_tuner must be one of {SEARCHES}. "
-                         f"Got {search!r} instead.")
+    _check_search(search, "make_tuner")
     start = start_choices(base, candidates)
     kw: dict[str, Any] = {"max_clean_alarmed": max_clean_alarmed, "min_gain": min_gain,
                           "start": start}
@@ -531,10 +541,10 @@ class TuneResult:
         is a preset (the loader merges them over it), else the whole :attr:`config`."""
         if self.preset is None:
             return self.config
-        tuned = {line.split(" (", 1)[0] for line in self.changed}
+        kept = set(self.kept)
         return {"preset": self.preset,
                 "detectors": [{"name": d["name"], "params": d["params"]}
-                              for d in self.config["detectors"] if d["name"] in tuned]}
+                              for d in self.config["detectors"] if d["name"] not in kept]}
 
     def header(self) -> str:
         """The comment lines above the written config: what changed and what was kept."""
@@ -748,9 +758,7 @@ def tune(runs: Sequence[tuple[str, str]], labels: Mapping[str, RunLabel], budget
     resolved = load_config(config)
     base = resolved.to_dict()
     t0 = time.perf_counter()
-    if search not in SEARCHES:
-        raise ValueError(f"The 'search' parameter of tune must be one of {SEARCHES}. "
-                         f"Got {search!r} instead.")
+    _check_search(search, "tune")  # before the scoring, which takes long
     cands = make_candidates(base["detectors"], {} if grids is None and search == "warm"
                             else grids)
     scores = score_runs(runs, cands, base.get("monitor", {}).get("aliases", {}),

@@ -91,12 +91,9 @@ def make_candidates(detectors: Sequence[Mapping[str, Any]],
         grid = dict(grids.get(det, {})) if tunable else {}
         grid = {k: v for k, v in grid.items() if k in args}
         keys = sorted(grid)
-        points = []
         for combo in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
             p = dict(base)
             p.update(zip(keys, combo, strict=True))
-            points.append(p)
-        for p in points:
             if tunable and "freeze_on_alarm" in args:
                 p["freeze_on_alarm"] = False
             out.append(Candidate(b, d["name"], det, tuple(d["inputs"]),
